@@ -1,0 +1,39 @@
+"""The ``capsa`` command. Each command group lives in its own module and is registered here."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+__all__ = ["cli", "main"]
+
+# (module, attribute) of every top-level command; imported lazily so `capsa --help` stays fast and a
+# broken optional dependency of one command does not break the others.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "image": ("capsa.cli.image", "image"),
+    "vm": ("capsa.cli.vm", "vm"),
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(_COMMANDS))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in _COMMANDS:
+            module, attr = _COMMANDS[cmd_name]
+            cmd = getattr(importlib.import_module(module), attr)
+            assert isinstance(cmd, click.Command)
+            return cmd
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_LazyGroup)
+@click.version_option(package_name="capsa")
+def cli() -> None:
+    """capsa: microVM sandboxes for AI agents."""
+
+
+def main() -> None:
+    cli()
