@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from capsa.common.errors import CapsaError
+from capsa.common.image import GuestImage
 
 if TYPE_CHECKING:
     from capsa.node.guest_client import GuestClient
@@ -59,17 +60,6 @@ class SandboxFailed(RuntimeError_):
 
     code = "sandbox_failed"
     status = 409
-
-
-@dataclass(frozen=True)
-class GuestImage:
-    """A built guest image: an ELF vmlinux, a gzip'd cpio initramfs and an ext4 root filesystem."""
-
-    kernel: Path
-    initrd: Path
-    rootfs: Path
-    digest: str
-    kernel_release: str
 
 
 @dataclass(frozen=True)
