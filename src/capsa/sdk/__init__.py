@@ -1,0 +1,72 @@
+"""The capsa client SDK: ``Session`` (blocking) and ``AsyncSession`` over the capsa HTTP API."""
+
+from __future__ import annotations
+
+from capsa.sdk.client import AsyncClient, AsyncKeys
+from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
+from capsa.sdk.config import DEFAULT_API_URL, ClientConfig
+from capsa.sdk.errors import (
+    CapsaAPIError,
+    CapsaClientError,
+    CapsaConnectionError,
+    CapsaTimeoutError,
+    FieldError,
+    Forbidden,
+    InternalError,
+    InvalidState,
+    NoCapacity,
+    NotFound,
+    NotReady,
+    PayloadTooLarge,
+    RateLimited,
+    SessionFailed,
+    TemplateNotFound,
+    Unauthorized,
+    ValidationFailed,
+)
+from capsa.sdk.files import AsyncFiles, UploadSource
+from capsa.sdk.models import ApiKey, CommandResult, FileInfo, ProcessInfo, ProcessOutput, SessionInfo
+from capsa.sdk.session import AsyncSession
+from capsa.sdk.sync import Client, Commands, Files, Keys, Process, Session
+
+__all__ = [
+    "DEFAULT_API_URL",
+    "ApiKey",
+    "AsyncClient",
+    "AsyncCommands",
+    "AsyncFiles",
+    "AsyncKeys",
+    "AsyncProcess",
+    "AsyncSession",
+    "CapsaAPIError",
+    "CapsaClientError",
+    "CapsaConnectionError",
+    "CapsaTimeoutError",
+    "Client",
+    "ClientConfig",
+    "CommandResult",
+    "Commands",
+    "FieldError",
+    "FileInfo",
+    "Files",
+    "Forbidden",
+    "InternalError",
+    "InvalidState",
+    "Keys",
+    "NoCapacity",
+    "NotFound",
+    "NotReady",
+    "OutputCallback",
+    "PayloadTooLarge",
+    "Process",
+    "ProcessInfo",
+    "ProcessOutput",
+    "RateLimited",
+    "Session",
+    "SessionFailed",
+    "SessionInfo",
+    "TemplateNotFound",
+    "Unauthorized",
+    "UploadSource",
+    "ValidationFailed",
+]

@@ -1,0 +1,251 @@
+"""The connection to a capsa API: one ``httpx.AsyncClient``, auth, and the mapping of failures to exceptions.
+
+Session-level operations live in :mod:`capsa.sdk.session`; this module holds what does not belong to one
+session (listing sessions, API keys, health) and the request plumbing every other module goes through.
+"""
+
+# The API's `timeout` parameters are the remote deadlines the contract defines, not asyncio timeouts.
+# ruff: noqa: ASYNC109
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Literal
+from urllib.parse import quote
+
+import httpx
+
+from capsa.sdk.config import ClientConfig
+from capsa.sdk.errors import (
+    CapsaAPIError,
+    CapsaClientError,
+    CapsaConnectionError,
+    CapsaTimeoutError,
+    error_from_problem,
+)
+from capsa.sdk.models import ApiKey, SessionInfo
+
+__all__ = ["AsyncClient", "AsyncKeys", "seg"]
+
+# A sentinel meaning "use the client's default timeout" (None already means "no timeout" to httpx).
+_DEFAULT: Literal["default"] = "default"
+TimeoutArg = float | None | Literal["default"]
+
+_PAGE_SIZE = 50
+
+
+def _sdk_version() -> str:
+    try:
+        return version("capsa")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "0"
+
+
+def seg(value: str) -> str:
+    """Quote one path segment so an id like ``../keys`` can never address another route."""
+    if not value:
+        raise CapsaClientError("an id must not be empty")
+    return quote(value, safe="")
+
+
+def _clean(params: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if params is None:
+        return None
+    out: dict[str, Any] = {}
+    for k, v in params.items():
+        if v is None:
+            continue
+        out[k] = ("true" if v else "false") if isinstance(v, bool) else v
+    return out
+
+
+def _problem_from(response: httpx.Response) -> CapsaAPIError:
+    body: dict[str, Any] | None = None
+    text = ""
+    try:
+        parsed = response.json()
+        if isinstance(parsed, dict):
+            body = parsed
+    except (ValueError, UnicodeDecodeError):
+        text = response.text[:200].strip()
+    return error_from_problem(response.status_code, body, retry_after=response.headers.get("retry-after"),
+                              fallback_detail=text or response.reason_phrase)
+
+
+class AsyncClient:
+    """A connection to one capsa API with one key. Cheap to keep around; close it with :meth:`aclose`.
+
+    ``transport`` lets tests (or embedders) send requests to an in-process app (``httpx.ASGITransport``).
+    """
+
+    def __init__(self, api_url: str | None = None, api_key: str | None = None, *,
+                 timeout: float | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = ClientConfig.resolve(api_url, api_key, timeout)
+        headers = {"User-Agent": f"capsa-sdk/{_sdk_version()}"}
+        if self.config.api_key is not None:
+            key = self.config.api_key
+            if not key.isascii() or not key.isprintable() or " " in key:
+                raise CapsaClientError("the API key contains characters that cannot be sent in a header")
+            headers["Authorization"] = f"Bearer {key}"
+        self._http = httpx.AsyncClient(base_url=self.config.api_url + "/v1", headers=headers,
+                                       timeout=httpx.Timeout(self.config.timeout), transport=transport)
+        self.keys = AsyncKeys(self)
+
+    # -- plumbing -------------------------------------------------------------------------------------
+
+    def _timeout(self, timeout: TimeoutArg) -> httpx.Timeout:
+        if timeout == _DEFAULT:
+            return httpx.Timeout(self.config.timeout)
+        # Long reads (commands, big files) must not be cut by the read timeout, but connecting must still
+        # fail fast when the server is down.
+        return httpx.Timeout(timeout, connect=self.config.timeout)
+
+    def _connection_error(self, exc: Exception) -> CapsaConnectionError:
+        url = self.config.api_url
+        if isinstance(exc, httpx.TimeoutException):
+            return CapsaTimeoutError(f"capsa API at {url} did not answer in time ({type(exc).__name__})",
+                                     url=url)
+        reason = str(exc) or type(exc).__name__
+        return CapsaConnectionError(f"cannot reach capsa API at {url}: {reason}", url=url)
+
+    async def request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
+                      json: Any = None, content: Any = None, headers: Mapping[str, str] | None = None,
+                      timeout: TimeoutArg = _DEFAULT) -> httpx.Response:
+        """Send one request; return the response if it is a success, else raise the mapped exception."""
+        try:
+            response = await self._http.request(method, path, params=_clean(params), json=json,
+                                                content=content, headers=headers,
+                                                timeout=self._timeout(timeout))
+        except (httpx.TransportError, httpx.InvalidURL) as exc:
+            raise self._connection_error(exc) from None
+        if response.is_error:
+            raise _problem_from(response)
+        return response
+
+    @asynccontextmanager
+    async def stream(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
+                     json: Any = None, content: Any = None, headers: Mapping[str, str] | None = None,
+                     timeout: TimeoutArg = _DEFAULT) -> AsyncIterator[httpx.Response]:
+        """Like :meth:`request` but the body is read by the caller inside the ``async with``."""
+        try:
+            async with self._http.stream(method, path, params=_clean(params), json=json, content=content,
+                                         headers=headers, timeout=self._timeout(timeout)) as response:
+                if response.is_error:
+                    await response.aread()
+                    raise _problem_from(response)
+                yield response
+        except (httpx.TransportError, httpx.InvalidURL) as exc:
+            raise self._connection_error(exc) from None
+
+    async def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = await self.request(method, path, **kwargs)
+        try:
+            return response.json()
+        except ValueError:
+            raise CapsaConnectionError(
+                f"capsa API at {self.config.api_url} sent a non-JSON answer to {method} {path}",
+                url=self.config.api_url) from None
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- server ---------------------------------------------------------------------------------------
+
+    async def health(self) -> dict[str, Any]:
+        data = await self.json("GET", "/health")
+        return dict(data)
+
+    async def ready(self) -> bool:
+        """True when the server can create sessions; False when it answers ``not_ready``."""
+        try:
+            await self.request("GET", "/ready")
+        except CapsaAPIError as exc:
+            if exc.code == "not_ready":
+                return False
+            raise
+        return True
+
+    # -- sessions (records only; use AsyncSession to work inside one) --------------------------------
+
+    async def create_session(self, *, template: str = "base", timeout: int | None = None,
+                             idle_timeout: int | None = None, env: Mapping[str, str] | None = None,
+                             metadata: Mapping[str, str] | None = None, memory_mib: int | None = None,
+                             vcpus: int | None = None) -> SessionInfo:
+        body: dict[str, Any] = {"template": template}
+        # Omitted fields take the server's defaults, so the SDK never hard-codes them.
+        for name, value in (("timeout", timeout), ("idle_timeout", idle_timeout), ("memory_mib", memory_mib),
+                            ("vcpus", vcpus)):
+            if value is not None:
+                body[name] = value
+        if env:
+            body["env"] = dict(env)
+        if metadata:
+            body["metadata"] = dict(metadata)
+        # Creation restores (or boots) a VM; give it more than an ordinary request.
+        data = await self.json("POST", "/sessions", json=body, timeout=max(self.config.timeout, 300.0))
+        return SessionInfo.model_validate(data)
+
+    async def get_session(self, session_id: str) -> SessionInfo:
+        return SessionInfo.model_validate(await self.json("GET", f"/sessions/{seg(session_id)}"))
+
+    async def iter_sessions(self, *, state: str | None = None, metadata: Mapping[str, str] | None = None,
+                            page_size: int = _PAGE_SIZE) -> AsyncIterator[SessionInfo]:
+        """Every matching session, following the server's cursors page by page."""
+        params: dict[str, Any] = {"state": state, "limit": page_size}
+        for k, v in (metadata or {}).items():
+            params[f"metadata.{k}"] = v
+        cursor: str | None = None
+        while True:
+            data = await self.json("GET", "/sessions", params={**params, "cursor": cursor})
+            for item in data.get("items", []):
+                yield SessionInfo.model_validate(item)
+            cursor = data.get("next_cursor")
+            if not cursor:
+                return
+
+    async def list_sessions(self, *, state: str | None = None, metadata: Mapping[str, str] | None = None,
+                            limit: int | None = None) -> list[SessionInfo]:
+        out: list[SessionInfo] = []
+        page = _PAGE_SIZE if limit is None else max(1, min(limit, _PAGE_SIZE))
+        async for info in self.iter_sessions(state=state, metadata=metadata, page_size=page):
+            if limit is not None and len(out) >= limit:
+                break
+            out.append(info)
+        return out
+
+    async def set_session_timeout(self, session_id: str, timeout: int) -> SessionInfo:
+        data = await self.json("POST", f"/sessions/{seg(session_id)}/timeout", json={"timeout": timeout})
+        return SessionInfo.model_validate(data)
+
+    async def close_session(self, session_id: str) -> SessionInfo:
+        data = await self.json("POST", f"/sessions/{seg(session_id)}/close",
+                               timeout=max(self.config.timeout, 120.0))
+        return SessionInfo.model_validate(data)
+
+
+class AsyncKeys:
+    """API key management (admin keys only)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def create(self, tenant: str, *, admin: bool = False, name: str | None = None) -> ApiKey:
+        data = await self._client.json("POST", "/keys", json={"tenant": tenant, "admin": admin, "name": name})
+        return ApiKey.model_validate(data)
+
+    async def list(self) -> builtins.list[ApiKey]:
+        data = await self._client.json("GET", "/keys")
+        return [ApiKey.model_validate(item) for item in data.get("items", [])]
+
+    async def revoke(self, key_id: str) -> ApiKey:
+        return ApiKey.model_validate(await self._client.json("DELETE", f"/keys/{seg(key_id)}"))
+

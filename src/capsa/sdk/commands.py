@@ -1,0 +1,215 @@
+"""Running commands in a session: foreground (buffered or streamed) and background processes."""
+
+# The API's `timeout` parameters are the remote deadlines the contract defines, not asyncio timeouts.
+# ruff: noqa: ASYNC109
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import inspect
+import json
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Literal, overload
+
+from capsa.sdk.client import AsyncClient, seg
+from capsa.sdk.errors import CapsaConnectionError, error_from_problem
+from capsa.sdk.models import CommandResult, ProcessInfo, ProcessOutput
+
+__all__ = ["AsyncCommands", "AsyncProcess", "OutputCallback"]
+
+OutputCallback = Callable[[str], Awaitable[object] | object]
+"""Called with each chunk of decoded output as it arrives; may be a plain function or a coroutine function."""
+
+# How much streamed output the SDK keeps for the returned result; the callbacks still see all of it.
+_KEEP_CHARS = 16 * 1024 * 1024
+# Margin added to a command's own timeout before the HTTP read gives up (the server enforces the timeout).
+_HTTP_MARGIN = 30.0
+
+
+def _read_timeout(timeout: float | None) -> float | None:
+    return None if timeout is None else timeout + _HTTP_MARGIN
+
+
+async def _emit(callback: OutputCallback | None, data: str) -> None:
+    if callback is None or not data:
+        return
+    result = callback(data)
+    if inspect.isawaitable(result):
+        await result
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.size = 0
+        self.truncated = False
+
+    def add(self, data: str) -> None:
+        room = _KEEP_CHARS - self.size
+        if room <= 0:
+            self.truncated = True
+            return
+        if len(data) > room:
+            data = data[:room]
+            self.truncated = True
+        self.parts.append(data)
+        self.size += len(data)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+class AsyncProcess:
+    """A background process in a session, addressed by its guest pid."""
+
+    def __init__(self, client: AsyncClient, session_id: str, info: ProcessInfo) -> None:
+        self._client = client
+        self._session_id = session_id
+        self.info = info
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    def _path(self, suffix: str = "") -> str:
+        return f"/sessions/{seg(self._session_id)}/processes/{self.pid}{suffix}"
+
+    async def refresh(self) -> ProcessInfo:
+        self.info = ProcessInfo.model_validate(await self._client.json("GET", self._path()))
+        return self.info
+
+    async def output(self) -> ProcessOutput:
+        """Everything the process has written so far (the server keeps a bounded amount)."""
+        return ProcessOutput.model_validate(await self._client.json("GET", self._path("/output")))
+
+    async def kill(self, signal: int = 15) -> ProcessInfo:
+        data = await self._client.json("POST", self._path("/kill"), json={"signal": signal})
+        self.info = ProcessInfo.model_validate(data)
+        return self.info
+
+    async def wait(self, timeout: float | None = None, *, poll_interval: float = 0.25) -> ProcessOutput:
+        """Poll until the process has exited; ``TimeoutError`` if it still runs after ``timeout`` s."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            out = await self.output()
+            if not out.running:
+                return out
+            if deadline is not None and loop.time() >= deadline:
+                raise TimeoutError(f"process {self.pid} still running after {timeout} s")
+            await asyncio.sleep(poll_interval)
+
+    def __repr__(self) -> str:
+        return f"AsyncProcess(pid={self.pid}, running={self.info.running})"
+
+
+class AsyncCommands:
+    """``session.commands``: run commands and manage background processes."""
+
+    def __init__(self, client: AsyncClient, session_id: str) -> None:
+        self._client = client
+        self._session_id = session_id
+
+    @property
+    def _base(self) -> str:
+        return f"/sessions/{seg(self._session_id)}"
+
+    @overload
+    async def run(self, cmd: str | Sequence[str], *, timeout: float | None = ...,
+                  env: Mapping[str, str] | None = ..., cwd: str | None = ..., user: str | None = ...,
+                  stdin: str | None = ..., on_stdout: OutputCallback | None = ...,
+                  on_stderr: OutputCallback | None = ..., background: Literal[False] = ...
+                  ) -> CommandResult: ...
+
+    @overload
+    async def run(self, cmd: str | Sequence[str], *, timeout: float | None = ...,
+                  env: Mapping[str, str] | None = ..., cwd: str | None = ..., user: str | None = ...,
+                  stdin: str | None = ..., on_stdout: OutputCallback | None = ...,
+                  on_stderr: OutputCallback | None = ..., background: Literal[True]) -> AsyncProcess: ...
+
+    async def run(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+                  env: Mapping[str, str] | None = None, cwd: str | None = None, user: str | None = None,
+                  stdin: str | None = None, on_stdout: OutputCallback | None = None,
+                  on_stderr: OutputCallback | None = None, background: bool = False
+                  ) -> CommandResult | AsyncProcess:
+        """Run ``cmd`` (a string runs under ``/bin/sh -c``; a list runs as argv).
+
+        A non-zero exit is a normal result, not an exception; so is a timeout (``result.timed_out``).
+        With ``on_stdout``/``on_stderr`` the output is streamed to them as it is produced.
+        With ``background=True`` the call returns at once with an :class:`AsyncProcess`.
+        """
+        body: dict[str, Any] = {
+            "cmd": cmd if isinstance(cmd, str) else list(cmd),
+            "env": dict(env or {}),
+            "cwd": cwd,
+            "user": user,
+            "timeout": timeout,
+            "stdin": stdin,
+            "background": background,
+        }
+        path = f"{self._base}/commands"
+        if background:
+            data = await self._client.json("POST", path, json=body)
+            return AsyncProcess(self._client, self._session_id, ProcessInfo.model_validate(data))
+        if on_stdout is None and on_stderr is None:
+            data = await self._client.json("POST", path, json=body, timeout=_read_timeout(timeout))
+            return CommandResult.model_validate(data)
+        return await self._run_streaming(path, body, timeout, on_stdout, on_stderr)
+
+    async def _run_streaming(self, path: str, body: dict[str, Any], timeout: float | None,
+                             on_stdout: OutputCallback | None, on_stderr: OutputCallback | None
+                             ) -> CommandResult:
+        out, err = _Collector(), _Collector()
+        final: dict[str, Any] | None = None
+        async with self._client.stream("POST", path, json=body, headers={"Accept": "application/x-ndjson"},
+                                       timeout=_read_timeout(timeout)) as response:
+            if "ndjson" not in response.headers.get("content-type", ""):
+                # A server that does not stream answers with the plain result; deliver it in one piece.
+                await response.aread()
+                result = CommandResult.model_validate(response.json())
+                await _emit(on_stdout, result.stdout)
+                await _emit(on_stderr, result.stderr)
+                return result
+            async for line in response.aiter_lines():
+                if not line.strip():
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    raise CapsaConnectionError(f"malformed line in command output stream: {line[:80]!r}",
+                                               url=self._client.config.api_url) from None
+                if not isinstance(event, dict):
+                    continue
+                kind = event.get("type")
+                if kind == "stdout":
+                    data = str(event.get("data", ""))
+                    out.add(data)
+                    await _emit(on_stdout, data)
+                elif kind == "stderr":
+                    data = str(event.get("data", ""))
+                    err.add(data)
+                    await _emit(on_stderr, data)
+                elif kind == "result":
+                    final = event
+                elif kind == "error":
+                    raise error_from_problem(0, event)
+        if final is None:
+            raise CapsaConnectionError("the command output stream ended before the command's result",
+                                       url=self._client.config.api_url)
+        fields = {k: v for k, v in final.items() if k not in ("type", "stdout", "stderr")}
+        fields["stdout"] = out.text()
+        fields["stderr"] = err.text()
+        fields["stdout_truncated"] = bool(final.get("stdout_truncated")) or out.truncated
+        fields["stderr_truncated"] = bool(final.get("stderr_truncated")) or err.truncated
+        return CommandResult.model_validate(fields)
+
+    async def list(self) -> builtins.list[ProcessInfo]:
+        """Background processes of this session (running and finished ones the server still remembers)."""
+        data = await self._client.json("GET", f"{self._base}/processes")
+        return [ProcessInfo.model_validate(item) for item in data.get("items", [])]
+
+    async def process(self, pid: int) -> AsyncProcess:
+        """A handle on an existing background process."""
+        data = await self._client.json("GET", f"{self._base}/processes/{int(pid)}")
+        return AsyncProcess(self._client, self._session_id, ProcessInfo.model_validate(data))

@@ -1,0 +1,103 @@
+"""Typed views of the API's JSON objects. Unknown fields are ignored so newer servers stay compatible."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ApiKey",
+    "CommandResult",
+    "FileInfo",
+    "ProcessInfo",
+    "ProcessOutput",
+    "SessionInfo",
+    "SessionState",
+]
+
+SessionState = Literal["creating", "running", "paused", "closed", "failed"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class SessionInfo(_Model):
+    id: str
+    tenant: str
+    state: str
+    """One of :data:`SessionState`; kept as ``str`` so a state added later does not break old clients."""
+    template: str
+    created_at: datetime
+    updated_at: datetime | None = None
+    expires_at: datetime | None = None
+    idle_timeout: int | None = None
+    last_activity_at: datetime | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    memory_mib: int | None = None
+    vcpus: int | None = None
+    node_id: str | None = None
+    failure_reason: str | None = None
+    closed_at: datetime | None = None
+
+
+class CommandResult(_Model):
+    exit_code: int | None = None
+    """None when the process was killed by a signal (see ``signal``) or timed out."""
+    signal: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    timed_out: bool = False
+    duration_ms: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+class ProcessInfo(_Model):
+    pid: int
+    cmd: list[str] = Field(default_factory=list)
+    running: bool
+    exit_code: int | None = None
+    signal: int | None = None
+    started_at: datetime | None = None
+
+
+class ProcessOutput(_Model):
+    stdout: str = ""
+    stderr: str = ""
+    running: bool
+    exit_code: int | None = None
+    signal: int | None = None
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+
+
+class FileInfo(_Model):
+    path: str
+    name: str
+    type: str
+    """file | dir | symlink | other"""
+    size: int
+    mode: int
+    mtime: float
+
+    @property
+    def is_dir(self) -> bool:
+        return self.type == "dir"
+
+
+class ApiKey(_Model):
+    id: str
+    tenant: str
+    admin: bool = False
+    name: str | None = None
+    created_at: datetime | None = None
+    revoked_at: datetime | None = None
+    key: str | None = None
+    """The secret; only present in the answer to ``create``, never retrievable later."""

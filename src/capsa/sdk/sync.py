@@ -1,0 +1,254 @@
+"""The blocking API: thin wrappers that run the async implementation on the SDK's private loop thread.
+
+Nothing here decides anything; each method forwards to its async twin, so both APIs behave identically.
+Output callbacks given to :meth:`Commands.run` are called on the SDK's loop thread while the caller waits.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import IO, Any, Literal, overload
+
+import httpx
+
+from capsa.sdk.client import AsyncClient, AsyncKeys
+from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
+from capsa.sdk.files import AsyncFiles, UploadSource
+from capsa.sdk.models import ApiKey, CommandResult, FileInfo, ProcessInfo, ProcessOutput, SessionInfo
+from capsa.sdk.portal import Portal, get_portal
+from capsa.sdk.session import AsyncSession
+
+__all__ = ["Client", "Commands", "Files", "Keys", "Process", "Session"]
+
+
+class Keys:
+    """API key management (admin keys only)."""
+
+    def __init__(self, inner: AsyncKeys, portal: Portal) -> None:
+        self._inner, self._portal = inner, portal
+
+    def create(self, tenant: str, *, admin: bool = False, name: str | None = None) -> ApiKey:
+        return self._portal.call(self._inner.create(tenant, admin=admin, name=name))
+
+    def list(self) -> builtins.list[ApiKey]:
+        return self._portal.call(self._inner.list())
+
+    def revoke(self, key_id: str) -> ApiKey:
+        return self._portal.call(self._inner.revoke(key_id))
+
+
+class Client:
+    """A blocking connection to a capsa API (``Session`` makes its own when none is given)."""
+
+    def __init__(self, api_url: str | None = None, api_key: str | None = None, *,
+                 timeout: float | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._portal = get_portal()
+        self.aio = AsyncClient(api_url, api_key, timeout=timeout, transport=transport)
+        self.keys = Keys(self.aio.keys, self._portal)
+
+    @property
+    def config(self) -> Any:
+        return self.aio.config
+
+    def health(self) -> dict[str, Any]:
+        return self._portal.call(self.aio.health())
+
+    def ready(self) -> bool:
+        return self._portal.call(self.aio.ready())
+
+    def close(self) -> None:
+        self._portal.call(self.aio.aclose())
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Process:
+    """A background process in a session."""
+
+    def __init__(self, inner: AsyncProcess, portal: Portal) -> None:
+        self._inner, self._portal = inner, portal
+
+    @property
+    def pid(self) -> int:
+        return self._inner.pid
+
+    @property
+    def info(self) -> ProcessInfo:
+        return self._inner.info
+
+    def refresh(self) -> ProcessInfo:
+        return self._portal.call(self._inner.refresh())
+
+    def output(self) -> ProcessOutput:
+        return self._portal.call(self._inner.output())
+
+    def kill(self, signal: int = 15) -> ProcessInfo:
+        return self._portal.call(self._inner.kill(signal))
+
+    def wait(self, timeout: float | None = None, *, poll_interval: float = 0.25) -> ProcessOutput:
+        return self._portal.call(self._inner.wait(timeout, poll_interval=poll_interval))
+
+    def __repr__(self) -> str:
+        return f"Process(pid={self.pid}, running={self.info.running})"
+
+
+class Commands:
+    def __init__(self, inner: AsyncCommands, portal: Portal) -> None:
+        self._inner, self._portal = inner, portal
+
+    @overload
+    def run(self, cmd: str | Sequence[str], *, timeout: float | None = ...,
+            env: Mapping[str, str] | None = ..., cwd: str | None = ..., user: str | None = ...,
+            stdin: str | None = ..., on_stdout: OutputCallback | None = ...,
+            on_stderr: OutputCallback | None = ..., background: Literal[False] = ...) -> CommandResult: ...
+
+    @overload
+    def run(self, cmd: str | Sequence[str], *, timeout: float | None = ...,
+            env: Mapping[str, str] | None = ..., cwd: str | None = ..., user: str | None = ...,
+            stdin: str | None = ..., on_stdout: OutputCallback | None = ...,
+            on_stderr: OutputCallback | None = ..., background: Literal[True]) -> Process: ...
+
+    def run(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
+            env: Mapping[str, str] | None = None, cwd: str | None = None, user: str | None = None,
+            stdin: str | None = None, on_stdout: OutputCallback | None = None,
+            on_stderr: OutputCallback | None = None, background: bool = False) -> CommandResult | Process:
+        """See :meth:`capsa.AsyncSession.commands.run <capsa.sdk.commands.AsyncCommands.run>`."""
+        if background:
+            proc = self._portal.call(self._inner.run(cmd, timeout=timeout, env=env, cwd=cwd, user=user,
+                                                     stdin=stdin, background=True))
+            return Process(proc, self._portal)
+        return self._portal.call(self._inner.run(cmd, timeout=timeout, env=env, cwd=cwd, user=user,
+                                                 stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr))
+
+    def list(self) -> builtins.list[ProcessInfo]:
+        return self._portal.call(self._inner.list())
+
+    def process(self, pid: int) -> Process:
+        return Process(self._portal.call(self._inner.process(pid)), self._portal)
+
+
+class Files:
+    def __init__(self, inner: AsyncFiles, portal: Portal) -> None:
+        self._inner, self._portal = inner, portal
+
+    def read(self, path: str, *, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return self._portal.call(self._inner.read(path, encoding=encoding, errors=errors))
+
+    def read_bytes(self, path: str) -> bytes:
+        return self._portal.call(self._inner.read_bytes(path))
+
+    def write(self, path: str, data: str | bytes, *, mode: int | None = None) -> FileInfo:
+        return self._portal.call(self._inner.write(path, data, mode=mode))
+
+    def upload(self, path: str, source: UploadSource, *, mode: int | None = None) -> FileInfo:
+        return self._portal.call(self._inner.upload(path, source, mode=mode))
+
+    def download(self, path: str, dest: str | os.PathLike[str] | IO[bytes]) -> int:
+        return self._portal.call(self._inner.download(path, dest))
+
+    def iter_bytes(self, path: str, *, chunk_size: int = 256 * 1024) -> Iterator[bytes]:
+        return self._portal.iterate(self._inner.iter_bytes(path, chunk_size=chunk_size))
+
+    def list(self, path: str) -> builtins.list[FileInfo]:
+        return self._portal.call(self._inner.list(path))
+
+    def stat(self, path: str) -> FileInfo:
+        return self._portal.call(self._inner.stat(path))
+
+    def exists(self, path: str) -> bool:
+        return self._portal.call(self._inner.exists(path))
+
+    def mkdir(self, path: str, *, parents: bool = True) -> FileInfo:
+        return self._portal.call(self._inner.mkdir(path, parents=parents))
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        self._portal.call(self._inner.remove(path, recursive=recursive))
+
+    def upload_tar(self, path: str, source: UploadSource) -> None:
+        self._portal.call(self._inner.upload_tar(path, source))
+
+    def download_tar(self, path: str, dest: str | os.PathLike[str] | IO[bytes]) -> int:
+        return self._portal.call(self._inner.download_tar(path, dest))
+
+
+def _aio(client: Client | None) -> AsyncClient | None:
+    return None if client is None else client.aio
+
+
+class Session:
+    """A capsa session, blocking API. ``with Session.create() as s:`` closes the session at the end."""
+
+    def __init__(self, inner: AsyncSession) -> None:
+        self._portal = get_portal()
+        self._inner = inner
+        self.commands = Commands(inner.commands, self._portal)
+        self.files = Files(inner.files, self._portal)
+
+    @classmethod
+    def create(cls, template: str = "base", *, timeout: int | None = None, idle_timeout: int | None = None,
+               env: Mapping[str, str] | None = None, metadata: Mapping[str, str] | None = None,
+               memory_mib: int | None = None, vcpus: int | None = None, api_url: str | None = None,
+               api_key: str | None = None, client: Client | None = None,
+               transport: httpx.AsyncBaseTransport | None = None) -> Session:
+        inner = get_portal().call(AsyncSession.create(
+            template, timeout=timeout, idle_timeout=idle_timeout, env=env, metadata=metadata,
+            memory_mib=memory_mib, vcpus=vcpus, api_url=api_url, api_key=api_key, client=_aio(client),
+            transport=transport))
+        return cls(inner)
+
+    @classmethod
+    def connect(cls, session_id: str, *, api_url: str | None = None, api_key: str | None = None,
+                client: Client | None = None, transport: httpx.AsyncBaseTransport | None = None) -> Session:
+        inner = get_portal().call(AsyncSession.connect(session_id, api_url=api_url, api_key=api_key,
+                                                       client=_aio(client), transport=transport))
+        return cls(inner)
+
+    @classmethod
+    def list(cls, *, state: str | None = None, metadata: Mapping[str, str] | None = None,
+             limit: int | None = None, api_url: str | None = None, api_key: str | None = None,
+             client: Client | None = None,
+             transport: httpx.AsyncBaseTransport | None = None) -> builtins.list[SessionInfo]:
+        return get_portal().call(AsyncSession.list(state=state, metadata=metadata, limit=limit,
+                                                   api_url=api_url, api_key=api_key, client=_aio(client),
+                                                   transport=transport))
+
+    @property
+    def id(self) -> str:
+        return self._inner.id
+
+    @property
+    def info(self) -> SessionInfo:
+        return self._inner.info
+
+    @property
+    def state(self) -> str:
+        return self._inner.state
+
+    def refresh(self) -> SessionInfo:
+        return self._portal.call(self._inner.refresh())
+
+    def set_timeout(self, timeout: int) -> SessionInfo:
+        return self._portal.call(self._inner.set_timeout(timeout))
+
+    def close(self) -> SessionInfo:
+        return self._portal.call(self._inner.close())
+
+    def disconnect(self) -> None:
+        self._portal.call(self._inner.disconnect())
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Session(id={self.id!r}, state={self.state!r}, template={self.info.template!r})"
