@@ -1,0 +1,282 @@
+"""The node's storage pool: where templates, per-sandbox files and snapshots live.
+
+The pool is a directory on a copy-on-write filesystem so that a sandbox disk or a snapshot's memory
+file is a reflink of its template (milliseconds, no space) rather than a copy. When no btrfs path is
+configured the node formats a sparse loop file under its state dir and mounts it. When CoW is not
+available at all the pool still works with sparse plain copies and says so once, loudly.
+
+Layout under the pool root::
+
+    templates/<name>/      template snapshots (disk + memory + device state + manifest)
+    sandboxes/<sbx id>/    a running sandbox's private disk and RAM file
+    snapshots/<snap id>/   session snapshots
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from capsa.common.errors import CapsaError
+from capsa.common.settings import Settings
+from capsa.node.storage.filecopy import copy_file, probe_reflink
+from capsa.node.storage.mounts import (
+    MountError,
+    create_btrfs_image,
+    filesystem_of,
+    mount_loop,
+    mounts,
+    unmount,
+)
+
+__all__ = ["PoolUsage", "StorageError", "StoragePool", "StorageSettings"]
+
+log = structlog.get_logger(__name__)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_AREAS = ("templates", "sandboxes", "snapshots")
+
+
+class StorageError(CapsaError):
+    code = "storage_error"
+    status = 500
+
+
+class StorageSettings(BaseSettings):
+    """``CAPSA_STORAGE_*`` environment variables."""
+
+    model_config = SettingsConfigDict(env_prefix="CAPSA_STORAGE_", extra="ignore")
+
+    path: Path | None = None
+    """An existing directory to use as the pool root (ideally on btrfs). None: a loop file in state_dir."""
+    loop_size_mib: int = 64 * 1024
+    """Apparent size of the loop file; it is sparse, so this is a ceiling, not an allocation."""
+    require_cow: bool = False
+    """Fail instead of falling back to plain copies when the pool cannot reflink."""
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    total_bytes: int
+    free_bytes: int
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    # Two node processes starting together must not both format or mount the loop file.
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _check_name(kind: str, name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise StorageError(f"invalid {kind} name {name!r}", code="invalid_name", status=422)
+    return name
+
+
+class StoragePool:
+    """A pool root with its layout and CoW capability. Create with :meth:`open`."""
+
+    def __init__(self, root: Path, *, cow: bool, fstype: str, loop_image: Path | None,
+                 warning: str | None) -> None:
+        self.root = root
+        self.cow = cow
+        self.fstype = fstype
+        self.loop_image = loop_image
+        self.warning = warning
+
+    # -- opening and closing -------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, state_dir: Path, settings: StorageSettings | None = None) -> StoragePool:
+        """Find or create the pool. Mounts the loop filesystem if needed (idempotent across processes)."""
+        cfg = settings if settings is not None else StorageSettings()
+        if cfg.path is not None:
+            return cls._open_directory(cfg.path, cfg)
+        return cls._open_loop(state_dir, cfg)
+
+    @classmethod
+    def from_settings(cls, settings: Settings | None = None,
+                      storage: StorageSettings | None = None) -> StoragePool:
+        return cls.open((settings or Settings()).state_dir, storage)
+
+    @classmethod
+    def _open_directory(cls, path: Path, cfg: StorageSettings) -> StoragePool:
+        if not path.exists():
+            raise StorageError(f"storage path {path} does not exist")
+        if not path.is_dir():
+            raise StorageError(f"storage path {path} is not a directory")
+        return cls._finish(path.resolve(), cfg, loop_image=None)
+
+    @classmethod
+    def _open_loop(cls, state_dir: Path, cfg: StorageSettings) -> StoragePool:
+        storage_dir = state_dir / "storage"
+        storage_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        image = storage_dir / "pool.btrfs"
+        mount_point = storage_dir / "pool"
+        with _locked(storage_dir / ".lock"):
+            mounted = next((m for m in reversed(mounts()) if m.mount_point == mount_point.resolve()), None)
+            if mounted is not None:
+                if mounted.fstype != "btrfs":
+                    raise StorageError(
+                        f"{mount_point} is already mounted with {mounted.fstype}, expected the btrfs pool"
+                    )
+                return cls._finish(mount_point.resolve(), cfg, loop_image=image)
+            mount_point.mkdir(exist_ok=True, mode=0o700)
+            created = False
+            try:
+                if not image.exists():
+                    create_btrfs_image(image, cfg.loop_size_mib)
+                    created = True
+                mount_loop(image, mount_point)
+            except MountError as exc:
+                if created:
+                    with contextlib.suppress(FileNotFoundError):
+                        image.unlink()
+                if cfg.require_cow:
+                    raise StorageError(f"cannot set up the btrfs storage pool: {exc.message}") from exc
+                # Not fatal: a plain directory works, only copies get slower and bigger.
+                fallback = storage_dir / "plain"
+                fallback.mkdir(exist_ok=True, mode=0o700)
+                pool = cls._finish(fallback.resolve(), cfg, loop_image=None,
+                                   reason=f"btrfs loop pool unavailable ({exc.message})")
+                return pool
+            log.info("storage.loop_mounted", image=str(image), mount_point=str(mount_point),
+                     size_mib=cfg.loop_size_mib, created=created)
+            return cls._finish(mount_point.resolve(), cfg, loop_image=image)
+
+    @classmethod
+    def _finish(cls, root: Path, cfg: StorageSettings, *, loop_image: Path | None,
+                reason: str | None = None) -> StoragePool:
+        for area in _AREAS:
+            (root / area).mkdir(exist_ok=True, mode=0o700)
+        fs = filesystem_of(root)
+        cow = probe_reflink(root)
+        warning: str | None = None
+        if not cow:
+            why = reason or f"{root} is on {fs.fstype}, which cannot reflink"
+            if cfg.require_cow:
+                raise StorageError(f"storage pool has no copy-on-write support: {why}")
+            warning = (f"{why}; sandbox disks and snapshots will be full (sparse) copies: slower to "
+                       "create and using more space. Configure a btrfs path (CAPSA_STORAGE_PATH) "
+                       "to fix this.")
+            log.warning("storage.no_cow", root=str(root), fstype=fs.fstype, detail=warning)
+        return cls(root, cow=cow, fstype=fs.fstype, loop_image=loop_image, warning=warning)
+
+    def unmount(self, *, lazy: bool = False) -> None:
+        """Unmount the loop filesystem this pool lives on (no-op for a configured directory)."""
+        if self.loop_image is None:
+            return
+        lock = self.loop_image.parent / ".lock"
+        with _locked(lock):
+            if any(m.mount_point == self.root for m in mounts()):
+                unmount(self.root, lazy=lazy)
+                log.info("storage.loop_unmounted", mount_point=str(self.root))
+
+    def destroy(self) -> None:
+        """Unmount and delete the loop file with everything in it. For tests and uninstall only."""
+        if self.loop_image is None:
+            raise StorageError("destroy() only applies to a loop-file pool; "
+                               "remove a configured path yourself")
+        self.unmount()
+        with contextlib.suppress(FileNotFoundError):
+            self.loop_image.unlink()
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
+
+    # -- layout --------------------------------------------------------------------------------------
+
+    @property
+    def templates_dir(self) -> Path:
+        return self.root / "templates"
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        return self.root / "sandboxes"
+
+    @property
+    def snapshots_dir(self) -> Path:
+        return self.root / "snapshots"
+
+    def template_dir(self, name: str) -> Path:
+        return self.templates_dir / _check_name("template", name)
+
+    def sandbox_dir(self, sandbox_id: str, *, create: bool = False) -> Path:
+        path = self.sandboxes_dir / _check_name("sandbox", sandbox_id)
+        if create:
+            path.mkdir(mode=0o700, exist_ok=True)
+        return path
+
+    def snapshot_dir(self, snapshot_id: str) -> Path:
+        return self.snapshots_dir / _check_name("snapshot", snapshot_id)
+
+    @staticmethod
+    def _entries(area: Path) -> list[str]:
+        return sorted(p.name for p in area.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def list_sandboxes(self) -> list[str]:
+        return self._entries(self.sandboxes_dir)
+
+    def list_snapshots(self) -> list[str]:
+        return self._entries(self.snapshots_dir)
+
+    def list_templates(self) -> list[str]:
+        return self._entries(self.templates_dir)
+
+    # -- copies and cleanup --------------------------------------------------------------------------
+
+    def clone(self, src: Path, dst: Path, *, overwrite: bool = False) -> bool:
+        """Reflink (or, without CoW, sparse-copy) ``src`` to ``dst``. Returns True if extents are shared."""
+        return copy_file(src, dst, cow=self.cow, overwrite=overwrite)
+
+    def _remove(self, path: Path) -> bool:
+        if not path.exists():
+            return False
+        # Never follow a symlink out of the pool.
+        if path.is_symlink() or self.root not in path.resolve().parents:
+            raise StorageError(f"refusing to remove {path}: not inside the pool")
+        shutil.rmtree(path)
+        return True
+
+    def remove_sandbox(self, sandbox_id: str) -> bool:
+        return self._remove(self.sandbox_dir(sandbox_id))
+
+    def remove_snapshot(self, snapshot_id: str) -> bool:
+        return self._remove(self.snapshot_dir(snapshot_id))
+
+    def remove_template(self, name: str) -> bool:
+        return self._remove(self.template_dir(name))
+
+    def prune_sandboxes(self, keep: set[str]) -> list[str]:
+        """Delete every sandbox directory whose id is not in ``keep`` (e.g. after a node crash)."""
+        removed = []
+        for name in self.list_sandboxes():
+            if name not in keep:
+                self._remove(self.sandboxes_dir / name)
+                removed.append(name)
+        # Half-written temp copies from an interrupted clone.
+        for area in _AREAS:
+            for p in (self.root / area).glob(".*.tmp-*"):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+        return removed
+
+    def usage(self) -> PoolUsage:
+        du = shutil.disk_usage(self.root)
+        return PoolUsage(total_bytes=du.total, free_bytes=du.free)
+
+    def __repr__(self) -> str:
+        return f"StoragePool(root={str(self.root)!r}, fstype={self.fstype!r}, cow={self.cow})"
