@@ -13,6 +13,12 @@ __all__ = ["cli", "main"]
 _COMMANDS: dict[str, tuple[str, str]] = {
     "image": ("capsa.cli.image", "image"),
     "vm": ("capsa.cli.vm", "vm"),
+    "serve": ("capsa.cli.serve", "serve"),
+    "keys": ("capsa.cli.keys", "keys"),
+    "run": ("capsa.cli.sessions", "run"),
+    "ls": ("capsa.cli.sessions", "ls"),
+    "exec": ("capsa.cli.sessions", "exec_"),
+    "close": ("capsa.cli.sessions", "close"),
 }
 
 

@@ -1,0 +1,70 @@
+"""``capsa keys``: create, list and revoke API keys (needs an admin key)."""
+
+from __future__ import annotations
+
+import click
+
+from capsa.cli.output import (
+    ApiOptions,
+    api_options,
+    emit_json,
+    human_time,
+    json_option,
+    print_table,
+    reports_errors,
+)
+
+__all__ = ["keys"]
+
+
+@click.group()
+def keys() -> None:
+    """Manage API keys (admin only)."""
+
+
+@keys.command("create")
+@click.option("--tenant", required=True, help="Tenant the key belongs to.")
+@click.option("--admin", is_flag=True, help="Allow the key to manage keys and nodes.")
+@click.option("--name", default=None, help="A label to recognise the key by.")
+@json_option
+@api_options
+def create(tenant: str, admin: bool, name: str | None, as_json: bool, api: ApiOptions) -> None:
+    """Create a key and print it. The secret is shown only this once."""
+    with reports_errors(), api.client() as client:
+        key = client.keys.create(tenant, admin=admin, name=name)
+    if as_json:
+        emit_json(key)
+        return
+    # The key alone on stdout, so `KEY=$(capsa keys create --tenant t)` works; the rest goes to stderr.
+    click.echo(key.key)
+    role = "admin " if key.admin else ""
+    click.echo(f"created {role}key {key.id} for tenant {key.tenant}; it cannot be shown again", err=True)
+
+
+@keys.command("ls")
+@json_option
+@api_options
+def ls(as_json: bool, api: ApiOptions) -> None:
+    """List keys (never their secrets)."""
+    with reports_errors(), api.client() as client:
+        items = client.keys.list()
+    if as_json:
+        emit_json({"items": items})
+        return
+    rows = [[k.id, k.tenant, "yes" if k.admin else "no", k.name or "-", human_time(k.created_at),
+             human_time(k.revoked_at)] for k in items]
+    print_table(["ID", "TENANT", "ADMIN", "NAME", "CREATED", "REVOKED"], rows)
+
+
+@keys.command("revoke")
+@json_option
+@api_options
+@click.argument("key_id")
+def revoke(as_json: bool, api: ApiOptions, key_id: str) -> None:
+    """Revoke KEY_ID; requests with it fail from now on."""
+    with reports_errors(), api.client() as client:
+        key = client.keys.revoke(key_id)
+    if as_json:
+        emit_json(key)
+    else:
+        click.echo(f"revoked {key.id}")

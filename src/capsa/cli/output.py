@@ -1,0 +1,121 @@
+"""Shared CLI plumbing: connection options, ``--json`` output, rich tables and one-line errors."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any, TypeVar
+
+import click
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+
+from capsa.sdk import CapsaAPIError, CapsaClientError, CapsaConnectionError, Client
+
+__all__ = [
+    "ApiOptions",
+    "api_options",
+    "emit_json",
+    "fail",
+    "human_time",
+    "json_option",
+    "print_table",
+    "reports_errors",
+    "stderr_console",
+    "stdout_console",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+stdout_console = Console(soft_wrap=True)
+stderr_console = Console(stderr=True, soft_wrap=True)
+
+
+class ApiOptions:
+    """Where to reach the API, collected from ``--api-url``/``--api-key`` or the environment."""
+
+    def __init__(self, api_url: str | None, api_key: str | None) -> None:
+        self.api_url = api_url
+        self.api_key = api_key
+
+    def client(self) -> Client:
+        return Client(self.api_url, self.api_key)
+
+
+def api_options(func: F) -> F:
+    """Add ``--api-url`` and ``--api-key`` (also read from CAPSA_API_URL / CAPSA_API_KEY) as ``api``."""
+
+    @click.option("--api-key", envvar="CAPSA_API_KEY", default=None, show_envvar=True,
+                  help="API key (csk_…).")
+    @click.option("--api-url", envvar="CAPSA_API_URL", default=None, show_envvar=True, metavar="URL",
+                  help="capsa API base URL [default: http://127.0.0.1:8700].")
+    @functools.wraps(func)
+    def wrapper(*args: Any, api_url: str | None, api_key: str | None, **kwargs: Any) -> Any:
+        return func(*args, api=ApiOptions(api_url, api_key), **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def json_option(func: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")(func)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return value
+
+
+def emit_json(value: Any) -> None:
+    click.echo(json.dumps(_jsonable(value), indent=2, sort_keys=False))
+
+
+def human_time(value: datetime | None) -> str:
+    if value is None:
+        return "-"
+    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]], *, title: str | None = None) -> None:
+    table = Table(title=title, header_style="bold", box=None, pad_edge=False)
+    for name in columns:
+        table.add_column(name, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    stdout_console.print(table)
+
+
+def fail(message: str, code: int = 1) -> None:
+    """Print ``error: message`` on one line to stderr and exit with ``code``."""
+    # Plain text (no rich markup) so a detail containing brackets is printed as it is.
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+@contextmanager
+def reports_errors(exit_code: int = 1) -> Iterator[None]:
+    """Turn SDK failures into one-line messages and a non-zero exit instead of tracebacks."""
+    try:
+        yield
+    except CapsaAPIError as exc:
+        fail(str(exc), exit_code)
+    except CapsaConnectionError as exc:
+        fail(str(exc), exit_code)
+    except CapsaClientError as exc:
+        fail(str(exc), exit_code)
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        fail(str(exc), exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
