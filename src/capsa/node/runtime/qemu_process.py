@@ -1,0 +1,234 @@
+"""One QEMU process: spawning it unprivileged, its console and stderr, QMP, and stopping it for sure."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+from qemu.qmp import QMPClient
+
+from capsa.node.runtime.workdir import VmDir
+
+__all__ = ["DEFAULT_CONSOLE_LIMIT", "QemuProcess", "QemuProcessError"]
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_CONSOLE_LIMIT = 1024 * 1024
+_TAIL_BYTES = 16 * 1024
+
+
+class QemuProcessError(Exception):
+    """QEMU did not start, exited, or its monitor did not answer."""
+
+
+class _BoundedLog:
+    """A file that never exceeds ``limit`` bytes: when full it becomes ``<name>.1`` and a new one starts."""
+
+    def __init__(self, path: Path, limit: int) -> None:
+        self.path = path
+        self.limit = max(limit, 4096)
+        self._fh = open(path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the VM
+        self._size = 0
+        self.tail: deque[bytes] = deque()
+        self._tail_size = 0
+
+    def write(self, data: bytes) -> None:
+        self.tail.append(data)
+        self._tail_size += len(data)
+        while self._tail_size - len(self.tail[0]) >= _TAIL_BYTES:
+            self._tail_size -= len(self.tail.popleft())
+        if self._fh.closed:
+            return
+        if self._size + len(data) > self.limit:
+            self._fh.close()
+            os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+            self._fh = open(self.path, "ab", buffering=0)  # noqa: SIM115
+            self._size = 0
+        self._fh.write(data[: self.limit])
+        self._size += min(len(data), self.limit)
+
+    def text_tail(self, limit: int = 4000) -> str:
+        return b"".join(self.tail)[-limit:].decode(errors="replace")
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class QemuProcess:
+    def __init__(self, argv: Sequence[str], vmdir: VmDir, *, user: tuple[int, int] | None = None,
+                 extra_groups: Sequence[int] = (), console_limit: int = DEFAULT_CONSOLE_LIMIT) -> None:
+        self.argv = list(argv)
+        self.vmdir = vmdir
+        self.user = user
+        self.extra_groups = list(extra_groups)
+        self.console_limit = console_limit
+        self._proc: asyncio.subprocess.Process | None = None
+        self._console: _BoundedLog | None = None
+        self._stderr: deque[bytes] = deque(maxlen=64)
+        self._pumps: list[asyncio.Task[None]] = []
+        self._qmp: QMPClient | None = None
+        self._qmp_lock = asyncio.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc is not None else None
+
+    async def start(self) -> None:
+        kwargs: dict[str, object] = {}
+        if self.user is not None:
+            kwargs.update(user=self.user[0], group=self.user[1], extra_groups=self.extra_groups)
+        self._console = _BoundedLog(self.vmdir.console_log, self.console_limit)
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=str(self.vmdir.run),
+                # Its own process group: a Ctrl-C aimed at the node or CLI must not kill VMs behind its back.
+                process_group=0,
+                close_fds=True,
+                **kwargs,  # type: ignore[arg-type]
+            )
+        except OSError as exc:
+            self._console.close()
+            raise QemuProcessError(f"cannot start {self.argv[0]}: {exc}") from exc
+        self.vmdir.write_pid(self._proc.pid)
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        self._pumps = [
+            asyncio.create_task(self._pump(self._proc.stdout, self._console.write), name="qemu-console"),
+            asyncio.create_task(self._pump(self._proc.stderr, self._stderr.append), name="qemu-stderr"),
+        ]
+
+    @staticmethod
+    async def _pump(stream: asyncio.StreamReader, sink: object) -> None:
+        assert callable(sink)
+        while True:
+            chunk = await stream.read(65536)
+            if not chunk:
+                return
+            sink(chunk)
+
+    def stderr_text(self) -> str:
+        return b"".join(self._stderr).decode(errors="replace").strip()[-4000:]
+
+    def console_tail(self, limit: int = 4000) -> str:
+        return self._console.text_tail(limit) if self._console is not None else ""
+
+    def exit_description(self) -> str:
+        code = self.returncode
+        if code is None:
+            return "qemu is running"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"qemu was killed by signal {-code} ({signal.Signals(-code).name})"
+            return f"qemu was killed by signal {-code}"
+        err = self.stderr_text()
+        return f"qemu exited with code {code}" + (f": {err}" if err else "")
+
+    async def wait(self) -> int:
+        assert self._proc is not None
+        code = await self._proc.wait()
+        # Drain what QEMU printed before it died so that error messages are complete.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*self._pumps, return_exceptions=True), 2)
+        return code
+
+    async def connect_qmp(self, within: float) -> QMPClient:
+        """Connect to the monitor socket, retrying while QEMU sets it up."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while True:
+            if self.returncode is not None:
+                await self.wait()
+                raise QemuProcessError(self.exit_description())
+            if self.vmdir.qmp_socket.exists():
+                client = QMPClient(self.vmdir.root.name)
+                try:
+                    await asyncio.wait_for(client.connect(str(self.vmdir.qmp_socket)),
+                                           max(0.1, deadline - loop.time()))
+                    self._qmp = client
+                    return client
+                except Exception as exc:  # ConnectError, OSError, timeouts: QEMU may not be listening yet
+                    with contextlib.suppress(Exception):
+                        await client.disconnect()
+                    if loop.time() >= deadline:
+                        raise QemuProcessError(f"QMP did not answer within {within:.0f}s: {exc}") from exc
+            elif loop.time() >= deadline:
+                raise QemuProcessError(f"QMP socket did not appear within {within:.0f}s")
+            await asyncio.sleep(0.02)
+
+    async def qmp(self, command: str, arguments: dict[str, object] | None = None,
+                  within: float = 10) -> object:
+        if self._qmp is None:
+            raise QemuProcessError("QMP is not connected")
+        async with self._qmp_lock:
+            return await asyncio.wait_for(self._qmp.execute(command, arguments), within)
+
+    async def _wait_exit(self, within: float) -> bool:
+        assert self._proc is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(self._proc.wait()), within)
+            return True
+        except TimeoutError:
+            return False
+
+    def _signal(self, sig: int) -> None:
+        assert self._proc is not None
+        if self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(sig)
+
+    async def stop(self, quit_timeout: float = 3.0, term_timeout: float = 3.0) -> str:
+        """Make QEMU exit: QMP ``quit``, then SIGTERM, then SIGKILL. Returns which step ended it."""
+        if self._proc is None:
+            return "never started"
+        how = "already exited"
+        if self._proc.returncode is None:
+            how = "sigkill"
+            if self._qmp is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._qmp.execute("quit"), quit_timeout)
+                if await self._wait_exit(quit_timeout):
+                    how = "qmp quit"
+            if self._proc.returncode is None:
+                self._signal(signal.SIGTERM)
+                if await self._wait_exit(term_timeout):
+                    how = "sigterm"
+            if self._proc.returncode is None:
+                self._signal(signal.SIGKILL)
+                await self._proc.wait()
+        await self.close()
+        return how
+
+    async def kill(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            self._signal(signal.SIGKILL)
+            await self._proc.wait()
+        await self.close()
+
+    async def close(self) -> None:
+        """Release the monitor connection, pump tasks and log file (the process must have exited)."""
+        if self._qmp is not None:
+            qmp, self._qmp = self._qmp, None
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(qmp.disconnect(), 2)
+        if self._proc is not None and self._proc.returncode is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*self._pumps, return_exceptions=True), 2)
+        for task in self._pumps:
+            task.cancel()
+        if self._pumps:
+            await asyncio.gather(*self._pumps, return_exceptions=True)
+        if self._console is not None:
+            self._console.close()
