@@ -1,0 +1,70 @@
+"""Egress audit events: one structured record per HTTP request, DNS query and blocked packet class.
+
+Records name the secret that was injected, never its value. They go to a pluggable sink (a callback):
+the node agent forwards them to the control plane's audit trail.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+__all__ = ["AuditSink", "Decision", "EgressEvent", "ListSink", "emit_safely"]
+
+Decision = Literal["allow", "deny", "error"]
+
+_log = logging.getLogger(__name__)
+
+
+class EgressEvent(BaseModel):
+    kind: Literal["http", "connect", "tls", "dns", "net"]
+    session_id: str | None = None
+    sandbox_id: str
+    time: float = Field(default_factory=time.time)
+    source: str | None = None
+    """The sandbox address the traffic came from."""
+    destination: str | None = None
+    """Host name (and port) the sandbox asked for; for ``net`` events the packet class."""
+    resolved_ip: str | None = None
+    method: str | None = None
+    path: str | None = None
+    status: int | None = None
+    bytes_out: int = 0
+    """Request bytes sent upstream (body)."""
+    bytes_in: int = 0
+    """Response bytes returned to the sandbox (body)."""
+    decision: Decision
+    rule: str | None = None
+    """The policy rule (domain pattern) or network rule behind the decision."""
+    reason: str | None = None
+    secret_ids: list[str] = Field(default_factory=list)
+    count: int = 1
+    """For ``net`` events: packets dropped since the previous event of this class."""
+
+
+AuditSink = Callable[[EgressEvent], None]
+
+
+class ListSink:
+    """Collects events in memory (tests, diagnostics)."""
+
+    def __init__(self) -> None:
+        self.events: list[EgressEvent] = []
+
+    def __call__(self, event: EgressEvent) -> None:
+        self.events.append(event)
+
+    def find(self, **match: object) -> list[EgressEvent]:
+        return [e for e in self.events if all(getattr(e, k) == v for k, v in match.items())]
+
+
+def emit_safely(sink: AuditSink, event: EgressEvent) -> None:
+    """A failing sink must not take the broker down, nor let a request through unlogged silently."""
+    try:
+        sink(event)
+    except Exception:
+        _log.exception("egress audit sink failed for a %s event of %s", event.kind, event.sandbox_id)
