@@ -68,7 +68,7 @@ class FakeServer:
                 return httpx.Response(200, content=content, headers={"content-type": "application/x-ndjson"})
             return httpx.Response(200, json={"exit_code": 0, "stdout": f"ran {cmd['cmd']}", "stderr": ""})
         if path == "/processes/7/output":
-            return httpx.Response(200, json={"stdout": "done", "stderr": "", "running": False, "exit_code": 0})
+            return httpx.Response(200, json={"stdout": "done", "running": False, "exit_code": 0})
         if path == "/files/content" and r.method == "PUT":
             self.files[r.url.params["path"]] = body
             return httpx.Response(200, json={"path": r.url.params["path"], "name": "f", "type": "file",
@@ -89,7 +89,7 @@ def test_top_level_package_reexports_the_sdk() -> None:
     assert capsa.AsyncSession.__name__ == "AsyncSession"
     assert issubclass(capsa.NotFound, capsa.CapsaAPIError)
     with pytest.raises(AttributeError):
-        _ = capsa.DoesNotExist  # type: ignore[attr-defined]
+        _ = capsa.DoesNotExist
 
 
 def test_blocking_session_round_trip(tmp_path: Path) -> None:
@@ -117,8 +117,10 @@ def test_streaming_callbacks_run_on_the_sdk_thread() -> None:
     server = FakeServer()
     seen: list[tuple[str, str, str]] = []
     with Session.create(api_url="http://capsa.test", api_key="k", transport=server.transport()) as s:
-        res = s.commands.run("x", on_stdout=lambda d: seen.append(("out", d, threading.current_thread().name)),
-                             on_stderr=lambda d: seen.append(("err", d, threading.current_thread().name)))
+        def record(kind: str) -> Any:
+            return lambda d: seen.append((kind, d, threading.current_thread().name))
+
+        res = s.commands.run("x", on_stdout=record("out"), on_stderr=record("err"))
     assert [(k, d) for k, d, _ in seen] == [("out", "one\n"), ("err", "warn\n"), ("out", "two\n")]
     assert {t for _, _, t in seen} == {"capsa-sdk-loop"}
     assert (res.exit_code, res.stdout, res.stderr) == (5, "one\ntwo\n", "warn\n")
@@ -126,9 +128,9 @@ def test_streaming_callbacks_run_on_the_sdk_thread() -> None:
 
 def test_nested_blocking_call_from_callback_is_refused() -> None:
     server = FakeServer()
-    with Session.create(api_url="http://capsa.test", api_key="k", transport=server.transport()) as s:
-        with pytest.raises(RuntimeError, match="AsyncSession"):
-            s.commands.run("x", on_stdout=lambda d: s.refresh())
+    s = Session.create(api_url="http://capsa.test", api_key="k", transport=server.transport())
+    with s, pytest.raises(RuntimeError, match="AsyncSession"):
+        s.commands.run("x", on_stdout=lambda d: s.refresh())
 
 
 def test_background_process_blocking() -> None:
