@@ -1,0 +1,191 @@
+"""The guest daemon: serves the capsa protocol on a virtio-serial port (in a VM) or a Unix socket.
+
+``python3 -m capsa.guest --device /dev/virtio-ports/agent0`` in the VM;
+``python3 -m capsa.guest --listen-unix PATH`` to run the very same daemon on a host (tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from capsa.guest import files
+from capsa.guest.channel import Connection, Handler
+from capsa.guest.procs import ProcessTable, op_exec
+from capsa.guest.protocol import Decoder
+from capsa.guest.system import System
+from capsa.guest.terminal import op_pty
+
+__all__ = ["Daemon", "main"]
+
+READ_SIZE = 256 * 1024
+
+
+class Daemon:
+    """Operation table plus state that outlives host connections (background processes)."""
+
+    def __init__(self, *, allow_clock: bool = True, allow_poweroff: bool = False) -> None:
+        self.processes = ProcessTable()
+        self.system = System(allow_clock=allow_clock, allow_poweroff=allow_poweroff)
+        self.ops: dict[str, Handler] = {
+            "health": self.system.op_health,
+            "set_clock": self.system.op_set_clock,
+            "reseed": self.system.op_reseed,
+            "poweroff": self.system.op_poweroff,
+            "exec": op_exec,
+            "proc_start": self.processes.op_start,
+            "proc_list": self.processes.op_list,
+            "proc_wait": self.processes.op_wait,
+            "proc_kill": self.processes.op_kill,
+            "proc_output": self.processes.op_output,
+            "pty_open": op_pty,
+            "file_read": files.op_read,
+            "file_write": files.op_write,
+            "file_list": files.op_list,
+            "file_stat": files.op_stat,
+            "file_mkdir": files.op_mkdir,
+            "file_remove": files.op_remove,
+            "file_rename": files.op_rename,
+            **files.TAR_OPS,
+        }
+
+    def connection(self, write: Callable[[bytes], None]) -> Connection:
+        return Connection(write, self.ops.get)
+
+    def serve_stream(self, read: Callable[[], bytes], write: Callable[[bytes], None]) -> None:
+        """Serve one connection until ``read`` returns b"" (EOF) or fails."""
+        conn = self.connection(write)
+        decoder = Decoder()
+        try:
+            while True:
+                try:
+                    chunk = read()
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                for frame in decoder.feed(chunk):
+                    conn.handle(frame)
+        finally:
+            conn.close()
+
+    # -- transports ------------------------------------------------------------------------------
+
+    def serve_device(self, path: str) -> None:
+        """Serve a virtio-serial port forever. EOF means the host side disconnected, not the end:
+        requests bound to that host are cancelled, background processes keep running, and the next
+        host connection starts a fresh decoder."""
+        fd = _open_device(path)
+        write_lock = threading.Lock()
+
+        def write(raw: bytes) -> None:
+            with write_lock:
+                _write_all(fd, raw)
+
+        while True:
+            self.serve_stream(lambda: _read_port(fd), write)
+            # Disconnected: the port reads EOF until the host reconnects. poll() reports POLLHUP
+            # immediately in that state, so sleep between checks instead of spinning.
+            while True:
+                events = select.poll()
+                events.register(fd, select.POLLIN)
+                ready = events.poll(1000)
+                if ready and ready[0][1] & select.POLLIN:
+                    break
+                time.sleep(0.05)
+
+    def serve_fd(self, fd: int) -> None:
+        """Serve one inherited connected descriptor (socket or pipe pair end) until EOF."""
+        self.serve_stream(lambda: os.read(fd, READ_SIZE), lambda raw: _write_all(fd, raw))
+
+    def serve_unix(self, path: str, ready_fd: int | None = None) -> None:
+        """Accept any number of host connections on a Unix socket; each gets its own streams."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            server.bind(path)
+            os.chmod(path, 0o600)
+            server.listen(16)
+            if ready_fd is not None:
+                os.write(ready_fd, b"ready\n")
+                os.close(ready_fd)
+            try:
+                while True:
+                    client, _ = server.accept()
+                    threading.Thread(target=self._serve_socket, args=(client,), daemon=True).start()
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    def _serve_socket(self, client: socket.socket) -> None:
+        with client:
+            self.serve_stream(lambda: client.recv(READ_SIZE), client.sendall)
+
+
+def _open_device(path: str) -> int:
+    announced = False
+    while True:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY)
+        except FileNotFoundError:
+            if not announced:
+                print(f"capsa-guest: waiting for {path}", file=sys.stderr, flush=True)
+                announced = True
+            time.sleep(0.1)
+
+
+def _read_port(fd: int) -> bytes:
+    return os.read(fd, READ_SIZE)
+
+
+def _write_all(fd: int, raw: bytes) -> None:
+    view = memoryview(raw)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="capsa-guest", description="capsa guest daemon")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--device", help="virtio-serial port to serve, e.g. /dev/virtio-ports/agent0")
+    where.add_argument("--listen-unix", metavar="PATH", help="serve connections on a Unix socket")
+    where.add_argument("--fd", type=int, help="serve one inherited connected descriptor until EOF")
+    parser.add_argument("--ready-fd", type=int, help="write 'ready' to this descriptor once listening")
+    parser.add_argument("--no-clock", action="store_true",
+                        help="refuse set_clock (for daemons running on a host, not in a VM)")
+    parser.add_argument("--allow-poweroff", action="store_true",
+                        help="let the host ask for power off (sends SIGTERM to the init, PID 1)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    daemon = Daemon(allow_clock=not args.no_clock, allow_poweroff=args.allow_poweroff)
+
+    def stop(signum: int, frame: Any) -> None:
+        daemon.processes.kill_all()
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        if args.device:
+            daemon.serve_device(args.device)
+        elif args.listen_unix:
+            daemon.serve_unix(args.listen_unix, args.ready_fd)
+        else:
+            daemon.serve_fd(args.fd)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        daemon.processes.kill_all()
+    return 0

@@ -1,0 +1,138 @@
+"""Interactive terminals: a command on a pseudo-terminal, streamed both ways until it exits."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import select
+import signal
+import struct
+import subprocess
+import termios
+import threading
+from typing import Any
+
+from capsa.guest.channel import ChannelGone, Stream
+from capsa.guest.errors import OpError
+from capsa.guest.procs import _exit_fields, killpg, parse_command, reaped, spawn
+from capsa.guest.protocol import CHUNK_SIZE, Kind
+
+__all__ = ["op_pty"]
+
+
+def _size(args: dict[str, Any], key: str, default: int) -> int:
+    value = args.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10000:
+        raise OpError("bad_request", f"{key} must be an integer between 1 and 10000")
+    return value
+
+
+def _set_size(fd: int, rows: int, cols: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+def _make_controlling_tty() -> None:
+    # Runs in the child after setsid(): stdin is the pty slave.
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def _default_shell() -> list[str]:
+    for shell in ("/bin/bash", "/bin/sh"):
+        if os.access(shell, os.X_OK):
+            return [shell, "-i"] if shell.endswith("bash") else [shell]
+    return ["/bin/sh"]
+
+
+def op_pty(stream: Stream, args: dict[str, Any], data: bytes) -> None:
+    """Open a terminal. Host frames: DATA = keyboard input, EVENT {"rows","cols"} = resize, END = ^D.
+
+    Guest frames: EVENT {"pid"} once started, DATA = terminal output, RESULT with the exit status.
+    CANCEL hangs the terminal up (SIGHUP to its process group).
+    """
+    if args.get("cmd") is None:
+        args = dict(args, cmd=_default_shell())
+    rows = _size(args, "rows", 24)
+    cols = _size(args, "cols", 80)
+    spec = parse_command(args)
+    spec.env.setdefault("TERM", "xterm-256color")
+    master, slave = os.openpty()
+    try:
+        _set_size(slave, rows, cols)
+        os.set_inheritable(slave, False)
+        proc = spawn(spec, stdin=slave, stdout=slave, stderr=slave, preexec=_make_controlling_tty)
+    except BaseException:
+        os.close(master)
+        raise
+    finally:
+        os.close(slave)
+    stream.on_cancel(lambda: killpg(proc.pid, signal.SIGHUP) if proc.returncode is None else None)
+    writer = threading.Thread(target=_input, args=(stream, master, proc), daemon=True)
+    try:
+        stream.send(Kind.EVENT, {"started": True, "pid": proc.pid})
+        writer.start()
+        _output(stream, master)
+        returncode = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reaped(proc)
+        # Stop the input thread before closing: a reused descriptor number must not get its writes.
+        stream.stop_inbox()
+        if writer.is_alive():
+            writer.join(5)
+        os.close(master)
+    if stream.cancelled.is_set():
+        raise ChannelGone("terminal closed")
+    stream.result(_exit_fields(returncode))
+
+
+def _finish(proc: subprocess.Popen[bytes]) -> int:
+    try:
+        return proc.wait(5)
+    except subprocess.TimeoutExpired:
+        # The terminal is gone (EIO) but the leader ignores it; it has nothing to talk to anymore.
+        killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
+def _output(stream: Stream, master: int) -> None:
+    while not stream.cancelled.is_set():
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if not ready:
+            continue
+        try:
+            chunk = os.read(master, CHUNK_SIZE)
+        except OSError:  # EIO: every slave fd is closed, the session is over
+            return
+        if not chunk:
+            return
+        stream.send_data(chunk)
+
+
+def _input(stream: Stream, master: int, proc: subprocess.Popen[bytes]) -> None:
+    try:
+        while True:
+            frame = stream.next_frame()
+            if frame is None:
+                continue
+            if frame.kind == Kind.DATA:
+                try:
+                    view = memoryview(frame.data)
+                    while view:
+                        view = view[os.write(master, view):]
+                except OSError:
+                    pass
+                stream.consumed(len(frame.data))
+            elif frame.kind == Kind.EVENT:
+                rows, cols = frame.meta.get("rows"), frame.meta.get("cols")
+                if (isinstance(rows, int) and isinstance(cols, int)
+                        and 0 < rows <= 10000 and 0 < cols <= 10000):
+                    with contextlib.suppress(OSError):
+                        _set_size(master, rows, cols)
+            elif frame.kind == Kind.END:
+                with contextlib.suppress(OSError):
+                    os.write(master, b"\x04")
+    except (ChannelGone, OpError):
+        return

@@ -1,0 +1,674 @@
+"""Host side of the guest channel: an asyncio client for the capsa guest daemon.
+
+One reader task decodes frames and routes them to per-request streams. Inbound data per stream is
+bounded by the credit window (the guest may not send more than we have acknowledged, and we only
+acknowledge what the caller has consumed), so a slow consumer costs at most one window of memory.
+A lost connection fails every pending call at once with :class:`ChannelClosed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import random
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from capsa.common.errors import CapsaError
+from capsa.guest.protocol import (
+    CHUNK_SIZE,
+    INITIAL_WINDOW,
+    Decoder,
+    Frame,
+    Kind,
+    encode_frame,
+)
+
+__all__ = [
+    "DEFAULT_MAX_OUTPUT",
+    "ChannelClosed",
+    "ExecResult",
+    "FileInfo",
+    "GuestClient",
+    "GuestError",
+    "OutputCallback",
+    "ProcessInfo",
+    "ProcessOutput",
+    "PtyHandle",
+]
+
+DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
+READ_SIZE = 256 * 1024
+
+OutputCallback = Callable[[bytes], Awaitable[None] | None]
+
+_STATUS = {
+    "bad_request": 400,
+    "unknown_op": 400,
+    "unsafe_archive": 400,
+    "not_found": 404,
+    "no_such_process": 404,
+    "permission_denied": 403,
+    "is_a_directory": 409,
+    "not_a_directory": 409,
+    "already_exists": 409,
+    "directory_not_empty": 409,
+    "no_space": 507,
+    "timeout": 504,
+    "unsupported": 501,
+}
+
+
+class GuestError(CapsaError):
+    """The guest answered a request with an error (``code`` is the guest's stable error code)."""
+
+    code = "guest_error"
+    status = 502
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message or code, code=code, status=_STATUS.get(code, 502))
+
+
+class ChannelClosed(GuestError):
+    """The connection to the guest is gone; every pending and future call fails with this."""
+
+    def __init__(self, message: str = "guest channel closed") -> None:
+        super().__init__("channel_closed", message)
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int | None
+    signal: int | None
+    stdout: bytes
+    stderr: bytes
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool
+    duration: float
+    pid: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    cmd: str
+    running: bool
+    exit_code: int | None
+    signal: int | None
+    started_at: float
+    finished_at: float | None = None
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> ProcessInfo:
+        return cls(pid=int(meta["pid"]), cmd=str(meta.get("cmd", "")), running=bool(meta.get("running")),
+                   exit_code=_opt_int(meta.get("exit_code")), signal=_opt_int(meta.get("signal")),
+                   started_at=float(meta.get("started_at") or 0.0),
+                   finished_at=_opt_float(meta.get("finished_at")))
+
+
+@dataclass(frozen=True)
+class ProcessOutput:
+    stdout: bytes
+    stderr: bytes
+    stdout_truncated: bool
+    stderr_truncated: bool
+    running: bool
+    exit_code: int | None
+    signal: int | None
+    stdout_end: int = 0
+    """Absolute offset after the last stdout byte: pass it back as ``stdout_from`` to get only new output."""
+    stderr_end: int = 0
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: str
+    name: str
+    type: str  # "file" | "dir" | "symlink" | "other"
+    size: int
+    mode: int  # permission bits
+    mtime: float
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> FileInfo:
+        return cls(path=str(meta["path"]), name=str(meta["name"]), type=str(meta["type"]),
+                   size=int(meta["size"]), mode=int(meta["mode"]), mtime=float(meta["mtime"]))
+
+
+def _opt_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _opt_float(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+class _Stream:
+    """Client-side state of one request."""
+
+    def __init__(self, client: GuestClient, stream_id: int) -> None:
+        self.client = client
+        self.id = stream_id
+        self.queue: asyncio.Queue[Frame | BaseException] = asyncio.Queue()
+        self.send_credit = INITIAL_WINDOW
+        self.credit_changed = asyncio.Event()
+        self.recv_outstanding = 0  # bytes the guest sent that we have not acknowledged
+        self.recv_unacked = 0
+        self.done = False  # RESULT/ERROR arrived (or the connection died)
+
+    def deliver(self, item: Frame | BaseException) -> None:
+        if isinstance(item, Frame):
+            if item.kind == Kind.WINDOW:
+                n = item.meta.get("n")
+                if isinstance(n, int) and 0 < n <= 1 << 40:
+                    self.send_credit += n
+                    self.credit_changed.set()
+                return
+            if item.kind == Kind.DATA:
+                self.recv_outstanding += len(item.data)
+                if self.recv_outstanding > INITIAL_WINDOW:
+                    item = GuestError("flow_control", "guest sent more data than the window allows")
+            if isinstance(item, Frame) and item.kind in (Kind.RESULT, Kind.ERROR):
+                self.done = True
+        if isinstance(item, BaseException):
+            self.done = True
+        self.queue.put_nowait(item)
+        self.credit_changed.set()
+
+    async def next(self) -> Frame:
+        """Next frame for the caller; raises the guest's error or ChannelClosed."""
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.kind == Kind.ERROR:
+            raise GuestError(item.code, item.message)
+        if item.kind == Kind.DATA and item.data:
+            await self._ack(len(item.data))
+        return item
+
+    async def _ack(self, n: int) -> None:
+        self.recv_outstanding -= n
+        self.recv_unacked += n
+        if self.recv_unacked >= INITIAL_WINDOW // 4 and not self.done:
+            grant, self.recv_unacked = self.recv_unacked, 0
+            await self.client._send(Kind.WINDOW, self.id, {"n": grant})
+
+    async def result(self) -> Frame:
+        """Skip DATA/EVENT frames until the final RESULT."""
+        while True:
+            frame = await self.next()
+            if frame.kind == Kind.RESULT:
+                return frame
+
+    async def send_data(self, data: bytes) -> bool:
+        """Send within credit; returns False when the guest already finished the request."""
+        view = memoryview(data)
+        while view:
+            while self.send_credit <= 0 and not self.done:
+                self.credit_changed.clear()
+                await self.credit_changed.wait()
+            if self.done:
+                return False
+            n = min(len(view), CHUNK_SIZE, self.send_credit)
+            self.send_credit -= n
+            await self.client._send(Kind.DATA, self.id, None, bytes(view[:n]))
+            view = view[n:]
+        return True
+
+    async def upload(self, data: bytes | AsyncIterable[bytes]) -> None:
+        """Send a whole body followed by END (stops early if the guest already answered)."""
+        if isinstance(data, bytes | bytearray | memoryview):
+            ok = await self.send_data(bytes(data))
+        else:
+            ok = True
+            async for piece in data:
+                if not await self.send_data(bytes(piece)):
+                    ok = False
+                    break
+        if ok and not self.done:
+            await self.client._send(Kind.END, self.id)
+
+
+class PtyHandle:
+    """An open terminal in the guest."""
+
+    def __init__(self, stream: _Stream, pid: int) -> None:
+        self._stream = stream
+        self.pid = pid
+        self.exit_code: int | None = None
+        self.signal: int | None = None
+        self.closed = False
+
+    async def write(self, data: bytes) -> None:
+        if not await self._stream.send_data(data):
+            raise GuestError("bad_request", "the terminal has exited")
+
+    async def resize(self, rows: int, cols: int) -> None:
+        await self._stream.client._send(Kind.EVENT, self._stream.id, {"rows": rows, "cols": cols})
+
+    async def read(self) -> AsyncIterator[bytes]:
+        """Terminal output until the command exits (then ``exit_code``/``signal`` are set)."""
+        while not self.closed:
+            try:
+                frame = await self._stream.next()
+            except GuestError as exc:
+                if exc.code == "cancelled":
+                    self.closed = True
+                    return
+                raise
+            if frame.kind == Kind.DATA:
+                yield frame.data
+            elif frame.kind == Kind.RESULT:
+                self._finish(frame.meta)
+                return
+
+    def _finish(self, meta: dict[str, Any]) -> None:
+        self.exit_code = _opt_int(meta.get("exit_code"))
+        self.signal = _opt_int(meta.get("signal"))
+        self.closed = True
+        self._stream.client._forget(self._stream)
+
+    async def close(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109
+        """Hang up the terminal (SIGHUP to its processes) and wait for it to be gone."""
+        if self.closed:
+            return
+        stream = self._stream
+        with contextlib.suppress(ChannelClosed):
+            await stream.client._send(Kind.CANCEL, stream.id)
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    frame = await stream.next()
+                    if frame.kind == Kind.RESULT:
+                        self._finish(frame.meta)
+                        return
+        except (GuestError, TimeoutError):
+            pass
+        self.closed = True
+        stream.client._forget(stream)
+
+
+class GuestClient:
+    """Talks to one guest daemon over an asyncio stream pair. Use from a single event loop."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._decoder = Decoder()
+        self._streams: dict[int, _Stream] = {}
+        # Start somewhere random: after a reconnect, a stale frame from the previous connection's
+        # request must not land on a new request that happens to get the same id.
+        self._next_id = random.randrange(1, 1 << 30)
+        self._closed: BaseException | None = None
+        self._write_lock = asyncio.Lock()
+        self.protocol_errors = 0
+        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @classmethod
+    async def connect_unix(cls, path: str | os.PathLike[str]) -> GuestClient:
+        reader, writer = await asyncio.open_unix_connection(os.fspath(path), limit=READ_SIZE)
+        return cls(reader, writer)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        reason: BaseException = ChannelClosed("guest closed the channel")
+        try:
+            while True:
+                chunk = await self._reader.read(READ_SIZE)
+                if not chunk:
+                    break
+                for frame in self._decoder.feed(chunk):
+                    self._route(frame)
+        except asyncio.CancelledError:
+            reason = ChannelClosed("guest client closed")
+        except (OSError, EOFError) as exc:
+            reason = ChannelClosed(f"guest channel failed: {exc}")
+        except Exception as exc:  # never leave callers hanging on a bug here
+            reason = ChannelClosed(f"guest channel reader crashed: {exc!r}")
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: BaseException) -> None:
+        if self._closed is None:
+            self._closed = reason
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
+            stream.deliver(reason)
+
+    def _route(self, frame: Frame) -> None:
+        if frame.malformed or (frame.stream == 0 and frame.kind == Kind.ERROR):
+            self.protocol_errors += 1
+            stream = self._streams.get(frame.stream)
+            if stream is not None:
+                stream.deliver(GuestError(frame.code, frame.message))
+                self._streams.pop(frame.stream, None)
+            elif frame.stream == 0:
+                # We cannot tell which request lost bytes, so none of them can be trusted to finish.
+                err = GuestError("protocol_error", f"undecodable bytes on the guest channel: {frame.message}")
+                streams = list(self._streams.values())
+                self._streams.clear()
+                for s in streams:
+                    s.deliver(err)
+            return
+        stream = self._streams.get(frame.stream)
+        if stream is None:
+            return  # late frames for requests we abandoned
+        stream.deliver(frame)
+        if frame.kind in (Kind.RESULT, Kind.ERROR):
+            self._streams.pop(frame.stream, None)
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise ChannelClosed(str(self._closed)) if not isinstance(self._closed, ChannelClosed) \
+                else ChannelClosed(self._closed.message)
+
+    async def _send(self, kind: Kind, stream_id: int, meta: dict[str, Any] | None = None,
+                    data: bytes = b"") -> None:
+        self._check_open()
+        raw = encode_frame(kind, stream_id, meta, data)
+        try:
+            async with self._write_lock:
+                self._writer.write(raw)
+                await self._writer.drain()
+        except (OSError, RuntimeError) as exc:
+            self._fail_all(ChannelClosed(f"guest channel write failed: {exc}"))
+            self._check_open()
+
+    def _forget(self, stream: _Stream) -> None:
+        if self._streams.get(stream.id) is stream:
+            del self._streams[stream.id]
+
+    async def _open(self, op: str, args: dict[str, Any] | None = None, data: bytes = b"") -> _Stream:
+        self._check_open()
+        stream_id = self._next_id
+        self._next_id = self._next_id + 1 if self._next_id < 0xFFFFFFF0 else 1
+        stream = _Stream(self, stream_id)
+        self._streams[stream_id] = stream
+        meta = {"op": op}
+        if args:
+            meta.update({k: v for k, v in args.items() if v is not None})
+        try:
+            await self._send(Kind.REQUEST, stream_id, meta, data)
+        except BaseException:
+            self._forget(stream)
+            raise
+        return stream
+
+    async def _abandon(self, stream: _Stream) -> None:
+        """The caller gave up (cancelled, timed out, broke out of a stream): tell the guest."""
+        if stream.done:
+            self._forget(stream)
+            return
+        self._forget(stream)
+        stream.done = True
+        if self._closed is None:
+            with contextlib.suppress(ChannelClosed, OSError):
+                await asyncio.shield(self._send(Kind.CANCEL, stream.id))
+
+    async def _call(self, op: str, args: dict[str, Any] | None = None, data: bytes = b"",
+                    timeout: float | None = None) -> Frame:  # noqa: ASYNC109
+        stream = await self._open(op, args, data)
+        try:
+            async with asyncio.timeout(timeout):
+                return await stream.result()
+        except TimeoutError:
+            raise GuestError("timeout", f"guest did not answer {op} within {timeout} s") from None
+        finally:
+            await self._abandon(stream)
+
+    # -- operations ------------------------------------------------------------------------------
+
+    async def health(self, timeout: float = 5) -> dict[str, object]:  # noqa: ASYNC109
+        return dict((await self._call("health", timeout=timeout)).meta)
+
+    async def wait_ready(self, timeout: float = 30,  # noqa: ASYNC109
+                         interval: float = 0.5) -> dict[str, object]:
+        """Retry health until the daemon answers (a port's early bytes can be lost while the guest boots)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return await self.health(timeout=max(0.05, min(interval, remaining)))
+            except GuestError as exc:
+                if isinstance(exc, ChannelClosed) or time.monotonic() >= deadline:
+                    raise
+                if exc.code not in ("timeout", "protocol_error", "malformed_frame"):
+                    raise
+
+    async def exec(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        stdin: bytes | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - the guest enforces it
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
+        """Run a command to completion. A string runs under ``/bin/sh -c``; a sequence is an argv.
+
+        Output beyond ``max_output`` bytes per stream is dropped (the guest still drains the pipe)
+        and flagged as truncated. Callbacks see every byte that was kept, as it arrives.
+        """
+        args: dict[str, Any] = {
+            "cmd": cmd if isinstance(cmd, str) else list(cmd), "env": env, "cwd": cwd, "user": user,
+            "timeout": timeout, "max_output": max_output, "stdin": stdin is not None,
+        }
+        started = time.monotonic()
+        stream = await self._open("exec", args)
+        buffers = {"stdout": bytearray(), "stderr": bytearray()}
+        callbacks = {"stdout": on_stdout, "stderr": on_stderr}
+        uploader: asyncio.Task[None] | None = None
+        try:
+            if stdin is not None:
+                uploader = asyncio.get_running_loop().create_task(stream.upload(stdin))
+            while True:
+                frame = await stream.next()
+                if frame.kind == Kind.DATA:
+                    ch = frame.meta.get("ch")
+                    if ch not in buffers:
+                        continue
+                    buf = buffers[ch]
+                    keep = frame.data[: max(0, max_output - len(buf))]
+                    buf += keep
+                    callback = callbacks[ch]
+                    if callback is not None and keep:
+                        maybe = callback(keep)
+                        if inspect.isawaitable(maybe):
+                            await maybe
+                elif frame.kind == Kind.RESULT:
+                    meta = frame.meta
+                    return ExecResult(
+                        exit_code=_opt_int(meta.get("exit_code")), signal=_opt_int(meta.get("signal")),
+                        stdout=bytes(buffers["stdout"]), stderr=bytes(buffers["stderr"]),
+                        stdout_truncated=bool(meta.get("stdout_truncated")),
+                        stderr_truncated=bool(meta.get("stderr_truncated")),
+                        timed_out=bool(meta.get("timed_out")),
+                        duration=time.monotonic() - started, pid=_opt_int(meta.get("pid")),
+                    )
+        finally:
+            if uploader is not None and not uploader.done():
+                uploader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, GuestError):
+                    await uploader
+            await self._abandon(stream)
+
+    async def start_process(self, cmd: str | Sequence[str], *, env: dict[str, str] | None = None,
+                            cwd: str | None = None, user: str | int | None = None) -> ProcessInfo:
+        args = {"cmd": cmd if isinstance(cmd, str) else list(cmd), "env": env, "cwd": cwd, "user": user}
+        return ProcessInfo.from_meta((await self._call("proc_start", args)).meta)
+
+    async def list_processes(self) -> list[ProcessInfo]:
+        meta = (await self._call("proc_list")).meta
+        return [ProcessInfo.from_meta(p) for p in meta.get("processes", [])]
+
+    async def wait_process(self, pid: int, timeout: float | None = None) -> ProcessInfo:  # noqa: ASYNC109
+        return ProcessInfo.from_meta((await self._call("proc_wait", {"pid": pid, "timeout": timeout})).meta)
+
+    async def kill_process(self, pid: int, signal: int = 15) -> ProcessInfo:
+        return ProcessInfo.from_meta((await self._call("proc_kill", {"pid": pid, "signal": signal})).meta)
+
+    async def process_output(self, pid: int, *, stdout_from: int = 0, stderr_from: int = 0) -> ProcessOutput:
+        stream = await self._open("proc_output", {"pid": pid, "stdout_from": stdout_from,
+                                                   "stderr_from": stderr_from})
+        out = {"stdout": bytearray(), "stderr": bytearray()}
+        try:
+            while True:
+                frame = await stream.next()
+                if frame.kind == Kind.DATA and frame.meta.get("ch") in out:
+                    out[frame.meta["ch"]] += frame.data
+                elif frame.kind == Kind.RESULT:
+                    m = frame.meta
+                    return ProcessOutput(
+                        stdout=bytes(out["stdout"]), stderr=bytes(out["stderr"]),
+                        stdout_truncated=bool(m.get("stdout_truncated")),
+                        stderr_truncated=bool(m.get("stderr_truncated")),
+                        running=bool(m.get("running")), exit_code=_opt_int(m.get("exit_code")),
+                        signal=_opt_int(m.get("signal")), stdout_end=int(m.get("stdout_end", 0)),
+                        stderr_end=int(m.get("stderr_end", 0)),
+                    )
+        finally:
+            await self._abandon(stream)
+
+    async def pty_open(self, cmd: str | Sequence[str] | None = None, rows: int = 24, cols: int = 80,
+                       env: dict[str, str] | None = None, *, cwd: str | None = None,
+                       user: str | int | None = None) -> PtyHandle:
+        args = {"cmd": cmd if cmd is None or isinstance(cmd, str) else list(cmd), "rows": rows, "cols": cols,
+                "env": env, "cwd": cwd, "user": user}
+        stream = await self._open("pty_open", args)
+        try:
+            while True:
+                frame = await stream.next()
+                if frame.kind == Kind.EVENT and frame.meta.get("started"):
+                    return PtyHandle(stream, int(frame.meta["pid"]))
+        except BaseException:
+            await self._abandon(stream)
+            raise
+
+    async def read_file(self, path: str) -> bytes:
+        out = bytearray()
+        async for chunk in self.iter_file(path):
+            out += chunk
+        return bytes(out)
+
+    async def iter_file(self, path: str, chunk: int = CHUNK_SIZE) -> AsyncIterator[bytes]:
+        """The file's bytes as they arrive (guest chunks are at most 64 KiB; ``chunk`` caps them lower)."""
+        stream = await self._open("file_read", {"path": path})
+        try:
+            while True:
+                frame = await stream.next()
+                if frame.kind == Kind.DATA:
+                    data = frame.data
+                    for i in range(0, len(data), max(1, chunk)):
+                        yield data[i: i + chunk]
+                elif frame.kind == Kind.RESULT:
+                    return
+        finally:
+            await self._abandon(stream)
+
+    async def write_file(self, path: str, data: bytes | AsyncIterable[bytes],
+                         mode: int | None = None) -> FileInfo:
+        """Write atomically (temporary file + rename); missing parent directories are created."""
+        stream = await self._open("file_write", {"path": path, "mode": mode})
+        try:
+            await stream.upload(data)
+            return FileInfo.from_meta((await stream.result()).meta)
+        finally:
+            await self._abandon(stream)
+
+    async def list_dir(self, path: str) -> list[FileInfo]:
+        stream = await self._open("file_list", {"path": path})
+        raw = bytearray()
+        try:
+            while True:
+                frame = await stream.next()
+                if frame.kind == Kind.DATA:
+                    raw += frame.data
+                elif frame.kind == Kind.RESULT:
+                    break
+        finally:
+            await self._abandon(stream)
+        try:
+            entries = json.loads(raw) if raw else []
+            return [FileInfo.from_meta(e) for e in entries]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise GuestError("protocol_error", f"guest sent a bad directory listing: {exc}") from None
+
+    async def stat(self, path: str) -> FileInfo:
+        return FileInfo.from_meta((await self._call("file_stat", {"path": path})).meta)
+
+    async def mkdir(self, path: str, parents: bool = True, mode: int | None = None) -> FileInfo:
+        return FileInfo.from_meta((await self._call("file_mkdir", {"path": path, "parents": parents,
+                                                                     "mode": mode})).meta)
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self._call("file_remove", {"path": path, "recursive": recursive})
+
+    async def rename(self, src: str, dst: str) -> None:
+        await self._call("file_rename", {"src": src, "dst": dst})
+
+    async def tar_export(self, path: str) -> AsyncIterator[bytes]:
+        """A tar stream (PAX format, uncompressed) of the directory's contents, or of one file."""
+        stream = await self._open("tar_export", {"path": path})
+        try:
+            while True:
+                frame = await stream.next()
+                if frame.kind == Kind.DATA:
+                    yield frame.data
+                elif frame.kind == Kind.RESULT:
+                    return
+        finally:
+            await self._abandon(stream)
+
+    async def tar_import(self, path: str, data: bytes | AsyncIterable[bytes]) -> None:
+        """Extract a tar stream (optionally gzip/bzip2/xz compressed) into the directory ``path``."""
+        stream = await self._open("tar_import", {"path": path})
+        try:
+            await stream.upload(data)
+            await stream.result()
+        finally:
+            await self._abandon(stream)
+
+    async def set_clock(self, unix_ns: int | None = None) -> None:
+        await self._call("set_clock", {"unix_ns": time.time_ns() if unix_ns is None else unix_ns})
+
+    async def reseed(self, entropy: bytes | None = None) -> None:
+        await self._call("reseed", data=os.urandom(64) if entropy is None else entropy)
+
+    async def poweroff(self) -> None:
+        """Ask the guest init to sync and power the VM off (only under the capsa init)."""
+        await self._call("poweroff")
+
+    async def close(self) -> None:
+        if self._closed is None:
+            self._fail_all(ChannelClosed("guest client closed"))
+        self._reader_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader_task
+        self._writer.close()
+        with contextlib.suppress(OSError, RuntimeError):
+            await self._writer.wait_closed()
+
+    async def __aenter__(self) -> GuestClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
