@@ -84,16 +84,19 @@ def emit_json(value: Any) -> None:
 def human_time(value: datetime | None) -> str:
     if value is None:
         return "-"
-    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    return value.astimezone().strftime("%Y-%m-%d %H:%M")
 
 
 def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]], *, title: str | None = None) -> None:
     table = Table(title=title, header_style="bold", box=None, pad_edge=False)
-    for name in columns:
-        table.add_column(name, overflow="fold")
+    for i, name in enumerate(columns):
+        # The first column is an id people copy and paste: never fold it.
+        table.add_column(name, no_wrap=i == 0, overflow="fold")
     for row in rows:
         table.add_row(*row)
-    stdout_console.print(table)
+    # Piped output is not limited to 80 columns; rows must stay one line each for grep/awk.
+    console = stdout_console if sys.stdout.isatty() else Console(file=sys.stdout, width=400)
+    console.print(table)
 
 
 def fail(message: str, code: int = 1) -> None:
