@@ -43,7 +43,7 @@ class Api:
         self.timed_out = False
 
     def __call__(self, r: httpx.Request) -> httpx.Response:
-        body = json.loads(r.content) if r.content else None
+        body: Any = json.loads(r.content) if r.content else {}
         self.requests.append((r.method, r.url.path, dict(r.url.params), body))
         if r.headers.get("authorization") != f"Bearer {ADMIN}":
             return problem(401, "unauthorized", "missing or invalid API key")
