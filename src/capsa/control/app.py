@@ -1,0 +1,65 @@
+"""The control plane's FastAPI application factory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from importlib.metadata import version
+
+from fastapi import FastAPI
+
+from capsa.control.auth import ensure_bootstrap_key
+from capsa.control.nodeclient import NodeClientPool
+from capsa.control.plane import ControlPlane
+from capsa.control.problems import install_problem_handlers
+from capsa.control.reaper import run_reaper
+from capsa.control.routes import commands, files, health, keys, nodes, sessions
+from capsa.control.settings import ControlSettings
+from capsa.control.store.db import create_engine, migrate, session_factory
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: ControlSettings | None = None,
+               on_bootstrap_key: Callable[[str], None] | None = None) -> FastAPI:
+    """Build the app. Startup migrates the database, installs the bootstrap admin key and starts the reaper.
+
+    ``on_bootstrap_key`` receives a freshly generated admin key, the only time it exists in clear.
+    """
+    settings = settings or ControlSettings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = create_engine(settings.database_url)
+        plane = ControlPlane(settings=settings, engine=engine, db=session_factory(engine),
+                             nodes=NodeClientPool(settings.node_request_timeout))
+        reaper: asyncio.Task[None] | None = None
+        try:
+            await migrate(engine)
+            async with plane.db() as db:
+                plane.bootstrap_key = await ensure_bootstrap_key(db, settings.bootstrap_key,
+                                                                 settings.bootstrap_tenant)
+            if plane.bootstrap_key and on_bootstrap_key:
+                on_bootstrap_key(plane.bootstrap_key)
+            app.state.plane = plane
+            if settings.reaper_interval > 0:
+                reaper = asyncio.create_task(run_reaper(plane), name="capsa-reaper")
+            yield
+        finally:
+            if reaper is not None:
+                reaper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reaper
+            await plane.nodes.aclose()
+            await engine.dispose()
+
+    app = FastAPI(title="capsa", version=version("capsa"), lifespan=lifespan,
+                  description="Self-hostable microVM sandboxes for AI agents (docs/api-contract.md).")
+    install_problem_handlers(app)
+    for module in (health, sessions, commands, files, keys, nodes):
+        app.include_router(module.router, prefix="/v1")
+    return app

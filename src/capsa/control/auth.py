@@ -1,0 +1,80 @@
+"""API key authentication, tenant scoping and the bootstrap admin key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+
+from capsa.control.errors import Forbidden, Unauthorized
+from capsa.control.keys import generate_key, hash_key, parse_key, verify_key
+from capsa.control.store.db import DbSession
+from capsa.control.store.models import ApiKeyRow, utcnow
+
+__all__ = ["Principal", "authenticate", "bearer_token", "ensure_bootstrap_key", "require_admin"]
+
+
+@dataclass(frozen=True)
+class Principal:
+    key_id: str
+    tenant: str
+    admin: bool
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+async def authenticate(db: DbSession, token: str | None) -> Principal:
+    parsed = parse_key(token) if token else None
+    if parsed is None:
+        raise Unauthorized()
+    row = await db.get(ApiKeyRow, parsed.key_id)
+    # The hash is compared even for unknown ids' absent rows would leak timing only about the id, which is
+    # public anyway (it is shown in key lists).
+    if row is None or row.revoked_at is not None or not verify_key(parsed.full, row.secret_hash):
+        raise Unauthorized()
+    return Principal(row.id, row.tenant, row.admin)
+
+
+def require_admin(principal: Principal) -> Principal:
+    if not principal.admin:
+        raise Forbidden("this route needs an admin API key")
+    return principal
+
+
+async def ensure_bootstrap_key(db: DbSession, configured: str | None, tenant: str) -> str | None:
+    """Install the configured admin key, or generate one if no key exists yet.
+
+    Returns the full key only when it was generated now (the one time it can be shown), else None.
+    """
+    if configured:
+        parsed = parse_key(configured)
+        if parsed is None:
+            raise ValueError("CAPSA_BOOTSTRAP_KEY must look like csk_<12 chars>_<32 chars>")
+        existing = await db.get(ApiKeyRow, parsed.key_id)
+        if existing is not None:
+            if not verify_key(parsed.full, existing.secret_hash):
+                raise ValueError("CAPSA_BOOTSTRAP_KEY's id exists with a different secret")
+            return None
+        db.add(ApiKeyRow(id=parsed.key_id, secret_hash=hash_key(parsed.full), tenant=tenant, admin=True,
+                         name="bootstrap", created_at=utcnow()))
+        try:
+            await db.commit()
+        except IntegrityError:  # another replica installed it at the same moment
+            await db.rollback()
+        return None
+    count = (await db.execute(select(func.count()).select_from(ApiKeyRow))).scalar_one()
+    if count:
+        return None
+    key = generate_key()
+    db.add(ApiKeyRow(id=key.key_id, secret_hash=hash_key(key.full), tenant=tenant, admin=True,
+                     name="bootstrap", created_at=utcnow()))
+    await db.commit()
+    return key.full

@@ -1,0 +1,62 @@
+"""FastAPI dependencies shared by the route modules."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from capsa.control.auth import Principal, authenticate, require_admin
+from capsa.control.plane import ControlPlane
+from capsa.control.schemas import ProblemDetail
+
+__all__ = ["PROBLEMS", "Admin", "Caller", "Plane", "problems"]
+
+_bearer = HTTPBearer(auto_error=False, description="An API key: `csk_<id>_<secret>`")
+
+
+def _plane(request: Request) -> ControlPlane:
+    plane = request.app.state.plane
+    assert isinstance(plane, ControlPlane)
+    return plane
+
+
+Plane = Annotated[ControlPlane, Depends(_plane)]
+
+
+async def _caller(plane: Plane,
+                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+    async with plane.db() as db:
+        return await authenticate(db, credentials.credentials if credentials else None)
+
+
+Caller = Annotated[Principal, Depends(_caller)]
+
+
+async def _admin(caller: Caller) -> Principal:
+    return require_admin(caller)
+
+
+Admin = Annotated[Principal, Depends(_admin)]
+
+_DESCRIPTIONS = {
+    401: "Missing, wrong or revoked API key (`unauthorized`)",
+    403: "Admin key required (`forbidden`)",
+    404: "Not found (`not_found`, `template_not_found`)",
+    409: "Invalid state (`invalid_state`, `session_failed`)",
+    413: "Payload too large (`payload_too_large`)",
+    422: "Validation error (`validation_error`)",
+    429: "Rate limited (`rate_limited`, see Retry-After)",
+    503: "No capacity or node unreachable (`no_capacity`, `node_unreachable`)",
+}
+
+
+def problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for the given error statuses (always including 401 and 422)."""
+    codes = sorted({401, 422, *statuses})
+    return {code: {"model": ProblemDetail, "description": _DESCRIPTIONS[code],
+                   "content": {"application/problem+json": {}}} for code in codes}
+
+
+PROBLEMS = problems(404, 409, 429, 503)

@@ -1,0 +1,155 @@
+"""``/v1/sessions/{id}/files…``: streamed file content, listings, stat, mkdir, remove, tar archives."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from capsa.control.deps import PROBLEMS, Caller, Plane, problems
+from capsa.control.errors import PayloadTooLarge
+from capsa.control.nodeclient import NodeError
+from capsa.control.schemas import FileInfo, FileList
+from capsa.control.sessions import node_call_failed, running_session
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/sessions/{session_id}/files", tags=["files"], responses=PROBLEMS)
+
+GuestPath = Annotated[str, Query(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$",
+                                 description="absolute path inside the sandbox")]
+_BINARY = {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+_TAR = {"content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}}}
+
+
+async def _bounded(request: Request, limit: int) -> AsyncIterator[bytes]:
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise PayloadTooLarge(f"body larger than {limit} bytes")
+        if chunk:
+            yield chunk
+
+
+def _check_length(request: Request, limit: int) -> None:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"body larger than {limit} bytes")
+
+
+async def _relay(chunks: AsyncIterator[bytes], stack: AsyncExitStack) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        await stack.aclose()
+
+
+async def _open_stream(plane: Any, row: Any, opener: Any) -> tuple[AsyncIterator[bytes], AsyncExitStack]:
+    stack = AsyncExitStack()
+    try:
+        chunks = await stack.enter_async_context(opener)
+    except NodeError as exc:
+        await stack.aclose()
+        raise await node_call_failed(plane, row, exc) from exc
+    except BaseException:
+        await stack.aclose()
+        raise
+    return chunks, stack
+
+
+@router.get("/content", response_class=StreamingResponse, responses={200: _BINARY})
+async def read_file(session_id: str, path: GuestPath, plane: Plane, caller: Caller) -> StreamingResponse:
+    row, client = await running_session(plane, caller.tenant, session_id)
+    assert row.sandbox_id is not None
+    chunks, stack = await _open_stream(plane, row, client.read_file(row.sandbox_id, path))
+    return StreamingResponse(_relay(chunks, stack), media_type="application/octet-stream",
+                             background=BackgroundTask(stack.aclose))
+
+
+@router.put("/content", response_model=FileInfo, responses=problems(404, 409, 413, 503),
+            openapi_extra={"requestBody": {"required": True, **_BINARY}})
+async def write_file(session_id: str, path: GuestPath, request: Request, plane: Plane, caller: Caller,
+                     mode: Annotated[str | None, Query(pattern=r"^[0-7]{3,4}$")] = None) -> FileInfo:
+    _check_length(request, plane.settings.max_file_bytes)
+    row, client = await running_session(plane, caller.tenant, session_id)
+    assert row.sandbox_id is not None
+    try:
+        info = await client.write_file(row.sandbox_id, path, int(mode, 8) if mode else None,
+                                       _bounded(request, plane.settings.max_file_bytes))
+    except NodeError as exc:
+        raise await node_call_failed(plane, row, exc) from exc
+    return FileInfo.model_validate(info)
+
+
+@router.get("/list", response_model=FileList)
+async def list_dir(session_id: str, path: GuestPath, plane: Plane, caller: Caller) -> FileList:
+    row, client = await running_session(plane, caller.tenant, session_id)
+    assert row.sandbox_id is not None
+    try:
+        items = await client.list_dir(row.sandbox_id, path)
+    except NodeError as exc:
+        raise await node_call_failed(plane, row, exc) from exc
+    return FileList(items=[FileInfo.model_validate(i) for i in items])
+
+
+@router.get("/stat", response_model=FileInfo)
+async def stat(session_id: str, path: GuestPath, plane: Plane, caller: Caller) -> FileInfo:
+    row, client = await running_session(plane, caller.tenant, session_id)
+    assert row.sandbox_id is not None
+    try:
+        return FileInfo.model_validate(await client.stat(row.sandbox_id, path))
+    except NodeError as exc:
+        raise await node_call_failed(plane, row, exc) from exc
+
+
+@router.post("/mkdir", response_model=FileInfo)
+async def mkdir(session_id: str, path: GuestPath, plane: Plane, caller: Caller,
+                parents: bool = True) -> FileInfo:
+    row, client = await running_session(plane, caller.tenant, session_id)
+    assert row.sandbox_id is not None
+    try:
+        return FileInfo.model_validate(await client.mkdir(row.sandbox_id, path, parents))
+    except NodeError as exc:
+        raise await node_call_failed(plane, row, exc) from exc
+
+
+@router.delete("", status_code=204, response_class=Response)
+async def remove(session_id: str, path: GuestPath, plane: Plane, caller: Caller,
+                 recursive: bool = False) -> Response:
+    row, client = await running_session(plane, caller.tenant, session_id)
+    assert row.sandbox_id is not None
+    try:
+        await client.remove(row.sandbox_id, path, recursive)
+    except NodeError as exc:
+        raise await node_call_failed(plane, row, exc) from exc
+    return Response(status_code=204)
+
+
+@router.get("/archive", response_class=StreamingResponse, responses={200: _TAR})
+async def export_archive(session_id: str, path: GuestPath, plane: Plane,
+                         caller: Caller) -> StreamingResponse:
+    row, client = await running_session(plane, caller.tenant, session_id)
+    assert row.sandbox_id is not None
+    chunks, stack = await _open_stream(plane, row, client.export_archive(row.sandbox_id, path))
+    return StreamingResponse(_relay(chunks, stack), media_type="application/x-tar",
+                             background=BackgroundTask(stack.aclose))
+
+
+@router.put("/archive", status_code=204, response_class=Response, responses=problems(404, 409, 413, 503),
+            openapi_extra={"requestBody": {"required": True, **_TAR}})
+async def import_archive(session_id: str, path: GuestPath, request: Request, plane: Plane,
+                         caller: Caller) -> Response:
+    _check_length(request, plane.settings.max_file_bytes)
+    row, client = await running_session(plane, caller.tenant, session_id)
+    assert row.sandbox_id is not None
+    try:
+        await client.import_archive(row.sandbox_id, path, _bounded(request, plane.settings.max_file_bytes))
+    except NodeError as exc:
+        raise await node_call_failed(plane, row, exc) from exc
+    return Response(status_code=204)

@@ -1,0 +1,236 @@
+"""Request and response bodies of the public API (docs/api-contract.md)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ApiKeyCreate",
+    "ApiKeyCreated",
+    "ApiKeyList",
+    "ApiKeyOut",
+    "Capacity",
+    "CommandRequest",
+    "CommandResult",
+    "FileInfo",
+    "FileList",
+    "Health",
+    "KillRequest",
+    "NodeHeartbeat",
+    "NodeList",
+    "NodeOut",
+    "NodeRegister",
+    "ProblemDetail",
+    "ProcessInfo",
+    "ProcessList",
+    "ProcessOutput",
+    "Ready",
+    "SessionCreate",
+    "SessionList",
+    "SessionOut",
+    "SessionState",
+    "TimeoutUpdate",
+]
+
+SessionState = Literal["creating", "running", "paused", "closed", "failed"]
+_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+_Name = Annotated[str, Field(pattern=_NAME_PATTERN, min_length=1, max_length=128)]
+_Value = Annotated[str, Field(max_length=4096)]
+
+
+def _no_nul(mapping: dict[str, str]) -> dict[str, str]:
+    # A NUL byte cannot be passed through an environment or stored in PostgreSQL text.
+    for key, value in mapping.items():
+        if "\x00" in value:
+            raise ValueError(f"value of {key!r} contains a NUL character")
+    return mapping
+
+
+_StrMap = Annotated[dict[_Name, _Value], Field(max_length=64), AfterValidator(_no_nul)]
+_Text = Annotated[str, AfterValidator(lambda s: _no_nul({"text": s})["text"])]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProblemDetail(BaseModel):
+    type: str
+    title: str
+    status: int
+    detail: str
+    code: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    version: str
+
+
+class Ready(BaseModel):
+    status: Literal["ready"]
+
+
+class SessionCreate(_Strict):
+    template: Annotated[str, Field(min_length=1, max_length=128,
+                                   pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")] = "base"
+    timeout: Annotated[int, Field(ge=1, le=86400)] = 3600
+    idle_timeout: Annotated[int, Field(ge=1, le=86400)] | None = None
+    env: _StrMap = Field(default_factory=dict)
+    metadata: _StrMap = Field(default_factory=dict)
+    memory_mib: Annotated[int, Field(ge=64, le=65536)] = 256
+    vcpus: Annotated[int, Field(ge=1, le=64)] = 1
+
+
+class SessionOut(BaseModel):
+    id: str
+    tenant: str
+    state: SessionState
+    template: str
+    created_at: datetime
+    updated_at: datetime
+    expires_at: datetime
+    idle_timeout: int | None
+    last_activity_at: datetime
+    metadata: dict[str, str]
+    memory_mib: int
+    vcpus: int
+    node_id: str | None
+    failure_reason: str | None
+    closed_at: datetime | None
+
+
+class SessionList(BaseModel):
+    items: list[SessionOut]
+    next_cursor: str | None
+
+
+class TimeoutUpdate(_Strict):
+    timeout: Annotated[int, Field(ge=1, le=86400)]
+
+
+class CommandRequest(_Strict):
+    cmd: Annotated[_Text, Field(min_length=1, max_length=131072)] | Annotated[
+        list[Annotated[_Text, Field(max_length=131072)]], Field(min_length=1, max_length=4096)]
+    env: _StrMap = Field(default_factory=dict)
+    cwd: Annotated[_Text, Field(min_length=1, max_length=4096)] | None = None
+    user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]*$", max_length=32)] | None = None
+    timeout: Annotated[float, Field(gt=0, le=86400)] | None = None
+    stdin: Annotated[str, Field(max_length=16 * 1024 * 1024)] | None = None
+    background: bool = False
+
+
+class CommandResult(BaseModel):
+    exit_code: int | None
+    signal: int | None
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool
+    duration_ms: float
+
+
+class ProcessInfo(BaseModel):
+    pid: int
+    cmd: list[str]
+    running: bool
+    exit_code: int | None
+    signal: int | None
+    started_at: datetime
+
+
+class ProcessList(BaseModel):
+    items: list[ProcessInfo]
+
+
+class ProcessOutput(BaseModel):
+    stdout: str
+    stderr: str
+    running: bool
+    exit_code: int | None
+    signal: int | None
+    stdout_truncated: bool
+    stderr_truncated: bool
+
+
+class KillRequest(_Strict):
+    signal: Annotated[int, Field(ge=1, le=64)] = 15
+
+
+class FileInfo(BaseModel):
+    path: str
+    name: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+
+
+class FileList(BaseModel):
+    items: list[FileInfo]
+
+
+class ApiKeyCreate(_Strict):
+    tenant: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+    admin: bool = False
+    name: Annotated[_Text, Field(max_length=128)] | None = None
+
+
+class ApiKeyOut(BaseModel):
+    id: str
+    tenant: str
+    admin: bool
+    name: str | None
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class ApiKeyCreated(ApiKeyOut):
+    key: str
+
+
+class ApiKeyList(BaseModel):
+    items: list[ApiKeyOut]
+
+
+class Capacity(_Strict):
+    memory_mib: Annotated[int, Field(ge=0, le=1 << 30)]
+    vcpus: Annotated[int, Field(ge=0, le=1 << 20)]
+    max_sandboxes: Annotated[int, Field(ge=0, le=1 << 20)]
+
+
+class NodeRegister(_Strict):
+    id: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+    url: Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^(https?|unix)://")]
+    token: Annotated[str, Field(min_length=16, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+    capacity: Capacity
+    templates: Annotated[list[Annotated[str, Field(min_length=1, max_length=128)]], Field(max_length=256)] = \
+        Field(default_factory=lambda: ["base"])
+
+
+class NodeHeartbeat(_Strict):
+    capacity: Capacity | None = None
+    used: dict[Annotated[str, Field(max_length=64)], Annotated[int, Field(ge=0, le=1 << 40)]] = \
+        Field(default_factory=dict, max_length=16)
+    failed_sandboxes: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=10000)] = \
+        Field(default_factory=list)
+    """Sandboxes whose VM died since they were created; their sessions become ``failed``."""
+
+
+class NodeOut(BaseModel):
+    id: str
+    url: str
+    capacity: dict[str, int]
+    used: dict[str, int]
+    templates: list[str]
+    registered_at: datetime
+    last_heartbeat_at: datetime
+    healthy: bool
+
+
+class NodeList(BaseModel):
+    items: list[NodeOut]

@@ -1,0 +1,248 @@
+"""Session lifecycle decisions: create (with placement), look up within a tenant, close, fail, expire."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+
+from sqlalchemy import and_, or_, select, update
+
+from capsa.common.ids import is_id, new_id
+from capsa.control.auth import Principal
+from capsa.control.errors import ApiError, InvalidState, NotFound, SessionFailed, ValidationFailed
+from capsa.control.lifecycle import transition
+from capsa.control.nodeclient import NodeClient, NodeError
+from capsa.control.placement import choose_node
+from capsa.control.plane import ControlPlane
+from capsa.control.schemas import SessionCreate, SessionList, SessionOut
+from capsa.control.store.db import DbSession
+from capsa.control.store.models import NodeRow, SessionMetadataRow, SessionRow, utcnow
+
+__all__ = [
+    "SANDBOX_GONE_CODES",
+    "close_session",
+    "create_session",
+    "extend_session",
+    "fail_session",
+    "finish_session",
+    "get_session",
+    "list_sessions",
+    "node_call_failed",
+    "running_session",
+    "sessions_to_expire",
+    "to_out",
+]
+
+log = logging.getLogger(__name__)
+
+SANDBOX_GONE_CODES = frozenset({"sandbox_failed", "sandbox_not_found"})
+"""Node error codes meaning the session's VM is gone: the session becomes ``failed``."""
+
+
+def to_out(row: SessionRow, metadata: Mapping[str, str]) -> SessionOut:
+    return SessionOut(
+        id=row.id, tenant=row.tenant, state=row.state,  # type: ignore[arg-type]
+        template=row.template, created_at=row.created_at, updated_at=row.updated_at,
+        expires_at=row.expires_at, idle_timeout=row.idle_timeout, last_activity_at=row.last_activity_at,
+        metadata=dict(metadata), memory_mib=row.memory_mib, vcpus=row.vcpus, node_id=row.node_id,
+        failure_reason=row.failure_reason, closed_at=row.closed_at,
+    )
+
+
+async def _metadata(db: DbSession, session_ids: list[str]) -> dict[str, dict[str, str]]:
+    result: dict[str, dict[str, str]] = {sid: {} for sid in session_ids}
+    if session_ids:
+        rows = await db.execute(
+            select(SessionMetadataRow).where(SessionMetadataRow.session_id.in_(session_ids)))
+        for meta in rows.scalars():
+            result[meta.session_id][meta.key] = meta.value
+    return result
+
+
+async def _load(db: DbSession, tenant: str, session_id: str) -> SessionRow:
+    # Another tenant's session is indistinguishable from a missing one.
+    row = await db.get(SessionRow, session_id, populate_existing=True) if is_id(session_id, "ses") else None
+    if row is None or row.tenant != tenant:
+        raise NotFound(f"session {session_id} not found")
+    return row
+
+
+async def get_session(plane: ControlPlane, tenant: str, session_id: str) -> SessionOut:
+    async with plane.db() as db:
+        row = await _load(db, tenant, session_id)
+        return to_out(row, (await _metadata(db, [row.id]))[row.id])
+
+
+def _encode_cursor(row: SessionRow) -> str:
+    raw = json.dumps([row.created_at.isoformat(), row.id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        created, sid = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        when = datetime.fromisoformat(created)
+        if not isinstance(sid, str) or when.tzinfo is None:
+            raise ValueError
+        return when, sid
+    except (ValueError, TypeError) as exc:
+        raise ValidationFailed("invalid cursor", [{"field": "query.cursor", "message": "invalid cursor"}]) \
+            from exc
+
+
+async def list_sessions(plane: ControlPlane, tenant: str, state: str | None, metadata: Mapping[str, str],
+                        limit: int, cursor: str | None) -> SessionList:
+    query = select(SessionRow).where(SessionRow.tenant == tenant)
+    if state is not None:
+        query = query.where(SessionRow.state == state)
+    for key, value in metadata.items():
+        query = query.where(SessionRow.id.in_(
+            select(SessionMetadataRow.session_id).where(SessionMetadataRow.key == key,
+                                                        SessionMetadataRow.value == value)))
+    if cursor:
+        created, sid = _decode_cursor(cursor)
+        query = query.where(or_(SessionRow.created_at < created,
+                                and_(SessionRow.created_at == created, SessionRow.id < sid)))
+    query = query.order_by(SessionRow.created_at.desc(), SessionRow.id.desc()).limit(limit + 1)
+    async with plane.db() as db:
+        rows = list((await db.execute(query)).scalars())
+        page, more = rows[:limit], len(rows) > limit
+        meta = await _metadata(db, [r.id for r in page])
+    return SessionList(items=[to_out(r, meta[r.id]) for r in page],
+                       next_cursor=_encode_cursor(page[-1]) if more and page else None)
+
+
+async def create_session(plane: ControlPlane, principal: Principal, req: SessionCreate) -> SessionOut:
+    now = utcnow()
+    session_id, sandbox_id = new_id("ses"), new_id("sbx")
+    async with plane.db() as db:
+        node = await choose_node(db, req.template, req.memory_mib, req.vcpus,
+                                 plane.settings.node_heartbeat_timeout)
+        row = SessionRow(
+            id=session_id, tenant=principal.tenant, state="creating", template=req.template, created_at=now,
+            updated_at=now, expires_at=now + timedelta(seconds=req.timeout), idle_timeout=req.idle_timeout,
+            last_activity_at=now, memory_mib=req.memory_mib, vcpus=req.vcpus, node_id=node.id,
+            sandbox_id=sandbox_id,
+        )
+        db.add(row)
+        db.add_all(SessionMetadataRow(session_id=session_id, key=k, value=v) for k, v in req.metadata.items())
+        await db.commit()
+    client = plane.node_client(node)
+    try:
+        await client.create_sandbox(sandbox_id, req.template, req.memory_mib, req.vcpus, req.env)
+    except BaseException as exc:
+        # Nothing may stay half-created: the node cleans up a failed boot itself, and we ask it again in
+        # case the failure was on the way back (or this request was cancelled while it booted).
+        reason = f"{exc.code}: {exc.message}" if isinstance(exc, NodeError) else f"{type(exc).__name__}"
+        await fail_session(plane, session_id, f"sandbox could not be started ({reason})")
+        if isinstance(exc, NodeError):
+            raise SessionFailed(f"session {session_id} failed to start: {exc.message}",
+                                session_id=session_id) from exc
+        raise
+    async with plane.db() as db:
+        started = await transition(db, session_id, "running")
+        await db.commit()
+        if not started:
+            # Closed (or reaped) while the VM was booting: the VM must not outlive the decision.
+            await _destroy_quietly(client, sandbox_id)
+        row = await _load(db, principal.tenant, session_id)
+        return to_out(row, (await _metadata(db, [row.id]))[row.id])
+
+
+async def _destroy_quietly(client: NodeClient, sandbox_id: str) -> None:
+    try:
+        await client.destroy_sandbox(sandbox_id)
+    except NodeError as exc:
+        # Left for the heartbeat reconciliation, which destroys sandboxes that no active session owns.
+        log.warning("could not destroy sandbox %s: %s", sandbox_id, exc)
+
+
+async def _node_of(db: DbSession, row: SessionRow) -> NodeRow | None:
+    return await db.get(NodeRow, row.node_id) if row.node_id else None
+
+
+async def finish_session(plane: ControlPlane, session_id: str, target: str, reason: str | None) -> bool:
+    async with plane.db() as db:
+        fields = {"failure_reason": reason} if reason is not None else {}
+        done = await transition(db, session_id, target, **fields)
+        await db.commit()
+        if not done:
+            return False
+        row = await db.get(SessionRow, session_id, populate_existing=True)
+        node = await _node_of(db, row) if row else None
+    if row is not None and node is not None and row.sandbox_id:
+        await _destroy_quietly(plane.node_client(node), row.sandbox_id)
+    return True
+
+
+async def fail_session(plane: ControlPlane, session_id: str, reason: str) -> bool:
+    """Mark a session failed and destroy whatever is left of its sandbox."""
+    return await finish_session(plane, session_id, "failed", reason)
+
+
+async def close_session(plane: ControlPlane, tenant: str, session_id: str,
+                        reason: str | None = None) -> SessionOut:
+    async with plane.db() as db:
+        await _load(db, tenant, session_id)
+    await finish_session(plane, session_id, "closed", reason)
+    return await get_session(plane, tenant, session_id)
+
+
+async def extend_session(plane: ControlPlane, tenant: str, session_id: str, ttl: int) -> SessionOut:
+    async with plane.db() as db:
+        row = await _load(db, tenant, session_id)
+        if row.state not in ("creating", "running", "paused"):
+            raise InvalidState(f"session {session_id} is {row.state}")
+        now = utcnow()
+        await db.execute(update(SessionRow).where(SessionRow.id == session_id)
+                         .values(expires_at=now + timedelta(seconds=ttl), updated_at=now))
+        await db.commit()
+    return await get_session(plane, tenant, session_id)
+
+
+async def running_session(plane: ControlPlane, tenant: str, session_id: str) -> tuple[SessionRow, NodeClient]:
+    """The session (which must be running) and a client for its node; records activity for idle timeouts."""
+    async with plane.db() as db:
+        row = await _load(db, tenant, session_id)
+        if row.state == "failed":
+            raise SessionFailed(f"session {session_id} failed: {row.failure_reason}")
+        if row.state != "running":
+            raise InvalidState(f"session {session_id} is {row.state}, not running")
+        node = await _node_of(db, row)
+        if node is None or not row.sandbox_id:
+            raise SessionFailed(f"session {session_id} has no sandbox")
+        await db.execute(update(SessionRow).where(SessionRow.id == session_id)
+                         .values(last_activity_at=utcnow()))
+        await db.commit()
+    return row, plane.node_client(node)
+
+
+async def node_call_failed(plane: ControlPlane, row: SessionRow, exc: NodeError) -> ApiError:
+    """Turn a node error into the API error to show; a vanished sandbox fails the session."""
+    if exc.code in SANDBOX_GONE_CODES:
+        await fail_session(plane, row.id, exc.message or exc.code)
+        return SessionFailed(f"session {row.id} failed: {exc.message}")
+    if exc.code == "node_unreachable":
+        return ApiError(exc.message, code="node_unreachable", status=503)
+    return ApiError(exc.message, code=exc.code, status=exc.status if 400 <= exc.status < 600 else 502)
+
+
+async def sessions_to_expire(db: DbSession) -> list[tuple[str, str]]:
+    """(session id, reason) of sessions past their hard TTL or idle timeout."""
+    now = utcnow()
+    rows = await db.execute(
+        select(SessionRow.id, SessionRow.expires_at, SessionRow.idle_timeout, SessionRow.last_activity_at)
+        .where(SessionRow.state.in_(("running", "paused")),
+               or_(SessionRow.expires_at <= now, SessionRow.idle_timeout.is_not(None)))
+    )
+    due: list[tuple[str, str]] = []
+    for sid, expires_at, idle, last in rows.all():
+        if expires_at <= now:
+            due.append((sid, "timeout"))
+        elif idle is not None and last + timedelta(seconds=idle) <= now:
+            due.append((sid, "idle_timeout"))
+    return due
+

@@ -1,0 +1,58 @@
+"""Engine creation and Alembic migrations, run automatically when the control plane starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event, text
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncSession as DbSession
+
+__all__ = ["DbSession", "create_engine", "migrate", "session_factory"]
+
+_MIGRATIONS = Path(__file__).with_name("migrations")
+# Any constant works: it only has to be the same for every replica that might migrate at once.
+_PG_MIGRATION_LOCK = 0x63617073
+
+
+def create_engine(url: str) -> AsyncEngine:
+    if url.startswith("sqlite"):
+        # Several replicas (or processes) may share one SQLite file: WAL lets readers proceed during a
+        # write and the busy timeout makes writers queue instead of failing at once.
+        engine = create_async_engine(url, connect_args={"timeout": 30})
+
+        @event.listens_for(engine.sync_engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: object, _record: object) -> None:
+            cursor = dbapi_conn.cursor()  # type: ignore[attr-defined]
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.close()
+
+        return engine
+    return create_async_engine(url, pool_pre_ping=True)
+
+
+def session_factory(engine: AsyncEngine) -> async_sessionmaker[DbSession]:
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def _upgrade(connection: Connection) -> None:
+    if connection.dialect.name == "postgresql":
+        # Transaction-scoped: released when the migration transaction ends.
+        connection.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+    config = Config()
+    config.set_main_option("script_location", str(_MIGRATIONS))
+    config.attributes["connection"] = connection
+    command.upgrade(config, "head")
+
+
+async def migrate(engine: AsyncEngine) -> None:
+    """Bring the schema to the newest revision (idempotent; safe with several replicas)."""
+    if engine.url.get_backend_name() == "sqlite" and engine.url.database:
+        Path(engine.url.database).parent.mkdir(parents=True, exist_ok=True)
+    async with engine.begin() as conn:
+        await conn.run_sync(_upgrade)

@@ -1,0 +1,117 @@
+"""Database tables of the control plane (SQLAlchemy 2 declarative)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, DateTime, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+__all__ = ["ApiKeyRow", "Base", "NodeRow", "RateCounterRow", "SessionMetadataRow", "SessionRow",
+           "UTCDateTime", "utcnow"]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Stored as naive UTC (SQLite has no time zones), always returned timezone-aware."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        assert isinstance(value, datetime)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class ApiKeyRow(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    name: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class NodeRow(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    url: Mapped[str] = mapped_column(String(1024))
+    token: Mapped[str] = mapped_column(String(256))
+    memory_mib: Mapped[int] = mapped_column(Integer)
+    vcpus: Mapped[int] = mapped_column(Integer)
+    max_sandboxes: Mapped[int] = mapped_column(Integer)
+    templates: Mapped[list[str]] = mapped_column(JSON, default=list)
+    used: Mapped[dict[str, int]] = mapped_column(JSON, default=dict)
+    registered_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    __table_args__ = (
+        Index("ix_sessions_tenant_created", "tenant", "created_at", "id"),
+        Index("ix_sessions_state_expires", "state", "expires_at"),
+        Index("ix_sessions_node_state", "node_id", "state"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16))
+    template: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    idle_timeout: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_activity_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    memory_mib: Mapped[int] = mapped_column(Integer)
+    vcpus: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    sandbox_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    failure_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    closed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class SessionMetadataRow(Base):
+    """One metadata pair per row so ``metadata.k=v`` filters are plain SQL on every database."""
+
+    __tablename__ = "session_metadata"
+    __table_args__ = (Index("ix_session_metadata_kv", "key", "value"),)
+
+    session_id: Mapped[str] = mapped_column(String(32), ForeignKey("sessions.id", ondelete="CASCADE"),
+                                            primary_key=True)
+    key: Mapped[str] = mapped_column(String(128), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+class RateCounterRow(Base):
+    """Fixed-window request counters, shared by every replica through the database."""
+
+    __tablename__ = "rate_counters"
+
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    bucket: Mapped[str] = mapped_column(String(32), primary_key=True)
+    window_start: Mapped[int] = mapped_column(Integer, primary_key=True)
+    count: Mapped[int] = mapped_column(Integer, default=0)

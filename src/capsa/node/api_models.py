@@ -1,0 +1,115 @@
+"""Bodies of the node agent API (spec/node.openapi.json)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ExecRequest",
+    "FileInfoOut",
+    "FileListOut",
+    "KillBody",
+    "NodeInfo",
+    "ProcessListOut",
+    "ProcessOut",
+    "ProcessOutputOut",
+    "ProcessStart",
+    "SandboxCreate",
+    "SandboxList",
+    "SandboxOut",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+_Env = Annotated[dict[Annotated[str, Field(max_length=128)], Annotated[str, Field(max_length=4096)]],
+                 Field(max_length=256)]
+
+
+class SandboxCreate(_Strict):
+    id: Annotated[str, Field(pattern=r"^sbx_[0-9a-z]{20}$")]
+    template: Annotated[str, Field(min_length=1, max_length=128)] = "base"
+    memory_mib: Annotated[int, Field(ge=64, le=65536)] = 256
+    vcpus: Annotated[int, Field(ge=1, le=64)] = 1
+    env: _Env = Field(default_factory=dict)
+
+
+class SandboxOut(BaseModel):
+    id: str
+    template: str
+    memory_mib: int
+    vcpus: int
+    state: str
+    failure: str | None
+    accelerator: str
+    created_at: float
+
+
+class SandboxList(BaseModel):
+    items: list[SandboxOut]
+
+
+class NodeInfo(BaseModel):
+    node_id: str
+    runtime: str
+    templates: list[str]
+    capacity: dict[str, int]
+    used: dict[str, int]
+    failed_sandboxes: list[str]
+
+
+class ProcessStart(_Strict):
+    cmd: str | Annotated[list[str], Field(min_length=1)]
+    env: _Env = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = None
+
+
+class ExecRequest(ProcessStart):
+    timeout: Annotated[float, Field(gt=0)] | None = None
+    stdin: str | None = None
+    max_output: Annotated[int, Field(ge=0, le=1 << 30)] = 16 << 20
+
+
+class ProcessOut(BaseModel):
+    pid: int
+    cmd: list[str]
+    running: bool
+    exit_code: int | None
+    signal: int | None
+    started_at: str
+
+
+class ProcessListOut(BaseModel):
+    items: list[ProcessOut]
+
+
+class ProcessOutputOut(BaseModel):
+    stdout: str
+    stderr: str
+    running: bool
+    exit_code: int | None
+    signal: int | None
+    stdout_truncated: bool
+    stderr_truncated: bool
+
+
+class KillBody(_Strict):
+    signal: Annotated[int, Field(ge=1, le=64)] = 15
+
+
+class FileInfoOut(BaseModel):
+    path: str
+    name: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+
+
+class FileListOut(BaseModel):
+    items: list[FileInfoOut]

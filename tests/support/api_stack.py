@@ -1,0 +1,149 @@
+"""The whole server side in one test process: control plane + node agent, each behind a real HTTP server.
+
+The node agent serves its API on a Unix socket and the control plane on 127.0.0.1 (ephemeral port), both
+with uvicorn, so requests take the same path as in ``capsa serve``. The runtime is pluggable: the fake one
+(real guest daemons as host processes) for fast unit tests, QemuRuntime for integration tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from capsa.common.image import GuestImage
+from capsa.control.app import create_app
+from capsa.control.keys import generate_key
+from capsa.control.settings import ControlSettings
+from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.api import create_node_app
+from capsa.node.runtime.base import Runtime
+
+__all__ = ["ApiStack", "Replica", "serve_app"]
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[no-untyped-def]
+        yield
+
+
+@dataclass
+class Replica:
+    app: FastAPI
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    url: str
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def serve_app(app: FastAPI, *, uds: str | None = None, lifespan: str = "on") -> Replica:
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, uds=uds, log_level="warning", lifespan=lifespan)
+    server = _Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("server did not start")
+        await asyncio.sleep(0.01)
+    if uds:
+        url = f"unix://{uds}"
+    else:
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+    return Replica(app, server, task, url)
+
+
+@dataclass
+class ApiStack:
+    database_url: str
+    runtime: Runtime
+    image: GuestImage
+    settings: dict[str, Any] = field(default_factory=dict)
+    capacity: NodeCapacity = field(default_factory=lambda: NodeCapacity(8192, 32, 16))
+    node_id: str = "node-test"
+    admin_key: str = ""
+    node_token: str = ""
+    agent: NodeAgent | None = None
+    replicas: list[Replica] = field(default_factory=list)
+    _node: Replica | None = None
+    _tmp: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return self.replicas[0].url
+
+    def control_settings(self, **overrides: Any) -> ControlSettings:
+        values = {"database_url": self.database_url, "bootstrap_key": self.admin_key, "reaper_interval": 0.2,
+                  **self.settings, **overrides}
+        return ControlSettings(**values)
+
+    async def start(self) -> ApiStack:
+        self._tmp = Path(tempfile.mkdtemp(prefix="capsa-stack-"))
+        self.admin_key = generate_key().full
+        self.node_token = secrets.token_urlsafe(24)
+        self.agent = NodeAgent(self.runtime, self.image, node_id=self.node_id, capacity=self.capacity)
+        await self.agent.start()
+        self._node = await serve_app(create_node_app(self.agent, self.node_token),
+                                     uds=str(self._tmp / "node.sock"), lifespan="off")
+        await self.add_replica()
+        async with self.client(self.admin_key) as admin:
+            response = await admin.post("/v1/nodes", json={
+                "id": self.node_id, "url": self._node.url, "token": self.node_token,
+                "capacity": {"memory_mib": self.capacity.memory_mib, "vcpus": self.capacity.vcpus,
+                             "max_sandboxes": self.capacity.max_sandboxes},
+                "templates": sorted(self.agent.templates)})
+            response.raise_for_status()
+        return self
+
+    async def add_replica(self, **overrides: Any) -> Replica:
+        replica = await serve_app(create_app(self.control_settings(**overrides)))
+        self.replicas.append(replica)
+        return replica
+
+    def client(self, key: str | None, url: str | None = None, **kwargs: Any) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.AsyncClient(base_url=url or self.url, headers=headers, timeout=120, **kwargs)
+
+    async def tenant_key(self, tenant: str, admin: bool = False) -> str:
+        async with self.client(self.admin_key) as client:
+            response = await client.post("/v1/keys", json={"tenant": tenant, "admin": admin})
+            response.raise_for_status()
+            return str(response.json()["key"])
+
+    async def heartbeat(self) -> httpx.Response:
+        assert self.agent is not None
+        async with self.client(self.node_token) as client:
+            return await client.post(f"/v1/nodes/{self.node_id}/heartbeat", json={
+                "used": self.agent.used(), "failed_sandboxes": self.agent.failed_sandboxes()})
+
+    async def stop(self) -> None:
+        for replica in self.replicas:
+            with contextlib.suppress(Exception):
+                await replica.stop()
+        self.replicas.clear()
+        if self._node is not None:
+            await self._node.stop()
+        if self.agent is not None:
+            await self.agent.close()
+        if self._tmp is not None:
+            import shutil
+
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    async def __aenter__(self) -> ApiStack:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

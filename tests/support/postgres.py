@@ -1,0 +1,65 @@
+"""A throwaway PostgreSQL 15 server in a temporary directory, run as the ``postgres`` user."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["PG_BIN", "postgres_missing_reason", "temporary_postgres"]
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+def postgres_missing_reason() -> str | None:
+    if not (PG_BIN / "initdb").exists():
+        return f"PostgreSQL 15 binaries not found in {PG_BIN}"
+    if shutil.which("runuser") is None:
+        return "runuser not found"
+    try:
+        import pwd
+
+        pwd.getpwnam("postgres")
+    except KeyError:
+        return "no postgres user"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _as_postgres(*args: str) -> None:
+    subprocess.run(["runuser", "-u", "postgres", "--", *args], check=True, capture_output=True, timeout=120)
+
+
+@contextlib.contextmanager
+def temporary_postgres() -> Iterator[str]:
+    """Yields an asyncpg SQLAlchemy URL of a fresh cluster; removes the cluster afterwards."""
+    root = Path(tempfile.mkdtemp(prefix="capsa-pg-"))
+    os.chmod(root, 0o755)
+    shutil.chown(root, "postgres", "postgres")
+    data, sock = root / "data", root / "sock"
+    sock.mkdir()
+    shutil.chown(sock, "postgres", "postgres")
+    port = _free_port()
+    started = False
+    try:
+        _as_postgres(str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync")
+        _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-w", "-t", "60", "-l", str(root / "log"),
+                     "-o", f"-p {port} -k {sock} -c listen_addresses='127.0.0.1' -c fsync=off", "start")
+        started = True
+        _as_postgres(str(PG_BIN / "createdb"), "-h", str(sock), "-p", str(port), "capsa")
+        yield f"postgresql+asyncpg://postgres@127.0.0.1:{port}/capsa"
+    finally:
+        if started:
+            with contextlib.suppress(subprocess.SubprocessError):
+                _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(root, ignore_errors=True)
