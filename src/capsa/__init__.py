@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from capsa.sdk import (
         AsyncClient,
         AsyncSession,
+        BadRequest,
         CapsaAPIError,
         CapsaClientError,
         CapsaConnectionError,
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
         InternalError,
         InvalidState,
         NoCapacity,
+        NodeUnreachable,
         NotFound,
         NotReady,
         PayloadTooLarge,
@@ -35,12 +37,14 @@ if TYPE_CHECKING:
         SessionInfo,
         TemplateNotFound,
         Unauthorized,
+        Unavailable,
         ValidationFailed,
     )
 
 __all__ = [
     "AsyncClient",
     "AsyncSession",
+    "BadRequest",
     "CapsaAPIError",
     "CapsaClientError",
     "CapsaConnectionError",
@@ -52,6 +56,7 @@ __all__ = [
     "InternalError",
     "InvalidState",
     "NoCapacity",
+    "NodeUnreachable",
     "NotFound",
     "NotReady",
     "PayloadTooLarge",
@@ -63,6 +68,7 @@ __all__ = [
     "SessionInfo",
     "TemplateNotFound",
     "Unauthorized",
+    "Unavailable",
     "ValidationFailed",
 ]
 

@@ -11,6 +11,7 @@ import pytest
 from capsa.sdk import (
     AsyncClient,
     AsyncSession,
+    BadRequest,
     CapsaAPIError,
     CapsaConnectionError,
     CapsaTimeoutError,
@@ -19,6 +20,7 @@ from capsa.sdk import (
     InternalError,
     InvalidState,
     NoCapacity,
+    NodeUnreachable,
     NotFound,
     NotReady,
     PayloadTooLarge,
@@ -26,6 +28,7 @@ from capsa.sdk import (
     SessionFailed,
     TemplateNotFound,
     Unauthorized,
+    Unavailable,
     ValidationFailed,
 )
 from capsa.sdk.errors import error_from_problem
@@ -43,6 +46,8 @@ CASES = [
     ("payload_too_large", 413, PayloadTooLarge),
     ("internal_error", 500, InternalError),
     ("not_ready", 503, NotReady),
+    ("node_unreachable", 503, NodeUnreachable),
+    ("bad_request", 400, BadRequest),
 ]
 
 
@@ -71,6 +76,7 @@ async def test_every_code_maps_to_its_class(code: str, status: int, cls: type[Ca
 def test_subclasses_group_naturally() -> None:
     assert issubclass(TemplateNotFound, NotFound)
     assert issubclass(SessionFailed, InvalidState)
+    assert all(issubclass(c, Unavailable) for c in (NoCapacity, NotReady, NodeUnreachable))
 
 
 async def test_validation_errors_name_the_fields() -> None:
@@ -101,6 +107,10 @@ async def test_unknown_code_falls_back_on_status() -> None:
     async with client_answering(problem("brand_new_code", 502)) as client:
         with pytest.raises(InternalError):
             await client.get_session("ses_x")
+    async with client_answering(problem("brand_new_code", 503)) as client:
+        with pytest.raises(Unavailable) as unavailable:
+            await client.get_session("ses_x")
+    assert type(unavailable.value) is Unavailable
     async with client_answering(problem("brand_new_code", 418)) as client:
         with pytest.raises(CapsaAPIError) as generic:
             await client.get_session("ses_x")

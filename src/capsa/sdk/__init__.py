@@ -6,6 +6,7 @@ from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import DEFAULT_API_URL, ClientConfig
 from capsa.sdk.errors import (
+    BadRequest,
     CapsaAPIError,
     CapsaClientError,
     CapsaConnectionError,
@@ -15,6 +16,7 @@ from capsa.sdk.errors import (
     InternalError,
     InvalidState,
     NoCapacity,
+    NodeUnreachable,
     NotFound,
     NotReady,
     PayloadTooLarge,
@@ -22,6 +24,7 @@ from capsa.sdk.errors import (
     SessionFailed,
     TemplateNotFound,
     Unauthorized,
+    Unavailable,
     ValidationFailed,
 )
 from capsa.sdk.files import AsyncFiles, UploadSource
@@ -38,6 +41,7 @@ __all__ = [
     "AsyncKeys",
     "AsyncProcess",
     "AsyncSession",
+    "BadRequest",
     "CapsaAPIError",
     "CapsaClientError",
     "CapsaConnectionError",
@@ -54,6 +58,7 @@ __all__ = [
     "InvalidState",
     "Keys",
     "NoCapacity",
+    "NodeUnreachable",
     "NotFound",
     "NotReady",
     "OutputCallback",
@@ -67,6 +72,7 @@ __all__ = [
     "SessionInfo",
     "TemplateNotFound",
     "Unauthorized",
+    "Unavailable",
     "UploadSource",
     "ValidationFailed",
 ]

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "BadRequest",
     "CapsaAPIError",
     "CapsaClientError",
     "CapsaConnectionError",
@@ -20,6 +21,7 @@ __all__ = [
     "InternalError",
     "InvalidState",
     "NoCapacity",
+    "NodeUnreachable",
     "NotFound",
     "NotReady",
     "PayloadTooLarge",
@@ -27,6 +29,7 @@ __all__ = [
     "SessionFailed",
     "TemplateNotFound",
     "Unauthorized",
+    "Unavailable",
     "ValidationFailed",
     "error_from_problem",
 ]
@@ -159,17 +162,36 @@ class PayloadTooLarge(CapsaAPIError):
     status = 413
 
 
-class NoCapacity(CapsaAPIError):
+class BadRequest(CapsaAPIError):
+    code = "bad_request"
+    status = 400
+
+
+class Unavailable(CapsaAPIError):
+    """The server cannot do this right now; retrying later may succeed."""
+
+    code = "unavailable"
+    status = 503
+
+
+class NoCapacity(Unavailable):
     """No node has room for a new sandbox right now."""
 
     code = "no_capacity"
     status = 503
 
 
-class NotReady(CapsaAPIError):
+class NotReady(Unavailable):
     """The server is up but cannot serve yet (database or node missing)."""
 
     code = "not_ready"
+    status = 503
+
+
+class NodeUnreachable(Unavailable):
+    """The control plane lost contact with the node running the session's sandbox."""
+
+    code = "node_unreachable"
     status = 503
 
 
@@ -180,13 +202,14 @@ class InternalError(CapsaAPIError):
 
 _BY_CODE: dict[str, type[CapsaAPIError]] = {
     cls.code: cls
-    for cls in (Unauthorized, Forbidden, NotFound, TemplateNotFound, ValidationFailed, RateLimited,
-                InvalidState, SessionFailed, PayloadTooLarge, NoCapacity, NotReady, InternalError)
+    for cls in (BadRequest, Unauthorized, Forbidden, NotFound, TemplateNotFound, ValidationFailed,
+                RateLimited, InvalidState, SessionFailed, PayloadTooLarge, Unavailable, NoCapacity, NotReady,
+                NodeUnreachable, InternalError)
 }
 # Used when the body carries no code we know (an older/newer server, or a proxy in between).
 _BY_STATUS: dict[int, type[CapsaAPIError]] = {
-    401: Unauthorized, 403: Forbidden, 404: NotFound, 409: InvalidState, 413: PayloadTooLarge,
-    422: ValidationFailed, 429: RateLimited, 500: InternalError, 503: NoCapacity,
+    400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: InvalidState,
+    413: PayloadTooLarge, 422: ValidationFailed, 429: RateLimited, 500: InternalError, 503: Unavailable,
 }
 
 
