@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
+from tests.support.api_stack import ApiStack
+from tests.support.fake_runtime import FakeRuntime, fake_image
 
 from capsa.cli.main import cli
 from capsa.sdk import (
@@ -31,14 +33,13 @@ from capsa.sdk import (
     Unauthorized,
     ValidationFailed,
 )
-from tests.support.api_stack import ApiStack
-from tests.support.fake_runtime import FakeRuntime, fake_image
 
 
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[ApiStack]:
     runtime = FakeRuntime(tmp_path / "rt")
-    async with ApiStack(f"sqlite+aiosqlite:///{tmp_path}/capsa.db", runtime, fake_image(tmp_path / "img")) as s:
+    db = f"sqlite+aiosqlite:///{tmp_path}/capsa.db"
+    async with ApiStack(db, runtime, fake_image(tmp_path / "img")) as s:
         yield s
 
 
@@ -83,7 +84,8 @@ async def test_session_commands_and_files_round_trip(tenant: AsyncClient, tmp_pa
         await s.files.upload(str(work / "up.bin"), local)
         down = tmp_path / "down.bin"
         assert await s.files.download(str(work / "up.bin"), down) == len(blob)
-        assert hashlib.sha256(await asyncio.to_thread(down.read_bytes)).digest() == hashlib.sha256(blob).digest()
+        downloaded = await asyncio.to_thread(down.read_bytes)
+        assert hashlib.sha256(downloaded).digest() == hashlib.sha256(blob).digest()
 
         names = sorted(f.name for f in await s.files.list(str(work)))
         assert names == ["empty", "sub", "up.bin"]
