@@ -13,7 +13,7 @@ import secrets
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import uvicorn
@@ -48,7 +48,9 @@ class Replica:
         await self.task
 
 
-async def serve_app(app: FastAPI, *, uds: str | None = None, lifespan: str = "on") -> Replica:
+async def serve_app(
+    app: FastAPI, *, uds: str | None = None, lifespan: Literal["auto", "on", "off"] = "on"
+) -> Replica:
     config = uvicorn.Config(app, host="127.0.0.1", port=0, uds=uds, log_level="warning", lifespan=lifespan)
     server = _Server(config)
     task = asyncio.create_task(server.serve())
@@ -85,8 +87,13 @@ class ApiStack:
         return self.replicas[0].url
 
     def control_settings(self, **overrides: Any) -> ControlSettings:
-        values = {"database_url": self.database_url, "bootstrap_key": self.admin_key, "reaper_interval": 0.2,
-                  **self.settings, **overrides}
+        values = {
+            "database_url": self.database_url,
+            "bootstrap_key": self.admin_key,
+            "reaper_interval": 0.2,
+            **self.settings,
+            **overrides,
+        }
         return ControlSettings(**values)
 
     async def start(self) -> ApiStack:
@@ -95,15 +102,25 @@ class ApiStack:
         self.node_token = secrets.token_urlsafe(24)
         self.agent = NodeAgent(self.runtime, self.image, node_id=self.node_id, capacity=self.capacity)
         await self.agent.start()
-        self._node = await serve_app(create_node_app(self.agent, self.node_token),
-                                     uds=str(self._tmp / "node.sock"), lifespan="off")
+        self._node = await serve_app(
+            create_node_app(self.agent, self.node_token), uds=str(self._tmp / "node.sock"), lifespan="off"
+        )
         await self.add_replica()
         async with self.client(self.admin_key) as admin:
-            response = await admin.post("/v1/nodes", json={
-                "id": self.node_id, "url": self._node.url, "token": self.node_token,
-                "capacity": {"memory_mib": self.capacity.memory_mib, "vcpus": self.capacity.vcpus,
-                             "max_sandboxes": self.capacity.max_sandboxes},
-                "templates": sorted(self.agent.templates)})
+            response = await admin.post(
+                "/v1/nodes",
+                json={
+                    "id": self.node_id,
+                    "url": self._node.url,
+                    "token": self.node_token,
+                    "capacity": {
+                        "memory_mib": self.capacity.memory_mib,
+                        "vcpus": self.capacity.vcpus,
+                        "max_sandboxes": self.capacity.max_sandboxes,
+                    },
+                    "templates": sorted(self.agent.templates),
+                },
+            )
             response.raise_for_status()
         return self
 
@@ -125,8 +142,10 @@ class ApiStack:
     async def heartbeat(self) -> httpx.Response:
         assert self.agent is not None
         async with self.client(self.node_token) as client:
-            return await client.post(f"/v1/nodes/{self.node_id}/heartbeat", json={
-                "used": self.agent.used(), "failed_sandboxes": self.agent.failed_sandboxes()})
+            return await client.post(
+                f"/v1/nodes/{self.node_id}/heartbeat",
+                json={"used": self.agent.used(), "failed_sandboxes": self.agent.failed_sandboxes()},
+            )
 
     async def stop(self) -> None:
         for replica in self.replicas:

@@ -8,6 +8,7 @@ The same API tests also run against :class:`capsa.node.runtime.qemu.QemuRuntime`
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import inspect
 import shutil
@@ -29,8 +30,13 @@ def fake_image(root: Path) -> GuestImage:
     root.mkdir(parents=True, exist_ok=True)
     for name in ("vmlinux", "initrd.cpio.gz", "rootfs.ext4"):
         (root / name).write_bytes(b"")
-    return GuestImage(kernel=root / "vmlinux", initrd=root / "initrd.cpio.gz", rootfs=root / "rootfs.ext4",
-                      digest="fake", kernel_release="host")
+    return GuestImage(
+        kernel=root / "vmlinux",
+        initrd=root / "initrd.cpio.gz",
+        rootfs=root / "rootfs.ext4",
+        digest="fake",
+        kernel_release="host",
+    )
 
 
 class FakeSandbox:
@@ -139,8 +145,8 @@ class FakeRuntime:
     def list(self) -> list[Sandbox]:
         return list(self._sandboxes.values())
 
-    async def cleanup_orphans(self) -> list[str]:
-        removed = []
+    async def cleanup_orphans(self) -> builtins.list[str]:
+        removed: builtins.list[str] = []
         for entry in self.base_dir.iterdir():
             if entry.name not in self._sandboxes:
                 shutil.rmtree(entry, ignore_errors=True)

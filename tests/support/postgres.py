@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["PG_BIN", "postgres_missing_reason", "temporary_postgres"]
+__all__ = ["PG_BIN", "PgCluster", "postgres_missing_reason", "temporary_postgres"]
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 
@@ -40,9 +40,23 @@ def _as_postgres(*args: str) -> None:
     subprocess.run(["runuser", "-u", "postgres", "--", *args], check=True, capture_output=True, timeout=120)
 
 
+class PgCluster:
+    def __init__(self, port: int, sock: Path) -> None:
+        self.port = port
+        self.sock = sock
+        self._count = 0
+
+    def new_database(self) -> str:
+        """Create an empty database and return its asyncpg SQLAlchemy URL."""
+        self._count += 1
+        name = f"capsa_{self._count}"
+        _as_postgres(str(PG_BIN / "createdb"), "-h", str(self.sock), "-p", str(self.port), name)
+        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{name}"
+
+
 @contextlib.contextmanager
-def temporary_postgres() -> Iterator[str]:
-    """Yields an asyncpg SQLAlchemy URL of a fresh cluster; removes the cluster afterwards."""
+def temporary_postgres() -> Iterator[PgCluster]:
+    """Yields a fresh cluster (trust auth on 127.0.0.1); stops and removes it afterwards."""
     root = Path(tempfile.mkdtemp(prefix="capsa-pg-"))
     os.chmod(root, 0o755)
     shutil.chown(root, "postgres", "postgres")
@@ -53,11 +67,21 @@ def temporary_postgres() -> Iterator[str]:
     started = False
     try:
         _as_postgres(str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync")
-        _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-w", "-t", "60", "-l", str(root / "log"),
-                     "-o", f"-p {port} -k {sock} -c listen_addresses='127.0.0.1' -c fsync=off", "start")
+        _as_postgres(
+            str(PG_BIN / "pg_ctl"),
+            "-D",
+            str(data),
+            "-w",
+            "-t",
+            "60",
+            "-l",
+            str(root / "log"),
+            "-o",
+            f"-p {port} -k {sock} -c listen_addresses='127.0.0.1' -c fsync=off",
+            "start",
+        )
         started = True
-        _as_postgres(str(PG_BIN / "createdb"), "-h", str(sock), "-p", str(port), "capsa")
-        yield f"postgresql+asyncpg://postgres@127.0.0.1:{port}/capsa"
+        yield PgCluster(port, sock)
     finally:
         if started:
             with contextlib.suppress(subprocess.SubprocessError):

@@ -128,6 +128,7 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
             sandbox_id=sandbox_id,
         )
         db.add(row)
+        await db.flush()  # the metadata rows reference the session row
         db.add_all(SessionMetadataRow(session_id=session_id, key=k, value=v) for k, v in req.metadata.items())
         await db.commit()
     client = plane.node_client(node)
