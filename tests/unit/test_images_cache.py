@@ -148,3 +148,11 @@ def test_publish_replaces_atomically(tmp_path: Path) -> None:
         assert (dest / "f").read_bytes() == content
         assert not staged.exists()
     assert list(layout.tmp.iterdir()) == []
+
+
+def test_discard_removes_a_published_entry(tmp_path: Path) -> None:
+    layout = CacheLayout(tmp_path)
+    d = _fake_image(tmp_path, "gone", "0" * 64, "2026-01-01T00:00:00+00:00")
+    layout.discard(d)
+    assert not d.exists()
+    assert list(layout.tmp.iterdir()) == []

@@ -55,6 +55,8 @@ KERNEL_FILE = "vmlinux"
 INITRD_FILE = "initrd.cpio.gz"
 ROOTFS_FILE = "rootfs.ext4"
 MANIFEST_FILE = "manifest.json"
+KEEP_IMAGES = 4
+"""Finished images kept in the cache; older ones (superseded by source changes) are pruned."""
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,21 @@ class _Builder:
                     self._emit(self._current, StepState.FAILED, why)
                 raise
 
+    def _prune(self, keep: Path) -> None:
+        """Drop all but the newest KEEP_IMAGES images (each is ~300 MiB on disk).
+
+        A running VM is unaffected: it works on its own copy of the disk and QEMU has already read
+        the kernel and initramfs.
+        """
+        dated = []
+        for image_dir in self.layout.images.iterdir():
+            manifest = load_manifest(image_dir)
+            dated.append((str(manifest.get("built_at", "")) if manifest else "", image_dir))
+        dated.sort(reverse=True)
+        for _, image_dir in dated[KEEP_IMAGES:]:
+            if image_dir != keep:
+                self.layout.discard(image_dir)
+
     def _step(self, name: str) -> None:
         self._current = name
         self._emit(name, StepState.STARTED)
@@ -330,6 +347,7 @@ class _Builder:
         (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         dest = layout.image_dir(image_key)
         layout.publish(out, dest)
+        self._prune(keep=dest)
         image = image_from_manifest(dest, manifest)
         if image is None:
             raise ImageBuildError(f"the image published at {dest} is incomplete")

@@ -107,6 +107,14 @@ class CacheLayout:
             built.rename(dest)
 
 
+    def discard(self, path: Path) -> None:
+        """Remove a published entry: it disappears at once (rename), then is deleted."""
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        doomed = self.tmp / f"discard-{path.name}-{os.getpid()}"
+        path.rename(doomed)
+        _remove(doomed)
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         _assert_no_mounts(path)
