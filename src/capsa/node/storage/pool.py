@@ -124,7 +124,9 @@ class StoragePool:
     @classmethod
     def _open_loop(cls, state_dir: Path, cfg: StorageSettings) -> StoragePool:
         storage_dir = state_dir / "storage"
-        storage_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # 0711 down to the sandbox directories: unprivileged QEMU processes must reach their own disk and
+        # RAM files (in directories they own) without being able to list anyone else's.
+        storage_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
         image = storage_dir / "pool.btrfs"
         mount_point = storage_dir / "pool"
         with _locked(storage_dir / ".lock"):
@@ -134,8 +136,9 @@ class StoragePool:
                     raise StorageError(
                         f"{mount_point} is already mounted with {mounted.fstype}, expected the btrfs pool"
                     )
+                os.chmod(mount_point, 0o711)
                 return cls._finish(mount_point.resolve(), cfg, loop_image=image)
-            mount_point.mkdir(exist_ok=True, mode=0o700)
+            mount_point.mkdir(exist_ok=True, mode=0o711)
             created = False
             try:
                 if not image.exists():
@@ -150,10 +153,11 @@ class StoragePool:
                     raise StorageError(f"cannot set up the btrfs storage pool: {exc.message}") from exc
                 # Not fatal: a plain directory works, only copies get slower and bigger.
                 fallback = storage_dir / "plain"
-                fallback.mkdir(exist_ok=True, mode=0o700)
+                fallback.mkdir(exist_ok=True, mode=0o711)
                 pool = cls._finish(fallback.resolve(), cfg, loop_image=None,
                                    reason=f"btrfs loop pool unavailable ({exc.message})")
                 return pool
+            os.chmod(mount_point, 0o711)  # the new filesystem's root directory
             log.info("storage.loop_mounted", image=str(image), mount_point=str(mount_point),
                      size_mib=cfg.loop_size_mib, created=created)
             return cls._finish(mount_point.resolve(), cfg, loop_image=image)
@@ -162,7 +166,7 @@ class StoragePool:
     def _finish(cls, root: Path, cfg: StorageSettings, *, loop_image: Path | None,
                 reason: str | None = None) -> StoragePool:
         for area in _AREAS:
-            (root / area).mkdir(exist_ok=True, mode=0o700)
+            (root / area).mkdir(exist_ok=True, mode=0o711)
         fs = filesystem_of(root)
         cow = probe_reflink(root)
         warning: str | None = None
@@ -214,10 +218,14 @@ class StoragePool:
     def template_dir(self, name: str) -> Path:
         return self.templates_dir / _check_name("template", name)
 
-    def sandbox_dir(self, sandbox_id: str, *, create: bool = False) -> Path:
+    def sandbox_dir(self, sandbox_id: str, *, create: bool = False,
+                    owner: tuple[int, int] | None = None) -> Path:
+        """The directory for one sandbox's files; ``owner`` (uid, gid) is the VM user that must write it."""
         path = self.sandboxes_dir / _check_name("sandbox", sandbox_id)
         if create:
             path.mkdir(mode=0o700, exist_ok=True)
+            if owner is not None:
+                os.chown(path, owner[0], owner[1])
         return path
 
     def snapshot_dir(self, snapshot_id: str) -> Path:

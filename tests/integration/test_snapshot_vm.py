@@ -1,0 +1,277 @@
+"""Snapshots with real VMs (QEMU microvm, TCG here): pause/resume, branch, entropy and clock after restore.
+
+One VM is cold-booted for the whole module (~10 s under TCG); everything else comes from snapshots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from capsa.common.image import GuestImage
+from capsa.common.settings import Settings
+from capsa.node.runtime.base import SandboxState, VMSpec
+from capsa.node.runtime.snapshot import RamMode, SnapshotError
+from capsa.node.runtime.snapshot_runtime import Snapshot, SnapshotRuntime, SnapshotSandbox
+from capsa.node.storage import StoragePool, StorageSettings
+
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (loop btrfs pool, VM uids)"),
+    # One event loop for the module: the runtime and its VMs outlive single tests.
+    pytest.mark.asyncio(loop_scope="module"),
+]
+
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"
+
+
+@pytest.fixture(scope="module")
+def state_dir() -> Iterator[Path]:
+    # Not under pytest's tmp_path: that is 0700, and QEMU runs as its own unprivileged uid.
+    path = Path(tempfile.mkdtemp(prefix="capsa-snap-", dir="/var/tmp"))
+    path.chmod(0o711)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pool(state_dir: Path) -> Iterator[StoragePool]:
+    p = StoragePool.open(state_dir, StorageSettings(loop_size_mib=8192, require_cow=True))
+    try:
+        yield p
+    finally:
+        p.destroy()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def runtime(state_dir: Path, pool: StoragePool) -> AsyncIterator[SnapshotRuntime]:
+    settings = Settings(state_dir=state_dir, cache_dir=Settings().cache_dir)
+    rt = SnapshotRuntime(settings, pool=pool)
+    try:
+        yield rt
+    finally:
+        await rt.close()
+
+
+@pytest.fixture(scope="module")
+def spec(guest_image: GuestImage) -> VMSpec:
+    return VMSpec(image=guest_image, memory_mib=256)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def parent(runtime: SnapshotRuntime, spec: VMSpec) -> AsyncIterator[SnapshotSandbox]:
+    sb = await runtime.boot(spec)
+    assert isinstance(sb, SnapshotSandbox)
+    try:
+        yield sb
+    finally:
+        await runtime.destroy(sb)
+
+
+async def _sh(sb: SnapshotSandbox, cmd: str) -> str:
+    res = await sb.guest.exec(["sh", "-c", cmd], timeout=30)
+    assert res.exit_code == 0, (cmd, res.stderr)
+    return res.stdout.decode()
+
+
+async def _counter(sb: SnapshotSandbox) -> int:
+    return int((await _sh(sb, "cat /tmp/counter")).strip())
+
+
+def _qemu_pids(under: Path) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if str(under).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def paused(runtime: SnapshotRuntime, spec: VMSpec) -> AsyncIterator[tuple[Snapshot, int, int]]:
+    """A session-like VM: a file, a background counter, then paused (snapshot + destroy)."""
+    sb = await runtime.boot(spec)
+    assert isinstance(sb, SnapshotSandbox)
+    try:
+        await sb.guest.write_file("/root/note.txt", b"written before the pause\n")
+        proc = await sb.guest.start_process(["sh", "-c", COUNTER])
+        await asyncio.sleep(1.0)
+        before = await _counter(sb)
+        assert before > 3
+        snap = await runtime.snapshot(sb, resume=False)
+    finally:
+        await runtime.destroy(sb)
+    try:
+        yield snap, before, proc.pid
+    finally:
+        runtime.delete_snapshot(snap)
+
+
+async def test_pause_resume_keeps_files_and_the_counter_continues(
+    runtime: SnapshotRuntime, spec: VMSpec, paused: tuple[Snapshot, int, int], state_dir: Path
+) -> None:
+    snap, before, pid = paused
+    # The paused VM is gone: no process and no files of it remain; only the snapshot does.
+    assert not any(p.name.startswith("sbx_") for p in (state_dir / "vms").iterdir())
+    assert runtime.pool.list_sandboxes() == []
+    assert snap.manifest.ram is not None and snap.manifest.device_state.size < 2 * 1024 * 1024
+    started = time.monotonic()
+    sb = await runtime.restore(snap, spec)
+    restore_s = time.monotonic() - started
+    try:
+        assert sb.state is SandboxState.RUNNING
+        assert await sb.guest.read_file("/root/note.txt") == b"written before the pause\n"
+        resumed_at = await _counter(sb)
+        assert resumed_at >= before
+        # The same process keeps counting from where it was, not from 1.
+        assert resumed_at < before + 50
+        await asyncio.sleep(1.0)
+        assert await _counter(sb) > resumed_at
+        assert any(p.pid == pid and p.running for p in await sb.guest.list_processes())
+    finally:
+        await runtime.destroy(sb)
+    assert runtime.pool.list_sandboxes() == []
+    print(f"restore to guest answering: {restore_s:.3f}s")
+
+
+async def test_branch_into_three_sees_parent_files_then_diverges(
+    runtime: SnapshotRuntime, spec: VMSpec, parent: SnapshotSandbox
+) -> None:
+    await parent.guest.write_file("/root/shared.txt", b"from the parent\n")
+    await _sh(parent, "sync")
+    snap = await runtime.snapshot(parent, resume=True)  # the parent keeps running
+    branches = await runtime.branch(snap, 3, spec)
+    try:
+        assert len({b.id for b in branches}) == 3
+        for i, b in enumerate(branches):
+            assert await b.guest.read_file("/root/shared.txt") == b"from the parent\n"
+            await b.guest.write_file("/root/mine.txt", f"branch {i}\n".encode())
+            await b.guest.write_file("/root/shared.txt", f"changed by branch {i}\n".encode())
+        await parent.guest.write_file("/root/parent-after.txt", b"parent only\n")
+        for i, b in enumerate(branches):
+            assert await b.guest.read_file("/root/mine.txt") == f"branch {i}\n".encode()
+            assert await b.guest.read_file("/root/shared.txt") == f"changed by branch {i}\n".encode()
+            assert "parent-after.txt" not in await _sh(b, "ls /root")
+        assert await parent.guest.read_file("/root/shared.txt") == b"from the parent\n"
+        assert "mine.txt" not in await _sh(parent, "ls /root")
+        # Disks diverge on the host too: each branch has its own reflinked disk file.
+        disks = {b.files.disk for b in branches}
+        assert len(disks) == 3 and all(d.exists() for d in disks)
+    finally:
+        for b in branches:
+            await runtime.destroy(b)
+        runtime.delete_snapshot(snap)
+
+
+async def _random_and_clock(sb: SnapshotSandbox) -> tuple[str, float]:
+    out = await _sh(sb, "python3 -c 'import os,time; print(os.urandom(16).hex(), time.time())'")
+    rnd, clock = out.split()
+    return rnd, float(clock) - time.time()
+
+
+async def test_restores_get_their_own_entropy_and_the_right_clock(
+    runtime: SnapshotRuntime, spec: VMSpec, paused: tuple[Snapshot, int, int]
+) -> None:
+    snap, _, _ = paused
+    # Make the snapshot old enough that a stale guest clock is obvious.
+    age = time.time() - snap.manifest.created_at.timestamp()
+    if age < 3:
+        await asyncio.sleep(3 - age)
+    a = await runtime.restore(snap, spec)
+    b = await runtime.restore(snap, spec, ram_mode=RamMode.PRIVATE)
+    try:
+        rnd_a, skew_a = await _random_and_clock(a)
+        rnd_b, skew_b = await _random_and_clock(b)
+        assert rnd_a != rnd_b
+        assert abs(skew_a) < 1.5 and abs(skew_b) < 1.5
+    finally:
+        await runtime.destroy(a)
+        await runtime.destroy(b)
+
+
+async def test_without_the_refresh_restores_share_rng_and_lag(
+    runtime: SnapshotRuntime, spec: VMSpec, paused: tuple[Snapshot, int, int]
+) -> None:
+    """The control for the test above: this is what the reseed and clock push fix."""
+    snap, _, _ = paused
+    age = time.time() - snap.manifest.created_at.timestamp()
+    if age < 3:
+        await asyncio.sleep(3 - age)
+    a = await runtime.restore(snap, spec, refresh=False)
+    b = await runtime.restore(snap, spec, refresh=False)
+    try:
+        rnd_a, skew_a = await _random_and_clock(a)
+        rnd_b, skew_b = await _random_and_clock(b)
+        assert rnd_a == rnd_b
+        assert skew_a < -2 and skew_b < -2
+    finally:
+        await runtime.destroy(a)
+        await runtime.destroy(b)
+
+
+async def test_rolling_snapshot_leaves_the_vm_running_and_is_a_point_in_time(
+    runtime: SnapshotRuntime, spec: VMSpec, parent: SnapshotSandbox
+) -> None:
+    await parent.guest.write_file("/root/before.txt", b"1")
+    snap = await runtime.snapshot(parent, resume=True)
+    assert parent.state is SandboxState.RUNNING
+    await parent.guest.write_file("/root/after.txt", b"2")
+    restored = await runtime.restore(snap, spec)
+    try:
+        listing = await _sh(restored, "ls /root")
+        assert "before.txt" in listing and "after.txt" not in listing
+        # A restored VM can itself be snapshotted again (its RAM is a shared reflinked copy).
+        snap2 = await runtime.snapshot(restored, resume=True)
+        assert snap2.manifest.parent == snap.id and snap2.manifest.ram is not None
+        runtime.delete_snapshot(snap2)
+    finally:
+        await runtime.destroy(restored)
+        runtime.delete_snapshot(snap)
+
+
+async def test_bad_requests_get_clear_errors_and_change_nothing(
+    runtime: SnapshotRuntime, spec: VMSpec, paused: tuple[Snapshot, int, int], state_dir: Path
+) -> None:
+    snap, _, _ = paused
+    before_pool = runtime.pool.list_sandboxes()
+    before_vms = sorted(p.name for p in (state_dir / "vms").iterdir())
+    for n in (0, 10_000, -1):
+        with pytest.raises(SnapshotError) as info:
+            await runtime.branch(snap, n, spec)
+        assert info.value.code == "invalid_branch_count" and info.value.status == 422
+    with pytest.raises(SnapshotError) as info:
+        await runtime.restore("snap_doesnotexist0000000", spec)
+    assert info.value.code == "snapshot_not_found"
+    with pytest.raises(SnapshotError) as info:
+        await runtime.restore(snap, VMSpec(image=spec.image, memory_mib=512))
+    assert info.value.code == "snapshot_mismatch"
+    assert runtime.pool.list_sandboxes() == before_pool
+    assert sorted(p.name for p in (state_dir / "vms").iterdir()) == before_vms
+    assert len(runtime.list()) == len(before_pool)
+
+
+async def test_closing_leaves_no_process_or_file(runtime: SnapshotRuntime, spec: VMSpec,
+                                                 paused: tuple[Snapshot, int, int], state_dir: Path) -> None:
+    snap, _, _ = paused
+    sbs = await runtime.branch(snap, 2, spec)
+    ids = [s.id for s in sbs]
+    for s in sbs:
+        await runtime.destroy(s)
+    for sid in ids:
+        assert not (state_dir / "vms" / sid).exists()
+        assert not runtime.pool.sandbox_dir(sid).exists()
+    live = {s.pid for s in runtime.list()}
+    assert [p for p in _qemu_pids(state_dir) if p not in live] == []
