@@ -38,9 +38,10 @@ def test_tcg_command_line() -> None:
     assert _option(argv, "-sandbox") == [SANDBOX_OPTIONS]
     assert "elevateprivileges=deny" in SANDBOX_OPTIONS and "spawn=deny" in SANDBOX_OPTIONS
     assert "tsc_early_khz=2299998" in _option(argv, "-append")[0]
+    assert "capsa.device=/dev/vport1p1" in _option(argv, "-append")[0]
     assert _option(argv, "-qmp") == ["unix:/vm/run/qmp.sock,server=on,wait=off"]
     assert "socket,id=agent,path=/vm/run/agent.sock,server=on,wait=off" in _option(argv, "-chardev")
-    assert "virtserialport,chardev=agent,name=agent0" in _option(argv, "-device")
+    assert "virtserialport,chardev=agent,name=agent0,nr=1" in _option(argv, "-device")
     assert any(d.startswith("id=root,file=/vm/disk.img,format=raw") for d in _option(argv, "-drive"))
 
 

@@ -7,6 +7,7 @@ line or speaks QMP itself. A driver returns :class:`Sandbox` handles; the guest 
 
 from __future__ import annotations
 
+import builtins
 import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ class SandboxState(enum.StrEnum):
     DESTROYED = "destroyed"
 
 
-class RuntimeError_(CapsaError):  # noqa: N801 - avoid shadowing the builtin
+class RuntimeError_(CapsaError):
     code = "runtime_error"
     status = 500
 
@@ -117,7 +118,7 @@ class Runtime(Protocol):
 
     def list(self) -> list[Sandbox]: ...
 
-    async def cleanup_orphans(self) -> list[str]:
+    async def cleanup_orphans(self) -> builtins.list[str]:
         """Remove VMs/workdirs left by a previous node process; returns what was removed."""
         ...
 

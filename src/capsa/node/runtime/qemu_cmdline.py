@@ -8,9 +8,22 @@ from pathlib import Path
 
 from capsa.node.runtime.base import Accelerator
 
-__all__ = ["AGENT_PORT_NAME", "SANDBOX_OPTIONS", "QemuConfig", "build_argv", "kernel_cmdline"]
+__all__ = [
+    "AGENT_PORT_NAME",
+    "AGENT_PORT_NUMBER",
+    "GUEST_AGENT_DEVICE",
+    "SANDBOX_OPTIONS",
+    "QemuConfig",
+    "build_argv",
+    "kernel_cmdline",
+]
 
 AGENT_PORT_NAME = "agent0"
+# The guest has no udev, so /dev/virtio-ports/<name> never appears. The port's node is /dev/vport<D>p<P>,
+# D being the virtio device index (the order of the virtio devices on the command line below: the disk is
+# virtio0, the serial device virtio1) and P the port number, pinned with nr=. Keep the order in sync.
+AGENT_PORT_NUMBER = 1
+GUEST_AGENT_DEVICE = f"/dev/vport1p{AGENT_PORT_NUMBER}"
 
 # Seccomp filter: no obsolete syscalls, no set*id, no fork/exec, no scheduler/affinity changes. QEMU needs
 # none of those once started, so a compromised QEMU cannot use them either.
@@ -68,6 +81,7 @@ class QemuConfig:
 
 def kernel_cmdline(config: QemuConfig) -> str:
     args = list(_BASE_KERNEL_ARGS)
+    args.append(f"capsa.device={GUEST_AGENT_DEVICE}")
     if config.accel is Accelerator.TCG and config.tsc_khz:
         # Under TCG the guest cannot calibrate its TSC on its own (RECIPES.md).
         args.append(f"tsc_early_khz={config.tsc_khz}")
@@ -106,7 +120,7 @@ def build_argv(config: QemuConfig) -> list[str]:
         "-device", "virtio-blk-device,drive=root",
         "-device", "virtio-serial-device,max_ports=2",
         "-chardev", f"socket,id=agent,path={config.agent_socket},server=on,wait=off",
-        "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME}",
+        "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME},nr={AGENT_PORT_NUMBER}",
     ]
     if config.tap_fd is not None:
         mac = f",mac={config.mac}" if config.mac else ""

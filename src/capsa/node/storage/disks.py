@@ -1,23 +1,21 @@
-"""Private per-sandbox disks: a copy-on-write clone of an image when the filesystem can, a copy otherwise."""
+"""Private per-sandbox disks: a copy-on-write clone of an image when the filesystem can, a copy otherwise.
+
+The copying itself is :mod:`capsa.node.storage.filecopy`; this adds ownership, growing and the warning.
+"""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from capsa.node.storage.filecopy import CopyError, copy_file
+
 __all__ = ["DiskCopy", "DiskError", "private_disk"]
 
 _log = logging.getLogger(__name__)
-
-# linux/fs.h: _IOW(0x94, 9, int). Clones every extent of the source into the destination (btrfs, XFS).
-_FICLONE = 0x40049409
-# errnos meaning "this filesystem (pair) cannot share extents", as opposed to a real I/O failure.
-_NO_CLONE_ERRNOS = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS}
 
 
 class DiskError(Exception):
@@ -30,33 +28,6 @@ class DiskCopy:
     cow: bool
     """True when the copy shares extents with the image (reflink); False for a full (sparse) copy."""
     size: int
-
-
-def _clone(src: Path, dst: Path) -> bool:
-    """Reflink ``src`` to a new ``dst``; False (and no ``dst``) when the filesystem cannot."""
-    with open(src, "rb") as fin:
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            fcntl.ioctl(fd, _FICLONE, fin.fileno())
-        except OSError as exc:
-            os.close(fd)
-            dst.unlink(missing_ok=True)
-            if exc.errno in _NO_CLONE_ERRNOS:
-                return False
-            raise
-        os.close(fd)
-    return True
-
-
-def _full_copy(src: Path, dst: Path) -> None:
-    # cp keeps holes (the images are mostly empty sparse files), which a naive read/write loop would fill.
-    proc = subprocess.run(
-        ["cp", "--reflink=auto", "--sparse=always", "--", str(src), str(dst)],
-        capture_output=True, text=True, check=False,
-    )
-    if proc.returncode != 0:
-        dst.unlink(missing_ok=True)
-        raise DiskError(f"copying {src} to {dst} failed: {proc.stderr.strip()}")
 
 
 def _grow_ext4(path: Path, size_mib: int) -> None:
@@ -83,18 +54,16 @@ def private_disk(image: Path, dst: Path, *, size_mib: int | None = None, owner: 
     if dst.exists():
         raise DiskError(f"{dst} already exists")
     try:
-        cow = _clone(image, dst)
+        cow = copy_file(image, dst, cow=True, mode=0o600)
         if not cow:
-            _log.warning("no copy-on-write on %s: making a full copy of %s (slower, uses more disk)",
+            _log.warning("no copy-on-write on %s: made a full (sparse) copy of %s: slower, uses more disk",
                          dst.parent, image)
-            _full_copy(image, dst)
-        os.chmod(dst, 0o600)
         if size_mib is not None and size_mib * 1024 * 1024 > src_size:
             _grow_ext4(dst, size_mib)
         if owner is not None:
             os.chown(dst, owner[0], owner[1])
         return DiskCopy(path=dst, cow=cow, size=dst.stat().st_size)
-    except OSError as exc:
+    except (OSError, CopyError) as exc:
         dst.unlink(missing_ok=True)
         raise DiskError(f"making the private disk {dst} failed: {exc}") from exc
     except BaseException:
