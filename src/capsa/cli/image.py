@@ -30,9 +30,10 @@ def _print_summary(console: Console, manifest: dict[str, Any], image_dir: Path) 
     table.add_column("on disk", justify="right")
     table.add_column("sha256")
     for name, art in manifest["artifacts"].items():
-        table.add_row(str(image_dir / name), f"{art['size'] / 2**20:.1f} MiB",
+        table.add_row(name, f"{art['size'] / 2**20:.1f} MiB",
                       f"{art['allocated'] / 2**20:.1f} MiB", art["sha256"][:16])
     console.print(table)
+    console.print(f"in {image_dir}", soft_wrap=True)
     k = manifest["kernel"]
     console.print(f"kernel {k['release']} ({k['package']} {k['version']}), "
                   f"{len(manifest['packages'])} Debian packages, built in {manifest['build_seconds']:.0f} s "

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Install capsa on a fresh Debian 12 (bookworm) machine and run the main job end to end.
+#
+#   sudo scripts/install.sh              # system packages, venv, guest image, then the demo
+#   sudo scripts/install.sh --no-demo    # everything except the demo (what CI uses)
+#
+# Idempotent: packages already installed are not touched, the venv is reused, and the guest image
+# comes from the cache (/var/cache/capsa, or $CAPSA_CACHE_DIR) when its inputs have not changed.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${CAPSA_VENV:-$REPO/.venv}"
+DEMO=1
+
+usage() {
+    sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    echo "options: --no-demo   skip the final demo run"
+    echo "         --venv DIR  virtualenv to create/use (default: \$CAPSA_VENV or $REPO/.venv)"
+}
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --no-demo) DEMO=0 ;;
+        --venv) [ $# -ge 2 ] || { echo "install.sh: --venv needs a directory" >&2; exit 2; }; VENV="$2"; shift ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "install.sh: unknown option: $1" >&2; usage >&2; exit 2 ;;
+    esac
+    shift
+done
+
+step() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
+die() { echo "install.sh: $*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || die "run as root (the image build uses debootstrap; VMs and networking need root)"
+[ -r /etc/debian_version ] || die "this script supports Debian 12 (bookworm) only"
+case "$(cat /etc/debian_version)" in
+    12*|bookworm*) ;;
+    *) echo "install.sh: warning: tested on Debian 12; found Debian $(cat /etc/debian_version)" >&2 ;;
+esac
+
+PACKAGES=(
+    qemu-system-x86 qemu-utils debootstrap busybox-static e2fsprogs zstd lz4 cpio btrfs-progs nftables
+    iproute2 util-linux debian-archive-keyring ca-certificates python3 python3-venv python3-dev gcc
+    postgresql
+)
+
+step "System packages"
+missing=()
+for p in "${PACKAGES[@]}"; do
+    status="$(dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null || true)"
+    [ "${status:0:2}" = "ii" ] || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "installing: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+    echo "all ${#PACKAGES[@]} packages already installed"
+fi
+
+step "Python environment ($VENV)"
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -e "$REPO"
+"$VENV/bin/capsa" --version
+
+step "Guest image (kernel, initramfs, root filesystem)"
+"$VENV/bin/capsa" image build
+
+if [ "$DEMO" -eq 1 ]; then
+    step "Main job"
+    # ---- MAIN JOB (one line; switch to the SDK quick start when the control plane lands) ----
+    "$VENV/bin/capsa" vm run -- python3 -c 'import platform; print(platform.release())'
+fi
+
+step "Done"
+echo "capsa is installed in $VENV (command: $VENV/bin/capsa)"
