@@ -24,9 +24,11 @@ import tempfile
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import pytest_asyncio
+
 from capsa.node.guest_client import GuestClient
 
-__all__ = ["GUEST_PACKAGE", "LocalGuest", "local_guest_client"]
+__all__ = ["GUEST_PACKAGE", "LocalGuest", "guest_client", "local_guest", "local_guest_client"]
 
 GUEST_PACKAGE = Path(__file__).resolve().parents[2] / "src" / "capsa" / "guest"
 
@@ -127,3 +129,20 @@ async def local_guest_client(**kwargs: object) -> AsyncIterator[tuple[LocalGuest
         yield guest, await guest.client()
     finally:
         await guest.stop()
+
+
+@pytest_asyncio.fixture
+async def local_guest() -> AsyncIterator[LocalGuest]:
+    """pytest fixture: a running local guest daemon (import it into a test module to use it)."""
+    guest = LocalGuest()
+    await guest.start()
+    try:
+        yield guest
+    finally:
+        await guest.stop()
+
+
+@pytest_asyncio.fixture
+async def guest_client(local_guest: LocalGuest) -> AsyncIterator[GuestClient]:
+    """pytest fixture: a GuestClient connected to ``local_guest``."""
+    yield await local_guest.client()

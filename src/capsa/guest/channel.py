@@ -59,7 +59,9 @@ class Stream:
         if frame.kind == Kind.DATA:
             self._recv_allowed -= len(frame.data)
             if self._recv_allowed < 0:
-                self.inbox.put(OpError("flow_control", "host sent more data than the window allows"))
+                # Answer right away (the request's own thread may be blocked elsewhere), then stop it.
+                with contextlib.suppress(ChannelGone):
+                    self.error("flow_control", "host sent more data than the window allows")
                 self.cancel()
                 return
         self.inbox.put(frame)

@@ -346,11 +346,15 @@ def op_tar_import(stream: Stream, args: dict[str, Any], data: bytes) -> None:
                 count += 1
         except tarfile.TarError as exc:
             raise OpError("bad_request", f"bad tar archive: {exc}") from None
-    # A later member can change what an earlier, vetted symlink resolves to; check them all again.
-    for link in links:
-        if os.path.lexists(link) and not _inside(root, os.path.realpath(link)):
-            os.unlink(link)
-            raise _unsafe(os.path.relpath(link, root), "symlink points outside the target")
+        finally:
+            # A later member can change what an earlier, vetted symlink resolves to; check them all
+            # again, also when the import failed half way, and leave no link that leads out.
+            escaped = [link for link in links
+                       if os.path.lexists(link) and not _inside(root, os.path.realpath(link))]
+            for link in escaped:
+                os.unlink(link)
+    if escaped:
+        raise _unsafe(os.path.relpath(escaped[0], root), "symlink points outside the target")
     # Drain anything after the end-of-archive blocks so the host is not left waiting for credit.
     while reader.read(CHUNK_SIZE):
         pass

@@ -15,7 +15,7 @@ import json
 import os
 import random
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,8 @@ __all__ = [
 
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
 READ_SIZE = 256 * 1024
+# Data frames are bounded by the credit window; this bounds the small ones (events, empty data).
+MAX_QUEUED_FRAMES = 4096
 
 OutputCallback = Callable[[bytes], Awaitable[None] | None]
 
@@ -162,11 +164,16 @@ class _Stream:
         self.queue: asyncio.Queue[Frame | BaseException] = asyncio.Queue()
         self.send_credit = INITIAL_WINDOW
         self.credit_changed = asyncio.Event()
-        self.recv_outstanding = 0  # bytes the guest sent that we have not acknowledged
-        self.recv_unacked = 0
+        self.recv_allowed = INITIAL_WINDOW  # bytes the guest may still send before more credit
+        self.recv_unacked = 0  # consumed bytes not yet returned as credit
         self.done = False  # RESULT/ERROR arrived (or the connection died)
+        self.failure: BaseException | None = None
 
     def deliver(self, item: Frame | BaseException) -> None:
+        if self.failure is not None:
+            return  # a failed request takes nothing more (a misbehaving guest cannot grow the queue)
+        if isinstance(item, Frame) and item.kind != Kind.WINDOW and self.queue.qsize() >= MAX_QUEUED_FRAMES:
+            item = GuestError("flow_control", "guest sent too many frames without them being read")
         if isinstance(item, Frame):
             if item.kind == Kind.WINDOW:
                 n = item.meta.get("n")
@@ -175,18 +182,23 @@ class _Stream:
                     self.credit_changed.set()
                 return
             if item.kind == Kind.DATA:
-                self.recv_outstanding += len(item.data)
-                if self.recv_outstanding > INITIAL_WINDOW:
+                self.recv_allowed -= len(item.data)
+                if self.recv_allowed < 0:
                     item = GuestError("flow_control", "guest sent more data than the window allows")
             if isinstance(item, Frame) and item.kind in (Kind.RESULT, Kind.ERROR):
                 self.done = True
         if isinstance(item, BaseException):
+            # Failures overtake queued data: the caller learns at its next read, not after a backlog.
             self.done = True
+            if self.failure is None:
+                self.failure = item
         self.queue.put_nowait(item)
         self.credit_changed.set()
 
     async def next(self) -> Frame:
         """Next frame for the caller; raises the guest's error or ChannelClosed."""
+        if self.failure is not None:
+            raise self.failure
         item = await self.queue.get()
         if isinstance(item, BaseException):
             raise item
@@ -197,10 +209,10 @@ class _Stream:
         return item
 
     async def _ack(self, n: int) -> None:
-        self.recv_outstanding -= n
         self.recv_unacked += n
         if self.recv_unacked >= INITIAL_WINDOW // 4 and not self.done:
             grant, self.recv_unacked = self.recv_unacked, 0
+            self.recv_allowed += grant
             await self.client._send(Kind.WINDOW, self.id, {"n": grant})
 
     async def result(self) -> Frame:
@@ -411,7 +423,7 @@ class GuestClient:
 
     async def _abandon(self, stream: _Stream) -> None:
         """The caller gave up (cancelled, timed out, broke out of a stream): tell the guest."""
-        if stream.done:
+        if stream.done and stream.failure is None:
             self._forget(stream)
             return
         self._forget(stream)
@@ -569,7 +581,7 @@ class GuestClient:
             out += chunk
         return bytes(out)
 
-    async def iter_file(self, path: str, chunk: int = CHUNK_SIZE) -> AsyncIterator[bytes]:
+    async def iter_file(self, path: str, chunk: int = CHUNK_SIZE) -> AsyncGenerator[bytes, None]:
         """The file's bytes as they arrive (guest chunks are at most 64 KiB; ``chunk`` caps them lower)."""
         stream = await self._open("file_read", {"path": path})
         try:
@@ -625,7 +637,7 @@ class GuestClient:
     async def rename(self, src: str, dst: str) -> None:
         await self._call("file_rename", {"src": src, "dst": dst})
 
-    async def tar_export(self, path: str) -> AsyncIterator[bytes]:
+    async def tar_export(self, path: str) -> AsyncGenerator[bytes, None]:
         """A tar stream (PAX format, uncompressed) of the directory's contents, or of one file."""
         stream = await self._open("tar_export", {"path": path})
         try:
