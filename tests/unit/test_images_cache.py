@@ -156,3 +156,13 @@ def test_discard_removes_a_published_entry(tmp_path: Path) -> None:
     layout.discard(d)
     assert not d.exists()
     assert list(layout.tmp.iterdir()) == []
+
+
+def test_unusable_cache_dir_is_a_clear_error(tmp_path: Path) -> None:
+    from capsa.images import ImageBuildError, ensure_image
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_bytes(b"keep me")
+    with pytest.raises(ImageBuildError, match=r"image build failed: .*cache: .*file"):
+        ensure_image(Settings(cache_dir=not_a_dir))
+    assert not_a_dir.read_bytes() == b"keep me"

@@ -212,6 +212,15 @@ class _Builder:
             self.progress(BuildEvent(step, state, detail))
 
     def build(self, force: bool) -> GuestImage:
+        try:
+            return self._locked_build(force)
+        except OSError as exc:
+            # Permissions, a full disk, a vanished file: say where, without a traceback.
+            step = f" during {self._current}" if self._current else ""
+            raise ImageBuildError(f"image build failed{step}: {exc} (cache: {self.layout.root}; "
+                                  "building needs root, or set CAPSA_CACHE_DIR)") from exc
+
+    def _locked_build(self, force: bool) -> GuestImage:
         inputs = config_inputs(self.config)
         config_digest = digest_json(inputs)
         with self.layout.build_lock():
