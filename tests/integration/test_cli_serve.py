@@ -81,10 +81,23 @@ def _start(state_dir: Path, log_dir: Path, env: dict[str, str] | None = None) ->
     raise AssertionError(f"capsa serve did not become ready: {err.read_text()[-2000:]}")
 
 
+def qemu_pids(state_dir: Path) -> list[int]:
+    """QEMU processes whose command line mentions ``state_dir`` (read from /proc: ps truncates)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # exited meanwhile
+        if args and b"qemu-system" in args[0] and any(str(state_dir).encode() in a for a in args):
+            pids.append(int(entry.name))
+    return pids
+
+
 def _leftovers(state_dir: Path) -> list[str]:
-    found = []
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
-    found += [line for line in ps.splitlines() if "qemu-system" in line and str(state_dir) in line]
+    found = [f"qemu pid {pid}" for pid in qemu_pids(state_dir)]
     vms = state_dir / "vms"
     if vms.exists():
         found += [str(p) for p in vms.iterdir()]
