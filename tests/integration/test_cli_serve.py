@@ -240,3 +240,26 @@ def test_cli_run_exec_ls_close_with_real_vms(server: tuple[Served, str]) -> None
         gone = capsa(served, key, "exec", s.id, "--", "true")
         assert gone.returncode == 125 and gone.stderr.startswith("error: invalid_state")
     assert _wait_no_leftovers(served.state_dir) == []
+
+
+@pytest.mark.vm
+def test_ctrl_c_on_capsa_run_closes_the_session(server: tuple[Served, str]) -> None:
+    served, admin = server
+    key = capsa(served, admin, "keys", "create", "--tenant", "ctrl-c").stdout.strip()
+    env = {**os.environ, "CAPSA_API_URL": served.url, "CAPSA_API_KEY": key}
+    proc = subprocess.Popen([*CAPSA, "run", "--", "echo started; sleep 120"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "started\n"  # the command is running inside the VM
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    items = json.loads(capsa(served, key, "ls", "--json").stdout)["items"]
+    assert [s["state"] for s in items] == ["closed"]
+    assert _wait_no_leftovers(served.state_dir) == []

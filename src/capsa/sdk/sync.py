@@ -16,6 +16,7 @@ import httpx
 
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
+from capsa.sdk.config import ClientConfig
 from capsa.sdk.files import AsyncFiles, UploadSource
 from capsa.sdk.models import ApiKey, CommandResult, FileInfo, ProcessInfo, ProcessOutput, SessionInfo
 from capsa.sdk.portal import Portal, get_portal
@@ -50,7 +51,7 @@ class Client:
         self.keys = Keys(self.aio.keys, self._portal)
 
     @property
-    def config(self) -> Any:
+    def config(self) -> ClientConfig:
         return self.aio.config
 
     def health(self) -> dict[str, Any]:
