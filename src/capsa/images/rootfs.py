@@ -74,23 +74,53 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
+def _propagation() -> str:
+    """``private`` where possible; ``unchanged`` inside a chroot, whose / is not a mount point.
+
+    In the fallback case mounts can leak out of the namespace, so :func:`_unmount_under` cleans up.
+    """
+    probe = subprocess.run([_require("unshare"), "--mount", "--propagation", "private", "true"],
+                           capture_output=True, check=False)
+    return "private" if probe.returncode == 0 else "unchanged"
+
+
+def _mounts_under(path: Path) -> list[str]:
+    prefix = str(path.resolve()) + "/"
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].replace("\\040", " ")
+            if point.startswith(prefix):
+                points.append(point)
+    return points
+
+
+def _unmount_under(path: Path) -> None:
+    # Deepest first; lazy so a busy mount cannot keep the target (and its deletion) hostage.
+    for point in sorted(_mounts_under(path), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+
+
 def run_debootstrap(*, suite: str, mirror: str, packages: Iterable[str], target: Path, tarball: Path,
                     debs_cache: Path, log: Path) -> None:
     """debootstrap a minbase system into ``target`` and pack it into ``tarball`` (tar + zstd).
 
     debootstrap runs in a private mount namespace (``unshare -m``): the /proc and /sys it mounts
     inside the target disappear with it even if it is killed, so deleting ``target`` afterwards can
-    never reach into the host's /proc or /sys.
+    never reach into the host's /proc or /sys. Anything still mounted there is unmounted anyway.
     """
     if os.geteuid() != 0:
         raise ImageBuildError("building the guest root filesystem needs root (debootstrap, device nodes)")
     debs_cache.mkdir(parents=True, exist_ok=True)
     argv = [
-        _require("unshare"), "--mount", "--propagation", "private", "--",
+        _require("unshare"), "--mount", "--propagation", _propagation(), "--",
         _require("debootstrap"), "--variant=minbase", f"--include={','.join(packages)}",
         f"--cache-dir={debs_cache}", suite, str(target), mirror,
     ]
-    _run_logged(argv, log, "debootstrap")
+    try:
+        _run_logged(argv, log, "debootstrap")
+    finally:
+        _unmount_under(target)
     # Package downloads and apt lists are dead weight in a sandbox image.
     for sub in ("var/cache/apt/archives", "var/lib/apt/lists", "debootstrap"):
         d = target / sub
