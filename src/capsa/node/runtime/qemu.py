@@ -248,6 +248,10 @@ class QemuRuntime:
             self.accel_decision = AccelDecision(accel, reason, time.time())
         _log.info("accelerator: %s (%s)", accel.value, reason)
 
+    def _probe_uid(self) -> int | None:
+        # Every VM uid is in the same position towards /dev/kvm (not its owner), so any one stands for all.
+        return VM_UID_BASE if self.drop_privileges else None
+
     def _kvm_groups(self) -> list[int]:
         with contextlib.suppress(OSError):
             gid = Path("/dev/kvm").stat().st_gid
@@ -284,15 +288,17 @@ class QemuRuntime:
                     if sandbox is not None:
                         return sandbox
                     accel = Accelerator.TCG
+            elif accel is Accelerator.KVM:
+                reason = kvm_device_status(self._probe_uid(), tuple(self._kvm_groups()))
+                if reason is not None:
+                    raise BootError(f"kvm was requested but {reason}")
             return await self._boot(binary, spec, sid, accel, self.boot_timeout)
         finally:
             self._booting.discard(sid)
 
     async def _probe_kvm(self, binary: str, spec: VMSpec, sid: str) -> QemuSandbox | None:
         """Boot this sandbox under KVM with a short deadline; the VM is kept when it works."""
-        # Every VM uid is in the same position towards /dev/kvm (not its owner), so any one stands for all.
-        probe_uid = VM_UID_BASE if self.drop_privileges else None
-        reason = kvm_device_status(probe_uid, tuple(self._kvm_groups()))
+        reason = kvm_device_status(self._probe_uid(), tuple(self._kvm_groups()))
         if reason is not None:
             self._decide(Accelerator.TCG, f"kvm unusable: {reason}", persist=False)
             return None

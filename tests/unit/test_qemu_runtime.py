@@ -1,0 +1,155 @@
+"""QemuRuntime failure paths with a real QEMU but no guest image: nothing may be left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from capsa.common.image import GuestImage
+from capsa.common.settings import Settings
+from capsa.node.runtime.base import Accelerator, BootError, VMSpec
+from capsa.node.runtime.qemu import QemuRuntime
+from capsa.node.runtime.qemu_cmdline import SANDBOX_OPTIONS
+from capsa.node.runtime.qemu_process import QemuProcess
+from capsa.node.runtime.workdir import VmDir, find_qemu_pids
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="cr-") as tmp:
+        os.chmod(tmp, 0o711)
+        yield Path(tmp)
+
+
+@pytest.fixture
+def bogus_image(base: Path) -> GuestImage:
+    """Files in the right places with the wrong content: QEMU starts, then fails to load the kernel."""
+    img = base / "img"
+    img.mkdir()
+    (img / "vmlinux").write_bytes(b"not a kernel" * 100)
+    (img / "initrd.cpio.gz").write_bytes(b"not an initrd")
+    with open(img / "rootfs.ext4", "wb") as fh:
+        fh.truncate(8 * 1024 * 1024)
+    for p in img.iterdir():
+        p.chmod(0o644)
+    return GuestImage(kernel=img / "vmlinux", initrd=img / "initrd.cpio.gz", rootfs=img / "rootfs.ext4",
+                      digest="0" * 64, kernel_release="none")
+
+
+def _runtime(base: Path, **kwargs: object) -> QemuRuntime:
+    settings = Settings(state_dir=base / "state", cache_dir=base / "cache")
+    return QemuRuntime(settings, accel=kwargs.pop("accel", "tcg"), accel_cache=False, **kwargs)  # type: ignore[arg-type]
+
+
+def _kvm_open_to_everyone() -> bool:
+    try:
+        return os.stat("/dev/kvm").st_mode & 0o006 == 0o006
+    except FileNotFoundError:
+        return False
+
+
+def _leftovers(base: Path) -> list[str]:
+    vms = base / "state" / "vms"
+    files = [str(p) for p in vms.rglob("*")] if vms.exists() else []
+    return files + [f"pid {pid}" for pid in find_qemu_pids(base)]
+
+
+async def test_boot_failure_reports_qemu_error_and_cleans_up(base: Path, bogus_image: GuestImage) -> None:
+    rt = _runtime(base)
+    with pytest.raises(BootError) as info:
+        await rt.boot(VMSpec(image=bogus_image), sandbox_id="sbx_bogus")
+    assert "qemu exited with code 1" in str(info.value)
+    assert info.value.extra["sandbox_id"] == "sbx_bogus"
+    assert _leftovers(base) == []
+    assert rt.list() == []
+
+
+async def test_bad_requests_are_refused_without_side_effects(base: Path, bogus_image: GuestImage) -> None:
+    rt = _runtime(base)
+    with pytest.raises(BootError, match="networking"):
+        await rt.boot(VMSpec(image=bogus_image, network=object()))
+    with pytest.raises(BootError, match="invalid sandbox id"):
+        await rt.boot(VMSpec(image=bogus_image), sandbox_id="../../etc")
+    with pytest.raises(BootError, match="memory_mib"):
+        await rt.boot(VMSpec(image=bogus_image, memory_mib=1))
+    missing = GuestImage(kernel=base / "nope", initrd=bogus_image.initrd, rootfs=bogus_image.rootfs,
+                         digest="x", kernel_release="x")
+    with pytest.raises(BootError, match=r"kernel .* does not exist"):
+        await rt.boot(VMSpec(image=missing))
+    with pytest.raises(BootError, match="smaller than the image"):
+        await rt.boot(VMSpec(image=bogus_image, disk_size_mib=1))
+    deep = base / ("d" * 90)
+    deep.mkdir()
+    deep.chmod(0o711)
+    deep_rt = QemuRuntime(Settings(state_dir=deep, cache_dir=base / "cache"), accel="tcg", accel_cache=False)
+    with pytest.raises(BootError, match="too deep"):
+        await deep_rt.boot(VMSpec(image=bogus_image))
+    assert _leftovers(base) == []
+    with pytest.raises(ValueError, match="unknown accelerator"):
+        _runtime(base, accel="warp")
+
+
+async def test_private_state_dir_is_reported(base: Path, bogus_image: GuestImage) -> None:
+    locked = base / "locked"
+    locked.mkdir(mode=0o700)
+    rt = QemuRuntime(Settings(state_dir=locked / "state", cache_dir=base / "cache"), accel="tcg",
+                     accel_cache=False)
+    with pytest.raises(BootError, match="not searchable by others"):
+        await rt.boot(VMSpec(image=bogus_image))
+
+
+async def test_explicit_kvm_without_access_fails_cleanly(base: Path, bogus_image: GuestImage) -> None:
+    if _kvm_open_to_everyone():
+        pytest.skip("/dev/kvm is open to everyone on this host")
+    rt = _runtime(base, accel="kvm")
+    with pytest.raises(BootError, match=r"kvm was requested but .* not accessible"):
+        await rt.boot(VMSpec(image=bogus_image))
+    assert _leftovers(base) == []
+
+
+async def test_auto_without_kvm_access_decides_tcg_and_says_why(base: Path, bogus_image: GuestImage) -> None:
+    rt = _runtime(base, accel="auto")
+    assert rt.accelerator is None  # not settled before the first boot
+    with pytest.raises(BootError):
+        await rt.boot(VMSpec(image=bogus_image))  # the image is bogus; the decision is still made
+    assert rt.accel_decision is not None
+    if rt.accel_decision.accel is Accelerator.TCG:
+        assert rt.accel_decision.reason.startswith(("kvm unusable", "kvm probe boot failed"))
+    assert rt.accelerator is rt.accel_decision.accel
+    assert _leftovers(base) == []
+
+
+async def test_cleanup_orphans_kills_strays_and_removes_stale_dirs(base: Path) -> None:
+    vms = base / "state" / "vms"
+    # A previous node's VM: a live QEMU with its pidfile, plus a stale folder whose QEMU is long gone.
+    orphan = VmDir(vms / "sbx_orphan")
+    orphan.create(None)
+    stray = QemuProcess([
+        "qemu-system-x86_64", "-M", "microvm", "-accel", "tcg", "-m", "32M", "-nodefaults",
+        "-display", "none", "-sandbox", SANDBOX_OPTIONS, "-chardev", "stdio,id=c,signal=off",
+        "-serial", "chardev:c", "-qmp", f"unix:{orphan.qmp_socket},server=on,wait=off",
+    ], orphan)
+    await stray.start()
+    await stray.connect_qmp(20)
+    await stray.close()
+    stale = VmDir(vms / "sbx_stale")
+    stale.create(None)
+    stale.pidfile.write_text("999999 12345\n")
+    (vms / "sbx_stale" / "disk.img").write_bytes(b"x" * 4096)
+
+    rt = _runtime(base)
+    waiter = asyncio.create_task(stray.wait())  # we are its parent here, so we reap it
+    removed = await rt.cleanup_orphans()
+    assert await asyncio.wait_for(waiter, 20) < 0
+    assert any("killed qemu pid" in r for r in removed)
+    assert any("sbx_stale" in r for r in removed)
+    assert list(vms.iterdir()) == []
+    assert find_qemu_pids(vms) == []
+    assert await rt.cleanup_orphans() == []
