@@ -329,3 +329,13 @@ async def test_a_stalled_reader_does_not_block_other_requests(guest_client: Gues
     r = await asyncio.wait_for(guest_client.exec("echo ok"), 30)
     assert r.stdout == b"ok\n"
     await stream.aclose()
+
+
+async def test_set_hostname_is_validated_and_refused_on_a_host(guest_client: GuestClient) -> None:
+    for bad in ["", "-x", "a b", "x" * 65, "é"]:
+        with pytest.raises(GuestError) as e:
+            await guest_client.set_hostname(bad)
+        assert e.value.code == "bad_request", bad
+    with pytest.raises(GuestError) as e:
+        await guest_client.set_hostname("sandbox-1")
+    assert e.value.code == "unsupported"

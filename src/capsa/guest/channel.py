@@ -180,6 +180,26 @@ class StreamReader:
                 raise OpError("cancelled", f"host aborted the upload: {frame.message}")
         return False
 
+    def chunk(self) -> bytes:
+        """The next piece of the body as it arrived (b"" at the end), without extra copies."""
+        if self._buf:
+            out = bytes(self._buf)
+            self._buf.clear()
+            return out
+        while not self._eof:
+            frame = self._stream.next_frame()
+            if frame is None:
+                continue
+            if frame.kind == Kind.END:
+                self._eof = True
+            elif frame.kind == Kind.DATA and frame.data:
+                self.total += len(frame.data)
+                self._stream.consumed(len(frame.data))
+                return frame.data
+            elif frame.kind == Kind.ERROR:
+                raise OpError("cancelled", f"host aborted the upload: {frame.message}")
+        return b""
+
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:
             while self._fill():

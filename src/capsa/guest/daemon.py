@@ -25,7 +25,7 @@ from capsa.guest.protocol import Decoder
 from capsa.guest.system import System
 from capsa.guest.terminal import op_pty
 
-__all__ = ["Daemon", "main"]
+__all__ = ["Daemon", "find_port", "main"]
 
 READ_SIZE = 256 * 1024
 
@@ -41,6 +41,7 @@ class Daemon:
             "set_clock": self.system.op_set_clock,
             "reseed": self.system.op_reseed,
             "poweroff": self.system.op_poweroff,
+            "set_hostname": self.system.op_set_hostname,
             "exec": op_exec,
             "proc_start": self.processes.op_start,
             "proc_list": self.processes.op_list,
@@ -131,11 +132,40 @@ class Daemon:
             self.serve_stream(lambda: client.recv(READ_SIZE), client.sendall)
 
 
+def find_port(path: str, sysfs: str = "/sys/class/virtio-ports") -> str | None:
+    """``path`` if it exists, else the /dev node of the virtio-serial port named like its basename.
+
+    The /dev/virtio-ports/<name> links come from udev, which a minimal guest does not run; the kernel
+    still publishes each port's name in sysfs.
+    """
+    if os.path.exists(path):
+        return path
+    want = os.path.basename(path)
+    try:
+        ports = sorted(os.listdir(sysfs))
+    except OSError:
+        return None
+    for port in ports:
+        try:
+            with open(os.path.join(sysfs, port, "name")) as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if name == want and os.path.exists(os.path.join("/dev", port)):
+            return os.path.join("/dev", port)
+    return None
+
+
 def _open_device(path: str) -> int:
     announced = False
     while True:
+        found = find_port(path)
         try:
-            return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY)
+            if found is None:
+                raise FileNotFoundError(path)
+            fd = os.open(found, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY)
+            print(f"capsa-guest: serving {found}", file=sys.stderr, flush=True)
+            return fd
         except FileNotFoundError:
             if not announced:
                 print(f"capsa-guest: waiting for {path}", file=sys.stderr, flush=True)
@@ -161,7 +191,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     where.add_argument("--fd", type=int, help="serve one inherited connected descriptor until EOF")
     parser.add_argument("--ready-fd", type=int, help="write 'ready' to this descriptor once listening")
     parser.add_argument("--no-clock", action="store_true",
-                        help="refuse set_clock (for daemons running on a host, not in a VM)")
+                        help="refuse set_clock and set_hostname (for daemons running on a host, not in a VM)")
     parser.add_argument("--allow-poweroff", action="store_true",
                         help="let the host ask for power off (sends SIGTERM to the init, PID 1)")
     return parser.parse_args(argv)

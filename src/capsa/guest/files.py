@@ -149,10 +149,7 @@ def op_write(stream: Stream, args: dict[str, Any], data: bytes) -> None:
             reader = stream.reader()
             if data:
                 _write_all(fd, data)
-            while True:
-                chunk = reader.read(CHUNK_SIZE)
-                if not chunk:
-                    break
+            while chunk := reader.chunk():
                 _write_all(fd, chunk)
             if mode is None:
                 mode = stat.S_IMODE(old.st_mode) if old else 0o644

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import grp
 import os
 import pwd
@@ -36,7 +37,17 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # After the command itself exits, descendants that inherited its pipes may keep them open
 # forever (`cmd &`); stop collecting once they have been quiet this long.
 DRAIN_IDLE = 0.2
-READ_SIZE = 64 * 1024
+# Big pipes and big reads: fewer wakeups per byte, which matters when the guest CPU is emulated.
+PIPE_SIZE = 1024 * 1024
+READ_SIZE = PIPE_SIZE
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+def _grow_pipes(proc: subprocess.Popen[bytes]) -> None:
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(pipe.fileno(), F_SETPIPE_SZ, PIPE_SIZE)
 
 
 @dataclass
@@ -221,6 +232,7 @@ def op_exec(stream: Stream, args: dict[str, Any], data: bytes) -> None:
     started = time.monotonic()
     proc = spawn(spec, stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _grow_pipes(proc)
     state = {"timed_out": False}
 
     def on_timeout() -> None:
@@ -402,6 +414,7 @@ class ProcessTable:
     def op_start(self, stream: Stream, args: dict[str, Any], data: bytes) -> None:
         spec = parse_command(args)
         proc = spawn(spec, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _grow_pipes(proc)
         bg = BackgroundProcess(spec, proc)
         with self._lock:
             self._procs[bg.pid] = bg

@@ -128,55 +128,67 @@ class Decoder:
 
     def __init__(self, max_meta: int = MAX_META, max_data: int = MAX_DATA) -> None:
         self._buf = bytearray()
+        self._pos = 0  # start of the undecoded bytes in _buf (compacted once per feed)
+        self._need = 0  # total bytes a partly received frame needs: skip re-parsing until then
         self._max_meta = max_meta
         self._max_data = max_data
         self._in_garbage = False  # one error per run of garbage, not one per byte
 
     @property
     def buffered(self) -> int:
-        return len(self._buf)
+        return len(self._buf) - self._pos
 
     def reset(self) -> None:
         """Drop a partial frame, e.g. when the peer disconnected."""
         self._buf.clear()
+        self._pos = self._need = 0
         self._in_garbage = False
 
     def feed(self, data: bytes) -> list[Frame]:
         self._buf += data
         out: list[Frame] = []
+        if len(self._buf) - self._pos < self._need:
+            return out
+        self._need = 0
         while self._step(out):
             pass
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
         return out
 
     def _garbage(self, out: list[Frame], reason: str, skip: int) -> None:
         if not self._in_garbage:
             out.append(_malformed(0, "malformed_frame", reason))
             self._in_garbage = True
-        del self._buf[:skip]
+        self._pos += skip
 
     def _step(self, out: list[Frame]) -> bool:
-        buf = self._buf
-        if not buf:
+        buf, pos = self._buf, self._pos
+        avail = len(buf) - pos
+        if not avail:
             return False
-        if len(buf) < len(MAGIC) and MAGIC.startswith(bytes(buf)):
+        if avail < len(MAGIC) and MAGIC.startswith(bytes(buf[pos:])):
             return False  # maybe the start of a frame: wait for more
-        if not buf.startswith(MAGIC):
-            nxt = buf.find(MAGIC, 1)
+        if not buf.startswith(MAGIC, pos):
+            nxt = buf.find(MAGIC, pos + 1)
             if nxt < 0:
                 # keep a tail that could be the start of the next magic
                 keep = 0
-                for n in range(min(len(MAGIC) - 1, len(buf) - 1), 0, -1):
+                for n in range(min(len(MAGIC) - 1, avail - 1), 0, -1):
                     if MAGIC.startswith(bytes(buf[-n:])):
                         keep = n
                         break
-                self._garbage(out, "bytes outside any frame", len(buf) - keep)
+                self._garbage(out, "bytes outside any frame", avail - keep)
                 return False
-            self._garbage(out, "bytes outside any frame", nxt)
+            self._garbage(out, "bytes outside any frame", nxt - pos)
             return True
-        if len(buf) < HEADER.size:
+        if avail < HEADER.size:
             return False
-        _magic, version, kind, _flags, stream, meta_len, data_len, crc = HEADER.unpack_from(buf)
-        if zlib.crc32(bytes(buf[: _PREFIX.size])) != crc:
+        _magic, version, kind, _flags, stream, meta_len, data_len, crc = HEADER.unpack_from(buf, pos)
+        with memoryview(buf) as view:
+            header_ok = zlib.crc32(view[pos: pos + _PREFIX.size]) == crc
+        if not header_ok:
             self._garbage(out, "frame header checksum mismatch", 1)
             return True
         # The header is genuine from here on, so errors can name its stream.
@@ -185,15 +197,18 @@ class Decoder:
             out.append(_malformed(stream, "frame_too_large",
                                   f"frame of {meta_len}+{data_len} bytes exceeds the limits "
                                   f"{self._max_meta}+{self._max_data}"))
-            del buf[: HEADER.size]
+            self._pos += HEADER.size
             return True
         total = HEADER.size + meta_len + data_len
-        if len(buf) < total:
+        if avail < total:
+            self._need = total
             return False
         self._in_garbage = False
-        raw_meta = bytes(buf[HEADER.size: HEADER.size + meta_len])
-        payload = bytes(buf[HEADER.size + meta_len: total])
-        del buf[:total]
+        body = pos + HEADER.size
+        with memoryview(buf) as view:
+            raw_meta = bytes(view[body: body + meta_len])
+            payload = bytes(view[body + meta_len: pos + total])
+        self._pos += total
         if version != PROTOCOL_VERSION:
             out.append(_malformed(stream, "unsupported_version",
                                   f"protocol version {version} is not supported (want {PROTOCOL_VERSION})"))

@@ -85,6 +85,20 @@ class System:
             raise from_os_error(exc, "/dev/random") from None
         stream.result({"bytes": len(data)})
 
+    def op_set_hostname(self, stream: Stream, args: dict[str, Any], data: bytes) -> None:
+        name = args.get("name")
+        if (not isinstance(name, str) or not 0 < len(name) <= 64
+                or not all(c.isascii() and (c.isalnum() or c in "-.") for c in name)
+                or name.startswith(("-", ".")) or name.endswith(("-", "."))):
+            raise OpError("bad_request", "name must be a hostname (letters, digits, '-' and '.', up to 64)")
+        if not self.allow_clock:  # a daemon on a host must not rename the host either
+            raise OpError("unsupported", "this daemon runs on a host (--no-clock); not renaming it")
+        try:
+            socket.sethostname(name)
+        except OSError as exc:
+            raise from_os_error(exc, "sethostname") from None
+        stream.result({"hostname": name})
+
     def op_poweroff(self, stream: Stream, args: dict[str, Any], data: bytes) -> None:
         if not self.allow_poweroff or os.getppid() != 1:
             raise OpError("unsupported", "power off is only available under the capsa guest init")

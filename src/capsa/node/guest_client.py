@@ -665,6 +665,10 @@ class GuestClient:
     async def reseed(self, entropy: bytes | None = None) -> None:
         await self._call("reseed", data=os.urandom(64) if entropy is None else entropy)
 
+    async def set_hostname(self, name: str) -> None:
+        """Name the guest (identity is injected when a pooled sandbox is bound to a session)."""
+        await self._call("set_hostname", {"name": name})
+
     async def poweroff(self) -> None:
         """Ask the guest init to sync and power the VM off (only under the capsa init)."""
         await self._call("poweroff")
