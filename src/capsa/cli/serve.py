@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
+import stat
 from pathlib import Path
 
 import click
@@ -13,6 +15,34 @@ from capsa.cli.output import fail, json_option
 from capsa.common.settings import Settings
 
 __all__ = ["serve"]
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail early, before the server starts (and before a first-start key is announced), on a bad address.
+
+    The server binds again right after, so this cannot rule out a race; it catches the common mistakes.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        fail(f"cannot serve on {host}:{port}: {exc.strerror}")
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            fail(f"cannot serve on {host}:{port}: {exc.strerror or exc}")
+
+
+def _warn_unsearchable(state: Path) -> None:
+    # QEMU runs as an unprivileged user; it fails at the first session, not here, if it cannot reach the
+    # state directory, so say so at start (e.g. a mktemp directory is 0700).
+    for path in (state, *state.parents):
+        if not path.stat().st_mode & stat.S_IXOTH:
+            click.echo(f"warning: {path} is not searchable by other users; sandboxes will fail to start "
+                       f"(chmod o+x {path}, or choose another --state-dir)", err=True)
+            return
 
 
 @click.command()
@@ -38,14 +68,16 @@ def serve(host: str, port: int, state_dir: Path | None, database_url: str | None
     settings = Settings()
     state = (state_dir or settings.state_dir).resolve()
     chosen_accel = accel or settings.accel
-    if as_json:
-        # Structured server logs are the server's business; --json only makes this banner parseable.
-        banner = {"url": f"http://{host}:{port}", "state_dir": str(state), "accel": chosen_accel}
-        click.echo(json.dumps(banner), err=True)
+    _check_port(host, port)
     try:
         state.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         fail(f"cannot use state directory {state}: {exc.strerror}")
+    _warn_unsearchable(state)
+    if as_json:
+        # Structured server logs are the server's business; --json only makes this banner parseable.
+        banner = {"url": f"http://{host}:{port}", "state_dir": str(state), "accel": chosen_accel}
+        click.echo(json.dumps(banner), err=True)
     with contextlib.suppress(KeyboardInterrupt):
         try:
             asyncio.run(server.run(host, port, state, database_url, chosen_accel))
