@@ -30,6 +30,7 @@ EXIT_TIMEOUT = 124
 # A session created by `capsa run` outlives its command by this much, so the server reaps it even if the
 # CLI is killed before it can close the session.
 _SESSION_GRACE = 120
+_MAX_SESSION_TIMEOUT = 86400  # the API's upper bound for a session's lifetime
 
 
 def _parse_env(ctx: click.Context, param: click.Parameter, values: Sequence[str]) -> dict[str, str]:
@@ -124,9 +125,10 @@ def run(template: str, memory_mib: int | None, vcpus: int | None, metadata: dict
     """
     stdin = _read_stdin(interactive)
     status = EXIT_CAPSA_ERROR
+    lifetime = min(int(timeout) + _SESSION_GRACE, _MAX_SESSION_TIMEOUT)
     with reports_errors(EXIT_CAPSA_ERROR), Session.create(
-            template, timeout=int(timeout) + _SESSION_GRACE, env=env, metadata=metadata,
-            memory_mib=memory_mib, vcpus=vcpus, api_url=api.api_url, api_key=api.api_key) as session:
+            template, timeout=lifetime, env=env, metadata=metadata, memory_mib=memory_mib, vcpus=vcpus,
+            api_url=api.api_url, api_key=api.api_key) as session:
         status = _execute(session, command, timeout=timeout, env={}, cwd=cwd, user=user, stdin=stdin,
                           as_json=as_json)
     sys.exit(status)
