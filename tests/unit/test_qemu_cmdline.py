@@ -29,7 +29,8 @@ def test_tcg_command_line() -> None:
     assert argv[0] == "/usr/bin/qemu-system-x86_64"
     machine = _option(argv, "-M")[0]
     assert machine.startswith("microvm,") and "acpi=on" in machine and "pit=on" in machine
-    assert _option(argv, "-accel") == ["tcg,thread=multi"]
+    assert _option(argv, "-accel") == ["tcg,thread=multi,tb-size=128"]
+    assert _option(build_argv(_config(tcg_tb_mib=None)), "-accel") == ["tcg,thread=multi"]
     assert _option(argv, "-cpu") == ["max"]
     assert _option(argv, "-m") == ["384M"] and _option(argv, "-smp") == ["2"]
     for flag in ("-nodefaults", "-no-user-config", "-no-reboot"):
