@@ -11,12 +11,13 @@ import os
 import random
 import socket
 import struct
+import sys
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from tests.support.local_guest import LocalGuest, guest_client, local_guest
+from tests.support.local_guest import GUEST_PACKAGE, LocalGuest, guest_client, local_guest
 
 from capsa.guest.protocol import INITIAL_WINDOW, MAGIC, PROTOCOL_VERSION, Decoder, Frame, Kind, encode_frame
 from capsa.node.guest_client import ChannelClosed, GuestClient, GuestError
@@ -274,3 +275,23 @@ async def test_health_timeout_on_a_silent_guest(fake_guest: Callable[[Behaviour]
     with pytest.raises(GuestError) as e:
         await client.wait_ready(timeout=0.5, interval=0.1)
     assert e.value.code == "timeout"
+
+
+async def test_daemon_serves_an_inherited_descriptor_until_eof() -> None:
+    ours, theirs = socket.socketpair()
+    src = GUEST_PACKAGE.parents[1]  # src/, where capsa is a namespace package
+    proc = await asyncio.create_subprocess_exec(
+        "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable,
+        "-m", "capsa.guest", "--fd", str(theirs.fileno()), "--no-clock",
+        pass_fds=(theirs.fileno(),), env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
+    theirs.close()
+    try:
+        reader, writer = await asyncio.open_connection(sock=ours)
+        client = GuestClient(reader, writer)
+        assert (await client.exec(["echo", "over-fd"])).stdout == b"over-fd\n"
+        await client.close()  # EOF on the descriptor ends the daemon cleanly
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

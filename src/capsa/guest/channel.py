@@ -38,6 +38,7 @@ class Stream:
         self._cond = threading.Condition()
         self._send_credit = INITIAL_WINDOW
         self._recv_allowed = INITIAL_WINDOW  # bytes the host may still send us
+        self._recv_lock = threading.Lock()  # _recv_allowed moves on the reader and the request thread
         self._recv_unacked = 0  # consumed bytes not yet returned as credit
         self._cancel_hooks: list[Callable[[], None]] = []
         self.finished = False
@@ -57,8 +58,10 @@ class Stream:
             self.cancel()
             return
         if frame.kind == Kind.DATA:
-            self._recv_allowed -= len(frame.data)
-            if self._recv_allowed < 0:
+            with self._recv_lock:
+                self._recv_allowed -= len(frame.data)
+                overrun = self._recv_allowed < 0
+            if overrun:
                 # Answer right away (the request's own thread may be blocked elsewhere), then stop it.
                 with contextlib.suppress(ChannelGone):
                     self.error("flow_control", "host sent more data than the window allows")
@@ -105,7 +108,8 @@ class Stream:
         self._recv_unacked += n
         if self._recv_unacked >= INITIAL_WINDOW // 4:
             grant, self._recv_unacked = self._recv_unacked, 0
-            self._recv_allowed += grant
+            with self._recv_lock:
+                self._recv_allowed += grant
             self.send(Kind.WINDOW, {"n": grant})
 
     def reader(self) -> StreamReader:
