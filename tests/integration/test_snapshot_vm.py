@@ -164,9 +164,9 @@ async def test_branch_into_three_sees_parent_files_then_diverges(
         for i, b in enumerate(branches):
             assert await b.guest.read_file("/root/mine.txt") == f"branch {i}\n".encode()
             assert await b.guest.read_file("/root/shared.txt") == f"changed by branch {i}\n".encode()
-            assert "parent-after.txt" not in await _sh(b, "ls /root")
+            assert "parent-after.txt" not in (await _sh(b, "ls /root")).split()
         assert await parent.guest.read_file("/root/shared.txt") == b"from the parent\n"
-        assert "mine.txt" not in await _sh(parent, "ls /root")
+        assert "mine.txt" not in (await _sh(parent, "ls /root")).split()
         # Disks diverge on the host too: each branch has its own reflinked disk file.
         disks = {b.files.disk for b in branches}
         assert len(disks) == 3 and all(d.exists() for d in disks)
@@ -182,16 +182,22 @@ async def _random_and_clock(sb: SnapshotSandbox) -> tuple[str, float]:
     return rnd, float(clock) - time.time()
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def quiet(runtime: SnapshotRuntime, parent: SnapshotSandbox) -> AsyncIterator[Snapshot]:
+    """A snapshot of an idle VM, old enough (3 s) that a stale guest clock is obvious."""
+    snap = await runtime.snapshot(parent, resume=True)
+    await asyncio.sleep(3)
+    try:
+        yield snap
+    finally:
+        runtime.delete_snapshot(snap)
+
+
 async def test_restores_get_their_own_entropy_and_the_right_clock(
-    runtime: SnapshotRuntime, spec: VMSpec, paused: tuple[Snapshot, int, int]
+    runtime: SnapshotRuntime, spec: VMSpec, quiet: Snapshot
 ) -> None:
-    snap, _, _ = paused
-    # Make the snapshot old enough that a stale guest clock is obvious.
-    age = time.time() - snap.manifest.created_at.timestamp()
-    if age < 3:
-        await asyncio.sleep(3 - age)
-    a = await runtime.restore(snap, spec)
-    b = await runtime.restore(snap, spec, ram_mode=RamMode.PRIVATE)
+    a = await runtime.restore(quiet, spec)
+    b = await runtime.restore(quiet, spec, ram_mode=RamMode.PRIVATE)
     try:
         rnd_a, skew_a = await _random_and_clock(a)
         rnd_b, skew_b = await _random_and_clock(b)
@@ -202,24 +208,23 @@ async def test_restores_get_their_own_entropy_and_the_right_clock(
         await runtime.destroy(b)
 
 
-async def test_without_the_refresh_restores_share_rng_and_lag(
-    runtime: SnapshotRuntime, spec: VMSpec, paused: tuple[Snapshot, int, int]
+async def test_without_the_refresh_the_guest_clock_lags(
+    runtime: SnapshotRuntime, spec: VMSpec, quiet: Snapshot
 ) -> None:
-    """The control for the test above: this is what the reseed and clock push fix."""
-    snap, _, _ = paused
-    age = time.time() - snap.manifest.created_at.timestamp()
-    if age < 3:
-        await asyncio.sleep(3 - age)
-    a = await runtime.restore(snap, spec, refresh=False)
-    b = await runtime.restore(snap, spec, refresh=False)
+    """The control for the test above: the clock push is what makes the clock right.
+
+    (The RNG half cannot be shown the same way on this host: the 6.1 guest kernel under TCG already
+    diverged between restores without the reseed in every run we made, through timing-dependent CRNG
+    use such as thread creation. The reseed is what guarantees it; it is always done.)
+    """
+    a = await runtime.restore(quiet, spec, refresh=False)
     try:
-        rnd_a, skew_a = await _random_and_clock(a)
-        rnd_b, skew_b = await _random_and_clock(b)
-        assert rnd_a == rnd_b
-        assert skew_a < -2 and skew_b < -2
+        _, skew = await _random_and_clock(a)
+        age = time.time() - quiet.manifest.created_at.timestamp()
+        # The guest clock stood still from the snapshot to the restore.
+        assert skew < -2 and abs(skew + age) < 2.5
     finally:
         await runtime.destroy(a)
-        await runtime.destroy(b)
 
 
 async def test_rolling_snapshot_leaves_the_vm_running_and_is_a_point_in_time(
@@ -231,7 +236,7 @@ async def test_rolling_snapshot_leaves_the_vm_running_and_is_a_point_in_time(
     await parent.guest.write_file("/root/after.txt", b"2")
     restored = await runtime.restore(snap, spec)
     try:
-        listing = await _sh(restored, "ls /root")
+        listing = (await _sh(restored, "ls /root")).split()
         assert "before.txt" in listing and "after.txt" not in listing
         # A restored VM can itself be snapshotted again (its RAM is a shared reflinked copy).
         snap2 = await runtime.snapshot(restored, resume=True)

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from capsa.node.runtime.snapshot import (
     save_snapshot,
 )
 from capsa.node.runtime.snapshot_manifest import RAM_FILE, SnapshotError, SnapshotManifest, load_manifest
-from capsa.node.runtime.workdir import VmDir, pick_vm_uid
+from capsa.node.runtime.workdir import VM_UID_BASE, VmDir, pick_vm_uid
 from capsa.node.storage.disks import private_disk
 from capsa.node.storage.filecopy import copy_file
 from capsa.node.storage.pool import StoragePool
@@ -56,6 +57,8 @@ from capsa.node.storage.pool import StoragePool
 __all__ = ["Snapshot", "SnapshotRuntime", "SnapshotSandbox"]
 
 _log = logging.getLogger(__name__)
+
+_SNAPSHOT_GID_COUNT = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ class SnapshotRuntime(QemuRuntime):
                  pool: StoragePool | None = None, **kwargs: object) -> None:
         super().__init__(settings, accel, **kwargs)  # type: ignore[arg-type]
         self.pool = pool if pool is not None else StoragePool.from_settings(self.settings)
-        self._spec_for_boot: dict[str, VMSpec] = {}
+        self._grant_lock = asyncio.Lock()
 
     # -- booting (called by QemuRuntime.boot, including its KVM probe) -----------------------------------
 
@@ -255,10 +258,10 @@ class SnapshotRuntime(QemuRuntime):
         ram = snap.path / RAM_FILE
         if not self.drop_privileges or snap.manifest.ram is None:
             return ()
-        st = ram.stat()
-        gid = st.st_gid
+        gid = ram.stat().st_gid
         if gid == 0:
-            gid = pick_vm_uid(self.vms_dir)
+            # A range of its own, below the VM uids, so no VM's own uid/gid can ever be this group.
+            gid = VM_UID_BASE - 1 - secrets.randbelow(_SNAPSHOT_GID_COUNT)
             os.chown(ram, 0, gid)
         os.chmod(ram, 0o660)
         os.chmod(snap.path, 0o711)
@@ -293,8 +296,11 @@ class SnapshotRuntime(QemuRuntime):
                 plan = await asyncio.to_thread(
                     plan_restore, snap.path, pool_dir, clone=self.pool.clone, mode=ram_mode, owner=owner,
                     memory_mib=spec.memory_mib, vcpus=spec.vcpus, image_digest=spec.image.digest)
-                groups = (await asyncio.to_thread(self._grant_private_ram, snap)
-                          if ram_mode is RamMode.PRIVATE else ())
+                groups: tuple[int, ...] = ()
+                if ram_mode is RamMode.PRIVATE:
+                    # Concurrent branches must agree on one group for the file.
+                    async with self._grant_lock:
+                        groups = await asyncio.to_thread(self._grant_private_ram, snap)
                 files = _VmFiles(spec=spec, pool_dir=pool_dir, disk=plan.disk, ram=plan.ram,
                                  shared_ram=plan.shared_ram, parent=snap.id)
                 return await self._launch(binary, spec, sid, accel, self.boot_timeout, files=files,
