@@ -192,6 +192,15 @@ async def test_command_past_its_timeout_is_killed(sandbox: QemuSandbox) -> None:
     assert leftover.stdout.strip() in (b"0", b"")
 
 
+async def test_lost_channel_is_reconnected_while_the_vm_runs(sandbox: QemuSandbox) -> None:
+    await sandbox._client.close()  # e.g. a reader crash on the host side; QEMU and the guest are fine
+    health = await sandbox.guest.health()
+    assert health["status"] == "ok"
+    result = await sandbox.guest.exec(["echo", "again"])
+    assert result.stdout == b"again\n"
+    assert sandbox.state is SandboxState.RUNNING
+
+
 async def test_sigkill_of_qemu_is_reported_not_hung(runtime: QemuRuntime, guest_image: GuestImage,
                                                      state_dir: Path) -> None:
     victim = await runtime.boot(VMSpec(image=guest_image))

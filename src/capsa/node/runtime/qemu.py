@@ -64,7 +64,8 @@ FailureCallback = Callable[[str], Awaitable[None] | None]
 
 class _GuestProxy:
     """The sandbox's GuestClient, except that a dead VM raises SandboxFailed instead of hanging or a bare
-    ChannelClosed, and calls on a FAILED sandbox fail at once."""
+    ChannelClosed, calls on a FAILED sandbox fail at once, and a channel lost while QEMU still runs is
+    reconnected on the next call."""
 
     def __init__(self, sandbox: QemuSandbox) -> None:
         self._sandbox = sandbox
@@ -72,23 +73,22 @@ class _GuestProxy:
     def __getattr__(self, name: str) -> Any:
         target = getattr(self._sandbox._client, name)
         if inspect.iscoroutinefunction(target):
-            return functools.partial(self._call, target)
-        if inspect.isasyncgenfunction(target) or name in ("iter_file", "tar_export"):
-            return functools.partial(self._iterate, target)
+            return functools.partial(self._call, name)
+        if inspect.isasyncgenfunction(target):
+            return functools.partial(self._iterate, name)
         return target
 
-    async def _call(self, target: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
-        self._sandbox._check_alive()
+    async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        client = await self._sandbox._usable_client()
         try:
-            return await target(*args, **kwargs)
+            return await getattr(client, name)(*args, **kwargs)
         except ChannelClosed as exc:
             raise await self._sandbox._channel_error(exc) from exc
 
-    async def _iterate(self, target: Callable[..., AsyncIterator[Any]], *args: Any, **kwargs: Any,
-                       ) -> AsyncIterator[Any]:
-        self._sandbox._check_alive()
+    async def _iterate(self, name: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        client = await self._sandbox._usable_client()
         try:
-            async for item in target(*args, **kwargs):
+            async for item in getattr(client, name)(*args, **kwargs):
                 yield item
         except ChannelClosed as exc:
             raise await self._sandbox._channel_error(exc) from exc
@@ -112,6 +112,7 @@ class QemuSandbox:
         self._callbacks: list[FailureCallback] = []
         self._stopping = False
         self._lock = asyncio.Lock()
+        self._reconnect_lock = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
         self._exited = asyncio.Event()
         self._proxy = _GuestProxy(self)
@@ -153,6 +154,21 @@ class QemuSandbox:
 
     def on_failure(self, callback: FailureCallback) -> None:
         self._callbacks.append(callback)
+
+    async def _usable_client(self) -> GuestClient:
+        self._check_alive()
+        if self._client.closed and self.process.returncode is None:
+            async with self._reconnect_lock:
+                if self._client.closed:
+                    _log.warning("guest channel of %s was lost while the VM runs; reconnecting", self._id)
+                    client = await GuestClient.connect_unix(str(self._vmdir.agent_socket))
+                    try:
+                        await client.wait_ready(timeout=15, interval=1.0)
+                    except BaseException:
+                        await client.close()
+                        raise
+                    self._client = client
+        return self._client
 
     def _check_alive(self) -> None:
         if self._state is SandboxState.FAILED:
