@@ -179,6 +179,7 @@ async def test_gigabyte_of_output_stays_bounded(sandbox: QemuSandbox) -> None:
     before = _vm_hwm_bytes()
     result = await sandbox.guest.exec("head -c 1073741824 /dev/zero; echo done >&2", timeout=600)
     growth = _vm_hwm_bytes() - before
+    print(f"1 GiB of guest output: test process peak RSS grew by {growth / MIB:.1f} MiB")
     assert result.exit_code == 0, result.stderr
     assert result.stdout_truncated
     assert 0 < len(result.stdout) <= 16 * MIB

@@ -42,7 +42,7 @@ def vm() -> None:
               help="Accelerator (default: CAPSA_ACCEL or auto: probe KVM, fall back to TCG).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Kill the command after this many seconds (exit status 124).")
-@click.option("--max-output", type=click.IntRange(min=0), default=256 * 1024 * 1024, show_default=True,
+@click.option("--max-output", type=click.IntRange(min=0), default=64 * 1024 * 1024, show_default=True,
               help="Bytes of stdout and of stderr to pass through; the rest is dropped with a warning.")
 @click.option("-i", "--stdin", "pass_stdin", is_flag=True, help="Send this process's stdin to the command.")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
