@@ -23,7 +23,7 @@ import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from capsa.common.ids import new_id
 from capsa.common.settings import Settings
@@ -53,12 +53,33 @@ from capsa.node.storage.disks import DiskError, private_disk
 if TYPE_CHECKING:
     from capsa.node.runtime.base import GuestImage
 
-__all__ = ["QemuRuntime", "QemuSandbox"]
+__all__ = ["QemuRuntime", "QemuSandbox", "TapNetwork"]
 
 _log = logging.getLogger(__name__)
 
 _SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _BOOT_FAILURES = (ValueError, DiskError, QemuProcessError, TimeoutError, OSError, GuestError)
+
+
+class TapNetwork(Protocol):
+    """What the driver needs from ``VMSpec.network`` (:class:`capsa.node.net.SandboxNet` provides it):
+    a tap inside a network namespace, and the guest's side of its subnet."""
+
+    @property
+    def netns(self) -> str: ...
+    @property
+    def tap(self) -> str: ...
+    @property
+    def mac(self) -> str: ...
+    @property
+    def guest_ip(self) -> str: ...
+    @property
+    def gateway_ip(self) -> str: ...
+    @property
+    def prefixlen(self) -> int: ...
+
+
+_NETWORK_FIELDS = ("netns", "tap", "mac", "guest_ip", "gateway_ip", "prefixlen")
 FailureCallback = Callable[[str], Awaitable[None] | None]
 
 
@@ -285,8 +306,9 @@ class QemuRuntime:
             raise BootError(f"invalid sandbox id {sid!r}")
         if sid in self._sandboxes or sid in self._booting:
             raise BootError(f"sandbox {sid} already exists")
-        if spec.network is not None:
-            raise BootError("networking is not wired into the QEMU driver yet; boot with network=None")
+        if spec.network is not None and not all(hasattr(spec.network, a) for a in _NETWORK_FIELDS):
+            raise BootError(f"spec.network must describe a tap ({', '.join(_NETWORK_FIELDS)}), "
+                            f"got {spec.network!r}")
         try:
             binary = qemu_binary()
         except HostInfoError as exc:
@@ -366,26 +388,39 @@ class QemuRuntime:
             raise BootError(f"cannot create {vmdir.root}: {exc}") from exc
         process: QemuProcess | None = None
         client: GuestClient | None = None
+        tap_fd: int | None = None
         try:
             disk = await asyncio.to_thread(private_disk, spec.image.rootfs, vmdir.disk,
                                            size_mib=spec.disk_size_mib, owner=owner)
+            network = cast(TapNetwork, spec.network) if spec.network is not None else None
+            if network is not None:
+                tap_fd = await asyncio.to_thread(_open_tap, network)
             kernel = self._shared_file(spec.image.kernel, vmdir, owner)
             initrd = self._shared_file(spec.image.initrd, vmdir, owner)
             config = QemuConfig(
                 binary=binary, accel=accel, kernel=kernel, initrd=initrd, disk=disk.path,
                 qmp_socket=vmdir.qmp_socket, agent_socket=vmdir.agent_socket,
                 memory_mib=spec.memory_mib, vcpus=spec.vcpus, tsc_khz=tsc_khz(),
-                kernel_args=spec.kernel_args, name=sid,
+                kernel_args=spec.kernel_args, name=sid, tap_fd=tap_fd,
+                mac=network.mac if network is not None else None,
             )
             groups = self._kvm_groups() if accel is Accelerator.KVM else []
             process = QemuProcess(build_argv(config), vmdir, user=owner, extra_groups=groups,
-                                  console_limit=self.console_limit)
+                                  console_limit=self.console_limit,
+                                  pass_fds=(tap_fd,) if tap_fd is not None else ())
             await process.start()
+            if tap_fd is not None:
+                os.close(tap_fd)  # QEMU holds its own copy now
+                tap_fd = None
             await process.connect_qmp(max(1.0, deadline - loop.time()))
             client = await self._connect_guest(process, vmdir, deadline)
+            if network is not None:
+                await _configure_guest_network(client, network)
             sandbox = QemuSandbox(sid, vmdir, process, client, accel, vm_uid=owner[0] if owner else None,
                                   disk_cow=disk.cow, boot_seconds=loop.time() - started)
         except BaseException as exc:
+            if tap_fd is not None:
+                os.close(tap_fd)
             if client is not None:
                 with contextlib.suppress(Exception):
                     await client.close()
@@ -512,6 +547,30 @@ class QemuRuntime:
         self._closed = True
         await asyncio.gather(*(self.destroy(sb) for sb in list(self._sandboxes.values())),
                              return_exceptions=True)
+
+
+def _open_tap(network: TapNetwork) -> int:
+    from capsa.node.net.wire import open_tap
+
+    return open_tap(network.netns, network.tap)
+
+
+async def _configure_guest_network(client: GuestClient, network: TapNetwork) -> None:
+    """Give the guest NIC (found by its MAC: the guest has no udev to name it) the sandbox's address."""
+    gateway = network.gateway_ip
+    dns = str(getattr(network, "dns_server", gateway))
+    script = (
+        'set -e; dev=""; for d in /sys/class/net/*; do '
+        '[ "$(cat "$d/address")" = "$1" ] && dev="${d##*/}"; done; '
+        '[ -n "$dev" ] || { echo "no NIC with MAC $1" >&2; exit 1; }; '
+        'ip link set dev "$dev" up; ip addr add "$2" dev "$dev"; ip route add default via "$3"; '
+        'printf "nameserver %s\\n" "$4" > /etc/resolv.conf'
+    )
+    argv = ["sh", "-c", script, "capsa-net", network.mac.lower(), f"{network.guest_ip}/{network.prefixlen}",
+            gateway, dns]
+    result = await client.exec(argv, timeout=30)
+    if result.exit_code != 0:
+        raise BootError(f"configuring the guest network failed: {result.stderr.decode(errors='replace')}")
 
 
 def _cmdline_text(pid: int) -> str:

@@ -62,12 +62,14 @@ class _BoundedLog:
 
 class QemuProcess:
     def __init__(self, argv: Sequence[str], vmdir: VmDir, *, user: tuple[int, int] | None = None,
-                 extra_groups: Sequence[int] = (), console_limit: int = DEFAULT_CONSOLE_LIMIT) -> None:
+                 extra_groups: Sequence[int] = (), console_limit: int = DEFAULT_CONSOLE_LIMIT,
+                 pass_fds: Sequence[int] = ()) -> None:
         self.argv = list(argv)
         self.vmdir = vmdir
         self.user = user
         self.extra_groups = list(extra_groups)
         self.console_limit = console_limit
+        self.pass_fds = tuple(pass_fds)  # e.g. a tap opened by the node: QEMU cannot open one itself
         self._proc: asyncio.subprocess.Process | None = None
         self._console: _BoundedLog | None = None
         self._stderr: deque[bytes] = deque(maxlen=64)
@@ -98,6 +100,7 @@ class QemuProcess:
                 # Its own process group: a Ctrl-C aimed at the node or CLI must not kill VMs behind its back.
                 process_group=0,
                 close_fds=True,
+                pass_fds=self.pass_fds,
                 **kwargs,  # type: ignore[arg-type]
             )
         except OSError as exc:
