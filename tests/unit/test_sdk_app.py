@@ -1,8 +1,8 @@
 """The SDK and the CLI against the real server stack (control plane + node agent over HTTP, SQLite).
 
-The sandboxes here are real guest daemons running as host processes (tests/support/fake_runtime.py), so
-these run in seconds; the same user journeys against real microVMs are in tests/integration/test_sdk*.py.
-Guest paths point into the test's tmp_path because the fake guest shares the host filesystem.
+The sandboxes here are real guest daemons running as confined host processes (tests/support/fake_runtime.py:
+private /tmp, user nobody), so these run in seconds; the same user journeys against real microVMs are in
+tests/integration/test_sdk_vm.py and test_cli_serve.py.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from capsa.sdk import (
 
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[ApiStack]:
-    runtime = FakeRuntime(tmp_path / "rt")
+    runtime = FakeRuntime()
     db = f"sqlite+aiosqlite:///{tmp_path}/capsa.db"
     async with ApiStack(db, runtime, fake_image(tmp_path / "img")) as s:
         yield s
@@ -50,7 +50,7 @@ async def tenant(stack: ApiStack) -> AsyncIterator[AsyncClient]:
 
 
 async def test_session_commands_and_files_round_trip(tenant: AsyncClient, tmp_path: Path) -> None:
-    work = tmp_path / "guest"
+    work = Path("/tmp/work")  # inside the sandbox
     async with await AsyncSession.create(client=tenant, env={"GREETING": "hi"}, timeout=300) as s:
         assert s.state == "running" and s.info.tenant == "acme"
 
@@ -65,8 +65,8 @@ async def test_session_commands_and_files_round_trip(tenant: AsyncClient, tmp_pa
         assert res.exit_code == 0 and res.stdout == "1\n2\n3\n" and res.stderr == "err\n"
         assert "".join(d for k, d in chunks if k == "out") == "1\n2\n3\n"
 
-        res = await s.commands.run("cat; pwd", stdin="from stdin\n", cwd=str(tmp_path))
-        assert res.stdout == f"from stdin\n{tmp_path}\n"
+        res = await s.commands.run("cat; pwd", stdin="from stdin\n", cwd="/tmp")
+        assert res.stdout == "from stdin\n/tmp\n"
 
         res = await s.commands.run("sleep 5", timeout=0.5)
         assert res.timed_out and res.exit_code != 0
@@ -101,9 +101,14 @@ async def test_session_commands_and_files_round_trip(tenant: AsyncClient, tmp_pa
         proc = await s.commands.run("echo started; sleep 30", background=True)
         assert proc.info.running
         assert proc.pid in [p.pid for p in await s.commands.list()]
+        for _ in range(200):  # its output is readable while it runs
+            if (await proc.output()).stdout == "started\n":
+                break
+            await asyncio.sleep(0.05)
+        assert (await proc.output()).running
         await proc.kill(9)
         out = await proc.wait(10, poll_interval=0.05)
-        assert not out.running and out.signal == 9 and out.stdout.startswith("started")
+        assert not out.running and out.signal == 9 and out.stdout == "started\n"
         quick = await s.commands.run(["sh", "-c", "echo done"], background=True)
         assert (await quick.wait(10, poll_interval=0.05)).stdout == "done\n"
     assert s.state == "closed"
@@ -176,15 +181,15 @@ async def test_keys_management_and_revocation(stack: ApiStack) -> None:
                 await AsyncSession.list(client=user)
 
 
-async def test_blocking_session_against_the_server(stack: ApiStack, tmp_path: Path) -> None:
+async def test_blocking_session_against_the_server(stack: ApiStack) -> None:
     key = await stack.tenant_key("blocking")
 
     def journey() -> tuple[str, str, str]:
         with Client(stack.url, key) as client, Session.create(client=client) as s:
             seen: list[str] = []
             res = s.commands.run("echo one; echo two", on_stdout=seen.append)
-            s.files.write(str(tmp_path / "f.txt"), "content")
-            text = s.files.read(str(tmp_path / "f.txt"))
+            s.files.write("/tmp/f.txt", "content")
+            text = s.files.read("/tmp/f.txt")
             assert [i.id for i in Session.list(client=client)] == [s.id]
             return res.stdout, "".join(seen), text
 
