@@ -293,8 +293,8 @@ class EgressBroker:
         sbx.placeholders = kept
         sbx.buckets.clear()
         if reissue:
+            # The SNI callback reads sbx.ca on every handshake, so listeners pick the new CA up at once.
             sbx.ca = SandboxCA(sandbox_id, [r.domain for r in policy.domains])
-            self._tls_contexts[sandbox_id] = self._make_sni_context(sbx)
         return PolicyUpdate(ca_reissued=reissue, ca_pem=sbx.ca.cert_pem)
 
     async def listen(self, sandbox_id: str, host: str, *, netns: str | None = None,
@@ -307,7 +307,12 @@ class EgressBroker:
                                                    (ports.proxy, "proxy"))
             for port, mode in modes:
                 sock = await asyncio.to_thread(open_listener, netns, host, port)
-                server = await asyncio.start_server(self._handler(sbx, mode), sock=sock)
+                # TLS from the first byte on the DNAT-ed port: starting it later could lose a ClientHello
+                # the stream had already buffered.
+                server = await asyncio.start_server(
+                    self._handler(sbx, mode), sock=sock,
+                    ssl=self._tls_contexts[sandbox_id] if mode == "tls" else None,
+                    ssl_handshake_timeout=_HEADER_TIMEOUT if mode == "tls" else None)
                 sbx.servers.append(server)
             usock = await asyncio.to_thread(open_listener, netns, host, ports.dns, socket.SOCK_DGRAM)
             transport, _ = await loop.create_datagram_endpoint(
@@ -444,11 +449,11 @@ class EgressBroker:
         pinned: str | None = None  # the one host this connection may talk to
         tls = False
         if mode == "tls":
-            pinned = await self._start_tls(sbx, client)
+            sslobj = writer.get_extra_info("ssl_object")
+            pinned = self._sni.get(sslobj) if isinstance(sslobj, ssl.SSLObject) else None
             if pinned is None:
                 return
             tls = True
-            client = _Client(reader, writer)
         upstream: _Upstream | None = None
         try:
             while True:

@@ -12,7 +12,7 @@ import ipaddress
 import random
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 from capsa.common.errors import CapsaError
 from capsa.node.egress import dnswire
@@ -46,8 +46,7 @@ class DnsServerProtocol(asyncio.DatagramProtocol):
         self._transport: asyncio.DatagramTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.DatagramTransport)
-        self._transport = transport
+        self._transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
         if self._transport is None:

@@ -20,6 +20,7 @@ _REASONS = {
     "drop_udp": "UDP to a port other than the DNS stub dropped",
     "drop_tcp": "TCP to a port other than the broker dropped",
     "drop_other": "invalid or other packet dropped",
+    "drop_nonip": "frame that is neither IPv4 nor ARP dropped",
     "drop_output": "packet from the node side dropped",
 }
 

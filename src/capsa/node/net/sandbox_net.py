@@ -34,8 +34,9 @@ __all__ = [
 _SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 NETNS_PREFIX = "capsa-"
 TABLE = "capsa"
-DROP_COUNTERS = ("drop_ipv6", "drop_spoofed", "drop_forward", "drop_icmp", "drop_udp", "drop_tcp",
-                 "drop_other", "drop_output")
+DROP_COUNTERS = ("drop_ipv6", "drop_spoofed", "drop_nonip", "drop_forward", "drop_icmp", "drop_udp",
+                 "drop_tcp", "drop_other", "drop_output")
+_INGRESS_COUNTERS = ("drop_ipv6", "drop_spoofed", "drop_nonip")
 
 
 class NetError(CapsaError):
@@ -81,20 +82,34 @@ class SandboxNet:
 
 
 def render_ruleset(net: SandboxNet) -> str:
-    """The nftables ruleset (text syntax) loaded inside the sandbox's namespace."""
+    """The nftables ruleset (text syntax) loaded inside the sandbox's namespace, once the tap exists.
+
+    Two tables: a netdev one on the tap's ingress, which sees every frame before the IP stack (IPv6 is
+    disabled in the namespace, so the stack would discard IPv6 silently, uncounted), and an inet one
+    for addressing, DNAT and the local services."""
     g, gw, tap, p = net.guest_ip, net.gateway_ip, net.tap, net.ports
-    counters = "\n".join(f"  counter {name} {{ }}" for name in DROP_COUNTERS)
-    return f"""table inet {TABLE} {{
-{counters}
-  chain sbx_early {{
-    type filter hook prerouting priority raw; policy accept;
-    meta nfproto ipv6 counter name drop_ipv6 drop
-    iifname "{tap}" ip saddr != {g} counter name drop_spoofed drop
+    inet_counters = "\n".join(f"  counter {n} {{ }}" for n in DROP_COUNTERS if n not in _INGRESS_COUNTERS)
+    ingress_counters = "\n".join(f"  counter {n} {{ }}" for n in _INGRESS_COUNTERS)
+    return f"""table netdev {TABLE}_tap {{
+{ingress_counters}
+  chain sbx_ingress {{
+    type filter hook ingress device "{tap}" priority -500; policy accept;
+    ether type ip6 counter name drop_ipv6 drop
+    ether type ip ip saddr != {g} counter name drop_spoofed drop
+    ether type arp arp saddr ip != {g} counter name drop_spoofed drop
+    ether type != {{ ip, arp }} counter name drop_nonip drop
   }}
+}}
+table inet {TABLE} {{
+{inet_counters}
   chain sbx_dnat {{
     type nat hook prerouting priority dstnat; policy accept;
     iifname "{tap}" ip saddr {g} tcp dport 80 dnat ip to {gw}:{p.http}
     iifname "{tap}" ip saddr {g} tcp dport 443 dnat ip to {gw}:{p.tls}
+  }}
+  chain sbx_outside {{
+    type filter hook prerouting priority dstnat + 10; policy accept;
+    iifname "{tap}" ip daddr != {gw} counter name drop_forward drop
   }}
   chain sbx_input {{
     type filter hook input priority filter; policy drop;
@@ -103,7 +118,7 @@ def render_ruleset(net: SandboxNet) -> str:
     ct state established,related accept
     iifname "{tap}" ip saddr {g} ip daddr {gw} udp dport {p.dns} accept
     iifname "{tap}" ip saddr {g} ip daddr {gw} tcp dport {{ {p.http}, {p.tls}, {p.proxy} }} accept
-    meta l4proto {{ icmp, ipv6-icmp }} counter name drop_icmp drop
+    meta l4proto icmp counter name drop_icmp drop
     meta l4proto udp counter name drop_udp drop
     meta l4proto tcp counter name drop_tcp drop
     counter name drop_other drop
@@ -180,13 +195,14 @@ class NetworkManager:
                        "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1",
                        "net.ipv4.ip_forward=0", "net.ipv4.conf.all.rp_filter=1",
                        "net.ipv4.conf.default.rp_filter=1")
-            await _run("ip", "netns", "exec", netns, "nft", "-f", "-",
-                       stdin=f"flush ruleset\n{render_ruleset(net)}".encode())
             batch = (f"link set lo up\n"
                      f"tuntap add dev {net.tap} mode tap\n"
-                     f"addr add {net.gateway_ip}/{net.prefixlen} dev {net.tap}\n"
-                     f"link set {net.tap} up\n")
+                     f"addr add {net.gateway_ip}/{net.prefixlen} dev {net.tap}\n")
+            # The tap stays down until the rules are in: no frame passes unfiltered.
             await _run("ip", "-n", netns, "-batch", "-", stdin=batch.encode())
+            await _run("ip", "netns", "exec", netns, "nft", "-f", "-",
+                       stdin=f"flush ruleset\n{render_ruleset(net)}".encode())
+            await _run("ip", "-n", netns, "link", "set", net.tap, "up")
         except BaseException:
             await self._remove(sandbox_id, netns)
             raise
@@ -209,8 +225,7 @@ class NetworkManager:
 
     async def drop_counters(self, net: SandboxNet) -> dict[str, int]:
         """Packets dropped so far, per class (see ``DROP_COUNTERS``)."""
-        _, out, _ = await _run("ip", "netns", "exec", net.netns, "nft", "-j", "list", "counters",
-                               "table", "inet", TABLE)
+        _, out, _ = await _run("ip", "netns", "exec", net.netns, "nft", "-j", "list", "counters")
         result: dict[str, int] = {}
         for item in json.loads(out).get("nftables", []):
             counter = item.get("counter")
