@@ -110,11 +110,20 @@ async def test_file_errors_have_stable_codes(guest_client: GuestClient, tmp_path
     ]
     (tmp_path / "file").write_bytes(b"")
     cases.append((guest_client.list_dir(f"{tmp_path}/file"), "not_a_directory"))
+    cases.append((guest_client.write_file(f"{tmp_path}/file/sub/x", b"x"), "not_a_directory"))
     for call, code in cases:
         with pytest.raises(GuestError) as e:
             await call
         assert e.value.code == code
         assert e.value.status in (400, 404, 409)
+    # Input the client cannot even send is a clear error too, and the channel stays usable.
+    with pytest.raises(GuestError) as e:
+        await guest_client.exec("true", env={"BIG": "x" * 100_000})
+    assert e.value.code == "bad_request"
+    with pytest.raises(GuestError) as e:
+        await guest_client.reseed(b"x" * (2 * 1024 * 1024))
+    assert e.value.code == "bad_request"
+    assert (await guest_client.exec("echo ok")).stdout == b"ok\n"
 
 
 async def test_permission_denied_as_another_user(guest_client: GuestClient, tmp_path: Path) -> None:

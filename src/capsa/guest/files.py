@@ -137,6 +137,11 @@ def op_write(stream: Stream, args: dict[str, Any], data: bytes) -> None:
     with _guard(path):
         if os.path.isdir(path) and not os.path.islink(path):
             raise OpError("is_a_directory", f"{path}: is a directory")
+        ancestor = parent
+        while not os.path.lexists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        if not os.path.isdir(ancestor):
+            raise OpError("not_a_directory", f"{ancestor}: is not a directory")
         os.makedirs(parent, exist_ok=True)
         try:
             old = os.stat(path)

@@ -351,7 +351,9 @@ class BackgroundProcess:
         self.exited = threading.Event()
         self.returncode: int | None = None
         self.finished_at: float | None = None
-        threading.Thread(target=self._collect, name=f"capsa-bg-{self.pid}", daemon=True).start()
+        self._last_output = time.monotonic()
+        self._collector = threading.Thread(target=self._collect, name=f"capsa-bg-{self.pid}", daemon=True)
+        self._collector.start()
         threading.Thread(target=self._wait, name=f"capsa-bgwait-{self.pid}", daemon=True).start()
 
     def _collect(self) -> None:
@@ -365,6 +367,7 @@ class BackgroundProcess:
                     chunk = os.read(key.fd, READ_SIZE)
                     if chunk:
                         key.data.append(chunk)
+                        self._last_output = time.monotonic()
                     else:
                         sel.unregister(key.fd)
         finally:
@@ -373,8 +376,16 @@ class BackgroundProcess:
             self.proc.stderr.close()
 
     def _wait(self) -> None:
-        self.returncode = self.proc.wait()
+        returncode = self.proc.wait()
         reaped(self.proc)
+        # Report the exit only once the output it wrote is collected, so "not running" means "all
+        # output is there" -- unless descendants keep the pipes open and busy (then give up after a while).
+        exited_at = time.monotonic()
+        while self._collector.is_alive() and time.monotonic() < exited_at + 5.0:
+            self._collector.join(0.05)
+            if time.monotonic() - max(self._last_output, exited_at) > DRAIN_IDLE:
+                break
+        self.returncode = returncode
         self.finished_at = time.time()
         self.exited.set()
 

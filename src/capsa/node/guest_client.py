@@ -416,6 +416,9 @@ class GuestClient:
             meta.update({k: v for k, v in args.items() if v is not None})
         try:
             await self._send(Kind.REQUEST, stream_id, meta, data)
+        except (ValueError, TypeError) as exc:  # too large, or not JSON: the caller's input
+            self._forget(stream)
+            raise GuestError("bad_request", f"cannot send {op} request: {exc}") from None
         except BaseException:
             self._forget(stream)
             raise
