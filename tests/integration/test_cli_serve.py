@@ -223,6 +223,12 @@ def test_cli_run_exec_ls_close_with_real_vms(server: tuple[Served, str]) -> None
     reverse = "python3 -c 'import sys; print(sys.stdin.read()[::-1])'"
     interactive = capsa(served, key, "run", "-i", "--", reverse, stdin="olleh")
     assert (interactive.returncode, interactive.stdout) == (0, "hello\n"), interactive.stderr
+    # The reader of the output goes away early: quiet exit 141, session closed anyway.
+    env = {**os.environ, "CAPSA_API_URL": served.url, "CAPSA_API_KEY": key}
+    head = subprocess.run(f"set -o pipefail; {CAPSA[0]} run -- 'seq 1 200000' | head -n 1", shell=True,
+                          executable="/bin/bash", capture_output=True, text=True, env=env, timeout=600)
+    assert (head.returncode, head.stdout) == (141, "1\n"), head.stderr
+    assert "Traceback" not in head.stderr and "Exception" not in head.stderr
     assert json.loads(capsa(served, key, "ls", "--state", "running", "--json").stdout)["items"] == []
 
     # A long-lived session driven by several CLI calls.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -122,3 +124,9 @@ def reports_errors(exit_code: int = 1) -> Iterator[None]:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except BrokenPipeError:
+        # The reader went away (`capsa run -- seq 1 1000000 | head -1`): stop quietly, like other tools
+        # killed by SIGPIPE, and keep Python from complaining when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)
