@@ -9,7 +9,8 @@ directory that is removed afterwards. All times are wall-clock, measured in this
   private disk copy and QEMU start), then ``destroy()``;
 - exec: ``guest.exec(["true"])`` round trips (a process is spawned in the guest each time), and
   ``guest.health()`` round trips (the channel alone, nothing spawned);
-- files: ``write_file``/``read_file`` of random data through the channel, in MiB/s;
+- files: ``write_file``/``read_file`` of random data through the channel, in MiB/s, and a command's
+  stdout streamed back (``head -c N /dev/zero``) for comparison;
 - memory: RSS and PSS of the QEMU process of an idle VM after the daemon answered and a few execs.
 The machine is shared and the numbers move with its load; the load average is recorded with them.
 """
@@ -103,6 +104,14 @@ async def bench(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             assert back == payload
             await guest.remove(path)
         del payload, back
+        streams = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            r = await guest.exec(["head", "-c", f"{args.file_mib}M", "/dev/zero"],
+                                 max_output=args.file_mib * MIB)
+            streams.append(args.file_mib / (time.perf_counter() - t0))
+            assert len(r.stdout) == args.file_mib * MIB
+        results["exec_stdout_mib_s"] = summary(streams) | {"file_mib": args.file_mib}
         results["file_write_mib_s"] = summary(writes) | {"file_mib": args.file_mib}
         results["file_read_mib_s"] = summary(reads) | {"file_mib": args.file_mib}
 
@@ -133,6 +142,7 @@ def print_table(results: dict[str, Any]) -> None:
     row("health round trip (channel only)", "health_rtt_ms", "ms")
     row(f"file write ({results['file_write_mib_s']['file_mib']} MiB)", "file_write_mib_s", "MiB/s")
     row(f"file read ({results['file_read_mib_s']['file_mib']} MiB)", "file_read_mib_s", "MiB/s")
+    row(f"exec stdout stream ({results['exec_stdout_mib_s']['file_mib']} MiB)", "exec_stdout_mib_s", "MiB/s")
     mem = results["idle_vm_memory"]
     table.add_row(f"idle VM host memory ({mem['guest_memory_mib']} MiB guest)", "1",
                   f"PSS {mem['pss_mib']:.0f}", f"RSS {mem['rss_mib']:.0f}", "", "", "MiB")
