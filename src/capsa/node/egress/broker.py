@@ -113,6 +113,8 @@ class SandboxEgress:
     buckets: dict[str, _TokenBucket] = field(default_factory=dict)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     writers: set[asyncio.StreamWriter] = field(default_factory=set)
+    bound: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Where the listeners are: ``http``, ``tls``, ``proxy``, ``dns`` → (address, port)."""
 
     @property
     def placeholder_env(self) -> dict[str, str]:
@@ -314,10 +316,12 @@ class EgressBroker:
                     ssl=self._tls_contexts[sandbox_id] if mode == "tls" else None,
                     ssl_handshake_timeout=_HEADER_TIMEOUT if mode == "tls" else None)
                 sbx.servers.append(server)
+                sbx.bound[mode] = server.sockets[0].getsockname()[:2]
             usock = await asyncio.to_thread(open_listener, netns, host, ports.dns, socket.SOCK_DGRAM)
             transport, _ = await loop.create_datagram_endpoint(
                 lambda: DnsServerProtocol(lambda q, src: self._dns_answer(sbx, host, q, src)), sock=usock)
             sbx.dns_transport = transport
+            sbx.bound["dns"] = transport.get_extra_info("sockname")[:2]
         except BaseException:
             await self._close_listeners(sbx)
             raise

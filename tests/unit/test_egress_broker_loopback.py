@@ -1,0 +1,222 @@
+"""The broker in-process on loopback: TLS interception, strict address screening, identity by source,
+live policy updates and clean unregistering. (The real namespace/tap/nftables path is covered by
+tests/security/test_egress_battery.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import h11
+import pytest
+
+from capsa.node.egress import dnswire
+from capsa.node.egress.audit import EgressEvent, ListSink
+from capsa.node.egress.broker import EgressBroker
+from capsa.node.egress.ca import SandboxCA
+from capsa.node.egress.dns import StaticResolver
+from capsa.node.egress.policy import EgressPolicy
+from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
+from capsa.node.net.sandbox_net import ServicePorts
+
+ANY_PORTS = ServicePorts(http=0, tls=0, proxy=0, dns=0)
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    conn = h11.Connection(h11.SERVER)
+    try:
+        while True:
+            ev = conn.next_event()
+            if ev is h11.NEED_DATA:
+                data = await reader.read(65536)
+                if not data:
+                    return
+                conn.receive_data(data)
+                continue
+            if isinstance(ev, h11.Request):
+                auth = dict(ev.headers).get(b"authorization", b"-")
+                body = b"host=" + dict(ev.headers)[b"host"] + b" auth=" + auth
+                writer.write(conn.send(h11.Response(status_code=200, headers=[
+                    (b"content-length", str(len(body)).encode())])) or b"")
+                writer.write(conn.send(h11.Data(data=body)) or b"")
+            elif isinstance(ev, h11.EndOfMessage):
+                writer.write(conn.send(h11.EndOfMessage()) or b"")
+                await writer.drain()
+                conn.start_next_cycle()
+            else:
+                return
+    except (ConnectionError, h11.ProtocolError):
+        pass
+    finally:
+        writer.close()
+
+
+class World:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.sink = ListSink()
+        self.store = InMemorySecretStore(SecretBox(os.urandom(32)), {"sec_1": "REALSECRET-42"})
+        self.world_ca = SandboxCA("world", ["api.test", "other.test"])
+        self.servers: list[asyncio.AbstractServer] = []
+
+    async def start(self) -> None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+
+        def pick(obj: ssl.SSLObject | ssl.SSLSocket, name: str | None, _c: ssl.SSLContext) -> None:
+            obj.context = self.world_ca.server_context(name or "api.test")
+
+        ctx.sni_callback = pick
+        self.https = await asyncio.start_server(_echo, "127.0.0.1", 0, ssl=ctx)
+        self.http = await asyncio.start_server(_echo, "127.0.0.1", 0)
+        self.servers += [self.https, self.http]
+        (self.tmp / "world.pem").write_bytes(self.world_ca.cert_pem)
+
+    def broker(self, *, allow_loopback: bool = True) -> EgressBroker:
+        return EgressBroker(
+            secrets=self.store, sink=self.sink,
+            resolver=StaticResolver({"api.test": ["127.0.0.1"], "other.test": ["127.0.0.1"]}),
+            upstream_ssl=ssl.create_default_context(cafile=str(self.tmp / "world.pem")),
+            allow_networks=["127.0.0.0/8"] if allow_loopback else [],
+            upstream_http_port=self.http.sockets[0].getsockname()[1],
+            upstream_https_port=self.https.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        for s in self.servers:
+            s.close()
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    w = World(tmp_path)
+    await w.start()
+    yield w
+    await w.close()
+
+
+POLICY = EgressPolicy.from_data({
+    "domains": [{"domain": "api.test"}],
+    "secrets": [{"secret": "sec_1", "domain": "api.test", "header": "Authorization"}],
+})
+
+
+async def _tls_get(port: int, ca_pem: bytes, sni: str, host: str, headers: str = "") -> bytes:
+    ctx = ssl.create_default_context(cadata=ca_pem.decode())
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname=sni)
+    writer.write(f"GET /x HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n".encode())
+    data = await reader.read()
+    writer.close()
+    return data
+
+
+async def test_tls_interception_with_injection(world: World) -> None:
+    broker = world.broker()
+    sbx = broker.register("sbx_a", "127.0.0.1", POLICY, session_id="ses_a")
+    await broker.listen("sbx_a", "127.0.0.1", ports=ANY_PORTS)
+    try:
+        ph = sbx.placeholder_for("sec_1")
+        data = await _tls_get(sbx.bound["tls"][1], sbx.ca.cert_pem, "api.test", "api.test",
+                              f"Authorization: Bearer {ph}\r\n")
+        assert data.startswith(b"HTTP/1.1 200")
+        assert b"auth=Bearer [REDACTED]" in data and b"REALSECRET" not in data
+        ev = world.sink.find(kind="http", decision="allow")[-1]
+        assert ev.secret_ids == ["sec_1"] and ev.session_id == "ses_a"
+    finally:
+        await broker.close()
+
+
+async def test_default_refuses_loopback_answers(world: World) -> None:
+    broker = world.broker(allow_loopback=False)
+    sbx = broker.register("sbx_b", "127.0.0.1", POLICY)
+    await broker.listen("sbx_b", "127.0.0.1", ports=ANY_PORTS)
+    try:
+        data = await _tls_get(sbx.bound["tls"][1], sbx.ca.cert_pem, "api.test", "api.test")
+        assert data.startswith(b"HTTP/1.1 403")
+        ev = world.sink.find(kind="http", decision="deny")[-1]
+        assert ev.reason == "api.test resolves to a non-public address (127.0.0.1)"
+    finally:
+        await broker.close()
+
+
+async def test_connection_from_another_address_refused(world: World) -> None:
+    broker = world.broker()
+    sbx = broker.register("sbx_c", "127.0.0.2", POLICY)
+    await broker.listen("sbx_c", "127.0.0.1", ports=ANY_PORTS)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", sbx.bound["http"][1])
+        writer.write(b"GET / HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        try:
+            data = await reader.read()
+        except ConnectionResetError:
+            data = b""
+        writer.close()
+        assert data == b""  # closed without an answer
+        assert world.sink.find(kind="http", decision="deny", source="127.0.0.1")
+    finally:
+        await broker.close()
+
+
+async def test_dns_stub_over_loopback(world: World) -> None:
+    broker = world.broker()
+    sbx = broker.register("sbx_d", "127.0.0.1", POLICY)
+    await broker.listen("sbx_d", "127.0.0.1", ports=ANY_PORTS)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.setblocking(False)
+            loop = asyncio.get_running_loop()
+            for name, rcode, answers in (("api.test", 0, ["127.0.0.1"]), ("evil.test", 3, [])):
+                await loop.sock_sendto(s, dnswire.build_query(5, name), sbx.bound["dns"])
+                reply = await asyncio.wait_for(loop.sock_recv(s, 512), 2)
+                assert dnswire.parse_a_answers(reply, 5, name) == (rcode, answers)
+            await loop.sock_sendto(s, b"\x00\x05garbage", sbx.bound["dns"])
+            reply = await asyncio.wait_for(loop.sock_recv(s, 512), 2)
+            assert reply[3] & 0x0F == 1  # FORMERR, and the stub keeps serving
+        decisions = [(e.destination, e.decision) for e in world.sink.events if e.kind == "dns"]
+        assert decisions == [("api.test", "allow"), ("evil.test", "deny")]
+    finally:
+        await broker.close()
+
+
+async def test_policy_update_and_unregister(world: World) -> None:
+    broker = world.broker()
+    sbx = broker.register("sbx_e", "127.0.0.1", POLICY)
+    await broker.listen("sbx_e", "127.0.0.1", ports=ANY_PORTS)
+    port = sbx.bound["tls"][1]
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        await _tls_get(port, sbx.ca.cert_pem, "other.test", "other.test")
+    update = broker.update_policy("sbx_e", EgressPolicy.from_data({"domains": [{"domain": "other.test"}]}))
+    assert update.ca_reissued and sbx.placeholders == {}
+    assert (await _tls_get(port, update.ca_pem, "other.test", "other.test")).startswith(b"HTTP/1.1 200")
+    await broker.unregister("sbx_e")
+    with pytest.raises(OSError):
+        await asyncio.open_connection("127.0.0.1", port)
+
+
+async def test_failing_audit_sink_does_not_break_requests(world: World) -> None:
+    def bad_sink(_e: EgressEvent) -> None:
+        raise RuntimeError("sink down")
+
+    broker = world.broker()
+    broker.sink = bad_sink
+    sbx = broker.register("sbx_f", "127.0.0.1", POLICY)
+    await broker.listen("sbx_f", "127.0.0.1", ports=ANY_PORTS)
+    try:
+        assert (await _tls_get(sbx.bound["tls"][1], sbx.ca.cert_pem, "api.test", "api.test")
+                ).startswith(b"HTTP/1.1 200")
+    finally:
+        await broker.close()
+
+
+async def test_register_twice_and_unknown(world: World) -> None:
+    broker = world.broker()
+    broker.register("sbx_g", "127.0.0.1", POLICY)
+    with pytest.raises(Exception, match="already registered"):
+        broker.register("sbx_g", "127.0.0.1", POLICY)
+    with pytest.raises(Exception, match="unknown sandbox"):
+        broker.update_policy("sbx_nope", POLICY)
+    with pytest.raises(ValueError):
+        broker.register("sbx_h", "not-an-ip", POLICY)
+    await broker.close()
