@@ -20,6 +20,7 @@ from capsa.sdk import (
     AsyncClient,
     AsyncProcess,
     AsyncSession,
+    CapsaClientError,
     CapsaConnectionError,
     CommandResult,
     ProcessInfo,
@@ -305,3 +306,8 @@ async def test_close_and_context_manager_release_the_connection() -> None:
         pass
     assert rec.requests[-1].url.path.endswith("/close") and s.state == "closed"
     assert s.client._http.is_closed
+    with pytest.raises(CapsaClientError, match=r"Session\.connect"):
+        await s.commands.run("true")
+    requests = len(rec.requests)
+    assert (await s.close()).state == "closed"  # closing twice is harmless and sends nothing
+    assert len(rec.requests) == requests

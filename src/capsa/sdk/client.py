@@ -103,6 +103,15 @@ class AsyncClient:
         # fail fast when the server is down.
         return httpx.Timeout(timeout, connect=self.config.timeout)
 
+    @property
+    def is_closed(self) -> bool:
+        return self._http.is_closed
+
+    def _check_open(self) -> None:
+        if self._http.is_closed:
+            raise CapsaClientError("this connection was closed (the session was closed or disconnected); "
+                                   "use Session.connect(id) to work with the session again")
+
     def _connection_error(self, exc: Exception) -> CapsaConnectionError:
         url = self.config.api_url
         if isinstance(exc, httpx.TimeoutException):
@@ -115,6 +124,7 @@ class AsyncClient:
                       json: Any = None, content: Any = None, headers: Mapping[str, str] | None = None,
                       timeout: TimeoutArg = _DEFAULT) -> httpx.Response:
         """Send one request; return the response if it is a success, else raise the mapped exception."""
+        self._check_open()
         try:
             response = await self._http.request(method, path, params=_clean(params), json=json,
                                                 content=content, headers=headers,
@@ -130,6 +140,7 @@ class AsyncClient:
                      json: Any = None, content: Any = None, headers: Mapping[str, str] | None = None,
                      timeout: TimeoutArg = _DEFAULT) -> AsyncIterator[httpx.Response]:
         """Like :meth:`request` but the body is read by the caller inside the ``async with``."""
+        self._check_open()
         try:
             async with self._http.stream(method, path, params=_clean(params), json=json, content=content,
                                          headers=headers, timeout=self._timeout(timeout)) as response:

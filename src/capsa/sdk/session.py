@@ -108,6 +108,8 @@ class AsyncSession:
 
     async def close(self) -> SessionInfo:
         """Close the session (its sandbox is destroyed) and release this object's connection."""
+        if self._client.is_closed and self.info.state == "closed":
+            return self.info  # already closed through this object
         try:
             self.info = await self._client.close_session(self.id)
         finally:
