@@ -151,17 +151,20 @@ async def _run(*argv: str, stdin: bytes | None = None, check: bool = True) -> tu
 class NetworkManager:
     """Creates and destroys sandbox namespaces and hands out their /30 subnets from ``pool``."""
 
-    def __init__(self, pool: str = "10.231.0.0/16", ports: ServicePorts | None = None) -> None:
+    def __init__(self, pool: str = "10.231.0.0/16", ports: ServicePorts | None = None,
+                 netns_prefix: str = NETNS_PREFIX) -> None:
         self.pool = ipaddress.IPv4Network(pool)
         if self.pool.prefixlen > 29:
             raise NetError("the sandbox address pool must be at least a /29")
         self.ports = ports or ServicePorts()
+        if not re.match(r"^[a-z][a-z0-9-]{0,15}$", netns_prefix):
+            raise NetError(f"invalid namespace prefix {netns_prefix!r}")
+        self.netns_prefix = netns_prefix
         self._used: dict[str, ipaddress.IPv4Network] = {}
         self._lock = asyncio.Lock()
 
-    @staticmethod
-    def netns_name(sandbox_id: str) -> str:
-        return NETNS_PREFIX + sandbox_id
+    def netns_name(self, sandbox_id: str) -> str:
+        return self.netns_prefix + sandbox_id
 
     @staticmethod
     def tap_name(sandbox_id: str) -> str:
@@ -248,12 +251,13 @@ class NetworkManager:
         return found
 
     async def cleanup_stale(self, keep: set[str] | frozenset[str] = frozenset()) -> list[str]:
-        """Remove capsa namespaces left by a crashed node agent (except the sandbox ids in ``keep``)."""
+        """Remove namespaces with this manager's prefix left by a crashed node agent (except the sandbox
+        ids in ``keep``). Every node agent on a host must use its own prefix."""
         _, out, _ = await _run("ip", "netns", "list")
         removed: list[str] = []
         for line in out.splitlines():
             name = line.split()[0] if line.strip() else ""
-            if name.startswith(NETNS_PREFIX) and name[len(NETNS_PREFIX):] not in keep:
+            if name.startswith(self.netns_prefix) and name[len(self.netns_prefix):] not in keep:
                 await _run("ip", "netns", "del", name, check=False)
                 removed.append(name)
         return removed

@@ -1,0 +1,128 @@
+"""Per-sandbox namespaces, taps and nftables rules on the real kernel: creation, contents, teardown."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+
+import pytest
+
+from capsa.node.net import sandbox_net
+from capsa.node.net.sandbox_net import NetError, NetworkManager
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces and nftables"),
+]
+
+
+def _sh(*argv: str) -> str:
+    return subprocess.run(list(argv), check=True, capture_output=True, text=True).stdout
+
+
+def _sid() -> str:
+    return "sbx_" + secrets.token_hex(10)
+
+
+def _pool() -> str:
+    return f"10.232.{secrets.randbelow(250)}.0/24"
+
+
+async def test_create_inspect_destroy() -> None:
+    manager = NetworkManager(pool=_pool())
+    net = await manager.create(_sid())
+    try:
+        assert net.netns in _sh("ip", "netns", "list")
+        assert net.tap not in _sh("ip", "-o", "link")  # the tap lives only inside the namespace
+        links = json.loads(_sh("ip", "-n", net.netns, "-j", "addr"))
+        tap = next(link for link in links if link["ifname"] == net.tap)
+        assert "UP" in tap["flags"]
+        assert [(a["local"], a["prefixlen"]) for a in tap["addr_info"]] == [(net.gateway_ip, 30)]
+        assert not any(a["family"] == "inet6" for link in links for a in link["addr_info"])
+        assert _sh("ip", "netns", "exec", net.netns, "sysctl", "-n", "net.ipv4.ip_forward").strip() == "0"
+        routes = _sh("ip", "-n", net.netns, "route")
+        assert "default" not in routes  # nowhere to go but the node services
+        rules = _sh("ip", "netns", "exec", net.netns, "nft", "list", "ruleset")
+        assert f"dnat ip to {net.gateway_ip}:{net.ports.tls}" in rules
+        assert f"dnat ip to {net.gateway_ip}:{net.ports.http}" in rules
+        assert "ether type ip6" in rules and f"ip saddr != {net.guest_ip}" in rules
+        assert "hook forward priority filter; policy drop;" in rules
+        assert "hook input priority filter; policy drop;" in rules
+        counters = await manager.drop_counters(net)
+        assert set(counters) == set(sandbox_net.DROP_COUNTERS) and not any(counters.values())
+        assert net.guest_config()["address"] == f"{net.guest_ip}/30"
+        assert net.proxy_url == f"http://{net.gateway_ip}:3128"
+    finally:
+        await manager.destroy(net)
+    assert await manager.leftovers(net) == []
+    assert net.netns not in _sh("ip", "netns", "list")
+    assert net.tap not in _sh("ip", "-o", "link")
+    assert "capsa" not in _sh("nft", "list", "tables")  # nothing ever leaked into the node's own ruleset
+    await manager.destroy(net)  # idempotent
+
+
+async def test_sandboxes_get_distinct_subnets_and_pool_exhaustion() -> None:
+    base = _pool().rsplit(".", 2)[0]
+    manager = NetworkManager(pool=f"{base}.0.0/29")  # room for exactly two /30s
+    a = await manager.create(_sid())
+    b = await manager.create(_sid())
+    try:
+        assert a.guest_ip != b.guest_ip and a.tap != b.tap and a.netns != b.netns
+        with pytest.raises(NetError) as info:
+            await manager.create(_sid())
+        assert info.value.code == "capacity_exhausted"
+    finally:
+        await manager.destroy(a)
+        await manager.destroy(b)
+    c = await manager.create(_sid())  # freed subnets are reused
+    await manager.destroy(c)
+    assert await manager.leftovers(c) == []
+
+
+@pytest.mark.parametrize("bad", ["", "../etc", "a b", "x" * 60, "sbx;reboot"])
+async def test_bad_sandbox_ids_refused(bad: str) -> None:
+    with pytest.raises(NetError) as info:
+        await NetworkManager(pool=_pool()).create(bad)
+    assert info.value.status == 422
+
+
+async def test_duplicate_refused() -> None:
+    manager = NetworkManager(pool=_pool())
+    sid = _sid()
+    net = await manager.create(sid)
+    try:
+        with pytest.raises(NetError) as info:
+            await manager.create(sid)
+        assert info.value.code == "conflict"
+    finally:
+        await manager.destroy(net)
+
+
+async def test_failed_creation_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = NetworkManager(pool=_pool())
+    monkeypatch.setattr(sandbox_net, "render_ruleset", lambda _net: "this is not nftables\n")
+    sid = _sid()
+    with pytest.raises(NetError, match="failed"):
+        await manager.create(sid)
+    assert manager.netns_name(sid) not in _sh("ip", "netns", "list")
+    monkeypatch.undo()
+    net = await manager.create(sid)  # the id and subnet were released
+    await manager.destroy(net)
+
+
+async def test_cleanup_stale() -> None:
+    # A private prefix: cleanup must never touch namespaces of other node agents or test runs.
+    prefix = f"capsa-t{secrets.token_hex(3)}-"
+    crashed = NetworkManager(pool=_pool(), netns_prefix=prefix)
+    keep_net = await crashed.create(_sid())
+    lost_net = await crashed.create(_sid())
+    fresh = NetworkManager(pool=_pool(), netns_prefix=prefix)
+    removed = await fresh.cleanup_stale(keep={keep_net.sandbox_id})
+    try:
+        assert lost_net.netns in removed and keep_net.netns not in removed
+        assert lost_net.netns not in _sh("ip", "netns", "list")
+    finally:
+        await crashed.destroy(keep_net)
+        await crashed.destroy(lost_net)
