@@ -9,7 +9,6 @@ play external APIs. Every address involved lives in namespaces this module creat
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import secrets
@@ -96,7 +95,8 @@ async def _upstream_handler(reader: asyncio.StreamReader, writer: asyncio.Stream
                 }).encode()
                 if path.startswith("/big"):
                     payload = b"x" * 5000
-                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+                headers = [(b"content-type", b"application/json"),
+                           (b"content-length", str(len(payload)).encode())]
                 if path.startswith("/leak-header"):
                     headers.append((b"x-echo-auth", dict(event.headers).get(b"authorization", b"")))
                 writer.write(conn.send(h11.Response(status_code=200, headers=headers)) or b"")
@@ -110,6 +110,16 @@ async def _upstream_handler(reader: asyncio.StreamReader, writer: asyncio.Stream
         pass
     finally:
         writer.close()
+
+
+def _sh(*argv: str, check: bool = True) -> str:
+    return subprocess.run(list(argv), check=check, capture_output=True, text=True).stdout
+
+
+def _rmtree(path: Path) -> None:
+    for f in path.iterdir():
+        f.unlink()
+    path.rmdir()
 
 
 @dataclass
@@ -128,17 +138,17 @@ class Lab:
     ca_file: Path
     last_err: str = ""
 
-    async def guest_run(self, *argv: str, timeout: float = 20) -> tuple[int, str, str]:
+    async def guest_run(self, *argv: str, limit_s: float = 20) -> tuple[int, str, str]:
         proc = await asyncio.create_subprocess_exec(
             "ip", "netns", "exec", self.guest.name, *argv,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        out, err = await asyncio.wait_for(proc.communicate(), limit_s)
         assert proc.returncode is not None
         return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
     async def curl(self, *args: str) -> tuple[int, str, str]:
         """curl in the guest; returns (http status or 0, body, stderr)."""
-        rc, out, err = await self.guest_run(
+        _rc, out, err = await self.guest_run(
             "curl", "-sS", "--max-time", "8", "--cacert", str(self.ca_file),
             "-w", "\n%{http_code}", *args)
         body, _, code = out.rpartition("\n")
@@ -171,8 +181,7 @@ async def lab() -> AsyncIterator[Lab]:
     up_ns, veth_root, veth_up = f"ctest-up-{tag}", f"ctr{tag}", f"ctu{tag}"
     up_net, root_ip, up_ip = f"10.250.{octet}.0/24", f"10.250.{octet}.1", f"10.250.{octet}.2"
     tmp = Path(tempfile.mkdtemp(prefix="capsa-egress-lab-"))
-    sh = lambda *a: subprocess.run(list(a), check=True, capture_output=True)  # noqa: E731
-    sh("ip", "netns", "add", up_ns)
+    _sh("ip", "netns", "add", up_ns)
     servers: list[asyncio.AbstractServer] = []
     transports: list[asyncio.DatagramTransport] = []
     manager = NetworkManager(pool=f"10.231.{octet}.0/24")
@@ -180,12 +189,12 @@ async def lab() -> AsyncIterator[Lab]:
     guest: GuestNamespace | None = None
     broker: EgressBroker | None = None
     try:
-        sh("ip", "link", "add", veth_root, "type", "veth", "peer", "name", veth_up, "netns", up_ns)
-        sh("ip", "addr", "add", f"{root_ip}/24", "dev", veth_root)
-        sh("ip", "link", "set", veth_root, "up")
-        sh("ip", "-n", up_ns, "addr", "add", f"{up_ip}/24", "dev", veth_up)
-        sh("ip", "-n", up_ns, "link", "set", veth_up, "up")
-        sh("ip", "-n", up_ns, "link", "set", "lo", "up")
+        _sh("ip", "link", "add", veth_root, "type", "veth", "peer", "name", veth_up, "netns", up_ns)
+        _sh("ip", "addr", "add", f"{root_ip}/24", "dev", veth_root)
+        _sh("ip", "link", "set", veth_root, "up")
+        _sh("ip", "-n", up_ns, "addr", "add", f"{up_ip}/24", "dev", veth_up)
+        _sh("ip", "-n", up_ns, "link", "set", veth_up, "up")
+        _sh("ip", "-n", up_ns, "link", "set", "lo", "up")
 
         # The outside world: its CA (trusted by the broker as the upstream root), HTTP(S) and DNS servers.
         world_ca = SandboxCA("world", ["allowed.test", "limited.test", "evil.test"])
@@ -240,11 +249,9 @@ async def lab() -> AsyncIterator[Lab]:
             s.close()
         for t in transports:
             t.close()
-        subprocess.run(["ip", "netns", "del", up_ns], check=False)
-        subprocess.run(["ip", "link", "del", veth_root], check=False, capture_output=True)
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
+        _sh("ip", "netns", "del", up_ns, check=False)
+        _sh("ip", "link", "del", veth_root, check=False)
+        _rmtree(tmp)
 
 
 def _denied(events: list[EgressEvent], **match: object) -> EgressEvent:
@@ -298,7 +305,7 @@ async def test_allowed_plain_http(lab: Lab) -> None:
 
 
 async def test_allowed_plain_http_through_proxy_absolute_form(lab: Lab) -> None:
-    status, body, err = await lab.curl("-x", lab.net.proxy_url, "http://third.allowed.test/v1/x")
+    status, _body, err = await lab.curl("-x", lab.net.proxy_url, "http://third.allowed.test/v1/x")
     assert status == 200, err
 
 
@@ -460,14 +467,12 @@ async def test_ipv6_dropped(lab: Lab) -> None:
 async def test_spoofed_source_dropped(lab: Lab) -> None:
     await lab.auditor.poll()
     spoof = "192.0.2.77"
-    subprocess.run(["ip", "-n", lab.guest.name, "addr", "add", f"{spoof}/32", "dev", lab.guest.guest_tap],
-                   check=True)
+    _sh("ip", "-n", lab.guest.name, "addr", "add", f"{spoof}/32", "dev", lab.guest.guest_tap)
     try:
         status, _, _ = await lab.curl("--interface", spoof, "--connect-timeout", "2",
                                       "http://api.allowed.test/")
     finally:
-        subprocess.run(["ip", "-n", lab.guest.name, "addr", "del", f"{spoof}/32", "dev", lab.guest.guest_tap],
-                       check=True)
+        _sh("ip", "-n", lab.guest.name, "addr", "del", f"{spoof}/32", "dev", lab.guest.guest_tap)
     assert status == 0, lab.last_err
     events = await lab.auditor.poll()
     assert any(e.destination == "drop_spoofed" for e in events)
@@ -520,7 +525,8 @@ async def test_host_switch_on_keep_alive(lab: Lab) -> None:
     writer.write(b"GET /echo HTTP/1.1\r\nHost: api.allowed.test\r\n\r\n")
     first = await reader.readuntil(b"\r\n\r\n")
     assert b" 200 " in first.split(b"\r\n")[0]
-    length = int(next(line.split(b":")[1] for line in first.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = next(int(line.split(b":")[1]) for line in first.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
     await reader.readexactly(length)
     writer.write(b"GET /echo HTTP/1.1\r\nHost: evil.test\r\n\r\n")
     second = await reader.readuntil(b"\r\n\r\n")
@@ -548,7 +554,8 @@ async def test_request_smuggling_refused(lab: Lab) -> None:
     mark = len(lab.sink.events)
     reader, writer = await lab.guest_connect(lab.net.gateway_ip, lab.net.ports.http)
     writer.write(b"POST /echo HTTP/1.1\r\nHost: api.allowed.test\r\nContent-Length: 4\r\n"
-                 b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /admin HTTP/1.1\r\nHost: api.allowed.test\r\n\r\n")
+                 b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+                 b"GET /admin HTTP/1.1\r\nHost: api.allowed.test\r\n\r\n")
     head = await reader.readuntil(b"\r\n\r\n")
     rest = await reader.read()
     writer.close()
@@ -679,10 +686,8 @@ async def test_teardown_removes_everything(lab: Lab) -> None:
     await lab.broker.unregister(net.sandbox_id)
     await lab.manager.destroy(net)
     assert await lab.manager.leftovers(net) == []
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    netns = _sh("ip", "netns", "list")
+    links = _sh("ip", "-o", "link")
     assert net.netns not in netns and net.tap not in links
     with pytest.raises(Exception, match="unknown sandbox"):
         lab.broker.get(net.sandbox_id)
-    with contextlib.suppress(FileNotFoundError):
-        assert not Path(f"/run/netns/{net.netns}").exists()

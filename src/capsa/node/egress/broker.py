@@ -182,20 +182,18 @@ class _Client:
         self.reader, self.writer = reader, writer
         self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=32 * 1024)
 
-    async def next_event(self, timeout: float) -> h11.Event | type[h11.PAUSED]:
+    async def next_event(self, wait_s: float) -> h11.Event | type[h11.PAUSED]:
         while True:
             event = self.conn.next_event()
             if event is h11.NEED_DATA:
-                data = await asyncio.wait_for(self.reader.read(65536), timeout)
+                data = await asyncio.wait_for(self.reader.read(65536), wait_s)
                 self.conn.receive_data(data)
                 continue
             return event  # type: ignore[return-value]
 
     async def send(self, *events: h11.Event) -> None:
-        for ev in events:
-            data = self.conn.send(ev)
-            if data:
-                self.writer.write(data)
+        # One write per response: fewer segments and TLS records.
+        self.writer.write(b"".join(self.conn.send(ev) or b"" for ev in events))
         await self.writer.drain()
 
 
@@ -300,9 +298,10 @@ class EgressBroker:
         return PolicyUpdate(ca_reissued=reissue, ca_pem=sbx.ca.cert_pem)
 
     async def listen(self, sandbox_id: str, host: str, *, netns: str | None = None,
-                     ports: ServicePorts = ServicePorts()) -> None:
+                     ports: ServicePorts | None = None) -> None:
         """Open the sandbox's listeners on ``host`` inside ``netns`` (``None``: this namespace)."""
         sbx = self.get(sandbox_id)
+        ports = ports or ServicePorts()
         loop = asyncio.get_running_loop()
         try:
             modes: tuple[tuple[int, Mode], ...] = ((ports.http, "http"), (ports.tls, "tls"),
@@ -386,9 +385,11 @@ class EgressBroker:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.set_alpn_protocols(["http/1.1"])
 
-        def on_sni(sslobj: ssl.SSLObject | ssl.SSLSocket, name: str | None, _ctx: ssl.SSLContext) -> int | None:
+        def on_sni(sslobj: ssl.SSLObject | ssl.SSLSocket, name: str | None, _ctx: ssl.SSLContext
+                   ) -> int | None:
             host = (name or "").lower().rstrip(".")
-            if not host or _is_ip_literal(host) or sbx.policy.rule_for(host) is None or not sbx.ca.covers(host):
+            allowed = bool(host) and not _is_ip_literal(host) and sbx.policy.rule_for(host) is not None
+            if not allowed or not sbx.ca.covers(host):
                 self._audit(sbx, kind="tls", decision="deny", destination=host or "<no SNI>",
                             reason="TLS server name missing or not allowed by policy")
                 return ssl.ALERT_DESCRIPTION_UNRECOGNIZED_NAME
@@ -504,7 +505,8 @@ class EgressBroker:
         with contextlib.suppress(ConnectionError):
             await writer.drain()
 
-    async def _connect(self, sbx: SandboxEgress, client: _Client, req: h11.Request, source: str) -> str | None:
+    async def _connect(self, sbx: SandboxEgress, client: _Client, req: h11.Request, source: str
+                       ) -> str | None:
         target = req.target.decode("latin-1")
         try:
             host, port = _split_host(target, -1)
@@ -707,11 +709,11 @@ class EgressBroker:
         if body or req.method in ("POST", "PUT", "PATCH"):
             headers.append((b"content-length", str(len(body)).encode()))
         try:
-            up.writer.write(up.conn.send(h11.Request(method=req.method, target=req.path, headers=headers))
-                            or b"")
+            out = [up.conn.send(h11.Request(method=req.method, target=req.path, headers=headers)) or b""]
             if body:
-                up.writer.write(up.conn.send(h11.Data(data=body)) or b"")
-            up.writer.write(up.conn.send(h11.EndOfMessage()) or b"")
+                out.append(up.conn.send(h11.Data(data=body)) or b"")
+            out.append(up.conn.send(h11.EndOfMessage()) or b"")
+            up.writer.write(b"".join(out))
             await up.writer.drain()
             response = await up.next_event()
             while isinstance(response, h11.InformationalResponse):
@@ -756,11 +758,11 @@ class EgressBroker:
             up.conn.start_next_cycle()
         else:
             up.close()
-        await client.send(h11.Response(status_code=response.status_code, headers=out_headers,
-                                       reason=response.reason))
+        events: list[h11.Event] = [h11.Response(status_code=response.status_code, headers=out_headers,
+                                                reason=response.reason)]
         if resp_body and not no_body:
-            await client.send(h11.Data(data=resp_body))
-        await client.send(h11.EndOfMessage())
+            events.append(h11.Data(data=resp_body))
+        await client.send(*events, h11.EndOfMessage())
         return response.status_code, len(resp_body), True
 
     def _secrets_to_redact(self, sbx: SandboxEgress, req: _Request) -> list[bytes]:

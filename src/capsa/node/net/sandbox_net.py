@@ -137,6 +137,10 @@ table inet {TABLE} {{
 """
 
 
+def _netns_exists(name: str) -> bool:
+    return os.path.exists(f"/run/netns/{name}")
+
+
 async def _run(*argv: str, stdin: bytes | None = None, check: bool = True) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
@@ -184,7 +188,7 @@ class NetworkManager:
             raise NetError(f"invalid sandbox id {sandbox_id!r}", code="invalid_request", status=422)
         netns = self.netns_name(sandbox_id)
         async with self._lock:
-            if sandbox_id in self._used or os.path.exists(f"/run/netns/{netns}"):
+            if sandbox_id in self._used or _netns_exists(netns):
                 raise NetError(f"network of {sandbox_id} already exists", code="conflict", status=409)
             subnet = self._allocate(sandbox_id)
         hosts = list(subnet.hosts())
@@ -220,7 +224,7 @@ class NetworkManager:
 
     async def _remove(self, sandbox_id: str, netns: str) -> None:
         try:
-            if os.path.exists(f"/run/netns/{netns}"):
+            if _netns_exists(netns):
                 await _run("ip", "netns", "del", netns)
         finally:
             async with self._lock:
