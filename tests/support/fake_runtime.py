@@ -3,6 +3,11 @@
 No VM and no kernel of its own, so it boots in a fraction of a second: it lets the control plane and node
 agent tests exercise the whole request path (HTTP -> node agent -> guest channel -> real daemon) quickly.
 The same API tests also run against :class:`capsa.node.runtime.qemu.QemuRuntime` in tests/integration.
+
+Tests (and schemathesis) send arbitrary commands and file operations, which here run on the HOST. So each
+daemon is confined (when running as root): its own mount and PID namespaces, private tmpfs over every
+world-writable directory, and it runs as ``nobody`` without capabilities. It can read the host but not
+change it, and everything it started dies with it.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import asyncio
 import builtins
 import contextlib
 import inspect
+import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -40,8 +47,9 @@ def fake_image(root: Path) -> GuestImage:
 
 
 class FakeSandbox:
-    def __init__(self, sandbox_id: str, guest: LocalGuest, client: GuestClient) -> None:
+    def __init__(self, sandbox_id: str, guest: LocalGuest, client: GuestClient, confined: bool) -> None:
         self._id = sandbox_id
+        self._confined = confined
         self._local = guest
         self._client = client
         self._state = SandboxState.RUNNING
@@ -75,7 +83,15 @@ class FakeSandbox:
 
     @property
     def pid(self) -> int | None:
-        return self._local.pid
+        """The daemon's pid (when confined: the namespace's init, whose death ends every process in it)."""
+        launcher = self._local.pid
+        if launcher is None or not self._confined:
+            return launcher
+        try:
+            children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+        except OSError:
+            return None
+        return int(children[0]) if children else None
 
     def on_failure(self, callback: Callable[[str], Awaitable[None] | None]) -> None:
         self._callbacks.append(callback)
@@ -100,7 +116,30 @@ class FakeSandbox:
         self._watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._watcher
+        pid = self.pid
+        if self._confined and pid is not None:
+            # The namespace init ignores SIGTERM; SIGKILL on it ends the whole namespace at once.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         await self._local.stop()
+
+
+# pdeathsig twice: if the test process dies, unshare dies, then the daemon (the namespace's init) dies, and
+# with it every process of the namespace. setpriv sets it after changing credentials (a uid change clears it).
+_CONFINE = """#!/bin/sh
+exec /usr/bin/setpriv --pdeathsig KILL -- \\
+    /usr/bin/unshare --mount --pid --fork --kill-child --mount-proc --propagation private -- /bin/sh -c '
+for d in /tmp /var/tmp /dev/shm /run/lock; do
+    mount -t tmpfs -o mode=1777,size=256m capsa-fake "$d" || exit 97
+done
+HOME=/tmp exec /usr/bin/setpriv --reuid=65534 --regid=65534 --clear-groups --inh-caps=-all \\
+    --bounding-set=-all --pdeathsig KILL -- /usr/bin/python3 "$@"' capsa-fake-guest "$@"
+"""
+_WRITABLE = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"), Path("/run/lock"))
+
+
+def _confinable() -> bool:
+    return os.geteuid() == 0 and all(Path(p).exists() for p in ("/usr/bin/unshare", "/usr/bin/setpriv"))
 
 
 class FakeRuntime:
@@ -108,10 +147,27 @@ class FakeRuntime:
 
     name = "fake"
 
-    def __init__(self, base_dir: Path | None = None) -> None:
+    def __init__(self, base_dir: Path | None = None, *, confine: bool | None = None) -> None:
+        self.confine = _confinable() if confine is None else confine
+        if (
+            self.confine
+            and base_dir is not None
+            and any(base_dir.resolve().is_relative_to(p) for p in _WRITABLE)
+        ):
+            base_dir = None  # it would be hidden from a confined daemon (e.g. a pytest tmp_path): use /run
         self._own = base_dir is None
-        self.base_dir = Path(tempfile.mkdtemp(prefix="capsa-fake-rt-")) if base_dir is None else base_dir
+        if base_dir is None:
+            # Outside every directory the confinement hides, and traversable by ``nobody``.
+            base_dir = Path(tempfile.mkdtemp(prefix="capsa-fake-rt-", dir="/run" if self.confine else None))
+            base_dir.chmod(0o755)
+        self.base_dir = base_dir
         self.base_dir.mkdir(parents=True, exist_ok=True)
+        self._python: str | None = None
+        if self.confine:
+            wrapper = self.base_dir / ".confine.sh"
+            wrapper.write_text(_CONFINE)
+            wrapper.chmod(0o755)
+            self._python = str(wrapper)
         self._sandboxes: dict[str, FakeSandbox] = {}
         self.boot_error: str | None = None
         self.boots = 0
@@ -123,7 +179,10 @@ class FakeRuntime:
         sid = sandbox_id or new_id("sbx")
         workdir = self.base_dir / sid
         workdir.mkdir()
-        local = LocalGuest(workdir)
+        if self.confine:
+            os.chown(workdir, 65534, 65534)  # the daemon (nobody) creates its socket here
+            workdir.chmod(0o755)
+        local = LocalGuest(workdir, python=self._python)
         try:
             await local.start()
             client = await local.client()
@@ -132,7 +191,7 @@ class FakeRuntime:
             await local.stop()
             shutil.rmtree(workdir, ignore_errors=True)
             raise
-        sandbox = FakeSandbox(sid, local, client)
+        sandbox = FakeSandbox(sid, local, client, self.confine)
         self._sandboxes[sid] = sandbox
         return sandbox
 
@@ -148,7 +207,7 @@ class FakeRuntime:
     async def cleanup_orphans(self) -> builtins.list[str]:
         removed: builtins.list[str] = []
         for entry in self.base_dir.iterdir():
-            if entry.name not in self._sandboxes:
+            if entry.name not in self._sandboxes and not entry.name.startswith("."):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry.name)
         return removed

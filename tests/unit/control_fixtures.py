@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime, fake_image
 from tests.support.postgres import PgCluster, postgres_missing_reason, temporary_postgres
@@ -40,7 +41,7 @@ async def make_stack(db_url: str, tmp_path: Path) -> AsyncIterator[Callable[...,
     stacks: list[ApiStack] = []
 
     async def factory(**kwargs: Any) -> ApiStack:
-        runtime = FakeRuntime(tmp_path / f"rt{len(stacks)}")
+        runtime = FakeRuntime()
         stack = ApiStack(db_url, runtime, fake_image(tmp_path / "image"), **kwargs)
         stacks.append(stack)
         return await stack.start()
@@ -54,6 +55,6 @@ async def make_stack(db_url: str, tmp_path: Path) -> AsyncIterator[Callable[...,
 
 @pytest.fixture
 async def stack(db_url: str, tmp_path: Path) -> AsyncIterator[ApiStack]:
-    runtime = FakeRuntime(tmp_path / "rt")
+    runtime = FakeRuntime()
     async with ApiStack(db_url, runtime, fake_image(tmp_path / "image")) as s:
         yield s

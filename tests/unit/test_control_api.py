@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from tests.support.api_stack import ApiStack
 from tests.unit.control_fixtures import db_url, make_stack, pg_cluster, stack  # noqa: F401
 

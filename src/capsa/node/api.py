@@ -134,6 +134,10 @@ async def _first_then_rest(chunks: AsyncIterator[bytes], record: SandboxRecord) 
                 yield first
             async for chunk in chunks:
                 yield chunk
+        except (CapsaError, OSError) as exc:
+            # The status line is gone already: aborting the response is the only way to say "incomplete".
+            log.warning("stream from sandbox %s failed midway: %s", record.id, exc)
+            raise
         finally:
             closer = getattr(chunks, "aclose", None)
             if closer is not None:
@@ -152,7 +156,7 @@ Record = Annotated[SandboxRecord, Depends(_record)]
 
 
 def create_node_app(agent: NodeAgent, token: str) -> FastAPI:
-    """The node API for ``agent``; all routes but ``/node/v1/health`` need ``Authorization: Bearer <token>``."""
+    """The node API for ``agent``; every route but ``/node/v1/health`` needs the Bearer ``token``."""
     if len(token) < 16:
         raise ValueError("node token must be at least 16 characters")
 
