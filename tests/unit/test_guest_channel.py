@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from tests.support.local_guest import GUEST_PACKAGE, LocalGuest, guest_client, local_guest
 
 from capsa.guest.protocol import INITIAL_WINDOW, MAGIC, PROTOCOL_VERSION, Decoder, Frame, Kind, encode_frame
 from capsa.node.guest_client import ChannelClosed, GuestClient, GuestError
+from tests.support.local_guest import GUEST_PACKAGE, LocalGuest, guest_client, local_guest
 
 __all__ = ["guest_client", "local_guest"]
 

@@ -12,9 +12,9 @@ import signal
 import uuid
 
 import pytest
-from tests.support.local_guest import LocalGuest, guest_client, local_guest
 
 from capsa.node.guest_client import GuestClient, GuestError
+from tests.support.local_guest import LocalGuest, guest_client, local_guest
 
 __all__ = ["guest_client", "local_guest"]
 

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from tests.support.local_guest import guest_client, local_guest
 
 from capsa.node.guest_client import GuestClient, GuestError
+from tests.support.local_guest import guest_client, local_guest
 
 __all__ = ["guest_client", "local_guest"]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from tests.support.local_guest import GUEST_PACKAGE
 
 from capsa.guest.daemon import find_port
 from capsa.guest.init import cmdline_options
+from tests.support.local_guest import GUEST_PACKAGE
 
 T = TypeVar("T")
 
@@ -53,6 +53,7 @@ for l in bin lib lib64 sbin; do [ -L "/$l" ] && ln -s "$(readlink "/$l")" "$R/$l
 mount -t tmpfs -o mode=0755 capsa-init-dev "$R/dev"
 mknod -m 666 "$R/dev/null" c 1 3
 mkdir -p "$R/dev/virtio-ports"
+printf '(none)' > /proc/sys/kernel/hostname  # this UTS namespace's name, as in a fresh VM
 cd /
 exec env -i PYTHONPATH=/opt/capsa /usr/sbin/chroot "$R" /usr/bin/python3 -m capsa.guest.init
 """
@@ -121,6 +122,10 @@ def test_init_as_pid1(tmp_path: Path) -> None:
         assert os.readlink(f"/proc/{init}/root/dev/fd") == "/proc/self/fd"
         with open(f"/proc/{init}/root/sys/class/net/lo/flags") as f:
             assert int(f.read(), 16) & 1  # IFF_UP
+
+        uts = subprocess.run(["nsenter", "--target", str(init), "--uts", "cat", "/proc/sys/kernel/hostname"],
+                             capture_output=True, text=True, check=True)
+        assert uts.stdout.strip() == "capsa"  # an unnamed machine gets the default name
 
         # A daemon that dies is started again.
         os.kill(daemon, signal.SIGKILL)

@@ -22,6 +22,7 @@ import time
 __all__ = ["DEVICE", "cmdline_options", "main", "mount_all", "set_loopback_up"]
 
 DEVICE = "/dev/virtio-ports/agent0"
+DEFAULT_HOSTNAME = "capsa"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 MS_NOSUID = 2
@@ -209,6 +210,8 @@ def main() -> int:
     options = cmdline_options()
     if options.get("hostname"):
         set_hostname(options["hostname"])
+    elif socket.gethostname() in ("", "(none)"):
+        set_hostname(DEFAULT_HOSTNAME)  # "(none)" confuses tools; the host can rename it later
     try:
         set_loopback_up()
     except OSError as exc:
