@@ -126,3 +126,37 @@ async def test_cleanup_stale() -> None:
     finally:
         await crashed.destroy(keep_net)
         await crashed.destroy(lost_net)
+
+
+async def test_egress_service_attach_detach() -> None:
+    from capsa.node.egress.audit import ListSink
+    from capsa.node.egress.broker import EgressBroker
+    from capsa.node.egress.policy import EgressPolicy
+    from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
+    from capsa.node.egress.service import EgressService
+
+    sink = ListSink()
+    store = InMemorySecretStore(SecretBox(os.urandom(32)), {"sec_x": "the-real-value"})
+    service = EgressService(NetworkManager(pool=_pool()), EgressBroker(secrets=store, sink=sink), sink,
+                            poll_interval=0.1)
+    policy = EgressPolicy.from_data({"domains": [{"domain": "api.example.com"}],
+                                     "secrets": [{"secret": "sec_x", "domain": "api.example.com",
+                                                  "env": "EXAMPLE_KEY"}]})
+    try:
+        with_net = await service.attach(_sid(), policy, session_id="ses_1")
+        without = await service.attach(_sid(), None)
+        listening = _sh("ip", "netns", "exec", with_net.net.netns, "ss", "-ltnuH")
+        for port in (8080, 8443, 3128, 53):
+            assert f"{with_net.net.gateway_ip}:{port}" in listening
+        assert _sh("ip", "netns", "exec", without.net.netns, "ss", "-ltnuH").strip() == ""
+        assert with_net.env["HTTPS_PROXY"] == with_net.net.proxy_url
+        assert with_net.env["EXAMPLE_KEY"].startswith("capsa_ph_")
+        assert "the-real-value" not in repr(with_net)
+        assert with_net.ca_pem.startswith(b"-----BEGIN CERTIFICATE-----")
+        assert not without.networked and without.env == {} and without.ca_pem == b""
+        for attached in (with_net, without):
+            await service.detach(attached.net.sandbox_id)
+            assert attached.net.netns not in _sh("ip", "netns", "list")
+        await service.detach(with_net.net.sandbox_id)  # idempotent
+    finally:
+        await service.close()

@@ -309,6 +309,16 @@ async def test_allowed_plain_http_through_proxy_absolute_form(lab: Lab) -> None:
     assert status == 200, err
 
 
+async def test_post_with_expect_continue(lab: Lab) -> None:
+    body = "a=" + "x" * 4000  # curl sends Expect: 100-continue above 1 KiB and waits for the 100
+    status, out, err = await lab.curl("--expect100-timeout", "5", "--data", body,
+                                      "https://api.allowed.test/echo")
+    assert status == 200, err
+    assert json.loads(out)["body"] == body
+    ev = [e for e in lab.sink.events if e.kind == "http"][-1]
+    assert ev.decision == "allow" and ev.bytes_out == len(body) and ev.method == "POST"
+
+
 async def test_keep_alive_reuses_connection(lab: Lab) -> None:
     rc, out, err = await lab.guest_run(
         "curl", "-sS", "--noproxy", "*", "--cacert", str(lab.ca_file), "-o", "/dev/null", "-o", "/dev/null",
@@ -585,7 +595,8 @@ async def test_placeholder_in_url(lab: Lab) -> None:
     mark = len(lab.sink.events)
     status, _, _ = await lab.curl(f"https://api.allowed.test/echo?key={lab.placeholder}")
     assert status == 403, lab.last_err
-    _denied(lab.events_since(mark), kind="http", reason=f"placeholder of {SECRET_ID} in the URL")
+    ev = _denied(lab.events_since(mark), kind="http", reason=f"placeholder of {SECRET_ID} in the URL")
+    assert ev.path == "/echo?key=[PLACEHOLDER]"  # the audit trail does not spread placeholders
 
 
 async def test_placeholder_in_body(lab: Lab) -> None:

@@ -57,6 +57,7 @@ _REDACTED = b"[REDACTED]"
 _HEADER_TIMEOUT = 30.0
 _IDLE_TIMEOUT = 120.0
 _UPSTREAM_TIMEOUT = 60.0
+MAX_CONNECTIONS_PER_SANDBOX = 256
 
 
 class BrokerError(CapsaError):
@@ -152,6 +153,13 @@ def _is_ip_literal(host: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def _scrub(sbx: SandboxEgress, path: str) -> str:
+    """The path as audited: bounded, and without placeholders (audit readers need not learn them)."""
+    for ph in sbx.placeholders:
+        path = path.replace(ph, "[PLACEHOLDER]")
+    return path[:512]
 
 
 def _split_host(value: str, default_port: int) -> tuple[str, int]:
@@ -423,6 +431,11 @@ class EgressBroker:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             task = asyncio.current_task()
             assert task is not None
+            if len(sbx.tasks) >= MAX_CONNECTIONS_PER_SANDBOX:
+                # Each connection may buffer a body up to the policy's limits: cap what one sandbox holds.
+                self._audit(sbx, kind="http", decision="deny", reason="too many concurrent connections")
+                writer.close()
+                return
             sbx.tasks.add(task)
             sbx.writers.add(writer)
             try:
@@ -591,12 +604,12 @@ class EgressBroker:
             status, resp_len, keep = await self._forward(sbx, client, upstream, req, body)
         except _Deny as deny:
             self._audit(sbx, kind="http", decision="deny", source=source, destination=req.host or pinned,
-                        resolved_ip=resolved, method=method, path=req.path[:512], status=deny.status,
+                        resolved_ip=resolved, method=method, path=_scrub(sbx, req.path), status=deny.status,
                         rule=deny.rule, reason=deny.reason, bytes_out=bytes_out)
             await self._deny(client, deny)
             return (not deny.close and client.conn.their_state is h11.DONE), pinned, upstream
         self._audit(sbx, kind="http", decision="allow", source=source, destination=req.host,
-                    resolved_ip=resolved, method=method, path=req.path[:512], status=status,
+                    resolved_ip=resolved, method=method, path=_scrub(sbx, req.path), status=status,
                     rule=req.rule.domain if req.rule else None, bytes_out=bytes_out, bytes_in=resp_len,
                     secret_ids=req.secret_ids)
         return keep, pinned, upstream
@@ -620,6 +633,8 @@ class EgressBroker:
             raise _Deny(400, "path with dot segments, backslashes or empty segments refused")
 
     async def _read_body(self, client: _Client, limit: int, rule: DomainRule) -> bytes:
+        if client.conn.they_are_waiting_for_100_continue:
+            await client.send(h11.InformationalResponse(status_code=100, headers=[]))
         chunks: list[bytes] = []
         size = 0
         while True:
