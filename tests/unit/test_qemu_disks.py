@@ -47,7 +47,8 @@ def test_owner_and_grow(tmp_path: Path) -> None:
     assert st.st_size == 96 * MIB
     fsck = subprocess.run(["e2fsck", "-fn", str(copy.path)], capture_output=True, text=True)
     assert fsck.returncode == 0, fsck.stdout + fsck.stderr
-    info = subprocess.run(["dumpe2fs", "-h", str(copy.path)], capture_output=True, text=True, check=True).stdout
+    info = subprocess.run(["dumpe2fs", "-h", str(copy.path)], capture_output=True, text=True,
+                          check=True).stdout
     block_count = int(next(line for line in info.splitlines() if line.startswith("Block count:")).split()[-1])
     block_size = int(next(line for line in info.splitlines() if line.startswith("Block size:")).split()[-1])
     assert block_count * block_size == 96 * MIB  # the filesystem grew with the file

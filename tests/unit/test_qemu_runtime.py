@@ -73,7 +73,7 @@ async def test_boot_failure_reports_qemu_error_and_cleans_up(base: Path, bogus_i
 
 async def test_bad_requests_are_refused_without_side_effects(base: Path, bogus_image: GuestImage) -> None:
     rt = _runtime(base)
-    with pytest.raises(BootError, match="spec.network must describe a tap"):
+    with pytest.raises(BootError, match=r"spec\.network must describe a tap"):
         await rt.boot(VMSpec(image=bogus_image, network=object()))
     with pytest.raises(BootError, match="invalid sandbox id"):
         await rt.boot(VMSpec(image=bogus_image), sandbox_id="../../etc")
