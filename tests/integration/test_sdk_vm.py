@@ -7,27 +7,27 @@ import asyncio
 import hashlib
 import io
 import os
+import shutil
 import signal
 import tarfile
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.integration.test_cli_serve import Served, _start, _wait_no_leftovers, capsa, qemu_pids
 
 from capsa import AsyncClient, AsyncSession, SessionFailed
+from tests.integration.test_cli_serve import Served, _start, _wait_no_leftovers, capsa, qemu_pids
 
 pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, str]]:
-    work = tmp_path_factory.mktemp("sdk-vm")
+def server() -> Iterator[tuple[Served, str]]:
+    # Not under pytest's tmp dir: pytest (also in other sessions) resets its root to 0700, and QEMU runs
+    # unprivileged, so every parent of the state directory must stay searchable.
+    work = Path(tempfile.mkdtemp(prefix="capsa-sdk-vm-"))
     work.chmod(0o755)
-    for parent in work.parents:  # QEMU runs unprivileged: every parent must be searchable
-        if parent == Path("/tmp"):
-            break
-        parent.chmod(parent.stat().st_mode | 0o111)
     served = _start(work / "state", work, env={"CAPSA_BOOTSTRAP_KEY": ""})
     try:
         admin = served.printed().split("csk_", 1)[1].split()[0]
@@ -35,8 +35,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, s
         assert made.returncode == 0, made.stderr
         yield served, made.stdout.strip()
     finally:
-        assert served.stop() == 0
-        assert _wait_no_leftovers(served.state_dir) == []
+        try:
+            assert served.stop() == 0
+            assert _wait_no_leftovers(served.state_dir) == []
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 async def test_sdk_features_in_a_real_vm(server: tuple[Served, str], tmp_path: Path) -> None:
