@@ -2,6 +2,44 @@
 
 ``python3 -m capsa.guest --device /dev/virtio-ports/agent0`` in the VM;
 ``python3 -m capsa.guest --listen-unix PATH`` to run the very same daemon on a host (tests).
+
+Operations (REQUEST meta ``{"op": name, ...args}``; the answer is one RESULT or ERROR frame):
+
+=============  ===========================================  ==========================================
+op             arguments (and request body)                 answer (and DATA frames before it)
+=============  ===========================================  ==========================================
+health                                                      version, protocol, pid, uptime, kernel, ...
+exec           cmd (str: sh -c / list: argv), env, cwd,     EVENT {pid}; DATA {"ch": stdout|stderr};
+               user, timeout, max_output, stdin (bool:      exit_code|signal, timed_out, *_truncated,
+               body = DATA* END)                            *_bytes, duration
+proc_start     cmd, env, cwd, user                          ProcessInfo (pid, cmd, running, exit ...)
+proc_list                                                   {"processes": [ProcessInfo]}
+proc_wait      pid, timeout                                 ProcessInfo (maybe still running)
+proc_kill      pid, signal                                  ProcessInfo
+proc_output    pid, stdout_from, stderr_from (offsets)      DATA {"ch"}; ProcessInfo + *_start/_end/
+                                                            _truncated
+pty_open       cmd, rows, cols, env, cwd, user; then host   EVENT {pid}; DATA (terminal output);
+               DATA = input, EVENT {rows, cols} = resize,   exit_code|signal
+               END = ^D, CANCEL = hang up
+file_read      path, offset, length                         DATA (content); FileInfo
+file_write     path, mode; body = DATA* END                 FileInfo (atomic: temp file + rename)
+file_list      path                                         DATA (JSON array of FileInfo); {count}
+file_stat      path                                         FileInfo (lstat)
+file_mkdir     path, parents, mode                          FileInfo
+file_remove    path, recursive                              {}
+file_rename    src, dst                                     FileInfo of dst
+tar_export     path                                         DATA (PAX tar stream); {bytes}
+tar_import     path; body = DATA* END (tar, gz/bz2/xz ok)   {members}; unsafe_archive on escapes
+set_clock      unix_ns                                      previous_ns, step_ns
+reseed         body: 16..4096 bytes of entropy (inline)     {bytes}
+set_hostname   name                                         {hostname}
+poweroff                                                    {} then the init powers the VM off
+=============  ===========================================  ==========================================
+
+Error codes: bad_request, unknown_op, not_found, permission_denied, is_a_directory,
+not_a_directory, already_exists, directory_not_empty, no_space, no_such_process, not_executable,
+unsafe_archive, unsupported, cancelled, flow_control, too_many_requests, malformed_frame,
+frame_too_large, unsupported_version, io_error, internal_error.
 """
 
 from __future__ import annotations
