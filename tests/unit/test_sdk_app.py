@@ -17,8 +17,6 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
-from tests.support.api_stack import ApiStack
-from tests.support.fake_runtime import FakeRuntime, fake_image
 
 from capsa.cli.main import cli
 from capsa.sdk import (
@@ -28,11 +26,14 @@ from capsa.sdk import (
     Forbidden,
     InvalidState,
     NotFound,
+    RateLimited,
     Session,
     TemplateNotFound,
     Unauthorized,
     ValidationFailed,
 )
+from tests.support.api_stack import ApiStack
+from tests.support.fake_runtime import FakeRuntime, fake_image
 
 
 @pytest.fixture
@@ -242,3 +243,21 @@ async def test_cli_against_the_server(stack: ApiStack) -> None:
     assert (await cli_("keys", "revoke", key_id)).exit_code == 0
     denied = await cli_("ls", key=key)
     assert denied.exit_code == 1 and denied.stderr.startswith("error: unauthorized")
+
+
+async def test_rate_limit_surfaces_with_retry_after(tmp_path: Path) -> None:
+    db = f"sqlite+aiosqlite:///{tmp_path}/limited.db"
+    limits = {"session_create_limit": 1, "command_limit": 2, "rate_window_seconds": 60}
+    async with ApiStack(db, FakeRuntime(), fake_image(tmp_path / "img"), settings=limits) as limited, \
+            AsyncClient(limited.url, await limited.tenant_key("busy")) as client:
+        s = await AsyncSession.create(client=client)
+        try:
+            with pytest.raises(RateLimited) as too_many:
+                await AsyncSession.create(client=client)
+            assert too_many.value.retry_after is not None and 0 < too_many.value.retry_after <= 60
+            await s.commands.run("true")
+            await s.commands.run("true")
+            with pytest.raises(RateLimited):
+                await s.commands.run("true", on_stdout=lambda d: None)  # the streaming path too
+        finally:
+            await s.close()
