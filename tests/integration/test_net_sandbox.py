@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -11,6 +12,7 @@ import pytest
 
 from capsa.node.net import sandbox_net
 from capsa.node.net.sandbox_net import NetError, NetworkManager
+from capsa.node.net.wire import open_tap
 
 pytestmark = [
     pytest.mark.root,
@@ -160,3 +162,45 @@ async def test_egress_service_attach_detach() -> None:
         await service.detach(with_net.net.sandbox_id)  # idempotent
     finally:
         await service.close()
+
+
+@pytest.mark.parametrize("uid", [None, 65534])
+async def test_qemu_attaches_to_the_tap(uid: int | None) -> None:
+    """As the runtime does it: the node opens the tap inside the namespace and hands the queue fd to
+    QEMU, which may then run unprivileged (here: as nobody) and needs no access to /dev/net/tun."""
+    manager = NetworkManager(pool=_pool())
+    net = await manager.create(_sid())
+    fd = open_tap(net.netns, net.tap)
+    drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None else []
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *drop, "qemu-system-x86_64", "-M", "microvm", "-S", "-nodefaults", "-no-user-config",
+            "-display", "none", "-accel", "tcg",
+            "-netdev", f"tap,id=n0,fd={fd},vhost=off",
+            "-device", f"virtio-net-device,netdev=n0,mac={net.mac}",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, pass_fds=(fd,))
+    finally:
+        os.close(fd)
+    try:
+        await asyncio.sleep(1.0)
+        assert proc.returncode is None, (await proc.communicate())[1]
+        link = json.loads(_sh("ip", "-n", net.netns, "-j", "link", "show", net.tap))[0]
+        assert "LOWER_UP" in link["flags"]  # QEMU holds the queue: carrier is up
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await proc.wait()
+        await manager.destroy(net)
+    assert await manager.leftovers(net) == []
+
+
+async def test_tap_owner() -> None:
+    manager = NetworkManager(pool=_pool())
+    net = await manager.create(_sid(), tap_owner=65534)
+    try:
+        details = json.loads(_sh("ip", "-n", net.netns, "-d", "-j", "link", "show", net.tap))[0]
+        assert details["linkinfo"]["info_data"]["user"] in (65534, "nobody")
+    finally:
+        await manager.destroy(net)
+    with pytest.raises(NetError):
+        await manager.create(_sid(), tap_owner=-1)

@@ -183,7 +183,11 @@ class NetworkManager:
                 return subnet
         raise NetError("no free sandbox subnet in the address pool", code="capacity_exhausted", status=503)
 
-    async def create(self, sandbox_id: str) -> SandboxNet:
+    async def create(self, sandbox_id: str, *, tap_owner: int | None = None) -> SandboxNet:
+        """Make the sandbox's namespace, tap and firewall. ``tap_owner``: uid allowed to open the tap
+        (the unprivileged uid QEMU runs as); ``None`` leaves it to root."""
+        if tap_owner is not None and not 0 <= tap_owner < 2**32 - 1:
+            raise NetError(f"invalid tap owner uid {tap_owner}", code="invalid_request", status=422)
         if not _SANDBOX_ID_RE.match(sandbox_id):
             raise NetError(f"invalid sandbox id {sandbox_id!r}", code="invalid_request", status=422)
         netns = self.netns_name(sandbox_id)
@@ -203,7 +207,8 @@ class NetworkManager:
                        "net.ipv4.ip_forward=0", "net.ipv4.conf.all.rp_filter=1",
                        "net.ipv4.conf.default.rp_filter=1")
             batch = (f"link set lo up\n"
-                     f"tuntap add dev {net.tap} mode tap\n"
+                     f"tuntap add dev {net.tap} mode tap"
+                     + (f" user {tap_owner}" if tap_owner is not None else "") + "\n"
                      f"addr add {net.gateway_ip}/{net.prefixlen} dev {net.tap}\n")
             # The tap stays down until the rules are in: no frame passes unfiltered.
             await _run("ip", "-n", netns, "-batch", "-", stdin=batch.encode())
