@@ -19,7 +19,7 @@ import pytest_asyncio
 
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
-from capsa.node.runtime.base import SandboxFailed, SandboxState, VMSpec
+from capsa.node.runtime.base import RuntimeError_, SandboxFailed, SandboxState, VMSpec
 from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
 from capsa.node.runtime.workdir import VM_UID_BASE, VM_UID_COUNT
 
@@ -233,6 +233,19 @@ async def test_sigkill_of_qemu_is_reported_not_hung(runtime: QemuRuntime, guest_
     assert _state(victim) is SandboxState.DESTROYED
     assert not workdir.exists()
     assert victim not in runtime.list()
+
+
+async def test_close_during_boot_leaves_no_vm(state_dir: Path, guest_image: GuestImage) -> None:
+    other = QemuRuntime(Settings(state_dir=state_dir), accel="auto", accel_cache=False)
+    booting = asyncio.create_task(other.boot(VMSpec(image=guest_image), sandbox_id="sbx_closing"))
+    await asyncio.sleep(1.0)  # QEMU is up, the guest is still booting
+    await other.close()
+    with pytest.raises(RuntimeError_, match="closed while the sandbox was booting"):
+        await booting
+    assert not (state_dir / "vms" / "sbx_closing").exists()
+    assert other.list() == []
+    with pytest.raises(RuntimeError_, match="closed"):
+        await other.boot(VMSpec(image=guest_image))
 
 
 async def test_destroy_leaves_nothing(runtime: QemuRuntime, sandbox: QemuSandbox, state_dir: Path) -> None:

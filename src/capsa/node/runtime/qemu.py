@@ -315,24 +315,31 @@ class QemuRuntime:
             raise BootError(str(exc)) from exc
         self._booting.add(sid)
         try:
-            accel = self.requested_accel
-            if accel is Accelerator.AUTO:
-                cached = self._accel_cache.get(self._accel_key())
-                if cached is not None:
-                    self.accel_decision = cached
-                    accel = cached.accel
-                else:
-                    sandbox = await self._probe_kvm(binary, spec, sid)
-                    if sandbox is not None:
-                        return sandbox
-                    accel = Accelerator.TCG
-            elif accel is Accelerator.KVM:
-                reason = kvm_device_status(self._probe_uid(), tuple(self._kvm_groups()))
-                if reason is not None:
-                    raise BootError(f"kvm was requested but {reason}")
-            return await self._boot(binary, spec, sid, accel, self.boot_timeout)
+            sandbox = await self._boot_with_accel(binary, spec, sid)
         finally:
             self._booting.discard(sid)
+        if self._closed:  # close() ran while this VM was booting: it must not outlive the runtime
+            await self.destroy(sandbox)
+            raise RuntimeError_("the runtime was closed while the sandbox was booting")
+        return sandbox
+
+    async def _boot_with_accel(self, binary: str, spec: VMSpec, sid: str) -> QemuSandbox:
+        accel = self.requested_accel
+        if accel is Accelerator.AUTO:
+            cached = self._accel_cache.get(self._accel_key())
+            if cached is not None:
+                self.accel_decision = cached
+                accel = cached.accel
+            else:
+                sandbox = await self._probe_kvm(binary, spec, sid)
+                if sandbox is not None:
+                    return sandbox
+                accel = Accelerator.TCG
+        elif accel is Accelerator.KVM:
+            reason = kvm_device_status(self._probe_uid(), tuple(self._kvm_groups()))
+            if reason is not None:
+                raise BootError(f"kvm was requested but {reason}")
+        return await self._boot(binary, spec, sid, accel, self.boot_timeout)
 
     async def _probe_kvm(self, binary: str, spec: VMSpec, sid: str) -> QemuSandbox | None:
         """Boot this sandbox under KVM with a short deadline; the VM is kept when it works."""
