@@ -50,9 +50,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem (e.g. /tmp on tmpfs)
+        shutil.copy2(src, dst)
+
+
 def _link_tree(src: Path, dst: Path) -> None:
     if src.exists():
-        shutil.copytree(src, dst, copy_function=os.link, symlinks=True)
+        shutil.copytree(src, dst, copy_function=_link_or_copy, symlinks=True)
 
 
 @pytest.fixture
