@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from capsa.sdk import CapsaAPIError, CapsaClientError, CapsaConnectionError, Client
+from capsa.sdk import CapsaClientError, Client
 
 __all__ = [
     "ApiOptions",
@@ -113,11 +113,7 @@ def reports_errors(exit_code: int = 1) -> Iterator[None]:
     """Turn SDK failures into one-line messages and a non-zero exit instead of tracebacks."""
     try:
         yield
-    except CapsaAPIError as exc:
-        fail(str(exc), exit_code)
-    except CapsaConnectionError as exc:
-        fail(str(exc), exit_code)
-    except CapsaClientError as exc:
+    except CapsaClientError as exc:  # API errors print as "<code>: <detail>", connection errors as a sentence
         fail(str(exc), exit_code)
     except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         fail(str(exc), exit_code)

@@ -7,8 +7,8 @@ timeout), so capsa's own failures use 125, as ``docker run`` does, to stay disti
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
 import click
 
@@ -54,7 +54,7 @@ def _read_stdin(interactive: bool) -> str | None:
     return sys.stdin.read()
 
 
-def _write(stream: Any) -> Any:
+def _write(stream: TextIO) -> Callable[[str], None]:
     def emit(data: str) -> None:
         stream.write(data)
         stream.flush()
@@ -80,10 +80,9 @@ def _execute(session: Session, args: Sequence[str], *, timeout: float | None, en
                                       stdin=stdin)
         emit_json({"session_id": session.id, **result.model_dump(mode="json")})
     else:
+        # Streamed output reaches the terminal in full; only the copy kept in `result` is bounded.
         result = session.commands.run(_command(args), timeout=timeout, env=env, cwd=cwd, user=user,
                                       stdin=stdin, on_stdout=_write(sys.stdout), on_stderr=_write(sys.stderr))
-        if result.stdout_truncated or result.stderr_truncated:
-            click.echo("warning: output was truncated by the server", err=True)
     return _exit_status(result)
 
 
