@@ -7,6 +7,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from capsa.sdk import (
     AsyncClient,
@@ -186,3 +188,34 @@ async def test_owned_client_is_closed_when_create_fails(monkeypatch: pytest.Monk
     with pytest.raises(TemplateNotFound):
         await AsyncSession.create("nope", api_url="http://capsa.test", api_key="k", transport=transport)
     assert closed == [True]
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner,
+                                                                                       max_size=3),
+                           max_leaves=10)
+
+
+@given(status=st.integers(400, 599),
+       body=st.one_of(st.none(), st.dictionaries(st.sampled_from(["code", "detail", "title", "errors", "x"]),
+                                                 json_values)),
+       retry_after=st.one_of(st.none(), st.text(max_size=8)))
+def test_any_error_body_gives_an_api_error(status: int, body: dict[str, Any] | None,
+                                           retry_after: str | None) -> None:
+    err = error_from_problem(status, body, retry_after=retry_after)
+    assert isinstance(err, CapsaAPIError) and err.status == status
+    assert isinstance(str(err), str) and isinstance(err.detail, str)
+    if isinstance(err, RateLimited):
+        assert err.retry_after is None or 0 <= err.retry_after < float("inf")
+
+
+@pytest.mark.parametrize(("header", "expected"), [("3", 3.0), ("0.5", 0.5), ("-4", 0.0), ("nan", None),
+                                                  ("inf", None), ("Wed, 21 Oct 2015 07:28:00 GMT", None)])
+def test_retry_after_values(header: str, expected: float | None) -> None:
+    err = error_from_problem(429, {"code": "rate_limited"}, retry_after=header)
+    assert isinstance(err, RateLimited) and err.retry_after == expected
+
+
+def test_malformed_validation_errors_are_ignored() -> None:
+    err = error_from_problem(422, {"code": "validation_error", "errors": 5})
+    assert isinstance(err, ValidationFailed) and err.errors == []

@@ -7,6 +7,7 @@ instead of parsing strings.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -118,7 +119,9 @@ class ValidationFailed(CapsaAPIError):
 
     def __init__(self, detail: str, **kwargs: Any) -> None:
         super().__init__(detail, **kwargs)
-        raw = self.body.get("errors") or []
+        raw = self.body.get("errors")
+        if not isinstance(raw, list):
+            raw = []
         self.errors: list[FieldError] = [
             FieldError(field=str(e.get("field", "")), message=str(e.get("message", "")))
             for e in raw if isinstance(e, Mapping)
@@ -220,7 +223,7 @@ def _parse_retry_after(value: str | None) -> float | None:
         seconds = float(value)
     except ValueError:
         return None  # the HTTP-date form is not used by capsa; ignore rather than guess
-    return max(seconds, 0.0)
+    return max(seconds, 0.0) if math.isfinite(seconds) else None
 
 
 def error_from_problem(status: int, body: Mapping[str, Any] | None, *,
