@@ -11,7 +11,7 @@ from capsa.control.errors import NotFound, Unauthorized
 from capsa.control.lifecycle import ACTIVE_STATES
 from capsa.control.plane import ControlPlane
 from capsa.control.schemas import NodeHeartbeat, NodeOut, NodeRegister
-from capsa.control.sessions import fail_session
+from capsa.control.sessions import fail_session, finish_session
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import NodeRow, SessionRow, utcnow
 
@@ -28,10 +28,12 @@ def node_out(row: NodeRow, heartbeat_timeout: float) -> NodeOut:
     )
 
 
-async def _sessions_on(db: DbSession, node_id: str) -> list[str]:
-    rows = await db.execute(select(SessionRow.id).where(SessionRow.node_id == node_id,
-                                                        SessionRow.state.in_(ACTIVE_STATES)))
-    return list(rows.scalars())
+async def _sessions_on(db: DbSession, node_id: str) -> list[tuple[str, bool]]:
+    """(id, already expired) of the sessions that hold a sandbox on the node."""
+    now = utcnow()
+    rows = await db.execute(select(SessionRow.id, SessionRow.expires_at).where(
+        SessionRow.node_id == node_id, SessionRow.state.in_(ACTIVE_STATES)))
+    return [(sid, expires_at <= now) for sid, expires_at in rows.all()]
 
 
 async def register_node(plane: ControlPlane, req: NodeRegister) -> NodeOut:
@@ -49,8 +51,11 @@ async def register_node(plane: ControlPlane, req: NodeRegister) -> NodeOut:
         row.registered_at = row.last_heartbeat_at = now
         stale = await _sessions_on(db, req.id)
         await db.commit()
-    for session_id in stale:
-        await fail_session(plane, session_id, "node restarted; its sandbox is gone")
+    for session_id, expired in stale:
+        if expired:  # it would have been closed anyway: record what the reaper would have
+            await finish_session(plane, session_id, "closed", "timeout")
+        else:
+            await fail_session(plane, session_id, "node restarted; its sandbox is gone")
     async with plane.db() as db:
         fresh = await db.get(NodeRow, req.id, populate_existing=True)
         assert fresh is not None
