@@ -415,12 +415,16 @@ class QemuRuntime:
             process = QemuProcess(build_argv(config), vmdir, user=owner, extra_groups=groups,
                                   console_limit=self.console_limit,
                                   pass_fds=(tap_fd,) if tap_fd is not None else ())
+            t_disk = loop.time()
             await process.start()
             if tap_fd is not None:
                 os.close(tap_fd)  # QEMU holds its own copy now
                 tap_fd = None
             await process.connect_qmp(max(1.0, deadline - loop.time()))
+            t_qmp = loop.time()
             client = await self._connect_guest(process, vmdir, deadline)
+            _log.debug("boot phases of %s: disk %.2fs, qemu to QMP %.2fs, QMP to guest ready %.2fs", sid,
+                       t_disk - started, t_qmp - t_disk, loop.time() - t_qmp)
             if network is not None:
                 await _configure_guest_network(client, network)
             sandbox = QemuSandbox(sid, vmdir, process, client, accel, vm_uid=owner[0] if owner else None,
