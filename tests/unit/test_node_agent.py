@@ -43,7 +43,7 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
     agent = NodeAgent(
         runtime,
         fake_image(tmp_path / "img"),
-        node_id="n1",  # type: ignore[arg-type]
+        node_id="n1",
         capacity=NodeCapacity(memory_mib=1024, vcpus=4, max_sandboxes=2),
     )
     await agent.start()
@@ -83,7 +83,7 @@ async def test_orphans_are_removed_on_start(tmp_path: Path) -> None:
     stale = runtime.base_dir / "sbx_leftoverfromcrash0000"
     stale.mkdir()
     (stale / "disk").write_bytes(b"x")
-    agent = NodeAgent(runtime, fake_image(tmp_path / "img"))  # type: ignore[arg-type]
+    agent = NodeAgent(runtime, fake_image(tmp_path / "img"))
     assert await agent.start() == ["sbx_leftoverfromcrash0000"]
     assert not stale.exists()
     await agent.close()
