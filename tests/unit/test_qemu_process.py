@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import tempfile
 from collections.abc import Iterator
@@ -48,6 +49,10 @@ def _argv(vmdir: VmDir) -> list[str]:
     ]
 
 
+def _limits(pid: int) -> str:
+    return Path(f"/proc/{pid}/limits").read_text()
+
+
 def _status(pid: int) -> dict[str, str]:
     out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -75,6 +80,7 @@ async def test_runs_unprivileged_under_seccomp_and_quits_via_qmp(vms: Path) -> N
     assert status["Groups"] == ""
     assert status["Seccomp"] == "2"  # filter mode
     assert status["NoNewPrivs"] == "1"
+    assert re.search(r"^Max core file size\s+0\s+0\s", _limits(proc.pid), re.MULTILINE)
     assert os.getpgid(proc.pid) == proc.pid  # own process group: a terminal Ctrl-C does not reach it
     assert read_pidfile(vmdir) == proc.pid
     assert find_qemu_pids(vms) == [proc.pid]

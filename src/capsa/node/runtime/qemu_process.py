@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import signal
 from collections import deque
 from collections.abc import Sequence
@@ -106,6 +107,10 @@ class QemuProcess:
         except OSError as exc:
             self._console.close()
             raise QemuProcessError(f"cannot start {self.argv[0]}: {exc}") from exc
+        # A core dump of QEMU would hold the guest's memory (and any secret in it): never write one. Set
+        # from outside right after the spawn: the guest has not run a single instruction by then.
+        with contextlib.suppress(OSError):
+            resource.prlimit(self._proc.pid, resource.RLIMIT_CORE, (0, 0))
         self.vmdir.write_pid(self._proc.pid)
         assert self._proc.stdout is not None and self._proc.stderr is not None
         self._pumps = [
