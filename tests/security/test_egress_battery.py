@@ -95,8 +95,13 @@ async def _upstream_handler(reader: asyncio.StreamReader, writer: asyncio.Stream
                 }).encode()
                 if path.startswith("/big"):
                     payload = b"x" * 5000
-                headers = [(b"content-type", b"application/json"),
-                           (b"content-length", str(len(payload)).encode())]
+                if path.endswith("/large"):
+                    payload = bytes(range(256)) * 12288  # 3 MiB
+                headers = [(b"content-type", b"application/json")]
+                if not path.startswith("/chunked"):
+                    headers.append((b"content-length", str(len(payload)).encode()))
+                else:
+                    payload = b"y" * 5000
                 if path.startswith("/leak-header"):
                     headers.append((b"x-echo-auth", dict(event.headers).get(b"authorization", b"")))
                 writer.write(conn.send(h11.Response(status_code=200, headers=headers)) or b"")
@@ -656,6 +661,26 @@ async def test_rate_limit(lab: Lab) -> None:
     codes = [(await lab.curl("http://limited.test/"))[0] for _ in range(3)]
     assert codes == [200, 200, 429]
     _denied(lab.events_since(mark), kind="http", status=429, rule="limited.test")
+
+
+async def test_large_download_streams_through(lab: Lab) -> None:
+    rc, out, err = await lab.guest_run(
+        "sh", "-c",
+        f"curl -sS --max-time 20 --cacert {lab.ca_file} https://third.allowed.test/v1/large | sha256sum")
+    assert rc == 0, err
+    import hashlib
+
+    assert out.split()[0] == hashlib.sha256(bytes(range(256)) * 12288).hexdigest()
+    ev = [e for e in lab.sink.events if e.kind == "http"][-1]
+    assert ev.decision == "allow" and ev.bytes_in == 3 * 1024 * 1024
+
+
+async def test_streamed_response_cut_at_limit(lab: Lab) -> None:
+    mark = len(lab.sink.events)
+    _status, body, _ = await lab.curl("https://big.allowed.test/chunked")
+    assert len(body) < 5000  # the sandbox never gets more than the limit
+    ev = _denied(lab.events_since(mark), kind="http", rule="big.allowed.test")
+    assert "cut off" in (ev.reason or "")
 
 
 async def test_response_size_limit(lab: Lab) -> None:

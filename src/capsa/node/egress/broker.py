@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import logging
 import socket
 import ssl
@@ -23,7 +24,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import h11
 
@@ -736,6 +737,8 @@ class EgressBroker:
             if not isinstance(response, h11.Response):
                 raise _Deny(502, "upstream closed without a response", rule=req.rule.domain)
             limit = sbx.policy.response_limit(req.rule)
+            if not self._needs_redaction(sbx, req):
+                return await self._stream_response(client, up, req, response, limit)
             chunks: list[bytes] = []
             size = 0
             while True:
@@ -780,6 +783,52 @@ class EgressBroker:
         await client.send(*events, h11.EndOfMessage())
         return response.status_code, len(resp_body), True
 
+    @staticmethod
+    def _needs_redaction(sbx: SandboxEgress, req: _Request) -> bool:
+        """Only a destination a secret is bound to can ever have received one: its responses are read
+        whole and redacted; every other response streams through (large downloads stay possible)."""
+        return bool(req.secret_ids) or any(b.domain == req.host for b in sbx.placeholders.values())
+
+    async def _stream_response(self, client: _Client, up: _Upstream, req: _Request, response: h11.Response,
+                               limit: int) -> tuple[int, int, bool]:
+        assert req.rule is not None
+        headers = [(k, v) for k, v in response.headers if k not in _HOP_BY_HOP]
+        lengths = _header(response.headers, b"content-length")
+        if len(lengths) == 1:
+            if int(lengths[0]) > limit and req.method != "HEAD":
+                up.close()
+                raise _Deny(502, f"response body over {limit} bytes", rule=req.rule.domain)
+            headers.append((b"content-length", lengths[0]))
+        # Without a length h11 frames the body as chunked for the sandbox.
+        await client.send(h11.Response(status_code=response.status_code, headers=headers,
+                                       reason=response.reason))
+        size = 0
+        try:
+            while True:
+                ev = await up.next_event()
+                if isinstance(ev, h11.Data):
+                    size += len(ev.data)
+                    if size > limit:
+                        raise _Deny(502, f"response body over {limit} bytes (cut off)", rule=req.rule.domain)
+                    await client.send(h11.Data(data=ev.data))
+                elif isinstance(ev, h11.EndOfMessage):
+                    break
+                else:
+                    raise _Deny(502, "upstream response ended early", rule=req.rule.domain)
+        except (OSError, TimeoutError, h11.RemoteProtocolError, ssl.SSLError) as exc:
+            up.close()
+            raise _Deny(502, f"upstream error mid-response: {exc.__class__.__name__}",
+                        rule=req.rule.domain) from None
+        except _Deny:
+            up.close()
+            raise
+        await client.send(h11.EndOfMessage())
+        if up.conn.our_state is h11.DONE and up.conn.their_state is h11.DONE:
+            up.conn.start_next_cycle()
+        else:
+            up.close()
+        return response.status_code, size, True
+
     def _secrets_to_redact(self, sbx: SandboxEgress, req: _Request) -> list[bytes]:
         found = list(req.secrets_out)
         for binding in sbx.placeholders.values():
@@ -787,7 +836,15 @@ class EgressBroker:
                 continue
             with contextlib.suppress(CapsaError):
                 found.append(self.secrets.reveal(binding.secret).encode())
-        return [s for s in found if s]
+        # Also the forms an upstream echoing a request commonly uses: percent-encoded and JSON-escaped.
+        variants: list[bytes] = []
+        for secret in found:
+            text = secret.decode("utf-8", "replace")
+            for form in (secret, quote(text, safe="").encode(), json.dumps(text)[1:-1].encode()):
+                if form and form not in variants:
+                    variants.append(form)
+        # Longest first, so a form containing another is replaced whole.
+        return sorted(variants, key=len, reverse=True)
 
     async def _deny(self, client: _Client, deny: _Deny) -> None:
         body = f"capsa egress: {deny.reason}\n".encode()
