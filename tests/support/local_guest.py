@@ -9,7 +9,10 @@ also proves the daemon needs only the standard library.
         client = await guest.client()
         result = await client.exec("echo hi")
 
-``set_clock`` is refused (``--no-clock``): it would change the host's clock.
+``set_clock`` and ``set_hostname`` are refused (``--no-clock``): they would change the host.
+``stop()`` sends SIGTERM, on which the daemon kills every command it started. A daemon killed with
+SIGKILL cannot do that: its commands run in their own sessions and outlive it. To be safe against
+that too, launch it inside a PID namespace (``python=`` a wrapper; see tests/support/fake_runtime.py).
 """
 
 from __future__ import annotations

@@ -7,11 +7,14 @@ in the test) that answers the real GuestClient with garbage.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
+import signal
 import socket
 import struct
 import sys
+import uuid
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -21,6 +24,7 @@ import pytest
 from capsa.guest.protocol import INITIAL_WINDOW, MAGIC, PROTOCOL_VERSION, Decoder, Frame, Kind, encode_frame
 from capsa.node.guest_client import ChannelClosed, GuestClient, GuestError
 from tests.support.local_guest import GUEST_PACKAGE, LocalGuest, guest_client, local_guest
+from tests.unit.test_guest_exec import processes_with
 
 __all__ = ["guest_client", "local_guest"]
 
@@ -246,15 +250,23 @@ async def test_lost_connection_fails_every_pending_call_at_once(
 
 
 async def test_real_daemon_exit_fails_pending_calls(local_guest: LocalGuest) -> None:
+    marker = f"capsa-orphan-{uuid.uuid4().hex}"
     client = await local_guest.client()
-    pending = asyncio.create_task(client.exec("sleep 300"))
+    pending = asyncio.create_task(client.exec(["sh", "-c", f"sleep 300; : {marker}"]))
     await asyncio.sleep(0.3)
     assert local_guest.process is not None
     local_guest.process.kill()
-    with pytest.raises(ChannelClosed):
-        await asyncio.wait_for(pending, 60)
-    with pytest.raises(ChannelClosed):
-        await client.list_processes()
+    try:
+        with pytest.raises(ChannelClosed):
+            await asyncio.wait_for(pending, 60)
+        with pytest.raises(ChannelClosed):
+            await client.list_processes()
+    finally:
+        # A SIGKILLed daemon cannot clean up: its command (in its own session) is orphaned. The
+        # fake runtime confines daemons to a PID namespace for that reason; here the test cleans up.
+        for pid in processes_with(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
 
 
 async def test_calls_after_close_fail_fast(guest_client: GuestClient) -> None:
