@@ -26,6 +26,7 @@ from capsa.sdk import (
     ProcessInfo,
     SessionFailed,
     SessionInfo,
+    UnexpectedResponse,
 )
 
 NOW = "2026-11-30T04:00:00Z"
@@ -311,3 +312,13 @@ async def test_close_and_context_manager_release_the_connection() -> None:
     requests = len(rec.requests)
     assert (await s.close()).state == "closed"  # closing twice is harmless and sends nothing
     assert len(rec.requests) == requests
+
+
+@pytest.mark.parametrize("body", [{"id": 5}, [], "text", {"items": "nope"}, None])
+async def test_malformed_success_answers_raise_unexpected_response(body: Any) -> None:
+    rec = Recorder(lambda r: httpx.Response(200, json=body))
+    async with rec.client() as client:
+        with pytest.raises(UnexpectedResponse):
+            await client.get_session("ses_x")
+        with pytest.raises(UnexpectedResponse):
+            await client.list_sessions()

@@ -25,6 +25,7 @@ from capsa.sdk.errors import (
     TemplateNotFound,
     Unauthorized,
     Unavailable,
+    UnexpectedResponse,
     ValidationFailed,
 )
 from capsa.sdk.files import AsyncFiles, UploadSource
@@ -73,6 +74,7 @@ __all__ = [
     "TemplateNotFound",
     "Unauthorized",
     "Unavailable",
+    "UnexpectedResponse",
     "UploadSource",
     "ValidationFailed",
 ]

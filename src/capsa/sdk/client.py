@@ -24,9 +24,10 @@ from capsa.sdk.errors import (
     CapsaClientError,
     CapsaConnectionError,
     CapsaTimeoutError,
+    UnexpectedResponse,
     error_from_problem,
 )
-from capsa.sdk.models import ApiKey, SessionInfo
+from capsa.sdk.models import ApiKey, SessionInfo, parse, parse_items
 
 __all__ = ["AsyncClient", "AsyncKeys", "seg"]
 
@@ -156,9 +157,8 @@ class AsyncClient:
         try:
             return response.json()
         except ValueError:
-            raise CapsaConnectionError(
-                f"capsa API at {self.config.api_url} sent a non-JSON answer to {method} {path}",
-                url=self.config.api_url) from None
+            raise UnexpectedResponse(
+                f"capsa API at {self.config.api_url} sent a non-JSON answer to {method} {path}") from None
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -203,10 +203,10 @@ class AsyncClient:
             body["metadata"] = dict(metadata)
         # Creation restores (or boots) a VM; give it more than an ordinary request.
         data = await self.json("POST", "/sessions", json=body, timeout=max(self.config.timeout, 300.0))
-        return SessionInfo.model_validate(data)
+        return parse(SessionInfo, data)
 
     async def get_session(self, session_id: str) -> SessionInfo:
-        return SessionInfo.model_validate(await self.json("GET", f"/sessions/{seg(session_id)}"))
+        return parse(SessionInfo, await self.json("GET", f"/sessions/{seg(session_id)}"))
 
     async def iter_sessions(self, *, state: str | None = None, metadata: Mapping[str, str] | None = None,
                             page_size: int = _PAGE_SIZE) -> AsyncIterator[SessionInfo]:
@@ -217,10 +217,10 @@ class AsyncClient:
         cursor: str | None = None
         while True:
             data = await self.json("GET", "/sessions", params={**params, "cursor": cursor})
-            for item in data.get("items", []):
-                yield SessionInfo.model_validate(item)
+            for info in parse_items(SessionInfo, data):
+                yield info
             cursor = data.get("next_cursor")
-            if not cursor:
+            if not isinstance(cursor, str) or not cursor:
                 return
 
     async def list_sessions(self, *, state: str | None = None, metadata: Mapping[str, str] | None = None,
@@ -235,12 +235,12 @@ class AsyncClient:
 
     async def set_session_timeout(self, session_id: str, timeout: int) -> SessionInfo:
         data = await self.json("POST", f"/sessions/{seg(session_id)}/timeout", json={"timeout": timeout})
-        return SessionInfo.model_validate(data)
+        return parse(SessionInfo, data)
 
     async def close_session(self, session_id: str) -> SessionInfo:
         data = await self.json("POST", f"/sessions/{seg(session_id)}/close",
                                timeout=max(self.config.timeout, 120.0))
-        return SessionInfo.model_validate(data)
+        return parse(SessionInfo, data)
 
 
 class AsyncKeys:
@@ -251,12 +251,12 @@ class AsyncKeys:
 
     async def create(self, tenant: str, *, admin: bool = False, name: str | None = None) -> ApiKey:
         data = await self._client.json("POST", "/keys", json={"tenant": tenant, "admin": admin, "name": name})
-        return ApiKey.model_validate(data)
+        return parse(ApiKey, data)
 
     async def list(self) -> builtins.list[ApiKey]:
         data = await self._client.json("GET", "/keys")
-        return [ApiKey.model_validate(item) for item in data.get("items", [])]
+        return parse_items(ApiKey, data)
 
     async def revoke(self, key_id: str) -> ApiKey:
-        return ApiKey.model_validate(await self._client.json("DELETE", f"/keys/{seg(key_id)}"))
+        return parse(ApiKey, await self._client.json("DELETE", f"/keys/{seg(key_id)}"))
 

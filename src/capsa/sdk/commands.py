@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 from capsa.sdk.client import AsyncClient, seg
-from capsa.sdk.errors import CapsaConnectionError, error_from_problem
-from capsa.sdk.models import CommandResult, ProcessInfo, ProcessOutput
+from capsa.sdk.errors import CapsaConnectionError, UnexpectedResponse, error_from_problem
+from capsa.sdk.models import CommandResult, ProcessInfo, ProcessOutput, parse, parse_items
 
 __all__ = ["AsyncCommands", "AsyncProcess", "OutputCallback"]
 
@@ -76,16 +76,16 @@ class AsyncProcess:
         return f"/sessions/{seg(self._session_id)}/processes/{self.pid}{suffix}"
 
     async def refresh(self) -> ProcessInfo:
-        self.info = ProcessInfo.model_validate(await self._client.json("GET", self._path()))
+        self.info = parse(ProcessInfo, await self._client.json("GET", self._path()))
         return self.info
 
     async def output(self) -> ProcessOutput:
         """Everything the process has written so far (the server keeps a bounded amount)."""
-        return ProcessOutput.model_validate(await self._client.json("GET", self._path("/output")))
+        return parse(ProcessOutput, await self._client.json("GET", self._path("/output")))
 
     async def kill(self, signal: int = 15) -> ProcessInfo:
         data = await self._client.json("POST", self._path("/kill"), json={"signal": signal})
-        self.info = ProcessInfo.model_validate(data)
+        self.info = parse(ProcessInfo, data)
         return self.info
 
     async def wait(self, timeout: float | None = None, *, poll_interval: float = 0.25) -> ProcessOutput:
@@ -151,10 +151,10 @@ class AsyncCommands:
         path = f"{self._base}/commands"
         if background:
             data = await self._client.json("POST", path, json=body)
-            return AsyncProcess(self._client, self._session_id, ProcessInfo.model_validate(data))
+            return AsyncProcess(self._client, self._session_id, parse(ProcessInfo, data))
         if on_stdout is None and on_stderr is None:
             data = await self._client.json("POST", path, json=body, timeout=_read_timeout(timeout))
-            return CommandResult.model_validate(data)
+            return parse(CommandResult, data)
         return await self._run_streaming(path, body, timeout, on_stdout, on_stderr)
 
     async def _run_streaming(self, path: str, body: dict[str, Any], timeout: float | None,
@@ -167,7 +167,7 @@ class AsyncCommands:
             if "ndjson" not in response.headers.get("content-type", ""):
                 # A server that does not stream answers with the plain result; deliver it in one piece.
                 await response.aread()
-                result = CommandResult.model_validate(response.json())
+                result = parse(CommandResult, response.json())
                 await _emit(on_stdout, result.stdout)
                 await _emit(on_stderr, result.stderr)
                 return result
@@ -177,8 +177,8 @@ class AsyncCommands:
                 try:
                     event = json.loads(line)
                 except ValueError:
-                    raise CapsaConnectionError(f"malformed line in command output stream: {line[:80]!r}",
-                                               url=self._client.config.api_url) from None
+                    raise UnexpectedResponse(
+                    f"malformed line in command output stream: {line[:80]!r}") from None
                 if not isinstance(event, dict):
                     continue
                 kind = event.get("type")
@@ -202,14 +202,14 @@ class AsyncCommands:
         fields["stderr"] = err.text()
         fields["stdout_truncated"] = bool(final.get("stdout_truncated")) or out.truncated
         fields["stderr_truncated"] = bool(final.get("stderr_truncated")) or err.truncated
-        return CommandResult.model_validate(fields)
+        return parse(CommandResult, fields)
 
     async def list(self) -> builtins.list[ProcessInfo]:
         """Background processes of this session (running and finished ones the server still remembers)."""
         data = await self._client.json("GET", f"{self._base}/processes")
-        return [ProcessInfo.model_validate(item) for item in data.get("items", [])]
+        return parse_items(ProcessInfo, data)
 
     async def process(self, pid: int) -> AsyncProcess:
         """A handle on an existing background process."""
         data = await self._client.json("GET", f"{self._base}/processes/{int(pid)}")
-        return AsyncProcess(self._client, self._session_id, ProcessInfo.model_validate(data))
+        return AsyncProcess(self._client, self._session_id, parse(ProcessInfo, data))

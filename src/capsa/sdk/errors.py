@@ -31,6 +31,7 @@ __all__ = [
     "TemplateNotFound",
     "Unauthorized",
     "Unavailable",
+    "UnexpectedResponse",
     "ValidationFailed",
     "error_from_problem",
 ]
@@ -50,6 +51,10 @@ class CapsaConnectionError(CapsaClientError):
 
 class CapsaTimeoutError(CapsaConnectionError):
     """The API did not answer within the client's timeout."""
+
+
+class UnexpectedResponse(CapsaClientError):
+    """A success answer whose body does not have the shape the API contract promises."""
 
 
 class CapsaAPIError(CapsaClientError):

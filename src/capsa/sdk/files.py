@@ -13,7 +13,7 @@ from typing import IO, Any
 
 from capsa.sdk.client import AsyncClient, seg
 from capsa.sdk.errors import NotFound
-from capsa.sdk.models import FileInfo
+from capsa.sdk.models import FileInfo, parse, parse_items
 
 __all__ = ["AsyncFiles", "UploadSource"]
 
@@ -94,7 +94,7 @@ class AsyncFiles:
         body = _as_body(source)
         data = await self._client.json("PUT", self._url("/content"), params=params, content=body,
                                        headers={"Content-Type": "application/octet-stream"})
-        return FileInfo.model_validate(data)
+        return parse(FileInfo, data)
 
     async def iter_bytes(self, path: str, *, chunk_size: int = _CHUNK) -> AsyncIterator[bytes]:
         """Stream the content of ``path`` chunk by chunk."""
@@ -112,11 +112,11 @@ class AsyncFiles:
 
     async def list(self, path: str) -> builtins.list[FileInfo]:
         data = await self._client.json("GET", self._url("/list"), params={"path": path})
-        return [FileInfo.model_validate(item) for item in data.get("items", [])]
+        return parse_items(FileInfo, data)
 
     async def stat(self, path: str) -> FileInfo:
         data = await self._client.json("GET", self._url("/stat"), params={"path": path})
-        return FileInfo.model_validate(data)
+        return parse(FileInfo, data)
 
     async def exists(self, path: str) -> bool:
         try:
@@ -127,7 +127,7 @@ class AsyncFiles:
 
     async def mkdir(self, path: str, *, parents: bool = True) -> FileInfo:
         data = await self._client.json("POST", self._url("/mkdir"), params={"path": path, "parents": parents})
-        return FileInfo.model_validate(data)
+        return parse(FileInfo, data)
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         await self._client.request("DELETE", self._url(""), params={"path": path, "recursive": recursive})

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from capsa.sdk.errors import UnexpectedResponse
 
 __all__ = [
     "ApiKey",
@@ -15,6 +17,8 @@ __all__ = [
     "ProcessOutput",
     "SessionInfo",
     "SessionState",
+    "parse",
+    "parse_items",
 ]
 
 SessionState = Literal["creating", "running", "paused", "closed", "failed"]
@@ -101,3 +105,25 @@ class ApiKey(_Model):
     revoked_at: datetime | None = None
     key: str | None = None
     """The secret; only present in the answer to ``create``, never retrievable later."""
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], data: Any) -> M:
+    """Validate an API answer; a malformed one raises :class:`UnexpectedResponse`, not a pydantic error."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise UnexpectedResponse(
+            f"the API sent a malformed {model.__name__} ({where}: {first['msg']})") from None
+
+
+def parse_items(model: type[M], data: Any) -> list[M]:
+    """The ``items`` of a list answer (``{"items": [...]}``)."""
+    items = data.get("items") if isinstance(data, dict) else None
+    if not isinstance(items, list):
+        raise UnexpectedResponse(f"the API sent a list of {model.__name__} without an 'items' array")
+    return [parse(model, item) for item in items]
