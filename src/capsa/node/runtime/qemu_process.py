@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import resource
+import shutil
 import signal
 from collections import deque
 from collections.abc import Sequence
@@ -91,9 +91,16 @@ class QemuProcess:
         if self.user is not None:
             kwargs.update(user=self.user[0], group=self.user[1], extra_groups=self.extra_groups)
         self._console = _BoundedLog(self.vmdir.console_log, self.console_limit)
+        argv = self.argv
+        prlimit = shutil.which("prlimit")
+        if prlimit is not None:
+            # A core dump of QEMU would hold the guest's memory (and any secret in it): never write one.
+            # util-linux's prlimit lowers the soft and hard limits of itself, then execs QEMU (same pid);
+            # setting it from outside needs CAP_SYS_RESOURCE, which a node in a container may lack.
+            argv = [prlimit, "--core=0:0", "--", *argv]
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                *self.argv,
+                *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
@@ -107,10 +114,6 @@ class QemuProcess:
         except OSError as exc:
             self._console.close()
             raise QemuProcessError(f"cannot start {self.argv[0]}: {exc}") from exc
-        # A core dump of QEMU would hold the guest's memory (and any secret in it): never write one. Set
-        # from outside right after the spawn: the guest has not run a single instruction by then.
-        with contextlib.suppress(OSError):
-            resource.prlimit(self._proc.pid, resource.RLIMIT_CORE, (0, 0))
         self.vmdir.write_pid(self._proc.pid)
         assert self._proc.stdout is not None and self._proc.stderr is not None
         self._pumps = [
