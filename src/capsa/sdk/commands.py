@@ -166,8 +166,12 @@ class AsyncCommands:
                                        timeout=_read_timeout(timeout)) as response:
             if "ndjson" not in response.headers.get("content-type", ""):
                 # A server that does not stream answers with the plain result; deliver it in one piece.
-                await response.aread()
-                result = parse(CommandResult, response.json())
+                raw = await response.aread()
+                try:
+                    plain = json.loads(raw)
+                except ValueError:
+                    raise UnexpectedResponse("the API answered a command with neither NDJSON nor JSON") from None
+                result = parse(CommandResult, plain)
                 await _emit(on_stdout, result.stdout)
                 await _emit(on_stderr, result.stderr)
                 return result
