@@ -170,7 +170,7 @@ class AsyncCommands:
                 try:
                     plain = json.loads(raw)
                 except ValueError:
-                    raise UnexpectedResponse("the API answered a command with neither NDJSON nor JSON") from None
+                    raise UnexpectedResponse("a command answer was neither NDJSON nor JSON") from None
                 result = parse(CommandResult, plain)
                 await _emit(on_stdout, result.stdout)
                 await _emit(on_stderr, result.stderr)
