@@ -9,6 +9,7 @@ play external APIs. Every address involved lives in namespaces this module creat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -179,20 +180,33 @@ class Lab:
         return self.sink.events[mark:]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def lab() -> AsyncIterator[Lab]:
+@dataclass
+class World:
+    """The outside world: a namespace joined to the node by a veth, with a DNS server and HTTP(S) servers
+    under their own CA (which the broker trusts as the upstream root)."""
+
+    ns: str
+    ip: str
+    net: str
+    ca_file: Path
+    tmp: Path
+
+    def broker(self, sink: ListSink) -> EgressBroker:
+        store = InMemorySecretStore(SecretBox(os.urandom(32)), {SECRET_ID: SECRET, OTHER_ID: OTHER_SECRET})
+        return EgressBroker(secrets=store, sink=sink, resolver=DnsResolver(self.ip),
+                            upstream_ssl=ssl.create_default_context(cafile=str(self.ca_file)),
+                            allow_networks=[self.net])
+
+
+@contextlib.asynccontextmanager
+async def outside_world(octet: int) -> AsyncIterator[World]:
     tag = secrets.token_hex(3)
-    octet = 100 + secrets.randbelow(100)
     up_ns, veth_root, veth_up = f"ctest-up-{tag}", f"ctr{tag}", f"ctu{tag}"
     up_net, root_ip, up_ip = f"10.250.{octet}.0/24", f"10.250.{octet}.1", f"10.250.{octet}.2"
     tmp = Path(tempfile.mkdtemp(prefix="capsa-egress-lab-"))
     _sh("ip", "netns", "add", up_ns)
     servers: list[asyncio.AbstractServer] = []
     transports: list[asyncio.DatagramTransport] = []
-    manager = NetworkManager(pool=f"10.231.{octet}.0/24")
-    net: SandboxNet | None = None
-    guest: GuestNamespace | None = None
-    broker: EgressBroker | None = None
     try:
         _sh("ip", "link", "add", veth_root, "type", "veth", "peer", "name", veth_up, "netns", up_ns)
         _sh("ip", "addr", "add", f"{root_ip}/24", "dev", veth_root)
@@ -200,8 +214,6 @@ async def lab() -> AsyncIterator[Lab]:
         _sh("ip", "-n", up_ns, "addr", "add", f"{up_ip}/24", "dev", veth_up)
         _sh("ip", "-n", up_ns, "link", "set", veth_up, "up")
         _sh("ip", "-n", up_ns, "link", "set", "lo", "up")
-
-        # The outside world: its CA (trusted by the broker as the upstream root), HTTP(S) and DNS servers.
         world_ca = SandboxCA("world", ["allowed.test", "limited.test", "evil.test"])
         rogue_ca = SandboxCA("rogue", ["untrusted.allowed.test"])
         upstream_ca = tmp / "world-ca.pem"
@@ -228,28 +240,8 @@ async def lab() -> AsyncIterator[Lab]:
         transport, _ = await loop.create_datagram_endpoint(
             lambda: DnsServerProtocol(static_dns_handler(records)), sock=dns_sock)
         transports.append(transport)
-
-        sink = ListSink()
-        store = InMemorySecretStore(SecretBox(os.urandom(32)), {SECRET_ID: SECRET, OTHER_ID: OTHER_SECRET})
-        broker = EgressBroker(
-            secrets=store, sink=sink, resolver=DnsResolver(up_ip),
-            upstream_ssl=ssl.create_default_context(cafile=str(upstream_ca)),
-            allow_networks=[up_net])
-        net = await manager.create("sbx_" + secrets.token_hex(10))
-        sbx = broker.register(net.sandbox_id, net.guest_ip, _policy(), session_id="ses_lab")
-        await broker.listen(net.sandbox_id, net.gateway_ip, netns=net.netns, ports=net.ports)
-        guest = GuestNamespace(net, f"ctest-guest-{tag}").start()
-        ca_file = tmp / "sandbox-ca.pem"
-        ca_file.write_bytes(sbx.ca.cert_pem)
-        yield Lab(tmp, up_ns, up_ip, up_net, manager, net, guest, broker, sbx, sink,
-                  DropAuditor(manager, net, sink, "ses_lab"), ca_file)
+        yield World(up_ns, up_ip, up_net, upstream_ca, tmp)
     finally:
-        if guest is not None:
-            guest.stop()
-        if broker is not None:
-            await broker.close()
-        if net is not None:
-            await manager.destroy(net)
         for s in servers:
             s.close()
         for t in transports:
@@ -257,6 +249,34 @@ async def lab() -> AsyncIterator[Lab]:
         _sh("ip", "netns", "del", up_ns, check=False)
         _sh("ip", "link", "del", veth_root, check=False)
         _rmtree(tmp)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def lab() -> AsyncIterator[Lab]:
+    octet = 100 + secrets.randbelow(100)
+    manager = NetworkManager(pool=f"10.231.{octet}.0/24")
+    net: SandboxNet | None = None
+    guest: GuestNamespace | None = None
+    broker: EgressBroker | None = None
+    async with outside_world(octet) as world:
+        try:
+            sink = ListSink()
+            broker = world.broker(sink)
+            net = await manager.create("sbx_" + secrets.token_hex(10))
+            sbx = broker.register(net.sandbox_id, net.guest_ip, _policy(), session_id="ses_lab")
+            await broker.listen(net.sandbox_id, net.gateway_ip, netns=net.netns, ports=net.ports)
+            guest = GuestNamespace(net, f"ctest-guest-{secrets.token_hex(3)}").start()
+            ca_file = world.tmp / "sandbox-ca.pem"
+            ca_file.write_bytes(sbx.ca.cert_pem)
+            yield Lab(world.tmp, world.ns, world.ip, world.net, manager, net, guest, broker, sbx, sink,
+                      DropAuditor(manager, net, sink, "ses_lab"), ca_file)
+        finally:
+            if guest is not None:
+                guest.stop()
+            if broker is not None:
+                await broker.close()
+            if net is not None:
+                await manager.destroy(net)
 
 
 def _denied(events: list[EgressEvent], **match: object) -> EgressEvent:
