@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from capsa.guest.protocol import INITIAL_WINDOW, MAGIC, PROTOCOL_VERSION, Decoder, Frame, Kind, encode_frame
+from capsa.node import guest_client as guest_client_module
 from capsa.node.guest_client import ChannelClosed, GuestClient, GuestError
 from tests.support.local_guest import GUEST_PACKAGE, LocalGuest, guest_client, local_guest
 from tests.unit.test_guest_exec import processes_with
@@ -307,3 +308,18 @@ async def test_daemon_serves_an_inherited_descriptor_until_eof() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_exec_gives_up_on_a_guest_that_ignores_its_timeout(
+        fake_guest: Callable[[Behaviour], Awaitable[GuestClient]], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(guest_client_module, "EXEC_TIMEOUT_GRACE", 0.2)
+    seen: list[Frame] = []
+
+    async def silent(frame: Frame, writer: asyncio.StreamWriter) -> None:
+        seen.append(frame)
+
+    client = await fake_guest(silent)
+    with pytest.raises(GuestError) as e:
+        await client.exec("sleep 100", timeout=0.1)
+    assert e.value.code == "timeout"
+    assert seen[0].meta["timeout"] == 0.1  # the guest was asked to enforce it

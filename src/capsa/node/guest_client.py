@@ -31,6 +31,7 @@ from capsa.guest.protocol import (
 
 __all__ = [
     "DEFAULT_MAX_OUTPUT",
+    "EXEC_TIMEOUT_GRACE",
     "ChannelClosed",
     "ExecResult",
     "FileInfo",
@@ -44,6 +45,8 @@ __all__ = [
 
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
 READ_SIZE = 256 * 1024
+# How long past its own timeout a command may take to be reported before the client gives up on the guest.
+EXEC_TIMEOUT_GRACE = 60.0
 # Data frames are bounded by the credit window; this bounds the small ones (events, empty data).
 MAX_QUEUED_FRAMES = 4096
 
@@ -145,6 +148,10 @@ class FileInfo:
     def from_meta(cls, meta: dict[str, Any]) -> FileInfo:
         return cls(path=str(meta["path"]), name=str(meta["name"]), type=str(meta["type"]),
                    size=int(meta["size"]), mode=int(meta["mode"]), mtime=float(meta["mtime"]))
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
 
 
 def _opt_int(value: object) -> int | None:
@@ -492,11 +499,19 @@ class GuestClient:
         buffers = {"stdout": bytearray(), "stderr": bytearray()}
         callbacks = {"stdout": on_stdout, "stderr": on_stderr}
         uploader: asyncio.Task[None] | None = None
+        # The guest enforces ``timeout``; this deadline only catches a guest that stopped answering.
+        deadline = None if timeout is None else loop_time() + timeout + EXEC_TIMEOUT_GRACE
         try:
             if stdin is not None:
                 uploader = asyncio.get_running_loop().create_task(stream.upload(stdin))
             while True:
-                frame = await stream.next()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        frame = await stream.next()
+                except TimeoutError:
+                    message = (f"the guest did not finish the command within its timeout "
+                               f"({timeout} s) + {EXEC_TIMEOUT_GRACE} s")
+                    raise GuestError("timeout", message) from None
                 if frame.kind == Kind.DATA:
                     ch = frame.meta.get("ch")
                     if ch not in buffers:
