@@ -144,6 +144,7 @@ async def test_egress_service_attach_detach() -> None:
     policy = EgressPolicy.from_data({"domains": [{"domain": "api.example.com"}],
                                      "secrets": [{"secret": "sec_x", "domain": "api.example.com",
                                                   "env": "EXAMPLE_KEY"}]})
+    fds_before = len(os.listdir("/proc/self/fd"))
     try:
         with_net = await service.attach(_sid(), policy, session_id="ses_1")
         without = await service.attach(_sid(), None)
@@ -160,6 +161,8 @@ async def test_egress_service_attach_detach() -> None:
             await service.detach(attached.net.sandbox_id)
             assert attached.net.netns not in _sh("ip", "netns", "list")
         await service.detach(with_net.net.sandbox_id)  # idempotent
+        # No socket left behind: a leaked one would keep the deleted namespace (and its tap) alive.
+        assert len(os.listdir("/proc/self/fd")) == fds_before
     finally:
         await service.close()
 
