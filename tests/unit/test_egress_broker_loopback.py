@@ -180,6 +180,26 @@ async def test_dns_stub_over_loopback(world: World) -> None:
         await broker.close()
 
 
+async def test_dns_flood_is_limited_and_summarised(world: World) -> None:
+    broker = world.broker()
+    sbx = broker.register("sbx_dns", "127.0.0.1", POLICY)
+    await broker.listen("sbx_dns", "127.0.0.1", ports=ANY_PORTS)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.setblocking(False)
+            loop = asyncio.get_running_loop()
+            rcodes = []
+            for i in range(600):
+                await loop.sock_sendto(s, dnswire.build_query(i, f"x{i}.exfil.test"), sbx.bound["dns"])
+                reply = await asyncio.wait_for(loop.sock_recv(s, 512), 2)
+                rcodes.append(reply[3] & 0x0F)
+        assert rcodes.count(dnswire.NXDOMAIN) >= 200 and rcodes.count(dnswire.REFUSED) >= 100
+        summaries = [e for e in world.sink.events if e.reason == "DNS query rate limit exceeded"]
+        assert 1 <= len(summaries) <= 6  # not one audit event per flooded query
+    finally:
+        await broker.close()
+
+
 async def test_policy_update_and_unregister(world: World) -> None:
     broker = world.broker()
     sbx = broker.register("sbx_e", "127.0.0.1", POLICY)

@@ -59,6 +59,7 @@ _HEADER_TIMEOUT = 30.0
 _IDLE_TIMEOUT = 120.0
 _UPSTREAM_TIMEOUT = 60.0
 MAX_CONNECTIONS_PER_SANDBOX = 256
+DNS_QUERIES_PER_SECOND = 100
 
 
 class BrokerError(CapsaError):
@@ -115,6 +116,10 @@ class SandboxEgress:
     buckets: dict[str, _TokenBucket] = field(default_factory=dict)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     writers: set[asyncio.StreamWriter] = field(default_factory=set)
+    dns_bucket: _TokenBucket = field(default_factory=lambda: _TokenBucket(DNS_QUERIES_PER_SECOND * 60,
+                                                                           DNS_QUERIES_PER_SECOND * 2))
+    dns_refused: int = 0
+    """Queries refused by the rate limit since the last audited one."""
     bound: dict[str, tuple[str, int]] = field(default_factory=dict)
     """Where the listeners are: ``http``, ``tls``, ``proxy``, ``dns`` → (address, port)."""
 
@@ -377,6 +382,13 @@ class EgressBroker:
         if source != sbx.guest_ip:
             self._audit(sbx, decision="deny", reason="query from an address that is not the sandbox's",
                         status=dnswire.REFUSED, **base)
+            return dnswire.REFUSED, []
+        if not sbx.dns_bucket.take():
+            # A flood is audited in summary (one event per ~second of refusals), not query by query.
+            sbx.dns_refused += 1
+            if sbx.dns_refused % DNS_QUERIES_PER_SECOND == 1:
+                self._audit(sbx, decision="deny", reason="DNS query rate limit exceeded",
+                            status=dnswire.REFUSED, count=sbx.dns_refused, **base)
             return dnswire.REFUSED, []
         rule = None if _is_ip_literal(q.name) else sbx.policy.rule_for(q.name)
         if rule is None or q.qclass != 1:
