@@ -166,3 +166,18 @@ def test_unusable_cache_dir_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ImageBuildError, match=r"image build failed: .*cache: .*file"):
         ensure_image(Settings(cache_dir=not_a_dir))
     assert not_a_dir.read_bytes() == b"keep me"
+
+
+def test_prune_keeps_the_newest_and_the_recent(tmp_path: Path) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    now = datetime.now(UTC)
+    ages_hours = {"a": 0, "b": 1, "c": 2, "d": 3, "e": 4, "f": 48, "g": 72, "h": 96}
+    for key, hours in ages_hours.items():
+        _fake_image(tmp_path, key, "0" * 64, (now - timedelta(hours=hours)).isoformat(timespec="seconds"))
+    builder = build._Builder(_config(tmp_path), None)
+    builder._prune(keep=CacheLayout(tmp_path).image_dir("a"))
+    left = sorted(p.name for p in CacheLayout(tmp_path).images.iterdir())
+    # The newest four stay; so does "e" (beyond four but recent); day-old extras go.
+    assert left == ["a", "b", "c", "d", "e"]
+    assert list(CacheLayout(tmp_path).tmp.iterdir()) == []

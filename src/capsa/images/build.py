@@ -24,7 +24,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,8 @@ INITRD_FILE = "initrd.cpio.gz"
 ROOTFS_FILE = "rootfs.ext4"
 MANIFEST_FILE = "manifest.json"
 KEEP_IMAGES = 4
-"""Finished images kept in the cache; older ones (superseded by source changes) are pruned."""
+KEEP_RECENT = timedelta(hours=6)
+"""Images beyond the newest KEEP_IMAGES are pruned once they are older than KEEP_RECENT."""
 
 
 @dataclass(frozen=True)
@@ -239,18 +240,24 @@ class _Builder:
                 raise
 
     def _prune(self, keep: Path) -> None:
-        """Drop all but the newest KEEP_IMAGES images (each is ~300 MiB on disk).
+        """Drop images beyond the newest KEEP_IMAGES that are also older than KEEP_RECENT.
 
-        A running VM is unaffected: it works on its own copy of the disk and QEMU has already read
-        the kernel and initramfs.
+        Each image is ~300 MiB on disk. Recent ones are kept whatever their number because a test
+        session or node may still hold a GuestImage for them (a rebuild happens on every change to
+        the guest sources); a running VM is unaffected either way, as it works on its own disk copy.
         """
-        dated = []
+        now = datetime.now(UTC)
+        dated: list[tuple[datetime, Path]] = []
         for image_dir in self.layout.images.iterdir():
             manifest = load_manifest(image_dir)
-            dated.append((str(manifest.get("built_at", "")) if manifest else "", image_dir))
+            try:
+                built = datetime.fromisoformat(str(manifest["built_at"])) if manifest else None
+            except (KeyError, ValueError):
+                built = None
+            dated.append((built or datetime.min.replace(tzinfo=UTC), image_dir))
         dated.sort(reverse=True)
-        for _, image_dir in dated[KEEP_IMAGES:]:
-            if image_dir != keep:
+        for built, image_dir in dated[KEEP_IMAGES:]:
+            if image_dir != keep and now - built > KEEP_RECENT:
                 self.layout.discard(image_dir)
 
     def _step(self, name: str) -> None:
