@@ -1,0 +1,86 @@
+"""Restarting ``capsa serve`` (real process, real VMs): session records survive, sessions whose VMs died
+with the old process are failed or (if already expired) closed, and the new process's reaper closes expired
+sessions and destroys their VMs."""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from capsa.control.keys import generate_key
+from tests.integration.test_cli_serve import _start, _wait_no_leftovers, qemu_pids
+
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
+
+
+def _session(client: httpx.Client, sid: str) -> dict[str, object]:
+    response = client.get(f"/v1/sessions/{sid}")
+    assert response.status_code == 200, response.text
+    body: dict[str, object] = response.json()
+    return body
+
+
+def test_restart_keeps_records_and_reaper_still_closes_expired_sessions() -> None:
+    work = Path(tempfile.mkdtemp(prefix="capsa-rst-"))
+    work.chmod(0o755)
+    state = work / "state"
+    admin = generate_key().full
+    try:
+        first = _start(state, work, env={"CAPSA_BOOTSTRAP_KEY": admin})
+        try:
+            with httpx.Client(
+                base_url=first.url, headers={"Authorization": f"Bearer {admin}"}, timeout=300
+            ) as c:
+                long = c.post("/v1/sessions", json={"timeout": 3600, "metadata": {"name": "long"}}).json()
+                short = c.post("/v1/sessions", json={"timeout": 20, "metadata": {"name": "short"}}).json()
+                assert long["state"] == short["state"] == "running"
+                assert len(qemu_pids(state)) == 2
+        finally:
+            assert first.stop() == 0, first.stderr.read_text()[-2000:]
+        assert _wait_no_leftovers(state) == []  # stopping serve destroyed its VMs
+        # Let the short session's TTL pass while nothing is running.
+        time.sleep(
+            max(
+                0.0,
+                21
+                - (
+                    time.time()
+                    - time.mktime(time.strptime(short["created_at"][:19], "%Y-%m-%dT%H:%M:%S"))
+                    + time.timezone
+                ),
+            )
+        )
+
+        second = _start(state, work, env={"CAPSA_BOOTSTRAP_KEY": admin})
+        try:
+            with httpx.Client(
+                base_url=second.url, headers={"Authorization": f"Bearer {admin}"}, timeout=300
+            ) as c:
+                kept_long, kept_short = _session(c, long["id"]), _session(c, short["id"])
+                assert (
+                    kept_long["metadata"] == {"name": "long"}
+                    and kept_long["created_at"] == long["created_at"]
+                )
+                assert kept_long["state"] == "failed" and "restarted" in str(kept_long["failure_reason"])
+                assert kept_short["state"] == "closed" and kept_short["failure_reason"] == "timeout"
+                listed = {s["id"] for s in c.get("/v1/sessions").json()["items"]}
+                assert {long["id"], short["id"]} <= listed
+
+                fresh = c.post("/v1/sessions", json={"timeout": 3}).json()
+                assert fresh["state"] == "running" and len(qemu_pids(state)) == 1
+                deadline = time.monotonic() + 60
+                while _session(c, fresh["id"])["state"] != "closed" and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                reaped = _session(c, fresh["id"])
+                assert reaped["state"] == "closed" and reaped["failure_reason"] == "timeout"
+                assert _wait_no_leftovers(state) == []
+        finally:
+            assert second.stop() == 0, second.stderr.read_text()[-2000:]
+        assert "bootstrap admin key" not in second.printed()
+    finally:
+        subprocess.run(["rm", "-rf", str(work)], check=False)
