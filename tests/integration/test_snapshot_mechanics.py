@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import shutil
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -26,7 +27,7 @@ from capsa.node.runtime.snapshot import (
     plan_restore,
     save_snapshot,
 )
-from capsa.node.runtime.snapshot_manifest import load_manifest
+from capsa.node.runtime.snapshot_manifest import FileEntry, SnapshotManifest, file_sha256, load_manifest
 from capsa.node.storage import StoragePool, StorageSettings
 
 pytestmark = [
@@ -297,3 +298,26 @@ async def test_corrupt_state_stream_fails_the_restore(pool: StoragePool, tmp_pat
         with pytest.raises(Exception):  # noqa: B017 - QEMU 7.2 exits on a bad stream; either error is fine
             await asyncio.wait_for(load_state(vm.qmp, bad, ram_in_file=True), 30)
     assert _qemu_pids_under(tmp_path) == []
+
+
+def test_file_sha256_hashes_holes_as_zeros(tmp_path: Path) -> None:
+    path = tmp_path / "sparse"
+    with open(path, "wb") as f:
+        f.truncate(9 * MiB + 123)
+        f.seek(5 * MiB + 7)
+        f.write(os.urandom(70_000))
+    assert file_sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    (tmp_path / "empty").write_bytes(b"")
+    assert file_sha256(tmp_path / "empty") == hashlib.sha256(b"").hexdigest()
+
+
+def test_manifest_digest_covers_every_field() -> None:
+    m = SnapshotManifest(id="snap_1", created_at=SnapshotManifest.now(), memory_mib=256, vcpus=1, accel="tcg",
+                         image_digest="abc", device_state=FileEntry(path="state.bin", size=10),
+                         ram=None, disk=FileEntry(path="disk.img", size=20)).sealed()
+    assert m.digest == m.compute_digest()
+    for change in ({"memory_mib": 512}, {"parent": "snap_0"}, {"labels": {"a": "b"}},
+                   {"disk": FileEntry(path="disk.img", size=21)}):
+        assert m.model_copy(update=change).compute_digest() != m.digest
+    with pytest.raises(ValueError):
+        FileEntry(path="../escape", size=1)

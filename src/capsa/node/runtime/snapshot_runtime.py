@@ -35,7 +35,7 @@ from capsa.common.settings import Settings
 from capsa.node.guest_client import GuestClient
 from capsa.node.runtime.base import Accelerator, BootError, RuntimeError_, SandboxState, VMSpec
 from capsa.node.runtime.hostinfo import HostInfoError, qemu_binary, qemu_version, tsc_khz
-from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
+from capsa.node.runtime.qemu import _SANDBOX_ID_RE, QemuRuntime, QemuSandbox
 from capsa.node.runtime.qemu_cmdline import QemuConfig, build_argv
 from capsa.node.runtime.qemu_process import QemuProcess
 from capsa.node.runtime.snapshot import (
@@ -241,6 +241,8 @@ class SnapshotRuntime(QemuRuntime):
                 qemu_version=version, parent=files.parent, labels=labels, resume=resume,
                 content_digest=content_digest,
             )
+        # The sandbox's state now descends from this snapshot.
+        files.parent = manifest.id
         if resume:
             # The guest clock stood still while the VM was stopped.
             with contextlib.suppress(Exception):
@@ -274,6 +276,8 @@ class SnapshotRuntime(QemuRuntime):
             raise RuntimeError_("the runtime is closed")
         snap = await asyncio.to_thread(self._snapshot, snapshot)
         sid = sandbox_id or new_id("sbx")
+        if not _SANDBOX_ID_RE.match(sid):
+            raise BootError(f"invalid sandbox id {sid!r}")
         if sid in self._sandboxes or sid in self._booting:
             raise BootError(f"sandbox {sid} already exists")
         try:
@@ -286,8 +290,13 @@ class SnapshotRuntime(QemuRuntime):
                                 f"{self.requested_accel.value}", code="snapshot_mismatch", status=409)
         try:
             binary = qemu_binary()
+            version = qemu_version()
         except HostInfoError as exc:
             raise BootError(str(exc)) from exc
+        if snap.manifest.qemu_version not in (None, version):
+            # microvm has no versioned machine types, so a stream from another QEMU may not load.
+            raise SnapshotError(f"snapshot {snap.id} was taken with QEMU {snap.manifest.qemu_version}, this "
+                                f"node runs {version}", code="snapshot_mismatch", status=409)
         self._booting.add(sid)
         owner = self._owner()
         try:
