@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -44,17 +45,8 @@ def test_restart_keeps_records_and_reaper_still_closes_expired_sessions() -> Non
             assert first.stop() == 0, first.stderr.read_text()[-2000:]
         assert _wait_no_leftovers(state) == []  # stopping serve destroyed its VMs
         # Let the short session's TTL pass while nothing is running.
-        time.sleep(
-            max(
-                0.0,
-                21
-                - (
-                    time.time()
-                    - time.mktime(time.strptime(short["created_at"][:19], "%Y-%m-%dT%H:%M:%S"))
-                    + time.timezone
-                ),
-            )
-        )
+        expires = datetime.fromisoformat(str(short["expires_at"]))
+        time.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds() + 1))
 
         second = _start(state, work, env={"CAPSA_BOOTSTRAP_KEY": admin})
         try:
