@@ -12,12 +12,16 @@ import contextlib
 import hashlib
 import os
 import shutil
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 from qemu.qmp import QMPClient
 
+from capsa.common.image import GuestImage
+from capsa.common.settings import Settings
+from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.snapshot import (
     RamMode,
     SnapshotError,
@@ -28,6 +32,7 @@ from capsa.node.runtime.snapshot import (
     save_snapshot,
 )
 from capsa.node.runtime.snapshot_manifest import FileEntry, SnapshotManifest, file_sha256, load_manifest
+from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
 from capsa.node.storage import StoragePool, StorageSettings
 
 pytestmark = [
@@ -321,3 +326,26 @@ def test_manifest_digest_covers_every_field() -> None:
         assert m.model_copy(update=change).compute_digest() != m.digest
     with pytest.raises(ValueError):
         FileEntry(path="../escape", size=1)
+
+
+def test_pool_keeps_one_reflinkable_copy_per_recent_image(pool: StoragePool, tmp_path: Path) -> None:
+    rt = SnapshotRuntime(Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache"), "tcg",
+                         pool=pool)
+    paths = []
+    for i in range(4):
+        rootfs = tmp_path / f"rootfs{i}.ext4"
+        rootfs.write_bytes(f"image {i}".encode() * 1000)
+        digest = hashlib.sha256(bytes([i])).hexdigest()
+        image = GuestImage(kernel=rootfs, initrd=rootfs, rootfs=rootfs, digest=digest, kernel_release="x")
+        path = rt._pool_rootfs(VMSpec(image=image))
+        assert path.read_bytes() == rootfs.read_bytes()
+        assert rt._pool_rootfs(VMSpec(image=image)) == path  # reused, not copied again
+        # Sandbox disks made from it are reflinks that outlive the copy being pruned later.
+        disk = pool.sandbox_dir(f"sbx_{i}", create=True) / "disk.img"
+        assert pool.clone(path, disk) is True
+        paths.append((path, disk, rootfs.read_bytes()))
+        os.utime(path.parent, (time.time() + i, time.time() + i))
+    remaining = {p.name for p in pool.templates_dir.iterdir()}
+    assert remaining == {paths[2][0].parent.name, paths[3][0].parent.name}
+    for _, disk, content in paths:
+        assert disk.read_bytes() == content

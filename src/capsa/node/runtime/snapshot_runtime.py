@@ -51,7 +51,7 @@ from capsa.node.runtime.snapshot import (
 from capsa.node.runtime.snapshot_manifest import RAM_FILE, SnapshotError, SnapshotManifest, load_manifest
 from capsa.node.runtime.workdir import VM_UID_BASE, VmDir, pick_vm_uid
 from capsa.node.storage.disks import private_disk
-from capsa.node.storage.filecopy import copy_file
+from capsa.node.storage.filecopy import CopyError, copy_file
 from capsa.node.storage.pool import StoragePool
 
 __all__ = ["Snapshot", "SnapshotRuntime", "SnapshotSandbox"]
@@ -59,6 +59,7 @@ __all__ = ["Snapshot", "SnapshotRuntime", "SnapshotSandbox"]
 _log = logging.getLogger(__name__)
 
 _SNAPSHOT_GID_COUNT = 1_000_000
+_IMAGE_PREFIX = "image-"
 
 
 @dataclass(frozen=True)
@@ -119,13 +120,25 @@ class SnapshotRuntime(QemuRuntime):
 
     def _pool_rootfs(self, spec: VMSpec) -> Path:
         """The image's root filesystem inside the pool, so sandbox disks are reflinks of it, not copies."""
-        tdir = self.pool.template_dir("image-" + spec.image.digest.split(":")[-1][:32])
+        tdir = self.pool.template_dir(_IMAGE_PREFIX + spec.image.digest.split(":")[-1][:32])
         path = tdir / "rootfs.ext4"
         if not path.exists():
             tdir.mkdir(mode=0o711, exist_ok=True)
-            with contextlib.suppress(FileExistsError):
+            try:
                 copy_file(spec.image.rootfs, path, cow=self.pool.cow, mode=0o600)
+            except CopyError:
+                if not path.exists():  # else a concurrent boot of the same image made it first
+                    raise
+            self._prune_image_copies(keep=tdir)
         return path
+
+    def _prune_image_copies(self, keep: Path, newest: int = 2) -> None:
+        """Drop pool copies of older images. Safe at any time: disks made from them are reflinks and
+        keep their extents; only the next boot of a dropped image pays for one more copy."""
+        copies = [p for p in self.pool.templates_dir.glob(_IMAGE_PREFIX + "*") if p.is_dir() and p != keep]
+        copies.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in copies[max(0, newest - 1):]:
+            self.pool.remove_template(old.name)
 
     async def _boot(self, binary: str, spec: VMSpec, sid: str, accel: Accelerator,
                     within: float) -> QemuSandbox:
