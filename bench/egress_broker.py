@@ -215,6 +215,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             sandbox_ctx = ssl.create_default_context(cafile=str(Path(ca_dir, "sandbox.pem")))
             assert broker.pid is not None
             mem_start = memory_kib(broker.pid)
+            # Sandboxes first, on a fresh heap: after the load phase freed memory would be reused.
+            br_parent.send(("register", args.sandboxes))
+            br_parent.recv()
+            mem_many = memory_kib(broker.pid)
             n = args.requests
             results: dict[str, Any] = {"latency_ms": {}, "requests_per_second": {}}
             lat = results["latency_ms"]
@@ -243,13 +247,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 rps[label] = {"direct": round(d, 1), "broker": round(b, 1), "ratio": round(b / d, 3),
                               "concurrency": args.concurrency}
             mem_busy = memory_kib(broker.pid)
-            br_parent.send(("register", args.sandboxes))
-            br_parent.recv()
-            mem_many = memory_kib(broker.pid)
             results["broker_memory_kib"] = {
-                "after_start": mem_start, "after_load": mem_busy,
-                f"with_{args.sandboxes + 1}_sandboxes": mem_many,
-                "per_extra_sandbox_rss_kib": round((mem_many["rss"] - mem_busy["rss"]) / args.sandboxes, 1),
+                "after_start_1_sandbox": mem_start,
+                f"with_{args.sandboxes + 1}_idle_sandboxes": mem_many,
+                "after_load": mem_busy,
+                "per_extra_sandbox_rss_kib": round((mem_many["rss"] - mem_start["rss"]) / args.sandboxes, 1),
             }
             br_parent.send(("stop",))
             results["audit_events"] = br_parent.recv()
@@ -293,7 +295,8 @@ def main() -> None:
     for name, r in results["requests_per_second"].items():
         print(f"rps {name:32} direct {r['direct']:9.1f}  broker {r['broker']:9.1f}  ratio {r['ratio']}")
     m = results["broker_memory_kib"]
-    print(f"broker RSS: start {m['after_start']['rss']} KiB, after load {m['after_load']['rss']} KiB, "
+    print(f"broker RSS: start {m['after_start_1_sandbox']['rss']} KiB, "
+          f"after load {m['after_load']['rss']} KiB, "
           f"per extra sandbox {m['per_extra_sandbox_rss_kib']} KiB")
     print(f"results: {args.out}")
 

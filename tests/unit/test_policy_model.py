@@ -101,3 +101,14 @@ def test_schema_is_exported() -> None:
     assert {"domains", "secrets"} <= set(schema["properties"])
     assert "DomainRule" in schema["$defs"] and "SecretBinding" in schema["$defs"]
     assert schema["additionalProperties"] is False
+
+
+def test_published_schema_file_matches_the_model() -> None:
+    """src/capsa/node/egress/policy.schema.json is what users validate against; regenerate it with
+    ``python -c "from capsa.node.egress.policy import policy_json_schema; print(policy_json_schema())"``."""
+    from pathlib import Path
+
+    import capsa.node.egress.policy as policy_module
+
+    published = Path(policy_module.__file__).with_name("policy.schema.json").read_text()
+    assert published == policy_json_schema() + "\n"
