@@ -312,3 +312,33 @@ async def test_a_killed_vm_comes_back_from_its_latest_rolling_snapshot(
         await runtime.destroy(back)
         runtime.delete_snapshot(first)
         runtime.delete_snapshot(latest)
+
+
+async def test_pool_without_cow_still_snapshots_with_plain_copies(state_dir: Path, spec: VMSpec) -> None:
+    plain = state_dir / "plain-pool"  # on the host's ext4: no reflinks
+    plain.mkdir(mode=0o711)
+    state = state_dir / "plain-state"
+    state.mkdir(mode=0o711)
+    pool = StoragePool.open(state, StorageSettings(path=plain))
+    assert pool.cow is False and pool.warning is not None
+    rt = SnapshotRuntime(Settings(state_dir=state, cache_dir=Settings().cache_dir), pool=pool)
+    try:
+        sb = await rt.boot(spec)
+        try:
+            assert sb.disk_cow is False
+            await sb.guest.write_file("/root/plain.txt", b"no cow\n")
+            snap = await rt.snapshot(sb, resume=False)
+        finally:
+            await rt.destroy(sb)
+        back = await rt.restore(snap, spec)
+        try:
+            assert await back.guest.read_file("/root/plain.txt") == b"no cow\n"
+        finally:
+            await rt.destroy(back)
+        # The copies are sparse: the snapshot's disk does not take the image's full apparent size.
+        disk = snap.path / snap.manifest.disk.path
+        assert disk.stat().st_blocks * 512 < disk.stat().st_size
+        rt.delete_snapshot(snap)
+    finally:
+        await rt.close()
+    assert rt.pool.list_sandboxes() == [] and rt.pool.list_snapshots() == []
