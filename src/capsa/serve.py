@@ -114,7 +114,8 @@ async def run(host: str, port: int, state_dir: Path, database_url: str | None, a
         beats = asyncio.create_task(_heartbeats(plane, agent), name="capsa-heartbeat")
         print(f"capsa: serving on http://{host}:{port} (runtime {runtime.name}, state {state_dir})",
               file=sys.stderr, flush=True)
-        await server_task
+        # Shielded: if run() is cancelled, the finally block below stops the server gracefully instead.
+        await asyncio.shield(server_task)
     finally:
         if beats is not None:
             beats.cancel()
