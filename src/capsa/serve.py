@@ -59,9 +59,12 @@ async def _heartbeats(plane: ControlPlane, agent: NodeAgent) -> None:
     while True:
         await asyncio.sleep(HEARTBEAT_INTERVAL)
         try:
-            await heartbeat(plane, agent.node_id, NodeHeartbeat(
+            answer = await heartbeat(plane, agent.node_id, NodeHeartbeat(
                 capacity=Capacity(**agent.capacity.as_dict()), used=agent.used(),
-                failed_sandboxes=agent.failed_sandboxes()))
+                failed_sandboxes=agent.failed_sandboxes(), sandboxes=[r.id for r in agent.list()]))
+            for sandbox_id in answer.destroy_sandboxes:
+                log.warning("destroying sandbox %s: no live session owns it", sandbox_id)
+                await agent.destroy(sandbox_id)
         except Exception:
             log.exception("local node heartbeat failed")
 

@@ -140,12 +140,21 @@ class ApiStack:
             return str(response.json()["key"])
 
     async def heartbeat(self) -> httpx.Response:
+        """What a node agent's heartbeat loop does: report, then destroy what the control plane disowns."""
         assert self.agent is not None
         async with self.client(self.node_token) as client:
-            return await client.post(
+            response = await client.post(
                 f"/v1/nodes/{self.node_id}/heartbeat",
-                json={"used": self.agent.used(), "failed_sandboxes": self.agent.failed_sandboxes()},
+                json={
+                    "used": self.agent.used(),
+                    "failed_sandboxes": self.agent.failed_sandboxes(),
+                    "sandboxes": [r.id for r in self.agent.list()],
+                },
             )
+        if response.status_code == 200:
+            for sandbox_id in response.json()["destroy_sandboxes"]:
+                await self.agent.destroy(sandbox_id)
+        return response
 
     async def stop(self) -> None:
         for replica in self.replicas:

@@ -538,3 +538,23 @@ async def test_nodes_admin_routes_and_heartbeat_auth(stack: ApiStack) -> None:
         assert_problem(await node.post(f"/v1/nodes/{stack.node_id}/heartbeat", json={}), 401, "unauthorized")
     async with stack.client(await stack.tenant_key("acme")) as user:
         assert_problem(await user.post(f"/v1/nodes/{stack.node_id}/heartbeat", json={}), 403, "forbidden")
+
+
+async def test_heartbeat_reconciles_sandboxes_whose_destroy_was_lost(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as c:
+        keep, lost = await create(c), await create(c)
+        # The session ends but the destroy call never reaches the node (e.g. the node was unreachable).
+        plane = stack.replicas[0].app.state.plane
+        from capsa.control.lifecycle import transition
+
+        async with plane.db() as db:
+            assert await transition(db, lost["id"], "closed")
+            await db.commit()
+        assert len(stack.runtime.list()) == 2
+        answer = await stack.heartbeat()
+        assert answer.status_code == 200
+        assert len(answer.json()["destroy_sandboxes"]) == 1
+        assert len(stack.runtime.list()) == 1
+        assert (await c.post(f"/v1/sessions/{keep['id']}/commands", json={"cmd": "true"})).status_code == 200
+        await c.delete(f"/v1/sessions/{keep['id']}")

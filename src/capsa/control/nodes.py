@@ -10,7 +10,7 @@ from sqlalchemy import select
 from capsa.control.errors import NotFound, Unauthorized
 from capsa.control.lifecycle import ACTIVE_STATES
 from capsa.control.plane import ControlPlane
-from capsa.control.schemas import NodeHeartbeat, NodeOut, NodeRegister
+from capsa.control.schemas import HeartbeatOut, NodeHeartbeat, NodeOut, NodeRegister
 from capsa.control.sessions import fail_session, finish_session
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import NodeRow, SessionRow, utcnow
@@ -69,7 +69,7 @@ async def check_node_token(plane: ControlPlane, node_id: str, token: str | None)
         raise Unauthorized("unknown node or wrong node token")
 
 
-async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> NodeOut:
+async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> HeartbeatOut:
     async with plane.db() as db:
         row = await db.get(NodeRow, node_id, populate_existing=True)
         if row is None:
@@ -85,8 +85,15 @@ async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> No
                 SessionRow.node_id == node_id, SessionRow.sandbox_id.in_(req.failed_sandboxes),
                 SessionRow.state.in_(("running", "paused"))))
             failed = [sid for sid, _ in rows.all()]
+        orphans: list[str] = []
+        if req.sandboxes:
+            owned = await db.execute(select(SessionRow.sandbox_id).where(
+                SessionRow.node_id == node_id, SessionRow.sandbox_id.in_(req.sandboxes),
+                SessionRow.state.in_(ACTIVE_STATES)))
+            orphans = sorted(set(req.sandboxes) - set(owned.scalars()))
         await db.commit()
-        out = node_out(row, plane.settings.node_heartbeat_timeout)
+        out = HeartbeatOut(**node_out(row, plane.settings.node_heartbeat_timeout).model_dump(),
+                           destroy_sandboxes=orphans)
     for session_id in failed:
         await fail_session(plane, session_id, "the sandbox's VM died")
     return out

@@ -18,6 +18,7 @@ __all__ = [
     "FileInfo",
     "FileList",
     "Health",
+    "HeartbeatOut",
     "KillRequest",
     "NodeHeartbeat",
     "NodeList",
@@ -219,6 +220,8 @@ class NodeHeartbeat(_Strict):
     failed_sandboxes: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=10000)] = \
         Field(default_factory=list)
     """Sandboxes whose VM died since they were created; their sessions become ``failed``."""
+    sandboxes: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=10000)] | None = None
+    """Every sandbox the node holds; the answer's ``destroy_sandboxes`` lists those no live session owns."""
 
 
 class NodeOut(BaseModel):
@@ -230,6 +233,11 @@ class NodeOut(BaseModel):
     registered_at: datetime
     last_heartbeat_at: datetime
     healthy: bool
+
+
+class HeartbeatOut(NodeOut):
+    destroy_sandboxes: list[str]
+    """Sandboxes the node should destroy: their sessions ended but the destroy call never reached the node."""
 
 
 class NodeList(BaseModel):

@@ -11,7 +11,7 @@ from capsa.control import nodes
 from capsa.control.auth import authenticate, require_admin
 from capsa.control.deps import Admin, Plane, problems
 from capsa.control.errors import Unauthorized
-from capsa.control.schemas import NodeHeartbeat, NodeList, NodeOut, NodeRegister
+from capsa.control.schemas import HeartbeatOut, NodeHeartbeat, NodeList, NodeOut, NodeRegister
 
 __all__ = ["router"]
 
@@ -24,10 +24,10 @@ async def register_node(body: NodeRegister, plane: Plane, _admin: Admin) -> Node
     return await nodes.register_node(plane, body)
 
 
-@router.post("/{node_id}/heartbeat", response_model=NodeOut)
+@router.post("/{node_id}/heartbeat", response_model=HeartbeatOut)
 async def node_heartbeat(node_id: str, body: NodeHeartbeat, plane: Plane,
                          credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-                         ) -> NodeOut:
+                         ) -> HeartbeatOut:
     token = credentials.credentials if credentials else None
     if token and token.startswith("csk_"):
         async with plane.db() as db:
