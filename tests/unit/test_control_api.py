@@ -558,3 +558,78 @@ async def test_heartbeat_reconciles_sandboxes_whose_destroy_was_lost(stack: ApiS
         assert len(stack.runtime.list()) == 1
         assert (await c.post(f"/v1/sessions/{keep['id']}/commands", json={"cmd": "true"})).status_code == 200
         await c.delete(f"/v1/sessions/{keep['id']}")
+
+
+async def test_upload_larger_than_the_limit_is_refused(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"max_file_bytes": 1000})
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as c:
+        sid = (await create(c))["id"]
+        params = {"path": "/tmp/big"}
+        assert_problem(
+            await c.put(f"/v1/sessions/{sid}/files/content", params=params, content=b"x" * 1001),
+            413,
+            "payload_too_large",
+        )
+
+        async def chunks() -> Any:  # no Content-Length: the limit is enforced while streaming
+            for _ in range(5):
+                yield b"y" * 400
+
+        assert_problem(
+            await c.put(f"/v1/sessions/{sid}/files/content", params=params, content=chunks()),
+            413,
+            "payload_too_large",
+        )
+        assert_problem(await c.get(f"/v1/sessions/{sid}/files/stat", params=params), 404, "not_found")
+        ok = await c.put(f"/v1/sessions/{sid}/files/content", params=params, content=b"z" * 1000)
+        assert ok.status_code == 200 and ok.json()["size"] == 1000
+        await c.delete(f"/v1/sessions/{sid}")
+
+
+async def test_close_while_creating_destroys_the_new_sandbox(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    runtime = stack.runtime
+    real_boot = runtime.boot
+    booting = asyncio.Event()
+    release = asyncio.Event()
+
+    async def slow_boot(*args: Any, **kwargs: Any) -> Any:
+        booting.set()
+        await release.wait()
+        return await real_boot(*args, **kwargs)
+
+    runtime.boot = slow_boot  # type: ignore[method-assign]
+    async with stack.client(key) as c:
+        creating = asyncio.create_task(c.post("/v1/sessions", json={}))
+        await booting.wait()
+        (listed,) = (await c.get("/v1/sessions")).json()["items"]
+        assert listed["state"] == "creating"
+        closed = await c.delete(f"/v1/sessions/{listed['id']}")
+        assert closed.json()["state"] == "closed"
+        release.set()
+        answer = await creating
+        assert answer.status_code in (201, 409), answer.text
+        assert (await c.get(f"/v1/sessions/{listed['id']}")).json()["state"] == "closed"
+        assert runtime.list() == [] and stack.agent is not None and stack.agent.list() == []
+
+
+async def test_bootstrap_key_generated_once(tmp_path: Any) -> None:
+    from capsa.control.app import create_app
+    from capsa.control.settings import ControlSettings
+    from tests.support.api_stack import serve_app
+
+    printed: list[str] = []
+    settings = ControlSettings(database_url=f"sqlite+aiosqlite:///{tmp_path}/b.db", reaper_interval=0)
+    first = await serve_app(create_app(settings, on_bootstrap_key=printed.append))
+    await first.stop()
+    second = await serve_app(create_app(settings, on_bootstrap_key=printed.append))
+    try:
+        assert len(printed) == 1 and printed[0].startswith("csk_")
+        async with httpx.AsyncClient(
+            base_url=second.url, headers={"Authorization": f"Bearer {printed[0]}"}
+        ) as c:
+            keys = (await c.get("/v1/keys")).json()["items"]
+            assert [k["admin"] for k in keys] == [True] and keys[0]["name"] == "bootstrap"
+    finally:
+        await second.stop()
