@@ -633,3 +633,33 @@ async def test_bootstrap_key_generated_once(tmp_path: Any) -> None:
             assert [k["admin"] for k in keys] == [True] and keys[0]["name"] == "bootstrap"
     finally:
         await second.stop()
+
+
+async def test_ndjson_output_arrives_while_the_command_runs(stack: ApiStack) -> None:
+    # The command only finishes after the client reacts to its first line: a buffered stream would hang.
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as c, stack.client(key) as side:
+        sid = (await create(c))["id"]
+        cmd = "echo ready; while [ ! -e /tmp/go ]; do sleep 0.05; done; echo done"
+        seen: list[str] = []
+        async with c.stream(
+            "POST",
+            f"/v1/sessions/{sid}/commands",
+            json={"cmd": cmd, "timeout": 60},
+            headers={"Accept": "application/x-ndjson"},
+        ) as response:
+            async for line in response.aiter_lines():
+                if not line:
+                    continue
+                event = json.loads(line)
+                if event["type"] == "stdout":
+                    seen.append(event["data"])
+                    if "ready" in event["data"]:
+                        put = await side.put(
+                            f"/v1/sessions/{sid}/files/content", params={"path": "/tmp/go"}, content=b""
+                        )
+                        assert put.status_code == 200
+                if event["type"] == "result":
+                    assert event["exit_code"] == 0 and event["timed_out"] is False
+        assert "".join(seen) == "ready\ndone\n"
+        await c.delete(f"/v1/sessions/{sid}")
