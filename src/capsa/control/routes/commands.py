@@ -4,6 +4,7 @@ processes."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Annotated, Any
 
@@ -44,7 +45,8 @@ def _error_line(code: str, detail: str) -> str:
     return json.dumps({"type": "error", "code": code, "detail": detail}) + "\n"
 
 
-async def _stream(plane: ControlPlane, row: SessionRow, lines: Any, stack: AsyncExitStack) -> Any:
+async def _stream(plane: ControlPlane, row: SessionRow, lines: AsyncIterator[str],
+                  stack: AsyncExitStack) -> AsyncIterator[str]:
     try:
         async for line in lines:
             if not line:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
-from typing import Annotated, Any
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -13,8 +13,10 @@ from starlette.background import BackgroundTask
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import PayloadTooLarge
 from capsa.control.nodeclient import NodeError
+from capsa.control.plane import ControlPlane
 from capsa.control.schemas import FileInfo, FileList
 from capsa.control.sessions import node_call_failed, running_session
+from capsa.control.store.models import SessionRow
 
 __all__ = ["router"]
 
@@ -50,7 +52,9 @@ async def _relay(chunks: AsyncIterator[bytes], stack: AsyncExitStack) -> AsyncIt
         await stack.aclose()
 
 
-async def _open_stream(plane: Any, row: Any, opener: Any) -> tuple[AsyncIterator[bytes], AsyncExitStack]:
+async def _open_stream(plane: ControlPlane, row: SessionRow,
+                       opener: AbstractAsyncContextManager[AsyncIterator[bytes]],
+                       ) -> tuple[AsyncIterator[bytes], AsyncExitStack]:
     stack = AsyncExitStack()
     try:
         chunks = await stack.enter_async_context(opener)
