@@ -105,8 +105,9 @@ class SnapshotRuntime(QemuRuntime):
     """QEMU microvms that can be snapshotted, restored and branched."""
 
     def __init__(self, settings: Settings | None = None, accel: str | Accelerator | None = None, *,
-                 pool: StoragePool | None = None, **kwargs: object) -> None:
+                 pool: StoragePool | None = None, snapshot_timeout: float = 300.0, **kwargs: object) -> None:
         super().__init__(settings, accel, **kwargs)  # type: ignore[arg-type]
+        self.snapshot_timeout = snapshot_timeout
         self.pool = pool if pool is not None else StoragePool.from_settings(self.settings)
         self._grant_lock = asyncio.Lock()
 
@@ -194,7 +195,8 @@ class SnapshotRuntime(QemuRuntime):
             await process.start()
             qmp = await process.connect_qmp(max(1.0, deadline - loop.time()))
             if plan is not None:
-                await plan.load(qmp, time_limit=max(1.0, deadline - loop.time()))
+                async with asyncio.timeout(max(1.0, deadline - loop.time())):
+                    await plan.load(qmp, time_limit=max(1.0, deadline - loop.time()))
             client = await self._connect_guest(process, vmdir, deadline)
             if plan is not None and refresh:
                 await refresh_guest(client)
@@ -247,13 +249,19 @@ class SnapshotRuntime(QemuRuntime):
             version: str | None = None
             with contextlib.suppress(HostInfoError):
                 version = qemu_version()
-            manifest = await save_snapshot(
-                sandbox.qmp, dest, disk=files.disk, ram=files.ram if files.shared_ram else None,
-                clone=self.pool.clone, memory_mib=files.spec.memory_mib, vcpus=files.spec.vcpus,
-                accel=sandbox.accelerator.value, image_digest=files.spec.image.digest,
-                qemu_version=version, parent=files.parent, labels=labels, resume=resume,
-                content_digest=content_digest,
-            )
+            try:
+                # A monitor that stops answering must not hang the caller forever.
+                async with asyncio.timeout(self.snapshot_timeout):
+                    manifest = await save_snapshot(
+                        sandbox.qmp, dest, disk=files.disk, ram=files.ram if files.shared_ram else None,
+                        clone=self.pool.clone, memory_mib=files.spec.memory_mib, vcpus=files.spec.vcpus,
+                        accel=sandbox.accelerator.value, image_digest=files.spec.image.digest,
+                        qemu_version=version, parent=files.parent, labels=labels, resume=resume,
+                        content_digest=content_digest, time_limit=self.snapshot_timeout,
+                    )
+            except TimeoutError:
+                raise SnapshotError(f"snapshot of {sandbox.id} did not finish within "
+                                    f"{self.snapshot_timeout:.0f}s", code="snapshot_timeout") from None
         # The sandbox's state now descends from this snapshot.
         files.parent = manifest.id
         if resume:
