@@ -663,3 +663,57 @@ async def test_ndjson_output_arrives_while_the_command_runs(stack: ApiStack) -> 
                     assert event["exit_code"] == 0 and event["timed_out"] is False
         assert "".join(seen) == "ready\ndone\n"
         await c.delete(f"/v1/sessions/{sid}")
+
+
+async def test_placement_picks_the_node_with_most_free_memory(make_stack: Any, tmp_path: Any) -> None:
+    from capsa.node.agent import NodeAgent, NodeCapacity
+    from capsa.node.api import create_node_app
+    from tests.support.api_stack import serve_app
+    from tests.support.fake_runtime import FakeRuntime, fake_image
+
+    stack: ApiStack = await make_stack(capacity=NodeCapacity(memory_mib=2048, vcpus=8, max_sandboxes=8))
+    extra_agents = []
+    servers = []
+    try:
+        for name, memory, templates in (("small", 1024, ["base"]), ("other-template", 65536, ["gpu"])):
+            agent = NodeAgent(
+                FakeRuntime(), fake_image(tmp_path / name), node_id=name, capacity=NodeCapacity(memory, 8, 8)
+            )
+            if templates == ["gpu"]:
+                agent.templates = {"gpu": agent.templates["base"]}
+            server = await serve_app(
+                create_node_app(agent, "token-" + "x" * 20),
+                uds=str(tmp_path / f"{name}.sock"),
+                lifespan="off",
+            )
+            extra_agents.append(agent)
+            servers.append(server)
+            async with stack.client(stack.admin_key) as admin:
+                registered = await admin.post(
+                    "/v1/nodes",
+                    json={
+                        "id": name,
+                        "url": server.url,
+                        "token": "token-" + "x" * 20,
+                        "capacity": {"memory_mib": memory, "vcpus": 8, "max_sandboxes": 8},
+                        "templates": templates,
+                    },
+                )
+                assert registered.status_code == 201, registered.text
+        key = await stack.tenant_key("acme")
+        async with stack.client(key) as c:
+            placed = [(await create(c, memory_mib=512))["node_id"] for _ in range(4)]
+            # free memory before each placement: node-test 2048/1536/1024(tie)/..., small 1024
+            assert placed[:2] == [stack.node_id, stack.node_id]
+            assert sorted(placed[2:]) == sorted([stack.node_id, "small"])
+            assert len(extra_agents[0].list()) == 1 and extra_agents[1].list() == []
+            gpu = await create(c, template="gpu")
+            assert gpu["node_id"] == "other-template"
+            for s in (await c.get("/v1/sessions")).json()["items"]:
+                await c.delete(f"/v1/sessions/{s['id']}")
+        assert all(a.list() == [] for a in extra_agents) and stack.runtime.list() == []
+    finally:
+        for server in servers:
+            await server.stop()
+        for agent in extra_agents:
+            await agent.close()
