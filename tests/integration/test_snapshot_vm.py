@@ -113,7 +113,8 @@ async def paused(runtime: SnapshotRuntime, spec: VMSpec) -> AsyncIterator[tuple[
         await asyncio.sleep(1.0)
         before = await _counter(sb)
         assert before > 3
-        snap = await runtime.snapshot(sb, resume=False)
+        snap = await runtime.pause(sb)
+        assert sb.state is SandboxState.DESTROYED
     finally:
         await runtime.destroy(sb)
     try:

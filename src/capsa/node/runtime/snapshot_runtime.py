@@ -270,6 +270,13 @@ class SnapshotRuntime(QemuRuntime):
                 await sandbox.guest.set_clock()
         return Snapshot(dest, manifest)
 
+    async def pause(self, sandbox: QemuSandbox, dest: Path | str | None = None, *,
+                    labels: dict[str, str] | None = None) -> Snapshot:
+        """Snapshot the sandbox and destroy it: the session's state lives on only in the snapshot."""
+        snap = await self.snapshot(sandbox, dest, resume=False, labels=labels)
+        await self.destroy(sandbox)
+        return snap
+
     def _snapshot(self, snapshot: Snapshot | Path | str) -> Snapshot:
         if isinstance(snapshot, Snapshot):
             return snapshot
