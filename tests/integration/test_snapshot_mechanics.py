@@ -280,6 +280,13 @@ async def test_bad_inputs_get_clear_errors_and_leave_nothing(pool: StoragePool, 
         plan_restore(snap, sdir, clone=pool.clone)
     assert exc.value.code == "snapshot_corrupt"
     manifest_path.write_text(original)
+    state = (snap / "state.bin").read_bytes()
+    flipped = bytearray(state)
+    flipped[len(state) // 2] ^= 0xFF
+    (snap / "state.bin").write_bytes(bytes(flipped))  # same size, different content
+    with pytest.raises(SnapshotError) as exc:
+        plan_restore(snap, sdir, clone=pool.clone)
+    assert exc.value.code == "snapshot_corrupt" and "sha256" in exc.value.message
     os.truncate(snap / "state.bin", 10)
     with pytest.raises(SnapshotError) as exc:
         plan_restore(snap, sdir, clone=pool.clone)
