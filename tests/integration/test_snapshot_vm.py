@@ -23,6 +23,7 @@ from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.runtime.base import BootError, SandboxState, VMSpec
 from capsa.node.runtime.snapshot import RamMode, SnapshotError
+from capsa.node.runtime.snapshot_manifest import write_manifest
 from capsa.node.runtime.snapshot_runtime import Snapshot, SnapshotRuntime, SnapshotSandbox
 from capsa.node.storage import StoragePool, StorageSettings
 
@@ -330,6 +331,16 @@ async def test_bad_requests_get_clear_errors_and_change_nothing(
     assert info.value.code == "snapshot_mismatch"
     with pytest.raises(BootError, match="invalid sandbox id"):
         await runtime.restore(snap, spec, sandbox_id="../escape")
+    # A snapshot from another VM layout (e.g. QEMU options changed since) is refused before QEMU starts.
+    assert snap.manifest.machine is not None
+    original = (snap.path / "manifest.json").read_text()
+    write_manifest(snap.path, snap.manifest.model_copy(update={"machine": "sha256:" + "0" * 64}))
+    try:
+        with pytest.raises(SnapshotError, match="different VM layout") as info:
+            await runtime.restore(snap.path, spec)
+        assert info.value.code == "snapshot_mismatch"
+    finally:
+        (snap.path / "manifest.json").write_text(original)
     assert runtime.pool.list_sandboxes() == before_pool
     assert sorted(p.name for p in (state_dir / "vms").iterdir()) == before_vms
     assert len(runtime.list()) == len(before_pool)

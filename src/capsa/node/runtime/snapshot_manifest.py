@@ -72,6 +72,8 @@ class SnapshotManifest(BaseModel):
     accel: str
     image_digest: str
     qemu_version: str | None = None
+    machine: str | None = None
+    """Fingerprint of the QEMU device layout the state was saved from; a restore must use the same one."""
     device_state: FileEntry
     ram: FileEntry | None  # None: the RAM pages are inside device_state
     disk: FileEntry

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import secrets
@@ -256,7 +257,8 @@ class SnapshotRuntime(QemuRuntime):
                         sandbox.qmp, dest, disk=files.disk, ram=files.ram if files.shared_ram else None,
                         clone=self.pool.clone, memory_mib=files.spec.memory_mib, vcpus=files.spec.vcpus,
                         accel=sandbox.accelerator.value, image_digest=files.spec.image.digest,
-                        qemu_version=version, parent=files.parent, labels=labels, resume=resume,
+                        qemu_version=version, machine=self._machine(files.spec, sandbox.accelerator),
+                        parent=files.parent, labels=labels, resume=resume,
                         content_digest=content_digest, time_limit=self.snapshot_timeout,
                     )
             except TimeoutError:
@@ -276,6 +278,15 @@ class SnapshotRuntime(QemuRuntime):
         snap = await self.snapshot(sandbox, dest, resume=False, labels=labels)
         await self.destroy(sandbox)
         return snap
+
+    @staticmethod
+    def _machine(spec: VMSpec, accel: Accelerator) -> str:
+        """What the migration stream depends on: the command line minus paths, names and host facts."""
+        placeholder = Path("/p")
+        config = QemuConfig(binary="qemu", accel=accel, kernel=placeholder, initrd=placeholder,
+                            disk=placeholder, qmp_socket=placeholder, agent_socket=placeholder,
+                            memory_mib=spec.memory_mib, vcpus=spec.vcpus, kernel_args=spec.kernel_args)
+        return "sha256:" + hashlib.sha256("\0".join(build_argv(config)).encode()).hexdigest()
 
     def _snapshot(self, snapshot: Snapshot | Path | str) -> Snapshot:
         if isinstance(snapshot, Snapshot):
@@ -321,6 +332,9 @@ class SnapshotRuntime(QemuRuntime):
             version = qemu_version()
         except HostInfoError as exc:
             raise BootError(str(exc)) from exc
+        if snap.manifest.machine not in (None, self._machine(spec, accel)):
+            raise SnapshotError(f"snapshot {snap.id} was taken from a different VM layout (QEMU devices or "
+                                "options changed since)", code="snapshot_mismatch", status=409)
         if snap.manifest.qemu_version not in (None, version):
             # microvm has no versioned machine types, so a stream from another QEMU may not load.
             raise SnapshotError(f"snapshot {snap.id} was taken with QEMU {snap.manifest.qemu_version}, this "
