@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import socket
 import sys
 from collections.abc import Generator
 from pathlib import Path
@@ -79,6 +80,25 @@ async def _wait_started(server: uvicorn.Server, task: asyncio.Task[None]) -> Non
 
 async def run(host: str, port: int, state_dir: Path, database_url: str | None, accel: str) -> None:
     """Serve the HTTP API on ``host:port`` until cancelled, with a local node using ``state_dir``."""
+    # Bind first: a taken port must fail before anything else happens, in particular before the
+    # database is created and a bootstrap key is generated that would then never be shown again.
+    listener = _bind(host, port)
+    try:
+        await _serve(listener, host, port, state_dir, database_url, accel)
+    finally:
+        listener.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+
+
+async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path, database_url: str | None,
+                 accel: str) -> None:
     from capsa.images.build import ensure_image, find_image
     from capsa.node.runtime.qemu import QemuRuntime
 
@@ -108,7 +128,7 @@ async def run(host: str, port: int, state_dir: Path, database_url: str | None, a
     try:
         await _wait_started(node_server, node_task)
         node_socket.chmod(0o600)
-        server_task = asyncio.create_task(server.serve(), name="capsa-api")
+        server_task = asyncio.create_task(server.serve(sockets=[listener]), name="capsa-api")
         await _wait_started(server, server_task)
         plane: ControlPlane = app.state.plane
         await register_node(plane, NodeRegister(
