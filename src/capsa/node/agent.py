@@ -13,8 +13,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.common.ids import is_id
+from capsa.node.egress.node_egress import CA_PATH, NodeEgress, install_ca_script
 from capsa.node.runtime.base import GuestImage, Runtime, Sandbox, SandboxState, VMSpec
 
 __all__ = ["NodeAgent", "NodeCapacity", "SandboxRecord", "default_capacity"]
@@ -48,6 +50,10 @@ class SandboxRecord:
     env: dict[str, str]
     sandbox: Sandbox
     created_at: float = field(default_factory=time.time)
+    networked: bool = False
+    """True when the sandbox was started with an egress policy (it has a NIC behind the broker)."""
+    egress_env: dict[str, str] = field(default_factory=dict)
+    """The part of ``env`` that egress put there (proxy settings, secret placeholders)."""
 
     def as_dict(self) -> dict[str, object]:
         return {"id": self.id, "template": self.template, "memory_mib": self.memory_mib, "vcpus": self.vcpus,
@@ -58,8 +64,10 @@ class SandboxRecord:
 class NodeAgent:
     def __init__(self, runtime: Runtime, image: GuestImage, *, node_id: str = "local",
                  capacity: NodeCapacity | None = None,
-                 templates: Mapping[str, GuestImage] | None = None) -> None:
+                 templates: Mapping[str, GuestImage] | None = None,
+                 egress: NodeEgress | None = None) -> None:
         self.runtime = runtime
+        self.egress = egress
         self.node_id = node_id
         self.capacity = capacity or default_capacity()
         self.templates: dict[str, GuestImage] = {"base": image, **(templates or {})}
@@ -81,6 +89,8 @@ class NodeAgent:
         for sandbox_id in ids:
             await self.destroy(sandbox_id)
         await self.runtime.close()
+        if self.egress is not None:
+            await self.egress.close()
 
     # -- capacity ----------------------------------------------------------------------------------------
     def used(self) -> dict[str, int]:
@@ -101,7 +111,11 @@ class NodeAgent:
 
     # -- sandboxes -----------------------------------------------------------------------------------------
     async def create(self, sandbox_id: str, template: str, memory_mib: int, vcpus: int,
-                     env: Mapping[str, str]) -> SandboxRecord:
+                     env: Mapping[str, str], *, policy: EgressPolicy | None = None,
+                     secrets: Mapping[str, str] | None = None,
+                     session_id: str | None = None) -> SandboxRecord:
+        """Boot a sandbox. Without ``policy`` it has no NIC at all; with one it gets its own namespace
+        behind the egress broker, the broker's CA in its trust store and the placeholders in ``env``."""
         if not is_id(sandbox_id, "sbx"):
             raise CapsaError(f"bad sandbox id {sandbox_id!r}", code="bad_request", status=400)
         image = self.templates.get(template)
@@ -114,14 +128,34 @@ class NodeAgent:
                 or used["memory_mib"] + memory_mib > self.capacity.memory_mib
                 or used["vcpus"] + vcpus > self.capacity.vcpus):
             raise CapsaError("node is full", code="no_capacity", status=503)
+        if policy is not None and self.egress is None:
+            raise CapsaError("this node has no egress service: sessions with a policy cannot run here",
+                             code="egress_unavailable", status=503)
         self._booting[sandbox_id] = (memory_mib, vcpus)
+        egress_env: dict[str, str] = {}
         try:
-            spec = VMSpec(image=image, memory_mib=memory_mib, vcpus=vcpus,
-                          labels={"sandbox": sandbox_id, "template": template})
-            sandbox = await self.runtime.boot(spec, sandbox_id=sandbox_id)
+            network = None
+            if policy is not None and self.egress is not None:
+                attached = await self.egress.attach(sandbox_id, policy, secrets or {}, session_id=session_id)
+                network, egress_env = attached.net, dict(attached.env)
+            try:
+                spec = VMSpec(image=image, memory_mib=memory_mib, vcpus=vcpus, network=network,
+                              labels={"sandbox": sandbox_id, "template": template})
+                sandbox = await self.runtime.boot(spec, sandbox_id=sandbox_id)
+                if network is not None:
+                    try:
+                        await self._install_ca(sandbox, attached.ca_pem)
+                    except BaseException:
+                        await asyncio.shield(self.runtime.destroy(sandbox))
+                        raise
+            except BaseException:
+                if network is not None and self.egress is not None:
+                    await asyncio.shield(self.egress.detach(sandbox_id))
+                raise
         finally:
             del self._booting[sandbox_id]
-        record = SandboxRecord(sandbox_id, template, memory_mib, vcpus, dict(env), sandbox)
+        record = SandboxRecord(sandbox_id, template, memory_mib, vcpus, {**env, **egress_env}, sandbox,
+                               networked=network is not None, egress_env=egress_env)
         self._sandboxes[sandbox_id] = record
         if sandbox_id in self._doomed:
             await self.destroy(sandbox_id)
@@ -135,6 +169,35 @@ class NodeAgent:
 
         sandbox.on_failure(_died)
         return record
+
+    @staticmethod
+    async def _install_ca(sandbox: Sandbox, ca_pem: bytes) -> None:
+        await sandbox.guest.write_file(CA_PATH, ca_pem, mode=0o644)
+        result = await sandbox.guest.exec(install_ca_script(), timeout=60)
+        if result.exit_code != 0:
+            raise CapsaError(f"could not install the egress CA in the guest: {result.stderr[-300:]!r}",
+                             code="egress_setup_failed", status=500)
+
+    async def update_policy(self, sandbox_id: str, policy: EgressPolicy,
+                            secrets: Mapping[str, str] | None = None) -> bool:
+        """Replace a running sandbox's policy; returns whether its CA was re-issued (and re-installed).
+
+        Placeholders of bindings that stay keep their value; the session env changes for new commands."""
+        record = self.get(sandbox_id)
+        if not record.networked or self.egress is None:
+            raise CapsaError(f"sandbox {sandbox_id} was started without a policy and has no network; "
+                             "a policy can only be given when the session is created", code="no_network",
+                             status=409)
+        update = self.egress.update_policy(sandbox_id, policy, secrets or {})
+        if update.ca_reissued:
+            await self._install_ca(record.sandbox, update.ca_pem)
+        placeholders = self.egress.placeholder_env(sandbox_id)
+        proxy = {k: v for k, v in record.egress_env.items() if k.lower() in ("http_proxy", "https_proxy")}
+        for key in record.egress_env:
+            record.env.pop(key, None)
+        record.egress_env = {**proxy, **placeholders}
+        record.env.update(record.egress_env)
+        return update.ca_reissued
 
     def get(self, sandbox_id: str) -> SandboxRecord:
         """The live sandbox; a dead one raises ``sandbox_failed``, an unknown one ``sandbox_not_found``."""
@@ -160,5 +223,9 @@ class NodeAgent:
         self._doomed.discard(sandbox_id)
         if record is None:
             return False
-        await asyncio.shield(self.runtime.destroy(record.sandbox))
+        try:
+            await asyncio.shield(self.runtime.destroy(record.sandbox))
+        finally:
+            if record.networked and self.egress is not None:
+                await asyncio.shield(self.egress.detach(sandbox_id))
         return True

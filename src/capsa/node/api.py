@@ -20,14 +20,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.node.agent import NodeAgent, SandboxRecord
 from capsa.node.api_models import (
+    AuditPageOut,
     ExecRequest,
     FileInfoOut,
     FileListOut,
     KillBody,
     NodeInfo,
+    PolicyUpdateIn,
+    PolicyUpdateOut,
     ProcessListOut,
     ProcessOut,
     ProcessOutputOut,
@@ -198,8 +202,27 @@ def create_node_app(agent: NodeAgent, token: str) -> FastAPI:
 
     @router.post("/sandboxes", status_code=201, response_model=SandboxOut)
     async def create_sandbox(body: SandboxCreate) -> Any:
-        record = await agent.create(body.id, body.template, body.memory_mib, body.vcpus, body.env)
+        policy = EgressPolicy.from_data(body.policy) if body.policy is not None else None
+        record = await agent.create(body.id, body.template, body.memory_mib, body.vcpus, body.env,
+                                    policy=policy, session_id=body.session_id,
+                                    secrets={k: v.get_secret_value() for k, v in body.secrets.items()})
         return record.as_dict()
+
+    @router.put("/sandboxes/{sandbox_id}/policy", response_model=PolicyUpdateOut)
+    async def update_policy(sandbox_id: str, body: PolicyUpdateIn) -> Any:
+        reissued = await agent.update_policy(sandbox_id, EgressPolicy.from_data(body.policy),
+                                             {k: v.get_secret_value() for k, v in body.secrets.items()})
+        return PolicyUpdateOut(ca_reissued=reissued)
+
+    @router.get("/audit", response_model=AuditPageOut)
+    async def audit(after: Annotated[int, Query(ge=0)] = 0,
+                    epoch: Annotated[str | None, Query(max_length=64)] = None,
+                    limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> Any:
+        if agent.egress is None:
+            return AuditPageOut(epoch="none", items=[], last_seq=0, lost=0)
+        page = agent.egress.audit.read(after, epoch, limit)
+        return {"epoch": page.epoch, "last_seq": page.last_seq, "lost": page.lost,
+                "items": [{"seq": seq, **ev.model_dump()} for seq, ev in page.events]}
 
     @router.get("/sandboxes", response_model=SandboxList)
     async def list_sandboxes() -> Any:

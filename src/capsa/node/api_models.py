@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 __all__ = [
+    "AuditEventOut",
+    "AuditPageOut",
     "ExecRequest",
     "FileInfoOut",
     "FileListOut",
     "KillBody",
     "NodeInfo",
+    "PolicyUpdateIn",
+    "PolicyUpdateOut",
     "ProcessListOut",
     "ProcessOut",
     "ProcessOutputOut",
@@ -30,12 +34,62 @@ _Env = Annotated[dict[Annotated[str, Field(max_length=128)], Annotated[str, Fiel
                  Field(max_length=256)]
 
 
+_Secrets = Annotated[dict[Annotated[str, Field(pattern=r"^sec_[0-9a-z]{20}$")],
+                           Annotated[SecretStr, Field(min_length=1, max_length=65536)]],
+                      Field(max_length=64)]
+
+
 class SandboxCreate(_Strict):
     id: Annotated[str, Field(pattern=r"^sbx_[0-9a-z]{20}$")]
     template: Annotated[str, Field(min_length=1, max_length=128)] = "base"
     memory_mib: Annotated[int, Field(ge=64, le=65536)] = 256
     vcpus: Annotated[int, Field(ge=1, le=64)] = 1
     env: _Env = Field(default_factory=dict)
+    session_id: Annotated[str, Field(max_length=64)] | None = None
+    """Recorded in the sandbox's egress audit events."""
+    policy: dict[str, Any] | None = None
+    """Egress policy document (capsa.common.egress_policy); none: the sandbox gets no NIC at all."""
+    secrets: _Secrets = Field(default_factory=dict)
+    """Values of the secrets the policy binds, by id. Write-only: never returned, never logged."""
+
+
+class PolicyUpdateIn(_Strict):
+    policy: dict[str, Any]
+    secrets: _Secrets = Field(default_factory=dict)
+
+
+class PolicyUpdateOut(BaseModel):
+    ca_reissued: bool
+    """The sandbox CA had to be re-issued for new domains and was re-installed in the guest."""
+
+
+class AuditEventOut(BaseModel):
+    seq: int
+    kind: str
+    session_id: str | None
+    sandbox_id: str
+    time: float
+    source: str | None
+    destination: str | None
+    resolved_ip: str | None
+    method: str | None
+    path: str | None
+    status: int | None
+    bytes_out: int
+    bytes_in: int
+    decision: str
+    rule: str | None
+    reason: str | None
+    secret_ids: list[str]
+    count: int
+
+
+class AuditPageOut(BaseModel):
+    epoch: str
+    """Changes with every node process; a cursor from another epoch restarts from the oldest event."""
+    items: list[AuditEventOut]
+    last_seq: int
+    lost: int
 
 
 class SandboxOut(BaseModel):

@@ -103,6 +103,9 @@ class InMemorySecretStore:
     def delete(self, secret_id: str) -> None:
         self._blobs.pop(secret_id, None)
 
+    def ids(self) -> list[str]:
+        return list(self._blobs)
+
     def reveal(self, secret_id: str) -> str:
         blob = self._blobs.get(secret_id)
         if blob is None:

@@ -1,0 +1,236 @@
+"""The egress policy document: which destinations a session may reach and how.
+
+A policy is part of a session's create request and can be replaced while the session runs. It is
+expressed as JSON or YAML; :func:`policy_json_schema` exports the schema users validate against.
+It lives in ``common`` because both sides read it: the control plane validates what users send, the
+node's broker enforces it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from capsa.common.errors import CapsaError
+
+__all__ = [
+    "DomainRule",
+    "EgressPolicy",
+    "PolicyError",
+    "RateLimit",
+    "SecretBinding",
+    "domain_matches",
+    "policy_json_schema",
+]
+
+_LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
+_HOST_RE = re.compile(rf"^{_LABEL}(\.{_LABEL})+$")
+_HEADER_RE = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+_METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
+# Headers a binding may not target: they steer routing or framing, not credentials.
+_FORBIDDEN_BINDING_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "upgrade", "te"}
+
+
+class PolicyError(CapsaError):
+    code = "invalid_policy"
+    status = 422
+
+
+def _is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+class RateLimit(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_minute: int = Field(gt=0, le=1_000_000)
+    burst: int | None = Field(default=None, gt=0, le=1_000_000)
+    """Requests allowed at once before the per-minute rate applies; defaults to the per-minute figure."""
+
+
+class DomainRule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    domain: str
+    """``api.example.com`` (exactly that name) or ``*.example.com`` (any name below it, not the apex)."""
+    methods: list[str] | None = None
+    """Allowed HTTP methods; ``None`` allows the common ones (GET HEAD POST PUT PATCH DELETE OPTIONS)."""
+    path_prefixes: list[str] | None = None
+    """Allowed URL path prefixes (each starting with ``/``); ``None`` allows every path."""
+    rate_limit: RateLimit | None = None
+    max_request_bytes: int | None = Field(default=None, ge=0)
+    max_response_bytes: int | None = Field(default=None, ge=0)
+
+    @field_validator("domain")
+    @classmethod
+    def _check_domain(cls, value: str) -> str:
+        name = value.strip().lower().rstrip(".")
+        bare = name[2:] if name.startswith("*.") else name
+        if _is_ip_literal(bare):
+            raise ValueError("IP literals are not allowed; name the destination by its DNS name")
+        if "*" in bare or not _HOST_RE.match(bare) or len(bare) > 253:
+            raise ValueError(f"not a valid domain or wildcard (*.example.com): {value!r}")
+        return name
+
+    @field_validator("methods")
+    @classmethod
+    def _check_methods(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        out = [m.upper() for m in value]
+        bad = [m for m in out if m not in _METHODS]
+        if bad:
+            raise ValueError(f"unsupported methods {bad}; choose from {sorted(_METHODS)}")
+        return out
+
+    @field_validator("path_prefixes")
+    @classmethod
+    def _check_paths(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        for p in value:
+            if not p.startswith("/") or any(c in p for c in "?#\r\n\t "):
+                raise ValueError(f"path prefix must start with '/' and hold no query or spaces: {p!r}")
+        return value
+
+    @property
+    def is_wildcard(self) -> bool:
+        return self.domain.startswith("*.")
+
+    def allows_method(self, method: str) -> bool:
+        return method.upper() in (self.methods if self.methods is not None else _METHODS)
+
+    def allows_path(self, path: str) -> bool:
+        if self.path_prefixes is None:
+            return True
+        return any(path.startswith(p) for p in self.path_prefixes)
+
+
+class SecretBinding(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    secret: str
+    """Reference of a secret stored by the control plane (``sec_…``); the value never appears here."""
+    header: str = "Authorization"
+    """The only request header in which the placeholder is swapped for the secret."""
+    domain: str
+    """The only destination (exact name) the secret is sent to, over verified HTTPS."""
+    env: str | None = None
+    """Environment variable that carries the placeholder into the sandbox."""
+
+    @field_validator("header")
+    @classmethod
+    def _check_header(cls, value: str) -> str:
+        if not _HEADER_RE.match(value) or value.lower() in _FORBIDDEN_BINDING_HEADERS:
+            raise ValueError(f"header {value!r} cannot carry a secret")
+        return value
+
+    @field_validator("domain")
+    @classmethod
+    def _check_domain(cls, value: str) -> str:
+        name = value.strip().lower().rstrip(".")
+        if not _HOST_RE.match(name) or _is_ip_literal(name):
+            raise ValueError(f"a secret is bound to one exact DNS name, got {value!r}")
+        return name
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", value):
+            raise ValueError(f"not an environment variable name: {value!r}")
+        return value
+
+
+class EgressPolicy(BaseModel):
+    """Everything a sandbox may do on the network. An empty policy allows nothing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    domains: list[DomainRule] = Field(default_factory=list)
+    secrets: list[SecretBinding] = Field(default_factory=list)
+    max_request_bytes: int = Field(default=10 * 1024 * 1024, ge=0)
+    max_response_bytes: int = Field(default=50 * 1024 * 1024, ge=0)
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> EgressPolicy:
+        seen: set[str] = set()
+        for rule in self.domains:
+            if rule.domain in seen:
+                raise ValueError(f"domain listed twice: {rule.domain}")
+            seen.add(rule.domain)
+        for binding in self.secrets:
+            if self.rule_for(binding.domain) is None:
+                raise ValueError(f"secret {binding.secret} is bound to {binding.domain}, "
+                                 "which the policy does not allow")
+        return self
+
+    def rule_for(self, host: str) -> DomainRule | None:
+        """The most specific rule matching ``host``: an exact name beats the longest wildcard."""
+        host = host.lower().rstrip(".")
+        best: DomainRule | None = None
+        for rule in self.domains:
+            if not domain_matches(rule.domain, host):
+                continue
+            if not rule.is_wildcard:
+                return rule
+            if best is None or len(rule.domain) > len(best.domain):
+                best = rule
+        return best
+
+    def request_limit(self, rule: DomainRule) -> int:
+        return rule.max_request_bytes if rule.max_request_bytes is not None else self.max_request_bytes
+
+    def response_limit(self, rule: DomainRule) -> int:
+        return rule.max_response_bytes if rule.max_response_bytes is not None else self.max_response_bytes
+
+    @classmethod
+    def parse(cls, text: str | bytes) -> EgressPolicy:
+        """Parse a JSON or YAML document (JSON is a subset of YAML), with a clear error on bad input."""
+        try:
+            data: Any = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise PolicyError(f"policy is neither JSON nor YAML: {exc}") from None
+        return cls.from_data(data if data is not None else {})
+
+    @classmethod
+    def from_data(cls, data: Any) -> EgressPolicy:
+        if not isinstance(data, dict):
+            raise PolicyError("policy must be a mapping")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            errors = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()
+            )
+            raise PolicyError(f"invalid egress policy: {errors}") from None
+
+    def to_json(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
+
+
+def domain_matches(pattern: str, host: str) -> bool:
+    host = host.lower().rstrip(".")
+    if pattern.startswith("*."):
+        suffix = pattern[1:]
+        return host.endswith(suffix) and len(host) > len(suffix)
+    return host == pattern
+
+
+def policy_json_schema() -> str:
+    """The JSON Schema (draft 2020-12, as pydantic emits it) of an egress policy document."""
+    schema = EgressPolicy.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "capsa egress policy"
+    return json.dumps(schema, indent=2, sort_keys=True)
