@@ -1,0 +1,210 @@
+"""The warm pool: per template, sandboxes restored ahead of time and idle until a request binds one.
+
+A pooled sandbox is handed out exactly once and never comes back: after a user had it, it is destroyed
+like any other. Identity is given at bind time (:func:`bind_identity`), not when it was restored: a fresh
+forced CRNG reseed, the clock and the hostname. An empty pool is not an error: the caller restores on
+demand (a miss). Refills run in the background, one restore at a time across the node, because a restore
+is CPU-bound under TCG and would otherwise slow down the requests being served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from capsa.node.runtime.base import Sandbox, SandboxState
+from capsa.node.runtime.snapshot import GuestRefresher
+
+__all__ = ["PoolKey", "PoolMetrics", "WarmPool", "bind_identity"]
+
+log = logging.getLogger(__name__)
+
+PoolKey = tuple[str, int, int]
+"""(template name, memory MiB, vCPUs)"""
+
+RestoreFn = Callable[[PoolKey], Awaitable[Sandbox]]
+DestroyFn = Callable[[Sandbox], Coroutine[object, object, None]]
+
+_RETRY_DELAYS = (1.0, 5.0, 30.0)
+
+
+class _IdentityGuest(GuestRefresher, Protocol):
+    async def set_hostname(self, name: str) -> None: ...
+
+
+async def bind_identity(guest: _IdentityGuest, *, hostname: str | None) -> None:
+    """Make a restored sandbox someone's: its own RNG state, the current time and its hostname.
+
+    The reseed at restore time already separated pooled clones from each other; this one makes the
+    sandbox's randomness independent of anything that happened while it sat idle in the pool.
+    """
+    await guest.reseed(os.urandom(64))
+    await guest.set_clock()
+    if hostname:
+        await guest.set_hostname(hostname)
+
+
+class PoolMetrics:
+    """Prometheus series for the pool, in a registry of the node's own (one per agent)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels = ["template", "memory_mib", "vcpus"]
+        self.idle = Gauge("capsa_pool_idle", "Restored sandboxes waiting in the warm pool", labels,
+                          registry=self.registry)
+        self.target = Gauge("capsa_pool_target", "Configured warm pool size", labels, registry=self.registry)
+        self.hits = Counter("capsa_pool_hits", "Creations served from the warm pool", labels,
+                            registry=self.registry)
+        self.misses = Counter("capsa_pool_misses", "Creations restored on demand (pool empty)", labels,
+                              registry=self.registry)
+        self.refill_failures = Counter("capsa_pool_refill_failures", "Background restores that failed",
+                                       labels, registry=self.registry)
+
+
+@dataclass
+class _Slot:
+    key: PoolKey
+    target: int
+    idle: deque[Sandbox] = field(default_factory=deque)
+    restoring: int = 0
+    hits: int = 0
+    misses: int = 0
+    failures: int = 0
+    task: asyncio.Task[None] | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class WarmPool:
+    """Idle restored sandboxes per :data:`PoolKey`. ``restore`` and ``destroy`` come from the node."""
+
+    def __init__(self, restore: RestoreFn, destroy: DestroyFn, *, default_size: int = 1,
+                 sizes: Mapping[str, int] | None = None, metrics: PoolMetrics | None = None) -> None:
+        if default_size < 0 or any(v < 0 for v in (sizes or {}).values()):
+            raise ValueError("pool sizes must be >= 0")
+        self._restore = restore
+        self._destroy = destroy
+        self.default_size = default_size
+        self.sizes = dict(sizes or {})
+        self.metrics = metrics or PoolMetrics()
+        self._slots: dict[PoolKey, _Slot] = {}
+        self._restore_lock = asyncio.Lock()
+        self._closed = False
+        self._background: set[asyncio.Task[None]] = set()
+
+    def size_for(self, template: str) -> int:
+        return self.sizes.get(template, self.default_size)
+
+    def _labels(self, key: PoolKey) -> dict[str, str]:
+        return {"template": key[0], "memory_mib": str(key[1]), "vcpus": str(key[2])}
+
+    def _slot(self, key: PoolKey) -> _Slot:
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = _Slot(key, self.size_for(key[0]))
+            self.metrics.target.labels(**self._labels(key)).set(slot.target)
+            self.metrics.idle.labels(**self._labels(key)).set(0)
+        return slot
+
+    def _gauge(self, slot: _Slot) -> None:
+        self.metrics.idle.labels(**self._labels(slot.key)).set(len(slot.idle))
+
+    # -- serving -----------------------------------------------------------------------------------------
+
+    def watch(self, key: PoolKey) -> None:
+        """Keep this template's pool filled from now on."""
+        if self._closed:
+            return
+        slot = self._slot(key)
+        if slot.target > 0 and (slot.task is None or slot.task.done()):
+            slot.task = asyncio.create_task(self._refill(slot), name=f"pool-refill-{key[0]}")
+        slot.wake.set()
+
+    def take(self, key: PoolKey) -> Sandbox | None:
+        """A pooled sandbox for ``key`` (counted as a hit), or None (a miss: the caller restores)."""
+        slot = self._slot(key)
+        while slot.idle:
+            sandbox = slot.idle.popleft()
+            if sandbox.state is SandboxState.RUNNING:
+                slot.hits += 1
+                self.metrics.hits.labels(**self._labels(key)).inc()
+                self._gauge(slot)
+                self.watch(key)
+                return sandbox
+            log.warning("pooled sandbox %s died while idle (%s); discarding it", sandbox.id, sandbox.failure)
+            task = asyncio.create_task(self._destroy(sandbox))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        slot.misses += 1
+        self.metrics.misses.labels(**self._labels(key)).inc()
+        self._gauge(slot)
+        self.watch(key)
+        return None
+
+    async def _refill(self, slot: _Slot) -> None:
+        attempt = 0
+        while not self._closed:
+            if len(slot.idle) + slot.restoring >= slot.target:
+                slot.wake.clear()
+                await slot.wake.wait()
+                continue
+            slot.restoring += 1
+            try:
+                async with self._restore_lock:
+                    if self._closed:
+                        return
+                    sandbox = await self._restore(slot.key)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                slot.failures += 1
+                self.metrics.refill_failures.labels(**self._labels(slot.key)).inc()
+                delay = _RETRY_DELAYS[min(attempt, len(_RETRY_DELAYS) - 1)]
+                attempt += 1
+                log.warning("warm pool refill of %s failed (%s); retrying in %.0fs", slot.key, exc, delay)
+                await asyncio.sleep(delay)
+                continue
+            finally:
+                slot.restoring -= 1
+            attempt = 0
+            if self._closed or slot.target <= len(slot.idle):
+                await self._destroy(sandbox)
+                continue
+            slot.idle.append(sandbox)
+            self._gauge(slot)
+
+    # -- status and teardown ----------------------------------------------------------------------------
+
+    def pooled(self) -> list[Sandbox]:
+        return [sb for slot in self._slots.values() for sb in slot.idle]
+
+    def status(self) -> list[dict[str, object]]:
+        return [{"template": k[0], "memory_mib": k[1], "vcpus": k[2], "target": s.target, "idle": len(s.idle),
+                 "restoring": s.restoring, "hits": s.hits, "misses": s.misses, "refill_failures": s.failures}
+                for k, s in sorted(self._slots.items())]
+
+    async def drain(self, template: str | None = None) -> None:
+        """Stop filling and destroy the idle sandboxes of ``template`` (all templates when None)."""
+        for key, slot in list(self._slots.items()):
+            if template is not None and key[0] != template:
+                continue
+            if slot.task is not None:
+                slot.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await slot.task
+            while slot.idle:
+                with contextlib.suppress(Exception):
+                    await self._destroy(slot.idle.popleft())
+            del self._slots[key]
+            self.metrics.idle.labels(**self._labels(key)).set(0)
+
+    async def close(self) -> None:
+        self._closed = True
+        await self.drain()

@@ -1,0 +1,282 @@
+"""Templates: snapshots of booted guests that every session sandbox is restored from.
+
+A template lives in the storage pool as ``templates/tpl-<name>-m<MiB>c<vcpus>/`` holding ``template.json``
+(the record below) and one snapshot directory. ``base`` is the node's guest image booted once and
+snapshotted; it is rebuilt whenever the image, the QEMU version or the QEMU device layout changes, because
+a snapshot from another layout cannot be restored. Custom templates are built from a :class:`TemplateSpec`
+by :mod:`capsa.node.template_build` and stored the same way. Only template builds ever cold-boot a VM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from capsa.common.errors import CapsaError
+from capsa.common.ids import new_id
+from capsa.node.runtime.base import Accelerator, GuestImage, VMSpec
+from capsa.node.runtime.hostinfo import HostInfoError, qemu_version
+from capsa.node.runtime.snapshot_manifest import SnapshotError
+from capsa.node.runtime.snapshot_runtime import Snapshot, SnapshotRuntime, SnapshotSandbox
+
+__all__ = [
+    "BASE",
+    "RECORD_FILE",
+    "Template",
+    "TemplateStore",
+    "check_template_name",
+]
+
+log = logging.getLogger(__name__)
+
+BASE = "base"
+RECORD_FILE = "template.json"
+_PREFIX = "tpl-"
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+_DIR_RE = re.compile(r"^tpl-(?P<name>[a-z0-9][a-z0-9_.-]{0,63})-m(?P<mem>[0-9]+)c(?P<cpu>[0-9]+)$")
+
+Progress = Callable[[str], None]
+
+
+def check_template_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise CapsaError(f"invalid template name {name!r} (lowercase letters, digits, '_', '.', '-'; "
+                         "at most 64)", code="bad_request", status=400)
+    return name
+
+
+@dataclass(frozen=True)
+class Template:
+    """A stored template: its record and the snapshot it restores from."""
+
+    name: str
+    path: Path
+    snapshot: Snapshot
+    digest: str
+    created_at: str
+    spec: dict[str, Any] | None
+
+    @property
+    def memory_mib(self) -> int:
+        return self.snapshot.manifest.memory_mib
+
+    @property
+    def vcpus(self) -> int:
+        return self.snapshot.manifest.vcpus
+
+    @property
+    def image_digest(self) -> str:
+        return self.snapshot.manifest.image_digest
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.name, self.memory_mib, self.vcpus)
+
+    def size_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.snapshot.path.iterdir() if p.is_file())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "digest": self.digest, "snapshot": self.snapshot.id,
+                "memory_mib": self.memory_mib, "vcpus": self.vcpus, "image_digest": self.image_digest,
+                "created_at": self.created_at, "spec": self.spec, "size_bytes": self.size_bytes()}
+
+
+def _dir_name(name: str, memory_mib: int, vcpus: int) -> str:
+    return f"{_PREFIX}{name}-m{memory_mib}c{vcpus}"
+
+
+def template_digest(snapshot: Snapshot, spec: dict[str, Any] | None) -> str:
+    """What the template holds: the snapshot files' hashes and the spec it was built from."""
+    m = snapshot.manifest
+    body = {"image": m.image_digest, "machine": m.machine, "qemu": m.qemu_version,
+            "files": [(e.path, e.size, e.sha256) for e in (m.device_state, m.disk, m.ram) if e is not None],
+            "spec": spec}
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class TemplateStore:
+    """Templates on one node's storage pool, and building ``base``."""
+
+    def __init__(self, runtime: SnapshotRuntime, image: GuestImage, *, base_memory_mib: int = 256,
+                 base_vcpus: int = 1) -> None:
+        self.runtime = runtime
+        self.image = image
+        self.base_memory_mib = base_memory_mib
+        self.base_vcpus = base_vcpus
+        self._locks: dict[tuple[str, int, int], asyncio.Lock] = {}
+
+    @property
+    def root(self) -> Path:
+        return self.runtime.pool.templates_dir
+
+    # -- reading -----------------------------------------------------------------------------------------
+
+    def _load(self, tdir: Path) -> Template | None:
+        match = _DIR_RE.match(tdir.name)
+        if match is None:
+            return None
+        try:
+            record = json.loads((tdir / RECORD_FILE).read_text(encoding="utf-8"))
+            snap = Snapshot.open(tdir / str(record["snapshot"]))
+            return Template(name=match["name"], path=tdir, snapshot=snap, digest=str(record["digest"]),
+                            created_at=str(record["created_at"]), spec=record.get("spec"))
+        except (OSError, ValueError, KeyError, TypeError, SnapshotError) as exc:
+            log.warning("ignoring unreadable template %s: %s", tdir, exc)
+            return None
+
+    def all(self) -> list[Template]:
+        """Every stored template (all sizes), sorted by name then size."""
+        found = []
+        for tdir in sorted(self.root.glob(_PREFIX + "*")):
+            if tdir.is_dir() and (t := self._load(tdir)) is not None:
+                found.append(t)
+        return sorted(found, key=lambda t: t.key)
+
+    def names(self) -> list[str]:
+        return sorted({t.name for t in self.all()} | {BASE})
+
+    def variants(self, name: str) -> list[Template]:
+        check_template_name(name)
+        return [t for t in self.all() if t.name == name]
+
+    def find(self, name: str, memory_mib: int, vcpus: int) -> Template | None:
+        tdir = self.root / _dir_name(check_template_name(name), memory_mib, vcpus)
+        return self._load(tdir) if tdir.is_dir() else None
+
+    def is_current(self, template: Template) -> bool:
+        """Whether this node can restore the template (same image, QEMU and device layout)."""
+        m = template.snapshot.manifest
+        if m.image_digest != self.image.digest and template.name == BASE:
+            return False
+        try:
+            version = qemu_version()
+        except HostInfoError:
+            return False
+        if m.qemu_version not in (None, version):
+            return False
+        try:
+            accel = Accelerator(m.accel)
+        except ValueError:
+            return False
+        if self.runtime.requested_accel not in (Accelerator.AUTO, accel):
+            return False
+        spec = VMSpec(image=self.image, memory_mib=m.memory_mib, vcpus=m.vcpus)
+        return m.machine in (None, self.runtime._machine(spec, accel))
+
+    async def resolve(self, name: str, memory_mib: int | None = None, vcpus: int | None = None) -> Template:
+        """The template to restore a sandbox from; ``base`` variants are built on first use."""
+        check_template_name(name)
+        if name == BASE:
+            return await self.ensure_base(memory_mib or self.base_memory_mib, vcpus or self.base_vcpus)
+        variants = await asyncio.to_thread(self.variants, name)
+        if not variants:
+            raise CapsaError(f"template {name!r} not on this node", code="template_not_found", status=404)
+        for t in variants:
+            if memory_mib in (None, t.memory_mib) and vcpus in (None, t.vcpus):
+                return t
+        sizes = ", ".join(f"{t.memory_mib} MiB/{t.vcpus} vCPU" for t in variants)
+        raise CapsaError(f"template {name!r} exists only as {sizes}, not {memory_mib} MiB/{vcpus} vCPU",
+                         code="template_mismatch", status=409)
+
+    # -- building ----------------------------------------------------------------------------------------
+
+    def _lock(self, key: tuple[str, int, int]) -> asyncio.Lock:
+        return self._locks.setdefault(key, asyncio.Lock())
+
+    async def ensure_base(self, memory_mib: int, vcpus: int, progress: Progress | None = None) -> Template:
+        """The current ``base`` template of this size, cold-booting and snapshotting once if needed."""
+        key = (BASE, memory_mib, vcpus)
+        async with self._lock(key):
+            found = await asyncio.to_thread(self.find, BASE, memory_mib, vcpus)
+            if found is not None and await asyncio.to_thread(self.is_current, found):
+                return found
+            say = progress or (lambda _m: None)
+            say(f"building template base ({memory_mib} MiB, {vcpus} vCPU): cold boot")
+            log.info("building the base template (%d MiB, %d vCPU)", memory_mib, vcpus)
+            spec = VMSpec(image=self.image, memory_mib=memory_mib, vcpus=vcpus, labels={"template": BASE})
+            sandbox = await self.runtime.boot(spec)
+            assert isinstance(sandbox, SnapshotSandbox)
+            return await self.store(BASE, sandbox, spec=None, progress=say)
+
+    async def store(self, name: str, sandbox: SnapshotSandbox, *, spec: dict[str, Any] | None,
+                    progress: Progress | None = None) -> Template:
+        """Snapshot ``sandbox`` as template ``name`` (replacing one of the same size), then destroy it.
+
+        The sandbox is destroyed in every case. The old template of that name and size stays in place
+        until the new one is complete.
+        """
+        say = progress or (lambda _m: None)
+        files = sandbox.files
+        final = self.root / _dir_name(check_template_name(name), files.spec.memory_mib, files.spec.vcpus)
+        work = self.root / f".build-{secrets.token_hex(6)}"
+        try:
+            work.mkdir(mode=0o711)
+            with contextlib.suppress(Exception):
+                # Written data is in the guest's page cache: flush it into the disk image first.
+                await sandbox.guest.exec(["sync"], timeout=60)
+            say("snapshotting")
+            snap = await self.runtime.snapshot(sandbox, work / new_id("snap"), resume=False,
+                                               labels={"capsa.template": name}, content_digest=True)
+        except BaseException:
+            await self.runtime.destroy(sandbox)
+            await asyncio.to_thread(shutil.rmtree, work, True)
+            raise
+        await self.runtime.destroy(sandbox)
+        try:
+            record = {"name": name, "snapshot": snap.id, "digest": template_digest(snap, spec),
+                      "created_at": datetime.now(UTC).isoformat(timespec="seconds"), "spec": spec}
+            await asyncio.to_thread(_write_json, work / RECORD_FILE, record)
+            await asyncio.to_thread(_swap_in, work, final)
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+            raise
+        template = await asyncio.to_thread(self._load, final)
+        if template is None:
+            raise SnapshotError(f"template {name} was stored but cannot be read back")
+        say(f"template {name} stored: {template.digest}")
+        return template
+
+    def delete(self, name: str) -> int:
+        """Remove every size of template ``name``; returns how many were removed."""
+        check_template_name(name)
+        n = 0
+        for t in self.variants(name):
+            _remove_tree(t.path)
+            n += 1
+        return n
+
+
+def _write_json(path: Path, body: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(body, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _swap_in(work: Path, final: Path) -> None:
+    # Sandboxes restored from the old template keep working: their disks are reflinks and private RAM
+    # mappings pin the old file's pages until they exit.
+    old: Path | None = None
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{secrets.token_hex(4)}")
+        os.rename(final, old)
+    os.rename(work, final)
+    if old is not None:
+        _remove_tree(old)
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,271 @@
+"""The node API's templates, warm pool and snapshot operations with real VMs (QEMU microvm, TCG here).
+
+One VM is cold-booted for the whole module (the base template); every sandbox after it is restored.
+Everything goes through the node HTTP API (docs/node-snapshots.md) as the control plane would call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from capsa.common.ids import new_id
+from capsa.common.image import GuestImage
+from capsa.common.settings import Settings
+from capsa.node.api import create_node_app
+from capsa.node.api_snapshots import add_snapshot_routes
+from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
+from capsa.node.snapshot_agent import SnapshotNodeAgent, SnapshotRecord
+from capsa.node.storage import StoragePool, StorageSettings
+
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (loop btrfs pool, VM uids)"),
+    pytest.mark.asyncio(loop_scope="module"),
+]
+
+TOKEN = "t" * 32
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"
+
+
+@pytest.fixture(scope="module")
+def state_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="capsa-nsnap-", dir="/var/tmp"))
+    path.chmod(0o711)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pool(state_dir: Path) -> Iterator[StoragePool]:
+    p = StoragePool.open(state_dir, StorageSettings(loop_size_mib=8192, require_cow=True))
+    try:
+        yield p
+    finally:
+        p.destroy()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def agent(state_dir: Path, pool: StoragePool,
+                guest_image: GuestImage) -> AsyncIterator[SnapshotNodeAgent]:
+    settings = Settings(state_dir=state_dir, cache_dir=Settings().cache_dir)
+    rt = SnapshotRuntime(settings, pool=pool)
+    a = SnapshotNodeAgent(rt, guest_image, pool_size=1)
+    await a.start()
+    try:
+        await a.wait_ready()
+        yield a
+    finally:
+        await a.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def api(agent: SnapshotNodeAgent) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_node_app(agent, TOKEN)
+    add_snapshot_routes(app, agent, TOKEN)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://node/node/v1",
+                                 headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300) as client:
+        yield client
+
+
+async def _ok(resp: httpx.Response, status: int = 200) -> Any:
+    assert resp.status_code == status, resp.text
+    return resp.json() if resp.content else None
+
+
+async def _sh(api: httpx.AsyncClient, sid: str, cmd: str) -> str:
+    res = await _ok(await api.post(f"/sandboxes/{sid}/exec", json={"cmd": ["sh", "-c", cmd], "timeout": 30}))
+    assert res["exit_code"] == 0, res
+    return str(res["stdout"])
+
+
+async def _create(api: httpx.AsyncClient, template: str = "base") -> dict[str, Any]:
+    sid = new_id("sbx")
+    out: dict[str, Any] = await _ok(await api.post("/sandboxes", json={"id": sid, "template": template}), 201)
+    return out
+
+
+async def _wait_pool_full(api: httpx.AsyncClient, limit: float = 120) -> None:
+    """Until the base pool holds its one sandbox and no restore is under way."""
+    deadline = time.monotonic() + limit
+    while True:
+        status = await _ok(await api.get("/pool"))
+        base = [t for t in status["templates"] if t["template"] == "base"]
+        if base and base[0]["idle"] >= 1 and base[0]["restoring"] == 0:
+            return
+        assert time.monotonic() < deadline, "warm pool did not refill"
+        await asyncio.sleep(0.2)
+
+
+def _pool_root(agent: SnapshotNodeAgent) -> Path:
+    return agent.snap_runtime.pool.root
+
+
+def _listing(agent: SnapshotNodeAgent) -> dict[str, list[str]]:
+    root = _pool_root(agent)
+    return {area: sorted(p.name for p in (root / area).iterdir()) for area in ("sandboxes", "snapshots",
+                                                                             "templates")}
+
+
+async def test_base_template_is_listed(api: httpx.AsyncClient) -> None:
+    items = (await _ok(await api.get("/templates")))["items"]
+    base = [t for t in items if t["name"] == "base"]
+    assert len(base) == 1 and base[0]["digest"].startswith("sha256:") and base[0]["memory_mib"] == 256
+    shown = (await _ok(await api.get("/templates/base")))["items"]
+    assert shown[0]["digest"] == base[0]["digest"]
+    assert "base" in (await _ok(await api.get("/info")))["templates"]
+
+
+def _source(agent: SnapshotNodeAgent, sid: str) -> str:
+    record = agent.get(sid)
+    assert isinstance(record, SnapshotRecord)
+    return record.source
+
+
+async def test_create_from_pool_then_on_demand_and_identity(api: httpx.AsyncClient,
+                                                            agent: SnapshotNodeAgent) -> None:
+    await _wait_pool_full(api)
+    a = await _create(api)
+    b = await _create(api)  # the pool has just been emptied: restored on demand
+    try:
+        assert _source(agent, a["id"]) == "pool" and _source(agent, b["id"]) == "restore"
+        pool = {t["template"]: t for t in (await _ok(await api.get("/pool")))["templates"]}["base"]
+        assert pool["hits"] >= 1 and pool["misses"] >= 1
+        metrics = (await api.get("http://node/metrics")).text
+        assert 'capsa_pool_hits_total{memory_mib="256",template="base",vcpus="1"} 1.0' in metrics
+        assert 'capsa_pool_misses_total{memory_mib="256",template="base",vcpus="1"}' in metrics
+        # Two sandboxes from one template: their own randomness, the host's time, their own hostname.
+        probe = ("python3 -c 'import os,time,socket; "
+                 "print(os.urandom(16).hex(), time.time(), socket.gethostname())'")
+        ra, ta, ha = (await _sh(api, a["id"], probe)).split()
+        rb, tb, hb = (await _sh(api, b["id"], probe)).split()
+        now = time.time()
+        assert ra != rb
+        assert abs(float(ta) - now) < 5 and abs(float(tb) - now) < 5
+        assert ha == a["id"].replace("_", "-") and hb == b["id"].replace("_", "-")
+    finally:
+        for sb in (a, b):
+            await _ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
+
+
+async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: SnapshotNodeAgent) -> None:
+    sb = await _create(api)
+    sid = sb["id"]
+    await _ok(await api.put(f"/sandboxes/{sid}/files/content", params={"path": "/root/note.txt"},
+                            content=b"before the pause\n"))
+    await _ok(await api.post(f"/sandboxes/{sid}/processes", json={"cmd": ["sh", "-c", COUNTER]}))
+    await asyncio.sleep(1.0)
+    before = int(await _sh(api, sid, "cat /tmp/counter"))
+    assert before > 3
+    snap = await _ok(await api.post(f"/sandboxes/{sid}/pause", json={}))
+    assert snap["retain"] is True and snap["sandbox_id"] == sid
+    assert (await api.get(f"/sandboxes/{sid}")).status_code == 404
+    # The paused VM's files are gone; only the snapshot remains.
+    runtime_ids = {s.id for s in agent.snap_runtime.list()}
+    pooled = {s.id for s in agent.warm.pooled()}
+    assert set(_listing(agent)["sandboxes"]) <= runtime_ids | pooled
+    assert snap["id"] in _listing(agent)["snapshots"]
+
+    resumed = await _ok(await api.post(f"/snapshots/{snap['id']}/restore", json={"id": new_id("sbx")}), 201)
+    rid = resumed["id"]
+    try:
+        assert resumed["source"] == "restore"
+        assert await _sh(api, rid, "cat /root/note.txt") == "before the pause\n"
+        at = int(await _sh(api, rid, "cat /tmp/counter"))
+        assert before <= at < before + 50
+        await asyncio.sleep(1.0)
+        assert int(await _sh(api, rid, "cat /tmp/counter")) > at
+
+        # Branch into 3 from a snapshot of the resumed sandbox: each sees its files, then they diverge.
+        await _sh(api, rid, "echo parent > /root/shared.txt && sync")
+        point = await _ok(await api.post(f"/sandboxes/{rid}/snapshots", json={"retain": False}), 201)
+        assert point["retain"] is False
+        ids = [new_id("sbx") for _ in range(3)]
+        resp = await api.post(f"/snapshots/{point['id']}/branch", json={"ids": ids})
+        branches = (await _ok(resp, 201))["items"]
+        assert [b["id"] for b in branches] == ids
+        try:
+            seen = set()
+            for i, bid in enumerate(ids):
+                assert await _sh(api, bid, "cat /root/shared.txt") == "parent\n"
+                await _sh(api, bid, f"echo branch{i} > /root/shared.txt")
+                seen.add(await _sh(api, bid, "python3 -c 'import os; print(os.urandom(16).hex())'"))
+            await _sh(api, rid, "echo parent-later > /root/later.txt")
+            for i, bid in enumerate(ids):
+                assert await _sh(api, bid, "cat /root/shared.txt") == f"branch{i}\n"
+                assert "later.txt" not in (await _sh(api, bid, "ls /root")).split()
+            assert len(seen) == 3
+            assert await _sh(api, rid, "cat /root/shared.txt") == "parent\n"
+        finally:
+            for bid in ids:
+                await _ok(await api.delete(f"/sandboxes/{bid}"), 204)
+
+        listed = {s["id"] for s in (await _ok(await api.get(f"/sandboxes/{rid}/snapshots")))["items"]}
+        assert listed == {point["id"]}
+        snap_dir = _pool_root(agent) / "snapshots" / point["id"]
+        assert (snap_dir / "memory.ram").exists() and (snap_dir / "disk.img").exists()
+        runtime_id = agent.get(rid).sandbox.id
+        sandbox_dir = _pool_root(agent) / "sandboxes" / runtime_id
+        assert (sandbox_dir / "disk.img").exists()
+    finally:
+        await _ok(await api.delete(f"/sandboxes/{rid}"), 204)
+    # Closing deletes the sandbox's disk and memory files and its non-retained snapshot.
+    assert not sandbox_dir.exists()
+    assert not snap_dir.exists()
+    assert not (agent.snap_runtime.vms_dir / runtime_id).exists()
+    # The pause snapshot is retained until it is deleted explicitly.
+    assert (_pool_root(agent) / "snapshots" / snap["id"]).is_dir()
+    await _ok(await api.delete(f"/snapshots/{snap['id']}"), 204)
+    assert not (_pool_root(agent) / "snapshots" / snap["id"]).exists()
+    assert (await api.get(f"/snapshots/{snap['id']}")).status_code == 404
+
+
+async def test_bad_requests_change_nothing(api: httpx.AsyncClient, agent: SnapshotNodeAgent) -> None:
+    await _wait_pool_full(api)
+    sb = await _create(api)
+    try:
+        point = await _ok(await api.post(f"/sandboxes/{sb['id']}/snapshots", json={}), 201)
+        await _wait_pool_full(api)
+        before_files = _listing(agent)
+        before_sandboxes = (await _ok(await api.get("/sandboxes")))["items"]
+        before_pool = await _ok(await api.get("/pool"))
+        cases: list[tuple[str, str, dict[str, Any], int, str]] = [
+            ("POST", "/sandboxes", {"id": new_id("sbx"), "template": "no-such-template"}, 404,
+             "template_not_found"),
+            ("POST", f"/snapshots/{point['id']}/branch", {"ids": []}, 422, "invalid_branch_count"),
+            ("POST", f"/snapshots/{point['id']}/branch", {"ids": [new_id("sbx") for _ in range(10_000)]}, 422,
+             "invalid_branch_count"),
+            ("POST", f"/snapshots/{new_id('snap')}/restore", {"id": new_id("sbx")}, 404,
+             "snapshot_not_found"),
+            ("POST", f"/snapshots/{new_id('snap')}/branch", {"ids": [new_id("sbx")]}, 404,
+             "snapshot_not_found"),
+            ("POST", f"/snapshots/{point['id']}/restore", {"id": sb["id"]}, 409, "already_exists"),
+            ("POST", f"/snapshots/{point['id']}/branch", {"ids": [sb["id"]]}, 409, "already_exists"),
+            ("DELETE", "/templates/base", {}, 409, "template_protected"),
+            ("POST", f"/sandboxes/{new_id('sbx')}/pause", {}, 404, "sandbox_not_found"),
+        ]
+        for method, path, body, status, code in cases:
+            resp = await api.request(method, path, json=body if method != "DELETE" else None)
+            assert resp.status_code == status, (path, resp.text)
+            assert resp.json()["code"] == code, (path, resp.text)
+        assert _listing(agent) == before_files
+        assert (await _ok(await api.get("/sandboxes")))["items"] == before_sandboxes
+        after_pool = await _ok(await api.get("/pool"))
+        assert [(t["template"], t["idle"], t["hits"], t["misses"]) for t in after_pool["templates"]] == \
+            [(t["template"], t["idle"], t["hits"], t["misses"]) for t in before_pool["templates"]]
+    finally:
+        await _ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
