@@ -101,6 +101,11 @@ class SandboxOut(BaseModel):
     failure: str | None
     accelerator: str
     created_at: float
+    source: str | None = None
+    """How it was made: pool | restore | boot (docs/node-snapshots.md); None from agents without snapshots."""
+    snapshot: str | None = None
+    """The snapshot it was restored from (a template's snapshot for pool and on-demand creations)."""
+    create_ms: float | None = None
 
 
 class SandboxList(BaseModel):
