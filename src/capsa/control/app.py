@@ -15,7 +15,10 @@ from capsa.control.nodeclient import NodeClientPool
 from capsa.control.plane import ControlPlane
 from capsa.control.problems import install_problem_handlers
 from capsa.control.reaper import run_reaper
-from capsa.control.routes import commands, files, health, keys, nodes, sessions
+from capsa.control.rolling import run_rolling
+from capsa.control.routes import commands, files, health, keys, nodes, sessions, snapshots
+from capsa.control.routes import egress as egress_routes
+from capsa.control.routes import secrets as secret_routes
 from capsa.control.settings import ControlSettings
 from capsa.control.store.db import create_engine, migrate, session_factory
 
@@ -38,6 +41,7 @@ def create_app(settings: ControlSettings | None = None,
         plane = ControlPlane(settings=settings, engine=engine, db=session_factory(engine),
                              nodes=NodeClientPool(settings.node_request_timeout))
         reaper: asyncio.Task[None] | None = None
+        rolling: asyncio.Task[None] | None = None
         try:
             await migrate(engine)
             async with plane.db() as db:
@@ -48,18 +52,23 @@ def create_app(settings: ControlSettings | None = None,
             app.state.plane = plane
             if settings.reaper_interval > 0:
                 reaper = asyncio.create_task(run_reaper(plane), name="capsa-reaper")
+            if settings.rolling_snapshot_interval > 0:
+                rolling = asyncio.create_task(run_rolling(plane), name="capsa-rolling-snapshots")
             yield
         finally:
-            if reaper is not None:
-                reaper.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reaper
+            for task in (reaper, rolling):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             await plane.nodes.aclose()
             await engine.dispose()
 
     app = FastAPI(title="capsa", version=version("capsa"), lifespan=lifespan,
                   description="Self-hostable microVM sandboxes for AI agents (docs/api-contract.md).")
     install_problem_handlers(app)
-    for module in (health, sessions, commands, files, keys, nodes):
+    for module in (health, sessions, snapshots, commands, files, keys, nodes):
         app.include_router(module.router, prefix="/v1")
+    for egress_module in (secret_routes, egress_routes):
+        app.include_router(egress_module.router, prefix="/v1")
     return app

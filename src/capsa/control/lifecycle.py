@@ -6,6 +6,7 @@ the reaper and a user) racing on one session cannot both win: exactly one caller
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import update
@@ -16,9 +17,12 @@ from capsa.control.store.models import SessionRow, utcnow
 __all__ = ["ACTIVE_STATES", "LEGAL_TRANSITIONS", "TERMINAL_STATES", "transition"]
 
 LEGAL_TRANSITIONS: dict[str, frozenset[str]] = {
-    "creating": frozenset({"running", "failed", "closed"}),
-    "running": frozenset({"paused", "closed", "failed"}),
-    "paused": frozenset({"running", "closed", "failed"}),
+    # creating -> paused: a resume (or restore) whose new sandbox could not be started falls back.
+    "creating": frozenset({"running", "paused", "failed", "closed"}),
+    # running -> creating: restore to an earlier snapshot swaps in a new sandbox.
+    "running": frozenset({"creating", "paused", "closed", "failed"}),
+    # paused -> creating: resume is starting a sandbox from the latest snapshot.
+    "paused": frozenset({"creating", "running", "closed", "failed"}),
     "closed": frozenset(),
     "failed": frozenset(),
 }
@@ -27,14 +31,23 @@ ACTIVE_STATES = frozenset({"creating", "running"})
 """States in which a session holds (or is about to hold) a sandbox on its node."""
 
 
-async def transition(db: DbSession, session_id: str, target: str, **fields: Any) -> bool:
-    """Move a session to ``target`` if its current state allows it; returns whether this call did it."""
-    sources = [state for state, targets in LEGAL_TRANSITIONS.items() if target in targets]
+async def transition(db: DbSession, session_id: str, target: str, *, sources: Iterable[str] | None = None,
+                     **fields: Any) -> bool:
+    """Move a session to ``target`` if its current state allows it; returns whether this call did it.
+
+    ``sources`` narrows the states this call may start from (each must be a legal source of ``target``).
+    """
+    legal = [state for state, targets in LEGAL_TRANSITIONS.items() if target in targets]
+    if sources is not None:
+        wanted = set(sources)
+        if not wanted <= set(legal):
+            raise ValueError(f"illegal transition {sorted(wanted - set(legal))} -> {target}")
+        legal = [state for state in legal if state in wanted]
     now = utcnow()
     values: dict[str, Any] = {"state": target, "updated_at": now, **fields}
     if target in TERMINAL_STATES:
         values.setdefault("closed_at", now)
     result = await db.execute(
-        update(SessionRow).where(SessionRow.id == session_id, SessionRow.state.in_(sources)).values(**values)
+        update(SessionRow).where(SessionRow.id == session_id, SessionRow.state.in_(legal)).values(**values)
     )
     return bool(result.rowcount)  # type: ignore[attr-defined]

@@ -88,9 +88,13 @@ class NodeClient:
 
     # -- sandboxes -------------------------------------------------------------------------------------
     async def create_sandbox(self, sandbox_id: str, template: str, memory_mib: int, vcpus: int,
-                             env: Mapping[str, str]) -> dict[str, Any]:
-        body = {"id": sandbox_id, "template": template, "memory_mib": memory_mib, "vcpus": vcpus,
-                "env": dict(env)}
+                             env: Mapping[str, str], *, session_id: str | None = None,
+                             policy: Mapping[str, Any] | None = None,
+                             secrets: Mapping[str, str] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": sandbox_id, "template": template, "memory_mib": memory_mib,
+                                "vcpus": vcpus, "env": dict(env)}
+        if policy is not None:
+            body.update(session_id=session_id, policy=dict(policy), secrets=dict(secrets or {}))
         result: dict[str, Any] = await self._json("POST", "/sandboxes", json=body, timeout=None)
         return result
 
@@ -99,6 +103,54 @@ class NodeClient:
 
     async def list_sandboxes(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = (await self._json("GET", "/sandboxes"))["items"]
+        return result
+
+    # -- egress ----------------------------------------------------------------------------------------
+    async def update_policy(self, sandbox_id: str, policy: Mapping[str, Any],
+                            secrets: Mapping[str, str]) -> dict[str, Any]:
+        result: dict[str, Any] = await self._json("PUT", f"/sandboxes/{sandbox_id}/policy",
+                                                  json={"policy": dict(policy), "secrets": dict(secrets)})
+        return result
+
+    async def audit(self, *, after: int, epoch: str | None, limit: int) -> dict[str, Any]:
+        params: dict[str, str | int] = {"after": after, "limit": limit}
+        if epoch is not None:
+            params["epoch"] = epoch
+        result: dict[str, Any] = await self._json("GET", "/audit", params=params)
+        return result
+
+    # -- snapshots (docs/node-snapshots.md) ------------------------------------------------------------
+    async def snapshot_sandbox(self, sandbox_id: str, *, retain: bool = True,
+                               labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+        body = {"retain": retain, "labels": dict(labels or {})}
+        result: dict[str, Any] = await self._json("POST", f"/sandboxes/{sandbox_id}/snapshots", json=body,
+                                                  timeout=None)
+        return result
+
+    async def pause_sandbox(self, sandbox_id: str, *,
+                            labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = await self._json("POST", f"/sandboxes/{sandbox_id}/pause",
+                                                  json={"labels": dict(labels or {})}, timeout=None)
+        return result
+
+    async def restore_snapshot(self, snapshot_id: str, sandbox_id: str,
+                               env: Mapping[str, str]) -> dict[str, Any]:
+        result: dict[str, Any] = await self._json("POST", f"/snapshots/{snapshot_id}/restore",
+                                                  json={"id": sandbox_id, "env": dict(env)}, timeout=None)
+        return result
+
+    async def branch_snapshot(self, snapshot_id: str, sandbox_ids: list[str],
+                              env: Mapping[str, str]) -> list[dict[str, Any]]:
+        answer = await self._json("POST", f"/snapshots/{snapshot_id}/branch",
+                                  json={"ids": sandbox_ids, "env": dict(env)}, timeout=None)
+        result: list[dict[str, Any]] = answer["items"]
+        return result
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._request("DELETE", f"/snapshots/{snapshot_id}")
+
+    async def get_snapshot(self, snapshot_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._json("GET", f"/snapshots/{snapshot_id}")
         return result
 
     # -- commands --------------------------------------------------------------------------------------

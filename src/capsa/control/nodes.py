@@ -11,7 +11,7 @@ from capsa.control.errors import NotFound, Unauthorized
 from capsa.control.lifecycle import ACTIVE_STATES
 from capsa.control.plane import ControlPlane
 from capsa.control.schemas import HeartbeatOut, NodeHeartbeat, NodeOut, NodeRegister
-from capsa.control.sessions import fail_session, finish_session
+from capsa.control.sessions import finish_session, lose_sandbox
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import NodeRow, SessionRow, utcnow
 
@@ -55,7 +55,7 @@ async def register_node(plane: ControlPlane, req: NodeRegister) -> NodeOut:
         if expired:  # it would have been closed anyway: record what the reaper would have
             await finish_session(plane, session_id, "closed", "timeout")
         else:
-            await fail_session(plane, session_id, "node restarted; its sandbox is gone")
+            await lose_sandbox(plane, session_id, "node restarted; its sandbox is gone")
     async with plane.db() as db:
         fresh = await db.get(NodeRow, req.id, populate_existing=True)
         assert fresh is not None
@@ -83,7 +83,7 @@ async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> He
         if req.failed_sandboxes:
             rows = await db.execute(select(SessionRow.id, SessionRow.sandbox_id).where(
                 SessionRow.node_id == node_id, SessionRow.sandbox_id.in_(req.failed_sandboxes),
-                SessionRow.state.in_(("running", "paused"))))
+                SessionRow.state == "running"))
             failed = [sid for sid, _ in rows.all()]
         orphans: list[str] = []
         if req.sandboxes:
@@ -95,7 +95,7 @@ async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> He
         out = HeartbeatOut(**node_out(row, plane.settings.node_heartbeat_timeout).model_dump(),
                            destroy_sandboxes=orphans)
     for session_id in failed:
-        await fail_session(plane, session_id, "the sandbox's VM died")
+        await lose_sandbox(plane, session_id, "the sandbox's VM died")
     return out
 
 
@@ -111,8 +111,9 @@ async def fail_silent_nodes(plane: ControlPlane) -> list[str]:
     async with plane.db() as db:
         rows = await db.execute(
             select(SessionRow.id).join(NodeRow, NodeRow.id == SessionRow.node_id)
-            .where(NodeRow.last_heartbeat_at < cutoff, SessionRow.state.in_(("running", "paused")))
+            .where(NodeRow.last_heartbeat_at < cutoff, SessionRow.state == "running")
         )
         ids = list(rows.scalars())
-    failed = [sid for sid in ids if await fail_session(plane, sid, "node stopped sending heartbeats")]
-    return failed
+    # A session with a snapshot is paused instead: it resumes once a node can read that snapshot again.
+    reason = "node stopped sending heartbeats"
+    return [sid for sid in ids if await lose_sandbox(plane, sid, reason) == "failed"]

@@ -11,7 +11,7 @@ from capsa.control.lifecycle import ACTIVE_STATES
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import NodeRow, SessionRow, utcnow
 
-__all__ = ["choose_node", "healthy_nodes"]
+__all__ = ["choose_node", "choose_snapshot_node", "healthy_nodes"]
 
 
 async def healthy_nodes(db: DbSession, heartbeat_timeout: float) -> list[NodeRow]:
@@ -28,18 +28,36 @@ async def choose_node(db: DbSession, template: str, memory_mib: int, vcpus: int,
     candidates = [node for node in nodes if template in (node.templates or [])]
     if not candidates:
         raise TemplateNotFound(f"template {template!r} is not available on any node")
+    return await _roomiest(db, candidates, memory_mib, vcpus)
+
+
+async def choose_snapshot_node(db: DbSession, snapshot_node: str, memory_mib: int, vcpus: int,
+                               heartbeat_timeout: float, count: int = 1) -> NodeRow:
+    """A node that can read a snapshot and has room for ``count`` sandboxes of its size.
+
+    Snapshots live in their node's storage pool, so today that is the node that took it; nodes sharing a
+    pool would be listed here too.
+    """
+    nodes = [n for n in await healthy_nodes(db, heartbeat_timeout) if n.id == snapshot_node]
+    if not nodes:
+        raise NoCapacity(f"node {snapshot_node}, which holds the snapshot, is not available")
+    return await _roomiest(db, nodes, memory_mib * count, vcpus * count, count)
+
+
+async def _roomiest(db: DbSession, candidates: list[NodeRow], memory_mib: int, vcpus: int,
+                    count: int = 1) -> NodeRow:
     usage = await db.execute(
         select(SessionRow.node_id, func.count(), func.coalesce(func.sum(SessionRow.memory_mib), 0),
                func.coalesce(func.sum(SessionRow.vcpus), 0))
         .where(SessionRow.state.in_(ACTIVE_STATES), SessionRow.node_id.in_([n.id for n in candidates]))
         .group_by(SessionRow.node_id)
     )
-    used = {node_id: (int(count), int(mem), int(cpu)) for node_id, count, mem, cpu in usage.all()}
+    used = {node_id: (int(n), int(mem), int(cpu)) for node_id, n, mem, cpu in usage.all()}
     best: tuple[int, NodeRow] | None = None
     for node in candidates:
-        count, mem, cpu = used.get(node.id, (0, 0, 0))
+        used_count, mem, cpu = used.get(node.id, (0, 0, 0))
         free_mem = node.memory_mib - mem
-        if count >= node.max_sandboxes or free_mem < memory_mib or node.vcpus - cpu < vcpus:
+        if used_count + count > node.max_sandboxes or free_mem < memory_mib or node.vcpus - cpu < vcpus:
             continue
         if best is None or free_mem > best[0]:
             best = (free_mem, node)

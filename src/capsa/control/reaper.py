@@ -16,14 +16,16 @@ from sqlalchemy import select
 from capsa.control import ratelimit
 from capsa.control.nodes import fail_silent_nodes
 from capsa.control.plane import ControlPlane
-from capsa.control.sessions import fail_session, finish_session, sessions_to_expire
+from capsa.control.sessions import fail_session, finish_session, purge_snapshots, sessions_to_expire
+from capsa.control.snapshots import reap_to_pause
 from capsa.control.store.models import SessionRow, utcnow
 
 __all__ = ["reap_once", "run_reaper"]
 
 log = logging.getLogger(__name__)
 
-# A session still "creating" after this long lost its creator (e.g. a replica crashed mid-boot).
+# A session still "creating" this long after it entered that state (a first boot, or a resume) lost its
+# creator (e.g. a replica crashed mid-boot).
 _STUCK_CREATING = timedelta(minutes=15)
 
 
@@ -32,13 +34,20 @@ async def reap_once(plane: ControlPlane) -> dict[str, list[str]]:
     async with plane.db() as db:
         due = await sessions_to_expire(db)
         stuck = list((await db.execute(select(SessionRow.id).where(
-            SessionRow.state == "creating", SessionRow.created_at < utcnow() - _STUCK_CREATING))).scalars())
-    closed = [sid for sid, reason in due if await finish_session(plane, sid, "closed", reason)]
+            SessionRow.state == "creating", SessionRow.updated_at < utcnow() - _STUCK_CREATING))).scalars())
+        pausing = set((await db.execute(select(SessionRow.id).where(
+            SessionRow.id.in_([sid for sid, _ in due]), SessionRow.state == "running",
+            SessionRow.on_timeout == "pause"))).scalars()) if due else set()
+    # on_timeout=pause: keep a snapshot instead of closing (a sandbox already gone is paused or failed).
+    paused = [sid for sid, reason in due if sid in pausing and await reap_to_pause(plane, sid, reason)]
+    closed = [sid for sid, reason in due
+              if sid not in pausing and await finish_session(plane, sid, "closed", reason)]
     failed = await fail_silent_nodes(plane)
     failed += [sid for sid in stuck if await fail_session(plane, sid, "sandbox creation never finished")]
     async with plane.db() as db:
         await ratelimit.prune(db, time.time() - 2 * plane.settings.rate_window_seconds)
-    return {"closed": closed, "failed": failed}
+    await purge_snapshots(plane)
+    return {"closed": closed, "failed": failed, "paused": paused}
 
 
 async def run_reaper(plane: ControlPlane) -> None:
@@ -46,8 +55,9 @@ async def run_reaper(plane: ControlPlane) -> None:
     while True:
         try:
             done = await reap_once(plane)
-            if done["closed"] or done["failed"]:
-                log.info("reaper closed %s failed %s", done["closed"], done["failed"])
+            if done["closed"] or done["failed"] or done["paused"]:
+                log.info("reaper closed %s failed %s paused %s", done["closed"], done["failed"],
+                         done["paused"])
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -7,11 +7,15 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from capsa.control.egress_schemas import PolicyDocument
+
 __all__ = [
     "ApiKeyCreate",
     "ApiKeyCreated",
     "ApiKeyList",
     "ApiKeyOut",
+    "BranchOut",
+    "BranchRequest",
     "Capacity",
     "CommandRequest",
     "CommandResult",
@@ -29,10 +33,15 @@ __all__ = [
     "ProcessList",
     "ProcessOutput",
     "Ready",
+    "RestoreRequest",
+    "RollingSnapshots",
     "SessionCreate",
     "SessionList",
     "SessionOut",
     "SessionState",
+    "SnapshotCreate",
+    "SnapshotList",
+    "SnapshotOut",
     "TimeoutUpdate",
 ]
 
@@ -75,6 +84,17 @@ class Ready(BaseModel):
     status: Literal["ready"]
 
 
+class RollingSnapshots(_Strict):
+    """Snapshots the control plane takes by itself, so the session survives the loss of its sandbox."""
+
+    interval_s: Annotated[int, Field(ge=10, le=86400)] | None = None
+    """Snapshot every this many seconds while the session is active (only if something happened since)."""
+    after_command: bool = False
+    """Snapshot after each command that ran to completion."""
+    keep: Annotated[int, Field(ge=1, le=32)] = 3
+    """How many rolling snapshots are kept (older ones are deleted)."""
+
+
 class SessionCreate(_Strict):
     template: Annotated[str, Field(min_length=1, max_length=128,
                                    pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")] = "base"
@@ -84,6 +104,13 @@ class SessionCreate(_Strict):
     metadata: _StrMap = Field(default_factory=dict)
     memory_mib: Annotated[int, Field(ge=64, le=65536)] = 256
     vcpus: Annotated[int, Field(ge=1, le=64)] = 1
+    policy: PolicyDocument | None = None
+    """Egress policy (domains, rules, secret bindings by secret name or id); none: no network at all."""
+    on_timeout: Literal["pause", "close"] = "close"
+    """What the reaper does when the TTL or idle timeout passes: pause (keep a snapshot) or close."""
+    rolling_snapshots: RollingSnapshots | None = None
+    keep_snapshots: bool = False
+    """Keep the session's snapshots when it closes (they are deleted otherwise)."""
 
 
 class SessionOut(BaseModel):
@@ -102,6 +129,11 @@ class SessionOut(BaseModel):
     node_id: str | None
     failure_reason: str | None
     closed_at: datetime | None
+    on_timeout: Literal["pause", "close"] = "close"
+    rolling_snapshots: RollingSnapshots | None = None
+    keep_snapshots: bool = False
+    pause_reason: str | None = None
+    """Why a paused session was paused (``paused``, ``timeout``, ``idle_timeout``, or a lost sandbox)."""
 
 
 class SessionList(BaseModel):
@@ -111,6 +143,38 @@ class SessionList(BaseModel):
 
 class TimeoutUpdate(_Strict):
     timeout: Annotated[int, Field(ge=1, le=86400)]
+
+
+class BranchRequest(_Strict):
+    n: Annotated[int, Field(ge=1, le=32)] = 1
+
+
+class BranchOut(BaseModel):
+    snapshot_id: str
+    """The snapshot every branch started from."""
+    items: list[SessionOut]
+
+
+class SnapshotCreate(_Strict):
+    pass
+
+
+class RestoreRequest(_Strict):
+    snapshot_id: Annotated[str, Field(pattern=r"^snap_[0-9a-z]{20}$")]
+
+
+class SnapshotOut(BaseModel):
+    id: str
+    session_id: str
+    kind: Literal["manual", "rolling", "pause", "branch"]
+    created_at: datetime
+    size_bytes: int | None
+    parent: str | None
+    node_id: str
+
+
+class SnapshotList(BaseModel):
+    items: list[SnapshotOut]
 
 
 class CommandRequest(_Strict):

@@ -7,19 +7,21 @@ import json
 import logging
 from collections.abc import Mapping
 from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, delete, or_, select, update
 
 from capsa.common.ids import is_id, new_id
+from capsa.control import egress
 from capsa.control.auth import Principal
 from capsa.control.errors import ApiError, InvalidState, NotFound, SessionFailed, ValidationFailed
 from capsa.control.lifecycle import transition
 from capsa.control.nodeclient import NodeClient, NodeError
 from capsa.control.placement import choose_node
 from capsa.control.plane import ControlPlane
-from capsa.control.schemas import SessionCreate, SessionList, SessionOut
+from capsa.control.schemas import RollingSnapshots, SessionCreate, SessionList, SessionOut
 from capsa.control.store.db import DbSession
-from capsa.control.store.models import NodeRow, SessionMetadataRow, SessionRow, utcnow
+from capsa.control.store.models import NodeRow, SessionMetadataRow, SessionRow, SnapshotRow, utcnow
 
 __all__ = [
     "SANDBOX_GONE_CODES",
@@ -30,7 +32,10 @@ __all__ = [
     "finish_session",
     "get_session",
     "list_sessions",
+    "lose_sandbox",
     "node_call_failed",
+    "node_of",
+    "purge_snapshots",
     "running_session",
     "sessions_to_expire",
     "to_out",
@@ -42,6 +47,13 @@ SANDBOX_GONE_CODES = frozenset({"sandbox_failed", "sandbox_not_found"})
 """Node error codes meaning the session's VM is gone: the session becomes ``failed``."""
 
 
+def _policy(row: SessionRow) -> RollingSnapshots | None:
+    if row.snapshot_keep is None:
+        return None
+    return RollingSnapshots(interval_s=row.snapshot_interval_s, after_command=row.snapshot_after_command,
+                            keep=row.snapshot_keep)
+
+
 def to_out(row: SessionRow, metadata: Mapping[str, str]) -> SessionOut:
     return SessionOut(
         id=row.id, tenant=row.tenant, state=row.state,  # type: ignore[arg-type]
@@ -49,6 +61,8 @@ def to_out(row: SessionRow, metadata: Mapping[str, str]) -> SessionOut:
         expires_at=row.expires_at, idle_timeout=row.idle_timeout, last_activity_at=row.last_activity_at,
         metadata=dict(metadata), memory_mib=row.memory_mib, vcpus=row.vcpus, node_id=row.node_id,
         failure_reason=row.failure_reason, closed_at=row.closed_at,
+        on_timeout="pause" if row.on_timeout == "pause" else "close", rolling_snapshots=_policy(row),
+        keep_snapshots=bool(row.keep_snapshots), pause_reason=row.pause_reason,
     )
 
 
@@ -118,6 +132,10 @@ async def list_sessions(plane: ControlPlane, tenant: str, state: str | None, met
 async def create_session(plane: ControlPlane, principal: Principal, req: SessionCreate) -> SessionOut:
     now = utcnow()
     session_id, sandbox_id = new_id("ses"), new_id("sbx")
+    policy: dict[str, Any] | None = None
+    secret_values: dict[str, str] = {}
+    if req.policy is not None:
+        policy, secret_values = await egress.resolve_policy(plane, principal.tenant, req.policy)
     async with plane.db() as db:
         node = await choose_node(db, req.template, req.memory_mib, req.vcpus,
                                  plane.settings.node_heartbeat_timeout)
@@ -125,15 +143,23 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
             id=session_id, tenant=principal.tenant, state="creating", template=req.template, created_at=now,
             updated_at=now, expires_at=now + timedelta(seconds=req.timeout), idle_timeout=req.idle_timeout,
             last_activity_at=now, memory_mib=req.memory_mib, vcpus=req.vcpus, node_id=node.id,
-            sandbox_id=sandbox_id,
+            sandbox_id=sandbox_id, timeout_s=req.timeout, on_timeout=req.on_timeout,
+            keep_snapshots=req.keep_snapshots, env=dict(req.env) or None,
         )
+        if req.rolling_snapshots is not None:
+            row.snapshot_keep = req.rolling_snapshots.keep
+            row.snapshot_interval_s = req.rolling_snapshots.interval_s
+            row.snapshot_after_command = req.rolling_snapshots.after_command
         db.add(row)
         await db.flush()  # the metadata rows reference the session row
         db.add_all(SessionMetadataRow(session_id=session_id, key=k, value=v) for k, v in req.metadata.items())
+        if policy is not None:
+            egress.store_policy(db, session_id, policy)
         await db.commit()
     client = plane.node_client(node)
     try:
-        await client.create_sandbox(sandbox_id, req.template, req.memory_mib, req.vcpus, req.env)
+        await client.create_sandbox(sandbox_id, req.template, req.memory_mib, req.vcpus, req.env,
+                                    session_id=session_id, policy=policy, secrets=secret_values)
     except BaseException as exc:
         # Nothing may stay half-created: the node cleans up a failed boot itself, and we ask it again in
         # case the failure was on the way back (or this request was cancelled while it booted).
@@ -161,7 +187,7 @@ async def _destroy_quietly(client: NodeClient, sandbox_id: str) -> None:
         log.warning("could not destroy sandbox %s: %s", sandbox_id, exc)
 
 
-async def _node_of(db: DbSession, row: SessionRow) -> NodeRow | None:
+async def node_of(db: DbSession, row: SessionRow) -> NodeRow | None:
     return await db.get(NodeRow, row.node_id) if row.node_id else None
 
 
@@ -173,10 +199,63 @@ async def finish_session(plane: ControlPlane, session_id: str, target: str, reas
         if not done:
             return False
         row = await db.get(SessionRow, session_id, populate_existing=True)
-        node = await _node_of(db, row) if row else None
+        node = await node_of(db, row) if row else None
     if row is not None and node is not None and row.sandbox_id:
         await _destroy_quietly(plane.node_client(node), row.sandbox_id)
+        await egress.collect_audit_quietly(plane, node)  # the sandbox's last events, incl. its teardown
+    await purge_snapshots(plane, session_id)
     return True
+
+
+async def purge_snapshots(plane: ControlPlane, session_id: str | None = None) -> list[str]:
+    """Delete the snapshots of ended sessions (all, or one session's) unless the session keeps them.
+
+    A snapshot whose node cannot be reached keeps its record, so a later pass (the reaper) retries.
+    """
+    query = (select(SnapshotRow, NodeRow).join(SessionRow, SessionRow.id == SnapshotRow.session_id)
+             .join(NodeRow, NodeRow.id == SnapshotRow.node_id, isouter=True)
+             .where(SessionRow.state.in_(("closed", "failed")), SessionRow.keep_snapshots.is_(False)))
+    if session_id is not None:
+        query = query.where(SnapshotRow.session_id == session_id)
+    async with plane.db() as db:
+        found = list((await db.execute(query)).all())
+    deleted: list[str] = []
+    for snap, node in found:
+        if node is not None:
+            try:
+                await plane.node_client(node).delete_snapshot(snap.id)
+            except NodeError as exc:
+                if exc.code != "snapshot_not_found":
+                    log.warning("could not delete snapshot %s: %s", snap.id, exc)
+                    continue
+        async with plane.db() as db:
+            await db.execute(delete(SnapshotRow).where(SnapshotRow.id == snap.id))
+            await db.commit()
+        deleted.append(snap.id)
+    return deleted
+
+
+async def lose_sandbox(plane: ControlPlane, session_id: str, reason: str) -> str:
+    """The session's sandbox is gone (VM died, node lost). With a snapshot to come back to, the session is
+    paused and can be resumed from it; without one it fails. Returns the session's resulting state."""
+    async with plane.db() as db:
+        row = await db.get(SessionRow, session_id, populate_existing=True)
+        if row is None or row.state != "running":
+            return row.state if row is not None else "failed"
+        latest = (await db.execute(select(SnapshotRow.id).where(SnapshotRow.session_id == session_id)
+                                   .order_by(SnapshotRow.created_at.desc()).limit(1))).scalar_one_or_none()
+        sandbox_id, node = row.sandbox_id, await node_of(db, row)
+        paused = latest is not None and await transition(
+            db, session_id, "paused", sources=("running",), sandbox_id=None,
+            pause_reason=f"sandbox lost ({reason}); resume continues from snapshot {latest}")
+        await db.commit()
+    if not paused:
+        await fail_session(plane, session_id, reason)
+        return "failed"
+    if node is not None and sandbox_id:
+        await _destroy_quietly(plane.node_client(node), sandbox_id)
+    log.warning("session %s lost its sandbox (%s); paused at snapshot %s", session_id, reason, latest)
+    return "paused"
 
 
 async def fail_session(plane: ControlPlane, session_id: str, reason: str) -> bool:
@@ -212,7 +291,7 @@ async def running_session(plane: ControlPlane, tenant: str, session_id: str) -> 
             raise SessionFailed(f"session {session_id} failed: {row.failure_reason}")
         if row.state != "running":
             raise InvalidState(f"session {session_id} is {row.state}, not running")
-        node = await _node_of(db, row)
+        node = await node_of(db, row)
         if node is None or not row.sandbox_id:
             raise SessionFailed(f"session {session_id} has no sandbox")
         await db.execute(update(SessionRow).where(SessionRow.id == session_id)
@@ -224,7 +303,9 @@ async def running_session(plane: ControlPlane, tenant: str, session_id: str) -> 
 async def node_call_failed(plane: ControlPlane, row: SessionRow, exc: NodeError) -> ApiError:
     """Turn a node error into the API error to show; a vanished sandbox fails the session."""
     if exc.code in SANDBOX_GONE_CODES:
-        await fail_session(plane, row.id, exc.message or exc.code)
+        if await lose_sandbox(plane, row.id, exc.message or exc.code) == "paused":
+            return InvalidState(f"session {row.id} lost its sandbox and was paused at its latest snapshot; "
+                                f"resume it to continue ({exc.message})")
         return SessionFailed(f"session {row.id} failed: {exc.message}")
     if exc.code == "node_unreachable":
         return ApiError(exc.message, code="node_unreachable", status=503)
@@ -236,7 +317,9 @@ async def sessions_to_expire(db: DbSession) -> list[tuple[str, str]]:
     now = utcnow()
     rows = await db.execute(
         select(SessionRow.id, SessionRow.expires_at, SessionRow.idle_timeout, SessionRow.last_activity_at)
-        .where(SessionRow.state.in_(("running", "paused")),
+        .where(or_(SessionRow.state == "running",
+                   # a session paused because of on_timeout=pause waits for its owner, not for the reaper
+                   and_(SessionRow.state == "paused", SessionRow.on_timeout != "pause")),
                or_(SessionRow.expires_at <= now, SessionRow.idle_timeout.is_not(None)))
     )
     due: list[tuple[str, str]] = []

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["ControlSettings"]
@@ -30,3 +33,15 @@ class ControlSettings(BaseSettings):
     max_file_bytes: int = 1 << 30
     """Largest file upload accepted through the API."""
     default_command_timeout: float = 60.0
+
+    secret_key: SecretStr | None = None
+    """Base64 of 32 random bytes: the key secrets are encrypted with at rest (``CAPSA_SECRET_KEY``)."""
+    secret_key_file: Path | None = None
+    """A file holding that key (``capsa serve`` creates one, mode 0600, in its state directory)."""
+    rolling_snapshot_interval: float = 2.0
+    """Seconds between passes that take due rolling snapshots; 0 disables them in this replica."""
+
+    secret_key: SecretStr | None = None
+    """Base64 of 32 random bytes: the key secrets are encrypted with at rest (``CAPSA_SECRET_KEY``)."""
+    secret_key_file: Path | None = None
+    """A file holding that key (``capsa serve`` creates one, mode 0600, in its state directory)."""

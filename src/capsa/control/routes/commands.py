@@ -17,6 +17,7 @@ from capsa.control import ratelimit
 from capsa.control.deps import PROBLEMS, Caller, Plane
 from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
+from capsa.control.rolling import command_finished
 from capsa.control.schemas import (
     CommandRequest,
     CommandResult,
@@ -25,7 +26,7 @@ from capsa.control.schemas import (
     ProcessList,
     ProcessOutput,
 )
-from capsa.control.sessions import SANDBOX_GONE_CODES, fail_session, node_call_failed, running_session
+from capsa.control.sessions import SANDBOX_GONE_CODES, lose_sandbox, node_call_failed, running_session
 from capsa.control.store.models import SessionRow
 
 __all__ = ["router"]
@@ -47,6 +48,7 @@ def _error_line(code: str, detail: str) -> str:
 
 async def _stream(plane: ControlPlane, row: SessionRow, lines: AsyncIterator[str],
                   stack: AsyncExitStack) -> AsyncIterator[str]:
+    failed = False
     try:
         async for line in lines:
             if not line:
@@ -58,9 +60,13 @@ async def _stream(plane: ControlPlane, row: SessionRow, lines: AsyncIterator[str
                 except ValueError:
                     event = {}
                 if event.get("type") == "error" and event.get("code") in SANDBOX_GONE_CODES:
-                    await fail_session(plane, row.id, str(event.get("detail") or event["code"]))
-                    line = _error_line("session_failed", f"session {row.id} failed: {event.get('detail')}")
+                    state = await lose_sandbox(plane, row.id, str(event.get("detail") or event["code"]))
+                    line = _error_line("session_failed" if state == "failed" else "invalid_state",
+                                       f"session {row.id} lost its sandbox ({state}): {event.get('detail')}")
+                    failed = True
             yield line if line.endswith("\n") else line + "\n"
+        if not failed:
+            await command_finished(plane, row.id)
     except (NodeError, httpx.HTTPError) as exc:
         yield _error_line("node_unreachable", f"lost the node while streaming: {type(exc).__name__}")
     finally:
@@ -104,6 +110,7 @@ async def run_command(session_id: str, body: CommandRequest, plane: Plane, calle
         result = await client.exec(row.sandbox_id, node_body)
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
+    await command_finished(plane, row.id)
     return CommandResult.model_validate(result)
 
 

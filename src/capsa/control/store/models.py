@@ -5,13 +5,13 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 __all__ = ["ApiKeyRow", "Base", "NodeRow", "RateCounterRow", "SessionMetadataRow", "SessionRow",
-           "UTCDateTime", "utcnow"]
+           "SnapshotRow", "UTCDateTime", "utcnow"]
 
 
 def utcnow() -> datetime:
@@ -92,6 +92,22 @@ class SessionRow(Base):
     sandbox_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     failure_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     closed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # Snapshots (migration 0002). ``timeout_s`` is the lifetime asked for, re-applied on resume.
+    timeout_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    on_timeout: Mapped[str] = mapped_column(String(8), default="close", server_default="close")
+    keep_snapshots: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+    snapshot_interval_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    snapshot_after_command: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+    snapshot_keep: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """Rolling snapshots kept; None: the session has no rolling snapshot policy."""
+    snapshot_wanted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    """Set when a command finished and the policy wants a snapshot after each command."""
+    last_snapshot_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    snapshot_claim_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    """A replica taking a rolling snapshot holds this lease so no other replica takes one at once."""
+    pause_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    env: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+    """The session's environment, given again to every sandbox that resumes it."""
 
 
 class SessionMetadataRow(Base):
@@ -115,3 +131,21 @@ class RateCounterRow(Base):
     bucket: Mapped[str] = mapped_column(String(32), primary_key=True)
     window_start: Mapped[int] = mapped_column(Integer, primary_key=True)
     count: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class SnapshotRow(Base):
+    """A snapshot the control plane asked a node for; the files live on ``node_id``."""
+
+    __tablename__ = "snapshots"
+    __table_args__ = (Index("ix_snapshots_session_created", "session_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    session_id: Mapped[str] = mapped_column(String(32), ForeignKey("sessions.id", ondelete="CASCADE"))
+    node_id: Mapped[str] = mapped_column(String(64))
+    sandbox_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    """manual | rolling | pause | branch"""
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    parent: Mapped[str | None] = mapped_column(String(32), nullable=True)

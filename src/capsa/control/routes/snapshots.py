@@ -1,0 +1,57 @@
+"""``/v1/sessions/{id}``: pause, resume, branch, snapshots (list, take), restore to a snapshot."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from capsa.control import snapshots
+from capsa.control.deps import PROBLEMS, Caller, Plane
+from capsa.control.schemas import (
+    BranchOut,
+    BranchRequest,
+    RestoreRequest,
+    SessionOut,
+    SnapshotCreate,
+    SnapshotList,
+    SnapshotOut,
+)
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/sessions/{session_id}", tags=["snapshots"], responses=PROBLEMS)
+
+
+@router.post("/pause", response_model=SessionOut)
+async def pause_session(session_id: str, plane: Plane, caller: Caller) -> SessionOut:
+    """Snapshot the session and destroy its sandbox (state ``paused``)."""
+    return await snapshots.pause_session(plane, caller.tenant, session_id)
+
+
+@router.post("/resume", response_model=SessionOut)
+async def resume_session(session_id: str, plane: Plane, caller: Caller) -> SessionOut:
+    """Start a new sandbox from the paused session's latest snapshot (state ``running``)."""
+    return await snapshots.resume_session(plane, caller.tenant, session_id)
+
+
+@router.post("/branch", status_code=201, response_model=BranchOut)
+async def branch_session(session_id: str, body: BranchRequest, plane: Plane, caller: Caller) -> BranchOut:
+    """``n`` new sessions from this session's current state (a running session is snapshotted first)."""
+    return await snapshots.branch_session(plane, caller.tenant, session_id, body.n)
+
+
+@router.get("/snapshots", response_model=SnapshotList)
+async def list_snapshots(session_id: str, plane: Plane, caller: Caller) -> SnapshotList:
+    return await snapshots.list_snapshots(plane, caller.tenant, session_id)
+
+
+@router.post("/snapshots", status_code=201, response_model=SnapshotOut)
+async def take_snapshot(session_id: str, plane: Plane, caller: Caller,
+                        body: SnapshotCreate | None = None) -> SnapshotOut:
+    """Snapshot the running session now; it keeps running."""
+    return await snapshots.take_snapshot(plane, caller.tenant, session_id)
+
+
+@router.post("/restore", response_model=SessionOut)
+async def restore_session(session_id: str, body: RestoreRequest, plane: Plane, caller: Caller) -> SessionOut:
+    """Roll the session back to one of its snapshots (a new sandbox replaces the current one)."""
+    return await snapshots.restore_session(plane, caller.tenant, session_id, body.snapshot_id)
