@@ -7,6 +7,7 @@ Everything goes through the node HTTP API (docs/node-snapshots.md) as the contro
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import tempfile
@@ -18,15 +19,18 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+from click.testing import CliRunner
 
+from capsa.cli.main import cli
 from capsa.common.ids import new_id
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.api import create_node_app
 from capsa.node.api_snapshots import add_snapshot_routes
-from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
+from capsa.node.runtime.snapshot_runtime import SnapshotRuntime, SnapshotSandbox
 from capsa.node.snapshot_agent import SnapshotNodeAgent, SnapshotRecord
 from capsa.node.storage import StoragePool, StorageSettings
+from capsa.node.template_build import build_template, load_spec
 
 pytestmark = [
     pytest.mark.vm,
@@ -269,3 +273,56 @@ async def test_bad_requests_change_nothing(api: httpx.AsyncClient, agent: Snapsh
             [(t["template"], t["idle"], t["hits"], t["misses"]) for t in before_pool["templates"]]
     finally:
         await _ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
+
+
+SPEC = """\
+name: h1-tools
+apt: [jq]
+pip: [six==1.16.0]
+files:
+  - path: /opt/demo/hello.txt
+    content: "hello from the spec\\n"
+  - path: /opt/demo/data.bin
+    source: data.bin
+    mode: "0600"
+commands:
+  - echo "built with $GREETING" > /opt/demo/built.txt
+env:
+  GREETING: howdy
+"""
+
+
+async def test_template_build_create_and_remove(api: httpx.AsyncClient, agent: SnapshotNodeAgent,
+                                                tmp_path: Path, state_dir: Path) -> None:
+    (tmp_path / "spec.yaml").write_text(SPEC)
+    (tmp_path / "data.bin").write_bytes(b"\x00\x01binary")
+    spec, sources = load_spec(tmp_path / "spec.yaml")
+    steps: list[str] = []
+    built = await build_template(agent.template_store, spec, sources, progress=steps.append)
+    assert built.digest.startswith("sha256:") and any(s.startswith("apt:") for s in steps)
+    # No build VM is left behind.
+    assert not any(isinstance(s, SnapshotSandbox) and s.files.spec.labels.get("template-build")
+                   for s in agent.snap_runtime.list())
+
+    listed = (await _ok(await api.get("/templates/h1-tools")))["items"]
+    assert listed[0]["digest"] == built.digest and listed[0]["spec"]["env"] == {"GREETING": "howdy"}
+    runner = CliRunner()
+    out = runner.invoke(cli, ["template", "ls", "--json", "--state-dir", str(state_dir)])
+    assert out.exit_code == 0, out.output
+    assert {"base", "h1-tools"} <= {t["name"] for t in json.loads(out.output)}
+
+    sb = await _create(api, "h1-tools")
+    try:
+        assert (await _sh(api, sb["id"], "jq -n '1+2'")).strip() == "3"
+        six = await _sh(api, sb["id"], "python3 -c 'import six; print(six.__version__)'")
+        assert six.strip() == "1.16.0"
+        assert await _sh(api, sb["id"], "cat /opt/demo/hello.txt") == "hello from the spec\n"
+        assert await _sh(api, sb["id"], "stat -c %a /opt/demo/data.bin") == "600\n"
+        assert await _sh(api, sb["id"], "cat /opt/demo/built.txt") == "built with howdy\n"
+        assert await _sh(api, sb["id"], "echo $GREETING") == "howdy\n"  # the template's env
+    finally:
+        await _ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
+    await _ok(await api.delete("/templates/h1-tools"), 204)
+    assert not any(n.startswith("tpl-h1-tools-") for n in _listing(agent)["templates"])
+    resp = await api.post("/sandboxes", json={"id": new_id("sbx"), "template": "h1-tools"})
+    assert resp.status_code == 404 and resp.json()["code"] == "template_not_found"

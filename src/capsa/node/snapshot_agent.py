@@ -29,6 +29,7 @@ from capsa.node.runtime.base import GuestImage, Sandbox, VMSpec
 from capsa.node.runtime.snapshot import RamMode, check_branch_count
 from capsa.node.runtime.snapshot_manifest import SnapshotError
 from capsa.node.runtime.snapshot_runtime import Snapshot, SnapshotRuntime, SnapshotSandbox
+from capsa.node.template_build import remove_stale_work
 from capsa.node.templates import BASE, Template, TemplateStore, check_template_name
 
 __all__ = ["SnapshotNodeAgent", "SnapshotRecord", "snapshot_info"]
@@ -103,6 +104,7 @@ class SnapshotNodeAgent(NodeAgent):
     async def _warm_up(self) -> None:
         """Build ``base`` if missing and start filling the pools of the templates on disk."""
         try:
+            await asyncio.to_thread(remove_stale_work, self.template_store.root)
             base = await self.template_store.ensure_base(self.template_store.base_memory_mib,
                                                          self.template_store.base_vcpus)
             self.warm.watch(base.key)
@@ -223,8 +225,10 @@ class SnapshotNodeAgent(NodeAgent):
             await self._bind(sandbox, _hostname(sandbox_id))
         finally:
             del self._booting[sandbox_id]
-        return await self._adopt(sandbox_id, sandbox, template=template, env=env, source=source,
-                                 snapshot=tpl.snapshot.id, started=started)
+        # The template's own env (from its spec) under the request's.
+        template_env = (tpl.spec or {}).get("env") or {}
+        return await self._adopt(sandbox_id, sandbox, template=template, env={**template_env, **env},
+                                 source=source, snapshot=tpl.snapshot.id, started=started)
 
     # -- snapshots -----------------------------------------------------------------------------------------
 

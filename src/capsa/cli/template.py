@@ -1,0 +1,176 @@
+"""``capsa template``: build, list, show and remove templates on this node (node-local, like ``image``).
+
+Templates live in the node's storage pool (``CAPSA_STATE_DIR``); a running ``capsa serve`` on the same
+state directory sees a new template at its next creation request. Builds restore the base template into a
+build VM, so this needs root like the node itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from capsa.common.errors import CapsaError
+from capsa.common.settings import Settings
+
+if TYPE_CHECKING:
+    from capsa.node.templates import TemplateStore
+
+__all__ = ["template"]
+
+
+@contextmanager
+def _store(state_dir: Path | None, *, need_image: bool) -> Iterator[TemplateStore]:
+    from capsa.images.build import ensure_image, find_image
+    from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
+    from capsa.node.storage.pool import StoragePool
+    from capsa.node.templates import TemplateStore
+
+    settings = Settings(state_dir=state_dir) if state_dir is not None else Settings()
+    image = ensure_image(settings) if need_image else find_image(settings)
+    if image is None:
+        from capsa.common.image import GuestImage
+
+        # Listing and removing need no image; the store only uses it to build and to check freshness.
+        image = GuestImage(kernel=Path("/"), initrd=Path("/"), rootfs=Path("/"), digest="", kernel_release="")
+    pool = StoragePool.from_settings(settings)
+    runtime = SnapshotRuntime(settings, pool=pool)
+    yield TemplateStore(runtime, image)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def _fail(console: Console, exc: CapsaError) -> None:
+    console.print(f"[red]{exc.code}[/]: {exc.message}")
+    sys.exit(1)
+
+
+_state_opt = click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                          help="Node state directory (default: CAPSA_STATE_DIR or /var/lib/capsa).")
+_json_opt = click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+
+
+@click.group()
+def template() -> None:
+    """Build and manage sandbox templates (snapshots of prepared guests) on this node."""
+
+
+@template.command("build")
+@click.argument("spec_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@_state_opt
+@_json_opt
+def build(spec_file: Path, state_dir: Path | None, as_json: bool) -> None:
+    """Build a template from SPEC_FILE (YAML: name, base, apt, pip, files, commands, env)."""
+    from capsa.node.template_build import build_template, load_spec
+
+    console = Console(stderr=True)
+    try:
+        spec, sources = load_spec(spec_file)
+    except CapsaError as exc:
+        _fail(console, exc)
+        return
+
+    async def _go() -> dict[str, Any]:
+        with _store(state_dir, need_image=True) as store:
+            try:
+                with console.status(f"building template {spec.name}") as status:
+                    def say(msg: str) -> None:
+                        console.print(f"  {msg}")
+                        status.update(f"template {spec.name}: {msg}")
+
+                    t = await build_template(store, spec, sources, progress=say)
+                return t.as_dict()
+            finally:
+                await store.runtime.close()
+
+    try:
+        info = asyncio.run(_go())
+    except CapsaError as exc:
+        _fail(console, exc)
+        return
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/]: the template was not stored")
+        sys.exit(130)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+    else:
+        console.print(f"[green]built[/] {info['name']} {info['digest']} ({_size(info['size_bytes'])})")
+
+
+@template.command("ls")
+@_state_opt
+@_json_opt
+def ls(state_dir: Path | None, as_json: bool) -> None:
+    """List the templates stored on this node."""
+    with _store(state_dir, need_image=False) as store:
+        items = [t.as_dict() for t in store.all()]
+    if as_json:
+        click.echo(json.dumps(items, indent=2))
+        return
+    table = Table(show_header=True)
+    for col in ("name", "memory", "vcpus", "digest", "size", "created"):
+        table.add_column(col)
+    for t in items:
+        table.add_row(t["name"], f"{t['memory_mib']} MiB", str(t["vcpus"]), t["digest"][:19],
+                      _size(t["size_bytes"]), t["created_at"])
+    Console().print(table)
+
+
+@template.command("show")
+@click.argument("name")
+@_state_opt
+@_json_opt
+def show(name: str, state_dir: Path | None, as_json: bool) -> None:
+    """Show a template (every size it was built in) and the spec it was built from."""
+    console = Console(stderr=True)
+    try:
+        with _store(state_dir, need_image=False) as store:
+            items = [t.as_dict() for t in store.variants(name)]
+    except CapsaError as exc:
+        _fail(console, exc)
+        return
+    if not items:
+        console.print(f"[red]template_not_found[/]: no template {name!r} on this node")
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(items, indent=2))
+        return
+    out = Console()
+    for t in items:
+        out.print(f"[bold]{t['name']}[/] {t['memory_mib']} MiB / {t['vcpus']} vCPU  {t['digest']}")
+        out.print(f"  snapshot {t['snapshot']}, image {t['image_digest'][:19]}, {_size(t['size_bytes'])}, "
+                  f"created {t['created_at']}")
+        if t["spec"]:
+            out.print_json(json.dumps(t["spec"]))
+
+
+@template.command("rm")
+@click.argument("name")
+@_state_opt
+def rm(name: str, state_dir: Path | None) -> None:
+    """Delete a template (all its sizes). Running sandboxes made from it are not affected."""
+    console = Console(stderr=True)
+    if name == "base":
+        console.print("[red]template_protected[/]: the base template is rebuilt by the node; not removed")
+        sys.exit(1)
+    try:
+        with _store(state_dir, need_image=False) as store:
+            n = store.delete(name)
+    except CapsaError as exc:
+        _fail(console, exc)
+        return
+    if n == 0:
+        console.print(f"[red]template_not_found[/]: no template {name!r} on this node")
+        sys.exit(1)
+    console.print(f"removed {name} ({n} size(s))")

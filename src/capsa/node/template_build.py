@@ -1,0 +1,264 @@
+"""Building a custom template from a spec: restore the base in a build VM, customise it, snapshot it.
+
+The build VM has no network. Packages are fetched on the host and copied in:
+
+* apt: the host's apt resolves the packages against the *guest's* dpkg status file (a private
+  ``Dir::State::status``) and downloads only what the guest lacks into a private directory; the guest
+  installs them with ``dpkg -i``. Host and guest are the same Debian suite (bookworm).
+* pip: the host's pip downloads wheels for the guest's Python (3.11, manylinux x86_64, binary only) plus
+  pip itself; the guest runs pip from its wheel with ``--no-index``.
+
+Then files are written, commands run (with the spec's env), the disk is synced and the VM snapshotted into
+the template store. The build VM is destroyed whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from capsa.common.errors import CapsaError
+from capsa.node.pool import bind_identity
+from capsa.node.runtime.base import VMSpec
+from capsa.node.runtime.snapshot import RamMode
+from capsa.node.runtime.snapshot_runtime import SnapshotSandbox
+from capsa.node.templates import BASE, Template, TemplateStore, check_template_name
+
+__all__ = ["FileSpec", "TemplateBuildError", "TemplateSpec", "build_template", "load_spec",
+           "remove_stale_work", "spec_record"]
+
+Progress = Callable[[str], None]
+
+_PKG_RE = r"^[a-z0-9][a-z0-9+.-]{0,127}(=[A-Za-z0-9.+:~-]{1,64})?$"
+_PIP_RE = r"^[A-Za-z0-9][A-Za-z0-9._\[\],-]{0,127}(\s*(==|>=|<=|~=|!=|<|>)\s*[A-Za-z0-9.*+!-]{1,64})?$"
+_GUEST_WORK = "/var/tmp/capsa-template-build"
+_COMMAND_TIMEOUT = 1800.0
+
+
+class TemplateBuildError(CapsaError):
+    code = "template_build_failed"
+    status = 500
+
+
+class FileSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: Annotated[str, Field(pattern=r"^/[^\x00]{0,4095}$")]
+    content: str | None = None
+    source: str | None = None
+    """A host file, relative to the spec file."""
+    mode: Annotated[str, Field(pattern=r"^[0-7]{3,4}$")] = "0644"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> FileSpec:
+        if (self.content is None) == (self.source is None):
+            raise ValueError("give exactly one of content or source")
+        return self
+
+
+class TemplateSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")]
+    base: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")] = BASE
+    memory_mib: Annotated[int, Field(ge=64, le=65536)] | None = None
+    vcpus: Annotated[int, Field(ge=1, le=64)] | None = None
+    apt: list[Annotated[str, Field(pattern=_PKG_RE)]] = Field(default_factory=list, max_length=500)
+    pip: list[Annotated[str, Field(pattern=_PIP_RE)]] = Field(default_factory=list, max_length=500)
+    files: list[FileSpec] = Field(default_factory=list, max_length=1000)
+    commands: list[Annotated[str, Field(min_length=1, max_length=65536)]] = Field(default_factory=list,
+                                                                                   max_length=500)
+    env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")],
+              Annotated[str, Field(max_length=4096)]] = Field(default_factory=dict, max_length=256)
+
+    @model_validator(mode="after")
+    def _not_base(self) -> TemplateSpec:
+        if self.name == BASE:
+            raise ValueError("'base' is the node's own template and cannot be built from a spec")
+        return self
+
+
+def load_spec(path: Path) -> tuple[TemplateSpec, dict[str, bytes]]:
+    """Parse a YAML spec and read the host files it names; returns the spec and those files' bytes."""
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise CapsaError(f"cannot read template spec {path}: {exc}", code="bad_request", status=400) from None
+    try:
+        spec = TemplateSpec.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        raise CapsaError(f"invalid template spec {path}: {where}: {err['msg']}", code="bad_request",
+                         status=400) from None
+    sources: dict[str, bytes] = {}
+    for f in spec.files:
+        if f.source is not None:
+            src = (path.parent / f.source).resolve()
+            try:
+                sources[f.source] = src.read_bytes()
+            except OSError as exc:
+                raise CapsaError(f"template spec {path}: cannot read {f.source}: {exc.strerror}",
+                                 code="bad_request", status=400) from None
+    return spec, sources
+
+
+def spec_record(spec: TemplateSpec, sources: dict[str, bytes]) -> dict[str, Any]:
+    """The spec as stored in the template record: host files by their hash, not their content."""
+    import hashlib
+
+    body = spec.model_dump(mode="json")
+    for f in body["files"]:
+        if f["source"] is not None:
+            f["source_sha256"] = hashlib.sha256(sources[f["source"]]).hexdigest()
+        if f["content"] is not None and len(f["content"]) > 4096:
+            f["content_sha256"] = hashlib.sha256(f["content"].encode()).hexdigest()
+            f["content"] = None
+    return body
+
+
+# -- host-side package downloads ---------------------------------------------------------------------
+
+
+def _run(argv: list[str], what: str) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip()[-800:]
+        raise TemplateBuildError(f"{what} failed: {tail}")
+    return proc.stdout
+
+
+def download_debs(packages: list[str], guest_status: bytes, dest: Path) -> list[Path]:
+    """Download ``packages`` and the dependencies the guest lacks (resolved against its dpkg status)."""
+    state = dest / "state"
+    archives = dest / "archives"
+    (archives / "partial").mkdir(parents=True)
+    state.mkdir()
+    (state / "status").write_bytes(guest_status)
+    _run(["apt-get", "-q", "-y", "--no-install-recommends", "--download-only",
+          "-o", f"Dir::State::status={state / 'status'}", "-o", f"Dir::Cache::archives={archives}",
+          "-o", "Debug::NoLocking=1", "-o", "APT::Sandbox::User=root", "install", "--", *packages],
+         "apt download of " + " ".join(packages))
+    return sorted(archives.glob("*.deb"))
+
+
+def download_wheels(requirements: list[str], dest: Path) -> list[Path]:
+    """Wheels for the guest's CPython 3.11 on x86_64 (binary only), and pip itself to install them."""
+    dest.mkdir(parents=True)
+    platform = ["--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_28_x86_64",
+                "--platform", "linux_x86_64", "--platform", "any"]
+    base = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+            "--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
+            "--abi", "abi3", "--abi", "none", *platform, "-d", str(dest)]
+    _run([*base, "pip"], "pip download of pip")
+    _run([*base, "--", *requirements], "pip download of " + " ".join(requirements))
+    return sorted(dest.glob("*.whl"))
+
+
+# -- the build ---------------------------------------------------------------------------------------
+
+
+async def _exec(sb: SnapshotSandbox, cmd: str, what: str, env: dict[str, str] | None = None) -> str:
+    res = await sb.guest.exec(["sh", "-c", cmd], env=env, timeout=_COMMAND_TIMEOUT)
+    if res.exit_code != 0 or res.timed_out:
+        tail = (res.stderr or res.stdout)[-800:].decode(errors="replace")
+        reason = "timed out" if res.timed_out else f"exited {res.exit_code}"
+        raise TemplateBuildError(f"{what} {reason}: {tail}")
+    return res.stdout.decode(errors="replace")
+
+
+async def _upload(sb: SnapshotSandbox, files: list[Path], guest_dir: str) -> list[str]:
+    await sb.guest.mkdir(guest_dir, parents=True)
+    out = []
+    for f in files:
+        target = f"{guest_dir}/{f.name}"
+        await sb.guest.write_file(target, await asyncio.to_thread(f.read_bytes), mode=0o644)
+        out.append(target)
+    return out
+
+
+async def build_template(store: TemplateStore, spec: TemplateSpec, sources: dict[str, bytes],
+                         progress: Progress | None = None) -> Template:
+    """Build ``spec`` into a template (replacing one of the same name and size once it is complete)."""
+    say = progress or (lambda _m: None)
+    check_template_name(spec.name)
+    base = await store.resolve(spec.base, spec.memory_mib, spec.vcpus)
+    if spec.base != BASE and (spec.memory_mib, spec.vcpus) != (None, None) and \
+            (base.memory_mib, base.vcpus) != (spec.memory_mib or base.memory_mib, spec.vcpus or base.vcpus):
+        raise CapsaError("a template built on a custom base keeps the base's size", code="template_mismatch",
+                         status=409)
+    say(f"restoring {base.name} ({base.memory_mib} MiB, {base.vcpus} vCPU) into a build VM")
+    m = base.snapshot.manifest
+    vm_spec = VMSpec(image=store.image, memory_mib=m.memory_mib, vcpus=m.vcpus,
+                     labels={"template-build": spec.name})
+    sandbox = await store.runtime.restore(base.snapshot, vm_spec, ram_mode=RamMode.COPY)
+    try:
+        await bind_identity(sandbox.guest, hostname=f"build-{spec.name}")
+        with tempfile.TemporaryDirectory(prefix="capsa-tpl-") as tmp:
+            work = Path(tmp)
+            if spec.apt:
+                say(f"apt: resolving and downloading {len(spec.apt)} package(s) on the host")
+                status = await sandbox.guest.read_file("/var/lib/dpkg/status")
+                debs = await asyncio.to_thread(download_debs, spec.apt, status, work / "apt")
+                if debs:
+                    say(f"apt: installing {len(debs)} .deb file(s) in the build VM")
+                    await _upload(sandbox, debs, f"{_GUEST_WORK}/debs")
+                    await _exec(sandbox, f"dpkg -i {_GUEST_WORK}/debs/*.deb", "dpkg -i",
+                                env={"DEBIAN_FRONTEND": "noninteractive"})
+            if spec.pip:
+                say(f"pip: downloading {len(spec.pip)} requirement(s) on the host")
+                wheels = await asyncio.to_thread(download_wheels, spec.pip, work / "pip")
+                pip_wheel = next((w for w in wheels if w.name.startswith("pip-")), None)
+                if pip_wheel is None:
+                    raise TemplateBuildError("pip download did not produce a pip wheel")
+                say(f"pip: installing {len(wheels) - 1} wheel(s) in the build VM")
+                await _upload(sandbox, wheels, f"{_GUEST_WORK}/wheels")
+                reqs = " ".join(_shell_quote(r) for r in spec.pip)
+                await _exec(sandbox, f"python3 {_GUEST_WORK}/wheels/{pip_wheel.name}/pip install --no-index "
+                                     f"--find-links {_GUEST_WORK}/wheels --break-system-packages "
+                                     f"--root-user-action=ignore --disable-pip-version-check {reqs}",
+                            "pip install")
+        await _exec(sandbox, f"rm -rf {_GUEST_WORK}", "cleanup")
+        for f in spec.files:
+            data = f.content.encode() if f.content is not None else sources[f.source or ""]
+            say(f"file {f.path}")
+            parent = f.path.rsplit("/", 1)[0] or "/"
+            await sandbox.guest.mkdir(parent, parents=True)
+            await sandbox.guest.write_file(f.path, data, mode=int(f.mode, 8))
+        for i, cmd in enumerate(spec.commands, 1):
+            say(f"command {i}/{len(spec.commands)}: {_short(cmd)}")
+            await _exec(sandbox, cmd, f"command {i}", env=dict(spec.env))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await store.runtime.destroy(sandbox)
+        raise
+    return await store.store(spec.name, sandbox, spec=spec_record(spec, sources), progress=say)
+
+
+def _short(cmd: str, limit: int = 60) -> str:
+    line = cmd.strip().splitlines()[0] if cmd.strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _shell_quote(value: str) -> str:
+    return "'" + value.replace("'", "'\\''") + "'"
+
+
+def remove_stale_work(root: Path, older_than: float = 3600.0) -> None:
+    """Drop half-built template directories a crashed build left behind (not a build still running)."""
+    now = time.time()
+    for p in root.glob(".build-*"):
+        with contextlib.suppress(OSError):
+            if now - p.stat().st_mtime > older_than:
+                shutil.rmtree(p, ignore_errors=True)
