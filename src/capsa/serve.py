@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import socket
 import sys
@@ -24,9 +25,11 @@ from capsa.control.app import create_app
 from capsa.control.nodes import heartbeat, register_node
 from capsa.control.plane import ControlPlane
 from capsa.control.schemas import Capacity, NodeHeartbeat, NodeRegister
+from capsa.control.secretbox import ensure_key_file
 from capsa.control.settings import ControlSettings
 from capsa.node.agent import NodeAgent
 from capsa.node.api import create_node_app
+from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.runtime.base import Runtime
 
 __all__ = ["HEARTBEAT_INTERVAL", "LOCAL_NODE_ID", "run"]
@@ -111,14 +114,19 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
 
     runtime = QemuRuntime(settings, accel=accel)
     # cast: QemuRuntime.list() returns its concrete sandbox type (list is invariant)
-    agent = NodeAgent(cast(Runtime, runtime), image, node_id=LOCAL_NODE_ID)
+    # Sandbox namespaces and nftables need root; without it, sessions with a policy are refused
+    # (egress_unavailable) and sessions without one run with no network, as always.
+    egress = NodeEgress.create() if os.geteuid() == 0 else None
+    agent = NodeAgent(cast(Runtime, runtime), image, node_id=LOCAL_NODE_ID, egress=egress)
     await agent.start()
     token = secrets.token_urlsafe(32)
     node_socket = state_dir / "node.sock"
     node_socket.unlink(missing_ok=True)
     node_server = _QuietServer(uvicorn.Config(create_node_app(agent, token), uds=str(node_socket),
                                               log_level="warning", lifespan="off"))
-    control_settings = ControlSettings(database_url=database_url or f"sqlite+aiosqlite:///{state_dir}/capsa.db")
+    key_file = await asyncio.to_thread(ensure_key_file, state_dir / "secret.key")
+    control_settings = ControlSettings(database_url=database_url or f"sqlite+aiosqlite:///{state_dir}/capsa.db",
+                                       secret_key_file=key_file)
     app = create_app(control_settings, on_bootstrap_key=_announce_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
 

@@ -25,6 +25,7 @@ from capsa.control.keys import generate_key
 from capsa.control.settings import ControlSettings
 from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.api import create_node_app
+from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.runtime.base import Runtime
 
 __all__ = ["ApiStack", "Replica", "serve_app"]
@@ -75,6 +76,7 @@ class ApiStack:
     settings: dict[str, Any] = field(default_factory=dict)
     capacity: NodeCapacity = field(default_factory=lambda: NodeCapacity(8192, 32, 16))
     node_id: str = "node-test"
+    egress: NodeEgress | None = None
     admin_key: str = ""
     node_token: str = ""
     agent: NodeAgent | None = None
@@ -100,7 +102,8 @@ class ApiStack:
         self._tmp = Path(tempfile.mkdtemp(prefix="capsa-stack-"))
         self.admin_key = generate_key().full
         self.node_token = secrets.token_urlsafe(24)
-        self.agent = NodeAgent(self.runtime, self.image, node_id=self.node_id, capacity=self.capacity)
+        self.agent = NodeAgent(self.runtime, self.image, node_id=self.node_id, capacity=self.capacity,
+                               egress=self.egress)
         await self.agent.start()
         self._node = await serve_app(
             create_node_app(self.agent, self.node_token), uds=str(self._tmp / "node.sock"), lifespan="off"

@@ -40,8 +40,3 @@ class ControlSettings(BaseSettings):
     """A file holding that key (``capsa serve`` creates one, mode 0600, in its state directory)."""
     rolling_snapshot_interval: float = 2.0
     """Seconds between passes that take due rolling snapshots; 0 disables them in this replica."""
-
-    secret_key: SecretStr | None = None
-    """Base64 of 32 random bytes: the key secrets are encrypted with at rest (``CAPSA_SECRET_KEY``)."""
-    secret_key_file: Path | None = None
-    """A file holding that key (``capsa serve`` creates one, mode 0600, in its state directory)."""

@@ -1,0 +1,306 @@
+"""Egress control in the control plane: the secrets store, session policies and the audit trail.
+
+Secret values are sealed at rest (:mod:`capsa.control.secretbox`) and leave the control plane only towards
+the node running a session whose policy binds them, in the sandbox-create or policy-update call. Audit
+events are pulled from nodes (after a sandbox ends and whenever a session's trail is read) and kept here.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+from capsa.common.egress_policy import EgressPolicy, PolicyError
+from capsa.common.ids import is_id, new_id
+from capsa.control.egress_schemas import (
+    AuditEventOut,
+    AuditList,
+    PolicyOut,
+    SecretCreate,
+    SecretList,
+    SecretOut,
+)
+from capsa.control.errors import ApiError, InvalidState, NotFound, ValidationFailed
+from capsa.control.nodeclient import NodeClient, NodeError
+from capsa.control.plane import ControlPlane
+from capsa.control.secretbox import SecretSealer
+from capsa.control.store.db import DbSession
+from capsa.control.store.egress_models import AuditEventRow, SecretRow, SessionPolicyRow
+from capsa.control.store.models import NodeRow, SessionRow, utcnow
+
+__all__ = [
+    "collect_audit",
+    "collect_audit_quietly",
+    "create_secret",
+    "delete_secret",
+    "get_policy",
+    "list_audit",
+    "list_secrets",
+    "merge_patch",
+    "resolve_policy",
+    "store_policy",
+    "update_policy",
+]
+
+log = logging.getLogger(__name__)
+
+_AUDIT_PAGE = 1000
+
+
+def _sealer(plane: ControlPlane) -> SecretSealer:
+    sealer = SecretSealer.from_settings(plane.settings)
+    if sealer is None:
+        raise ApiError("secrets are not configured on this control plane (set CAPSA_SECRET_KEY or "
+                       "CAPSA_SECRET_KEY_FILE)", code="secrets_unavailable", status=503)
+    return sealer
+
+
+def _secret_out(row: SecretRow) -> SecretOut:
+    return SecretOut(id=row.id, name=row.name, description=row.description, created_at=row.created_at)
+
+
+# -- secrets ---------------------------------------------------------------------------------------------
+
+async def create_secret(plane: ControlPlane, tenant: str, body: SecretCreate) -> SecretOut:
+    sealer = _sealer(plane)
+    secret_id = new_id("sec")
+    row = SecretRow(id=secret_id, tenant=tenant, name=body.name, description=body.description,
+                    ciphertext=sealer.seal(tenant, secret_id, body.value.get_secret_value()),
+                    created_at=utcnow())
+    async with plane.db() as db:
+        taken = await db.scalar(select(func.count()).select_from(SecretRow)
+                                .where(SecretRow.tenant == tenant, SecretRow.name == body.name))
+        if taken:
+            raise ApiError(f"a secret named {body.name!r} exists", code="already_exists", status=409)
+        db.add(row)
+        await db.commit()
+    return _secret_out(row)
+
+
+async def list_secrets(plane: ControlPlane, tenant: str) -> SecretList:
+    async with plane.db() as db:
+        rows = (await db.execute(select(SecretRow).where(SecretRow.tenant == tenant)
+                                 .order_by(SecretRow.name))).scalars()
+        return SecretList(items=[_secret_out(r) for r in rows])
+
+
+async def _find_secret(db: DbSession, tenant: str, ref: str) -> SecretRow | None:
+    column = SecretRow.id if is_id(ref, "sec") else SecretRow.name
+    row: SecretRow | None = await db.scalar(select(SecretRow).where(SecretRow.tenant == tenant,
+                                                                    column == ref))
+    return row
+
+
+async def delete_secret(plane: ControlPlane, tenant: str, ref: str) -> None:
+    """Running sessions that bind the secret keep the node's copy until they end."""
+    async with plane.db() as db:
+        row = await _find_secret(db, tenant, ref)
+        if row is None:
+            raise NotFound(f"secret {ref} not found")
+        await db.execute(delete(SecretRow).where(SecretRow.id == row.id))
+        await db.commit()
+
+
+# -- policies --------------------------------------------------------------------------------------------
+
+async def resolve_policy(plane: ControlPlane, tenant: str, policy: Mapping[str, Any]
+                         ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The policy with every secret reference (name or id) turned into the tenant's secret id, and the
+    values of those secrets (decrypted, for the node only)."""
+    document = dict(policy)
+    bindings = [dict(b) for b in document.get("secrets", [])]
+    values: dict[str, str] = {}
+    if bindings:
+        sealer = _sealer(plane)
+        async with plane.db() as db:
+            for binding in bindings:
+                row = await _find_secret(db, tenant, str(binding["secret"]))
+                if row is None:
+                    raise ValidationFailed(f"secret {binding['secret']!r} not found",
+                                           [{"field": "body.policy.secrets",
+                                             "message": f"unknown secret {binding['secret']!r}"}])
+                binding["secret"] = row.id
+                values[row.id] = sealer.open(tenant, row.id, row.ciphertext)
+        document["secrets"] = bindings
+    return document, values
+
+
+def store_policy(db: DbSession, session_id: str, policy: dict[str, Any]) -> None:
+    db.add(SessionPolicyRow(session_id=session_id, policy=policy, updated_at=utcnow()))
+
+
+async def _session(db: DbSession, tenant: str, session_id: str) -> SessionRow:
+    row = await db.get(SessionRow, session_id, populate_existing=True) if is_id(session_id, "ses") else None
+    if row is None or row.tenant != tenant:
+        raise NotFound(f"session {session_id} not found")
+    return row
+
+
+async def get_policy(plane: ControlPlane, tenant: str, session_id: str) -> PolicyOut:
+    async with plane.db() as db:
+        await _session(db, tenant, session_id)
+        row = await db.get(SessionPolicyRow, session_id, populate_existing=True)
+    return PolicyOut(session_id=session_id, policy=row.policy if row else None,
+                     updated_at=row.updated_at if row else None)
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7396 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+async def update_policy(plane: ControlPlane, tenant: str, session_id: str, policy: dict[str, Any] | None,
+                        patch: dict[str, Any] | None = None) -> PolicyOut:
+    """Replace (``policy``) or merge-patch (``patch``) a running session's policy, live on its node."""
+    from capsa.control.sessions import node_call_failed, running_session
+
+    row, client = await running_session(plane, tenant, session_id)
+    async with plane.db() as db:
+        current = await db.get(SessionPolicyRow, session_id, populate_existing=True)
+    if current is None:
+        raise InvalidState(f"session {session_id} was created without a policy and has no network; give the "
+                           "policy when creating the session", code="no_network")
+    if patch is not None:
+        merged = merge_patch(current.policy, patch)
+        try:
+            policy = EgressPolicy.from_data(merged).model_dump(mode="json", exclude_none=True)
+        except PolicyError as exc:
+            raise ValidationFailed(exc.message, [{"field": "body", "message": exc.message}]) from None
+    assert policy is not None
+    document, values = await resolve_policy(plane, tenant, policy)
+    assert row.sandbox_id is not None
+    try:
+        answer = await client.update_policy(row.sandbox_id, document, values)
+    except NodeError as exc:
+        raise await node_call_failed(plane, row, exc) from exc
+    now = utcnow()
+    async with plane.db() as db:
+        stored = await db.get(SessionPolicyRow, session_id, populate_existing=True)
+        if stored is not None:
+            stored.policy = document
+            stored.updated_at = now
+            await db.commit()
+    return PolicyOut(session_id=session_id, policy=document, updated_at=now,
+                     ca_reissued=bool(answer.get("ca_reissued")))
+
+
+# -- audit -----------------------------------------------------------------------------------------------
+
+async def _cursor(db: DbSession, node_id: str) -> tuple[str | None, int]:
+    last = (await db.execute(select(AuditEventRow.node_epoch).where(AuditEventRow.node_id == node_id)
+                             .order_by(AuditEventRow.id.desc()).limit(1))).scalar()
+    if last is None:
+        return None, 0
+    seq = await db.scalar(select(func.max(AuditEventRow.node_seq))
+                          .where(AuditEventRow.node_id == node_id, AuditEventRow.node_epoch == last))
+    return last, int(seq or 0)
+
+
+def _insert_ignoring_duplicates(plane: ControlPlane, rows: list[dict[str, Any]]) -> Any:
+    # Two replicas may collect the same page at once; the (node, epoch, seq) key keeps one copy.
+    insert = pg_insert if plane.engine.dialect.name == "postgresql" else sqlite_insert
+    return insert(AuditEventRow).values(rows).on_conflict_do_nothing()
+
+
+async def collect_audit(plane: ControlPlane, node: NodeRow, client: NodeClient | None = None) -> int:
+    """Copy the node's new audit events into the audit table; returns how many were new to us."""
+    client = client or plane.node_client(node)
+    added = 0
+    while True:
+        async with plane.db() as db:
+            epoch, after = await _cursor(db, node.id)
+        page = await client.audit(after=after, epoch=epoch, limit=_AUDIT_PAGE)
+        if page.get("lost"):
+            log.warning("node %s dropped %d audit events before they were collected", node.id, page["lost"])
+        items: list[dict[str, Any]] = page["items"]
+        if not items:
+            return added
+        async with plane.db() as db:
+            sids = {str(i["session_id"]) for i in items if i.get("session_id")}
+            owners = dict((await db.execute(select(SessionRow.id, SessionRow.tenant)
+                                            .where(SessionRow.id.in_(sids)))).tuples().all())
+            rows = [{
+                "tenant": "", "session_id": i.get("session_id"), "sandbox_id": i["sandbox_id"],
+                "node_id": node.id, "node_epoch": page["epoch"], "node_seq": i["seq"], "time": i["time"],
+                "kind": i["kind"], "decision": i["decision"], "source": i.get("source"),
+                "destination": i.get("destination"), "resolved_ip": i.get("resolved_ip"),
+                "method": i.get("method"), "path": i.get("path"), "status": i.get("status"),
+                "bytes_out": i.get("bytes_out", 0), "bytes_in": i.get("bytes_in", 0), "rule": i.get("rule"),
+                "reason": i.get("reason"), "secret_ids": list(i.get("secret_ids") or []),
+                "count": i.get("count", 1),
+            } for i in items]
+            for r in rows:
+                # A sandbox no session owns (should not happen): kept under no tenant, so no API user sees
+                # it, and so the cursor still moves past it.
+                r["tenant"] = owners.get(r["session_id"], "")
+                r["session_id"] = r["session_id"] or ""
+            await db.execute(_insert_ignoring_duplicates(plane, rows))
+            await db.commit()
+            added += len(rows)
+        if len(items) < _AUDIT_PAGE:
+            return added
+
+
+async def collect_audit_quietly(plane: ControlPlane, node: NodeRow) -> None:
+    """Collect, logging instead of raising: a session ending must not fail over its audit copy (the events
+    stay on the node and the next collection takes them)."""
+    try:
+        await collect_audit(plane, node)
+    except (NodeError, KeyError, ValueError) as exc:
+        log.warning("could not collect audit events from node %s: %s", node.id, exc)
+
+
+def _encode(value: int) -> str:
+    return base64.urlsafe_b64encode(str(value).encode()).decode().rstrip("=")
+
+
+def _decode(cursor: str) -> int:
+    try:
+        return int(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode())
+    except (ValueError, UnicodeDecodeError):
+        raise ValidationFailed("invalid cursor", [{"field": "query.cursor", "message": "invalid cursor"}]) \
+            from None
+
+
+async def list_audit(plane: ControlPlane, tenant: str, session_id: str, limit: int, cursor: str | None,
+                     decision: str | None = None) -> AuditList:
+    """A session's egress audit trail, oldest first; new events are fetched from its node first."""
+    async with plane.db() as db:
+        session = await _session(db, tenant, session_id)
+        node = await db.get(NodeRow, session.node_id) if session.node_id else None
+    if node is not None:
+        try:
+            await collect_audit(plane, node)
+        except NodeError as exc:
+            log.warning("could not collect audit events from node %s: %s", node.id, exc)
+    query = select(AuditEventRow).where(AuditEventRow.tenant == tenant,
+                                        AuditEventRow.session_id == session_id)
+    if decision is not None:
+        query = query.where(AuditEventRow.decision == decision)
+    if cursor:
+        query = query.where(AuditEventRow.id > _decode(cursor))
+    async with plane.db() as db:
+        rows = list((await db.execute(query.order_by(AuditEventRow.id).limit(limit + 1))).scalars())
+    page, more = rows[:limit], len(rows) > limit
+    items = [AuditEventOut(
+        id=r.id, session_id=r.session_id, sandbox_id=r.sandbox_id, time=datetime.fromtimestamp(r.time, UTC),
+        kind=r.kind, decision=r.decision, source=r.source,  # type: ignore[arg-type]
+        destination=r.destination, resolved_ip=r.resolved_ip, method=r.method, path=r.path, status=r.status,
+        bytes_out=r.bytes_out, bytes_in=r.bytes_in, rule=r.rule, reason=r.reason, secret_ids=r.secret_ids,
+        count=r.count) for r in page]
+    return AuditList(items=items, next_cursor=_encode(page[-1].id) if more and page else None)
