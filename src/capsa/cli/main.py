@@ -12,6 +12,7 @@ __all__ = ["cli", "main"]
 # broken optional dependency of one command does not break the others.
 _COMMANDS: dict[str, tuple[str, str]] = {
     "image": ("capsa.cli.image", "image"),
+    "template": ("capsa.cli.template", "template"),
     "vm": ("capsa.cli.vm", "vm"),
     "serve": ("capsa.cli.serve", "serve"),
     "keys": ("capsa.cli.keys", "keys"),
@@ -19,6 +20,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "ls": ("capsa.cli.sessions", "ls"),
     "exec": ("capsa.cli.sessions", "exec_"),
     "close": ("capsa.cli.sessions", "close"),
+    "pause": ("capsa.cli.snapshots", "pause"),
+    "resume": ("capsa.cli.snapshots", "resume"),
+    "branch": ("capsa.cli.snapshots", "branch"),
+    "snapshots": ("capsa.cli.snapshots", "snapshots"),
 }
 
 

@@ -146,7 +146,7 @@ class TimeoutUpdate(_Strict):
 
 
 class BranchRequest(_Strict):
-    n: Annotated[int, Field(ge=1, le=32)] = 1
+    n: Annotated[int, Field(ge=1, le=32, strict=True)] = 1
 
 
 class BranchOut(BaseModel):

@@ -29,9 +29,18 @@ from capsa.sdk.errors import (
     ValidationFailed,
 )
 from capsa.sdk.files import AsyncFiles, UploadSource
-from capsa.sdk.models import ApiKey, CommandResult, FileInfo, ProcessInfo, ProcessOutput, SessionInfo
+from capsa.sdk.models import (
+    ApiKey,
+    CommandResult,
+    FileInfo,
+    ProcessInfo,
+    ProcessOutput,
+    SessionInfo,
+    SnapshotInfo,
+)
 from capsa.sdk.session import AsyncSession
-from capsa.sdk.sync import Client, Commands, Files, Keys, Process, Session
+from capsa.sdk.snapshots import AsyncSnapshots
+from capsa.sdk.sync import Client, Commands, Files, Keys, Process, Session, Snapshots
 
 __all__ = [
     "DEFAULT_API_URL",
@@ -42,6 +51,7 @@ __all__ = [
     "AsyncKeys",
     "AsyncProcess",
     "AsyncSession",
+    "AsyncSnapshots",
     "BadRequest",
     "CapsaAPIError",
     "CapsaClientError",
@@ -71,6 +81,8 @@ __all__ = [
     "Session",
     "SessionFailed",
     "SessionInfo",
+    "SnapshotInfo",
+    "Snapshots",
     "TemplateNotFound",
     "Unauthorized",
     "Unavailable",

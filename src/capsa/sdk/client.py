@@ -27,7 +27,7 @@ from capsa.sdk.errors import (
     UnexpectedResponse,
     error_from_problem,
 )
-from capsa.sdk.models import ApiKey, SessionInfo, parse, parse_items
+from capsa.sdk.models import ApiKey, SessionInfo, SnapshotInfo, parse, parse_items
 
 __all__ = ["AsyncClient", "AsyncKeys", "seg"]
 
@@ -190,8 +190,16 @@ class AsyncClient:
     async def create_session(self, *, template: str = "base", timeout: int | None = None,
                              idle_timeout: int | None = None, env: Mapping[str, str] | None = None,
                              metadata: Mapping[str, str] | None = None, memory_mib: int | None = None,
-                             vcpus: int | None = None) -> SessionInfo:
+                             vcpus: int | None = None, on_timeout: Literal["pause", "close"] | None = None,
+                             rolling_snapshots: Mapping[str, Any] | None = None,
+                             keep_snapshots: bool | None = None) -> SessionInfo:
         body: dict[str, Any] = {"template": template}
+        if on_timeout is not None:
+            body["on_timeout"] = on_timeout
+        if rolling_snapshots is not None:
+            body["rolling_snapshots"] = dict(rolling_snapshots)
+        if keep_snapshots is not None:
+            body["keep_snapshots"] = keep_snapshots
         # Omitted fields take the server's defaults, so the SDK never hard-codes them.
         for name, value in (("timeout", timeout), ("idle_timeout", idle_timeout), ("memory_mib", memory_mib),
                             ("vcpus", vcpus)):
@@ -235,6 +243,38 @@ class AsyncClient:
 
     async def set_session_timeout(self, session_id: str, timeout: int) -> SessionInfo:
         data = await self.json("POST", f"/sessions/{seg(session_id)}/timeout", json={"timeout": timeout})
+        return parse(SessionInfo, data)
+
+    # -- pause, resume, branch, snapshots -----------------------------------------------------------------
+    # Each starts or snapshots a VM on the node: give it more than an ordinary request.
+
+    def _slow(self) -> float:
+        return max(self.config.timeout, 300.0)
+
+    async def pause_session(self, session_id: str) -> SessionInfo:
+        data = await self.json("POST", f"/sessions/{seg(session_id)}/pause", timeout=self._slow())
+        return parse(SessionInfo, data)
+
+    async def resume_session(self, session_id: str) -> SessionInfo:
+        data = await self.json("POST", f"/sessions/{seg(session_id)}/resume", timeout=self._slow())
+        return parse(SessionInfo, data)
+
+    async def branch_session(self, session_id: str, n: int = 1) -> list[SessionInfo]:
+        data = await self.json("POST", f"/sessions/{seg(session_id)}/branch", json={"n": n},
+                               timeout=self._slow())
+        return parse_items(SessionInfo, data)
+
+    async def list_snapshots(self, session_id: str) -> list[SnapshotInfo]:
+        return parse_items(SnapshotInfo, await self.json("GET", f"/sessions/{seg(session_id)}/snapshots"))
+
+    async def create_snapshot(self, session_id: str) -> SnapshotInfo:
+        data = await self.json("POST", f"/sessions/{seg(session_id)}/snapshots", json={},
+                               timeout=self._slow())
+        return parse(SnapshotInfo, data)
+
+    async def restore_session(self, session_id: str, snapshot_id: str) -> SessionInfo:
+        data = await self.json("POST", f"/sessions/{seg(session_id)}/restore",
+                               json={"snapshot_id": snapshot_id}, timeout=self._slow())
         return parse(SessionInfo, data)
 
     async def close_session(self, session_id: str) -> SessionInfo:

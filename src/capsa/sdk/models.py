@@ -17,6 +17,7 @@ __all__ = [
     "ProcessOutput",
     "SessionInfo",
     "SessionState",
+    "SnapshotInfo",
     "parse",
     "parse_items",
 ]
@@ -45,6 +46,24 @@ class SessionInfo(_Model):
     node_id: str | None = None
     failure_reason: str | None = None
     closed_at: datetime | None = None
+    on_timeout: str = "close"
+    """``pause`` or ``close``: what happens when the session's TTL or idle timeout passes."""
+    rolling_snapshots: dict[str, Any] | None = None
+    """The rolling snapshot policy (``interval_s``, ``after_command``, ``keep``), if any."""
+    keep_snapshots: bool = False
+    pause_reason: str | None = None
+    """Why a paused session is paused (``paused``, ``timeout``, a lost sandbox…)."""
+
+
+class SnapshotInfo(_Model):
+    id: str
+    session_id: str
+    kind: str
+    """manual | rolling | pause | branch"""
+    created_at: datetime
+    size_bytes: int | None = None
+    parent: str | None = None
+    node_id: str | None = None
 
 
 class CommandResult(_Model):

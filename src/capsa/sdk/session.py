@@ -6,8 +6,9 @@
 from __future__ import annotations
 
 import builtins
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from types import TracebackType
+from typing import Any, Literal, overload
 
 import httpx
 
@@ -15,8 +16,28 @@ from capsa.sdk.client import AsyncClient
 from capsa.sdk.commands import AsyncCommands
 from capsa.sdk.files import AsyncFiles
 from capsa.sdk.models import SessionInfo
+from capsa.sdk.snapshots import AsyncSnapshots
 
 __all__ = ["AsyncSession"]
+
+
+class _Resume:
+    """``AsyncSession.resume(id, ...)`` attaches to a paused session and resumes it; ``s.resume()`` resumes
+    the session ``s`` in place. One name for both, as the API documents it."""
+
+    @overload
+    def __get__(self, obj: None,
+                owner: type[AsyncSession]) -> Callable[..., Coroutine[Any, Any, AsyncSession]]: ...
+
+    @overload
+    def __get__(self, obj: AsyncSession,
+                owner: type[AsyncSession]) -> Callable[[], Coroutine[Any, Any, SessionInfo]]: ...
+
+    def __get__(self, obj: AsyncSession | None,
+                owner: type[AsyncSession]) -> Callable[..., Coroutine[Any, Any, Any]]:
+        if obj is None:
+            return owner._resume_by_id
+        return obj._resume
 
 
 class AsyncSession:
@@ -31,6 +52,7 @@ class AsyncSession:
         self._owns_client = owns_client
         self.commands = AsyncCommands(client, info.id)
         self.files = AsyncFiles(client, info.id)
+        self.snapshots = AsyncSnapshots(self)
 
     @staticmethod
     def _client_for(client: AsyncClient | None, api_url: str | None, api_key: str | None,
@@ -43,14 +65,23 @@ class AsyncSession:
     async def create(cls, template: str = "base", *, timeout: int | None = None,
                      idle_timeout: int | None = None, env: Mapping[str, str] | None = None,
                      metadata: Mapping[str, str] | None = None, memory_mib: int | None = None,
-                     vcpus: int | None = None, api_url: str | None = None, api_key: str | None = None,
+                     vcpus: int | None = None, on_timeout: Literal["pause", "close"] | None = None,
+                     rolling_snapshots: Mapping[str, Any] | None = None, keep_snapshots: bool | None = None,
+                     api_url: str | None = None, api_key: str | None = None,
                      client: AsyncClient | None = None,
                      transport: httpx.AsyncBaseTransport | None = None) -> AsyncSession:
-        """Start a new session from ``template``. ``timeout`` is its hard lifetime in seconds."""
+        """Start a new session from ``template``. ``timeout`` is its hard lifetime in seconds.
+
+        ``on_timeout="pause"`` keeps a snapshot when the lifetime or idle timeout passes (resume it later);
+        ``rolling_snapshots={"interval_s": 300, "after_command": True, "keep": 3}`` snapshots the session
+        in the background so it survives the loss of its sandbox; ``keep_snapshots`` keeps them after close.
+        """
         conn, owned = cls._client_for(client, api_url, api_key, transport)
         try:
             info = await conn.create_session(template=template, timeout=timeout, idle_timeout=idle_timeout,
-                                             env=env, metadata=metadata, memory_mib=memory_mib, vcpus=vcpus)
+                                             env=env, metadata=metadata, memory_mib=memory_mib, vcpus=vcpus,
+                                             on_timeout=on_timeout, rolling_snapshots=rolling_snapshots,
+                                             keep_snapshots=keep_snapshots)
         except BaseException:
             if owned:
                 await conn.aclose()
@@ -105,6 +136,36 @@ class AsyncSession:
         """Make the session expire ``timeout`` seconds from now."""
         self.info = await self._client.set_session_timeout(self.id, timeout)
         return self.info
+
+    async def pause(self) -> SessionInfo:
+        """Snapshot the session and stop its sandbox; :meth:`resume` continues exactly where it was."""
+        self.info = await self._client.pause_session(self.id)
+        return self.info
+
+    resume = _Resume()
+
+    async def _resume(self) -> SessionInfo:
+        self.info = await self._client.resume_session(self.id)
+        return self.info
+
+    @classmethod
+    async def _resume_by_id(cls, session_id: str, *, api_url: str | None = None, api_key: str | None = None,
+                            client: AsyncClient | None = None,
+                            transport: httpx.AsyncBaseTransport | None = None) -> AsyncSession:
+        conn, owned = cls._client_for(client, api_url, api_key, transport)
+        try:
+            info = await conn.resume_session(session_id)
+        except BaseException:
+            if owned:
+                await conn.aclose()
+            raise
+        return cls(info, conn, owns_client=owned)
+
+    async def branch(self, n: int = 1) -> builtins.list[AsyncSession]:
+        """``n`` new, independent sessions starting from this session's current state (metadata copied,
+        plus ``branched_from``). They share this object's connection."""
+        infos = await self._client.branch_session(self.id, n)
+        return [AsyncSession(info, self._client) for info in infos]
 
     async def close(self) -> SessionInfo:
         """Close the session (its sandbox is destroyed) and release this object's connection."""

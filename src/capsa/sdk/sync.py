@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import IO, Any, Literal, overload
 
@@ -18,11 +18,20 @@ from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import ClientConfig
 from capsa.sdk.files import AsyncFiles, UploadSource
-from capsa.sdk.models import ApiKey, CommandResult, FileInfo, ProcessInfo, ProcessOutput, SessionInfo
+from capsa.sdk.models import (
+    ApiKey,
+    CommandResult,
+    FileInfo,
+    ProcessInfo,
+    ProcessOutput,
+    SessionInfo,
+    SnapshotInfo,
+)
 from capsa.sdk.portal import Portal, get_portal
 from capsa.sdk.session import AsyncSession
+from capsa.sdk.snapshots import AsyncSnapshots
 
-__all__ = ["Client", "Commands", "Files", "Keys", "Process", "Session"]
+__all__ = ["Client", "Commands", "Files", "Keys", "Process", "Session", "Snapshots"]
 
 
 class Keys:
@@ -179,6 +188,37 @@ class Files:
         return self._portal.call(self._inner.download_tar(path, dest))
 
 
+class Snapshots:
+    """See :class:`capsa.sdk.snapshots.AsyncSnapshots`."""
+
+    def __init__(self, inner: AsyncSnapshots, portal: Portal) -> None:
+        self._inner, self._portal = inner, portal
+
+    def list(self) -> builtins.list[SnapshotInfo]:
+        return self._portal.call(self._inner.list())
+
+    def create(self) -> SnapshotInfo:
+        return self._portal.call(self._inner.create())
+
+    def restore(self, snapshot_id: str) -> None:
+        self._portal.call(self._inner.restore(snapshot_id))
+
+
+class _Resume:
+    """``Session.resume(id, ...)`` (attach and resume) and ``s.resume()`` (resume in place)."""
+
+    @overload
+    def __get__(self, obj: None, owner: type[Session]) -> Callable[..., Session]: ...
+
+    @overload
+    def __get__(self, obj: Session, owner: type[Session]) -> Callable[[], SessionInfo]: ...
+
+    def __get__(self, obj: Session | None, owner: type[Session]) -> Callable[..., Any]:
+        if obj is None:
+            return owner._resume_by_id
+        return obj._resume
+
+
 def _aio(client: Client | None) -> AsyncClient | None:
     return None if client is None else client.aio
 
@@ -191,16 +231,21 @@ class Session:
         self._inner = inner
         self.commands = Commands(inner.commands, self._portal)
         self.files = Files(inner.files, self._portal)
+        self.snapshots = Snapshots(inner.snapshots, self._portal)
 
     @classmethod
     def create(cls, template: str = "base", *, timeout: int | None = None, idle_timeout: int | None = None,
                env: Mapping[str, str] | None = None, metadata: Mapping[str, str] | None = None,
-               memory_mib: int | None = None, vcpus: int | None = None, api_url: str | None = None,
-               api_key: str | None = None, client: Client | None = None,
+               memory_mib: int | None = None, vcpus: int | None = None,
+               on_timeout: Literal["pause", "close"] | None = None,
+               rolling_snapshots: Mapping[str, Any] | None = None, keep_snapshots: bool | None = None,
+               api_url: str | None = None, api_key: str | None = None, client: Client | None = None,
                transport: httpx.AsyncBaseTransport | None = None) -> Session:
+        """See :meth:`capsa.AsyncSession.create`."""
         inner = get_portal().call(AsyncSession.create(
             template, timeout=timeout, idle_timeout=idle_timeout, env=env, metadata=metadata,
-            memory_mib=memory_mib, vcpus=vcpus, api_url=api_url, api_key=api_key, client=_aio(client),
+            memory_mib=memory_mib, vcpus=vcpus, on_timeout=on_timeout, rolling_snapshots=rolling_snapshots,
+            keep_snapshots=keep_snapshots, api_url=api_url, api_key=api_key, client=_aio(client),
             transport=transport))
         return cls(inner)
 
@@ -237,6 +282,25 @@ class Session:
 
     def set_timeout(self, timeout: int) -> SessionInfo:
         return self._portal.call(self._inner.set_timeout(timeout))
+
+    def pause(self) -> SessionInfo:
+        return self._portal.call(self._inner.pause())
+
+    resume = _Resume()
+
+    def _resume(self) -> SessionInfo:
+        return self._portal.call(self._inner.resume())
+
+    @classmethod
+    def _resume_by_id(cls, session_id: str, *, api_url: str | None = None, api_key: str | None = None,
+                      client: Client | None = None,
+                      transport: httpx.AsyncBaseTransport | None = None) -> Session:
+        inner = get_portal().call(AsyncSession.resume(session_id, api_url=api_url, api_key=api_key,
+                                                      client=_aio(client), transport=transport))
+        return cls(inner)
+
+    def branch(self, n: int = 1) -> builtins.list[Session]:
+        return [Session(inner) for inner in self._portal.call(self._inner.branch(n))]
 
     def close(self) -> SessionInfo:
         return self._portal.call(self._inner.close())

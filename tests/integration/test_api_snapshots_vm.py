@@ -1,0 +1,389 @@
+"""Sessions that outlive sandboxes, through the public API with real microVMs (QEMU microvm, TCG here).
+
+HTTP -> control plane -> node API (SnapshotNodeAgent, docs/node-snapshots.md) -> SnapshotRuntime -> guest.
+One VM is cold-booted for the module (the node's base template); every sandbox after it is restored.
+The control plane's rolling snapshot loop and reaper run for real (short intervals).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sqlite3
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from capsa.common.image import GuestImage
+from capsa.common.settings import Settings
+from capsa.control.app import create_app
+from capsa.control.keys import generate_key
+from capsa.control.settings import ControlSettings
+from capsa.node.agent import NodeCapacity
+from capsa.node.api import create_node_app
+from capsa.node.api_snapshots import add_snapshot_routes
+from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
+from capsa.node.snapshot_agent import SnapshotNodeAgent
+from capsa.node.storage import StoragePool, StorageSettings
+from tests.support.api_stack import Replica, serve_app
+
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (loop btrfs pool, VM uids)"),
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(900),
+]
+
+NODE_TOKEN = "n" * 32
+NODE_ID = "node-snap"
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done"
+
+
+class Stack:
+    def __init__(self, agent: SnapshotNodeAgent, node: Replica, control: Replica, admin: str,
+                 state_dir: Path) -> None:
+        self.agent, self.node, self.control, self.admin = agent, node, control, admin
+        self.state_dir = state_dir
+        self.key = ""
+
+    async def tenant_key(self, tenant: str) -> str:
+        async with self.client(self.admin) as c:
+            made = await c.post("/keys", json={"tenant": tenant})
+        assert made.status_code == 201, made.text
+        return str(made.json()["key"])
+
+    def client(self, key: str | None = None) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.control.url + "/v1", timeout=300,
+                                 headers={"Authorization": f"Bearer {key or self.key}"})
+
+    @property
+    def pool_root(self) -> Path:
+        return self.agent.snap_runtime.pool.root
+
+    def snapshot_dirs(self) -> set[str]:
+        return {p.name for p in (self.pool_root / "snapshots").iterdir()}
+
+    async def heartbeat(self) -> None:
+        """What the node's heartbeat loop does (capsa serve runs one every few seconds)."""
+        body = {"used": self.agent.used(), "failed_sandboxes": self.agent.failed_sandboxes(),
+                "sandboxes": [r.id for r in self.agent.list()]}
+        async with self.client(NODE_TOKEN) as c:
+            answer = await c.post(f"/nodes/{NODE_ID}/heartbeat", json=body)
+        assert answer.status_code == 200, answer.text
+        for sandbox_id in answer.json()["destroy_sandboxes"]:
+            await self.agent.destroy(sandbox_id)
+
+
+@pytest.fixture(scope="module")
+def state_dir() -> Iterator[Path]:
+    # Not under pytest's tmp_path: that is 0700, and QEMU runs as its own unprivileged uid.
+    path = Path(tempfile.mkdtemp(prefix="capsa-apisnap-", dir="/var/tmp"))
+    path.chmod(0o711)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pool(state_dir: Path) -> Iterator[StoragePool]:
+    p = StoragePool.open(state_dir, StorageSettings(loop_size_mib=8192, require_cow=True))
+    try:
+        yield p
+    finally:
+        p.destroy()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(state_dir: Path, pool: StoragePool, guest_image: GuestImage) -> AsyncIterator[Stack]:
+    runtime = SnapshotRuntime(Settings(state_dir=state_dir, cache_dir=Settings().cache_dir), pool=pool)
+    # No warm pool: keeps one VM fewer on two shared cores; sessions restore from the template on demand.
+    agent = SnapshotNodeAgent(runtime, guest_image, node_id=NODE_ID, pool_size=0,
+                              capacity=NodeCapacity(8192, 32, 16))
+    await agent.start()
+    node: Replica | None = None
+    control: Replica | None = None
+    try:
+        await agent.wait_ready()
+        app = create_node_app(agent, NODE_TOKEN)
+        add_snapshot_routes(app, agent, NODE_TOKEN)
+        node = await serve_app(app, uds=str(state_dir / "node.sock"), lifespan="off")
+        admin = generate_key().full
+        settings = ControlSettings(database_url=f"sqlite+aiosqlite:///{state_dir}/capsa.db",
+                                   bootstrap_key=admin, reaper_interval=0.3, rolling_snapshot_interval=0.3)
+        control = await serve_app(create_app(settings))
+        s = Stack(agent, node, control, admin, state_dir)
+        async with s.client(admin) as c:
+            registered = await c.post("/nodes", json={
+                "id": NODE_ID, "url": node.url, "token": NODE_TOKEN,
+                "capacity": {"memory_mib": 8192, "vcpus": 32, "max_sandboxes": 16},
+                "templates": sorted(agent.templates)})
+            assert registered.status_code in (200, 201), registered.text
+        s.key = await s.tenant_key("acme")
+        yield s
+    finally:
+        if control is not None:
+            await control.stop()
+        if node is not None:
+            await node.stop()
+        await agent.close()
+
+
+async def _ok(response: httpx.Response, status: int = 200) -> Any:
+    assert response.status_code == status, response.text
+    return response.json()
+
+
+def _problem(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.json()["code"] == code, response.text
+
+
+async def _sh(c: httpx.AsyncClient, sid: str, cmd: str) -> str:
+    result = await _ok(await c.post(f"/sessions/{sid}/commands", json={"cmd": cmd, "timeout": 60}))
+    assert result["exit_code"] == 0, result
+    return str(result["stdout"])
+
+
+async def _create(c: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
+    created: dict[str, Any] = await _ok(await c.post("/sessions", json={"timeout": 900, **body}), 201)
+    assert created["state"] == "running"
+    return created
+
+
+async def _counter(c: httpx.AsyncClient, sid: str) -> int:
+    return int((await _sh(c, sid, "cat /tmp/counter")).strip() or 0)
+
+
+async def _snapshots(c: httpx.AsyncClient, sid: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = (await _ok(await c.get(f"/sessions/{sid}/snapshots")))["items"]
+    return items
+
+
+async def test_pause_resume_keeps_files_and_running_processes(stack: Stack) -> None:
+    async with stack.client() as c:
+        ses = await _create(c, metadata={"who": "pause-test"})
+        sid = ses["id"]
+        await _sh(c, sid, "echo kept > /root/note")
+        started = await c.post(f"/sessions/{sid}/commands", json={"cmd": COUNTER, "background": True})
+        assert started.status_code == 201, started.text
+        await asyncio.sleep(1.5)
+        old_sandbox = _sandbox_of(stack, sid)
+        paused = await _ok(await c.post(f"/sessions/{sid}/pause"))
+        assert paused["state"] == "paused" and paused["pause_reason"] == "paused"
+        assert old_sandbox not in {r.id for r in stack.agent.list()}  # the VM is gone
+        snaps = await _snapshots(c, sid)
+        assert [s["kind"] for s in snaps] == ["pause"] and snaps[0]["id"] in stack.snapshot_dirs()
+        _problem(await c.post(f"/sessions/{sid}/commands", json={"cmd": "true"}), 409, "invalid_state")
+
+        resumed = await _ok(await c.post(f"/sessions/{sid}/resume"))
+        assert resumed["state"] == "running" and resumed["pause_reason"] is None
+        assert await _sh(c, sid, "cat /root/note") == "kept\n"
+        first = await _counter(c, sid)
+        assert first >= 5  # it ran ~1.5 s before the pause and carried on from there, not from zero
+        await asyncio.sleep(1.0)
+        assert await _counter(c, sid) > first  # the background process is still running
+        procs = (await _ok(await c.get(f"/sessions/{sid}/processes")))["items"]
+        assert any(p["running"] and "counter" in " ".join(p["cmd"]) for p in procs)
+
+        # Roll back to an earlier snapshot: a file written after it is gone again.
+        manual = await _ok(await c.post(f"/sessions/{sid}/snapshots", json={}), 201)
+        assert manual["kind"] == "manual"
+        await _sh(c, sid, "echo later > /root/note")
+        restored = await _ok(await c.post(f"/sessions/{sid}/restore", json={"snapshot_id": manual["id"]}))
+        assert restored["state"] == "running"
+        assert await _sh(c, sid, "cat /root/note") == "kept\n"
+        await _ok(await c.post(f"/sessions/{sid}/close"))
+
+
+async def test_branch_into_three_then_diverge(stack: Stack) -> None:
+    async with stack.client() as c:
+        parent = await _create(c, metadata={"project": "p1"}, env={"ROLE": "parent"})
+        pid = parent["id"]
+        await _sh(c, pid, "echo base > /root/shared")
+        branched = await _ok(await c.post(f"/sessions/{pid}/branch", json={"n": 3}), 201)
+        kids = [k["id"] for k in branched["items"]]
+        assert len(set(kids)) == 3 and pid not in kids
+        for kid in branched["items"]:
+            assert kid["state"] == "running" and kid["tenant"] == "acme"
+            assert kid["metadata"] == {"project": "p1", "branched_from": pid}
+        listed = (await _ok(await c.get("/sessions", params={"metadata.branched_from": pid})))["items"]
+        assert {s["id"] for s in listed} == set(kids)
+        for i, kid in enumerate(kids):
+            assert await _sh(c, kid, "cat /root/shared") == "base\n"
+            assert await _sh(c, kid, "echo $ROLE") == "parent\n"  # the session's env came along
+            await _sh(c, kid, f"echo kid{i} > /root/shared")
+        await _sh(c, pid, "echo parent-changed > /root/shared")
+        for i, kid in enumerate(kids):
+            assert await _sh(c, kid, "cat /root/shared") == f"kid{i}\n"
+        assert await _sh(c, pid, "cat /root/shared") == "parent-changed\n"
+        # Different random bytes in every branch (the node reseeded each one).
+        samples = {await _sh(c, kid, "head -c 16 /dev/urandom | od -An -tx1") for kid in kids}
+        assert len(samples) == 3
+        for sid in (*kids, pid):
+            await _ok(await c.post(f"/sessions/{sid}/close"))
+
+
+async def _wait(predicate: Any, what: str, limit: float = 120.0) -> Any:
+    deadline = time.monotonic() + limit
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.2)
+
+
+async def test_killed_vm_resumes_from_latest_rolling_snapshot(stack: Stack) -> None:
+    async with stack.client() as c:
+        ses = await _create(c, rolling_snapshots={"after_command": True, "keep": 2})
+        sid = ses["id"]
+        assert ses["rolling_snapshots"] == {"interval_s": None, "after_command": True, "keep": 2}
+        seen: list[str] = []
+        for word in ("one", "two", "three"):
+            before = {s["id"] for s in await _snapshots(c, sid)}
+            await _sh(c, sid, f"echo {word} > /root/state")
+
+            async def new_rolling(before: set[str] = before) -> list[dict[str, Any]]:
+                items = await _snapshots(c, sid)
+                return [s for s in items if s["kind"] == "rolling" and s["id"] not in before]
+
+            made = await _wait(new_rolling, f"a rolling snapshot after '{word}'")
+            seen.append(made[0]["id"])
+        rolling = [s["id"] for s in await _snapshots(c, sid) if s["kind"] == "rolling"]
+        assert rolling == [seen[2], seen[1]]  # keep=2, newest first
+        dirs = stack.snapshot_dirs()
+        assert seen[0] not in dirs and {seen[1], seen[2]} <= dirs  # the pruned one is gone from the node
+
+        # Kill the VM process (SIGKILL): the node notices, the control plane pauses the session.
+        record = next(r for r in stack.agent.list() if r.id == _sandbox_of(stack, sid))
+        pid = record.sandbox.process.pid  # type: ignore[attr-defined]
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+
+        async def failed_on_node() -> bool:
+            return record.id in stack.agent.failed_sandboxes()
+
+        await _wait(failed_on_node, "the node to notice the dead VM", 30)
+        await stack.heartbeat()
+        info = await _ok(await c.get(f"/sessions/{sid}"))
+        assert info["state"] == "paused", info
+        assert seen[2] in info["pause_reason"]
+        resumed = await _ok(await c.post(f"/sessions/{sid}/resume"))
+        assert resumed["state"] == "running"
+        assert await _sh(c, sid, "cat /root/state") == "three\n"
+        await _ok(await c.post(f"/sessions/{sid}/close"))
+
+
+def _sandbox_of(stack: Stack, session_id: str) -> str:
+    """The session's current sandbox (not part of the public API: read from the control plane's DB)."""
+    with contextlib.closing(sqlite3.connect(str(stack.state_dir / "capsa.db"))) as db:
+        row = db.execute("SELECT sandbox_id FROM sessions WHERE id = ?", (session_id,)).fetchone()
+    assert row is not None and row[0], session_id
+    return str(row[0])
+
+
+async def test_close_deletes_snapshots_on_the_node(stack: Stack) -> None:
+    async with stack.client() as c:
+        ses = await _create(c)
+        sid = ses["id"]
+        a = await _ok(await c.post(f"/sessions/{sid}/snapshots", json={}), 201)
+        await _sh(c, sid, "echo x > /root/x")
+        b = await _ok(await c.post(f"/sessions/{sid}/snapshots", json={}), 201)
+        assert {a["id"], b["id"]} <= stack.snapshot_dirs()
+        await _ok(await c.post(f"/sessions/{sid}/close"))
+        assert not ({a["id"], b["id"]} & stack.snapshot_dirs())
+        assert await _snapshots(c, sid) == []
+
+        kept = await _create(c, keep_snapshots=True)
+        k = await _ok(await c.post(f"/sessions/{kept['id']}/snapshots", json={}), 201)
+        await _ok(await c.post(f"/sessions/{kept['id']}/close"))
+        assert k["id"] in stack.snapshot_dirs()  # retained by the session's policy
+        assert [s["id"] for s in await _snapshots(c, kept["id"])] == [k["id"]]
+
+
+async def test_on_timeout_pause_then_resume(stack: Stack) -> None:
+    async with stack.client() as c:
+        ses = await _create(c, on_timeout="pause")
+        sid = ses["id"]
+        await _sh(c, sid, "echo before-timeout > /root/t")
+        await _ok(await c.post(f"/sessions/{sid}/timeout", json={"timeout": 1}))
+
+        async def paused() -> dict[str, Any] | None:
+            info: dict[str, Any] = await _ok(await c.get(f"/sessions/{sid}"))
+            return info if info["state"] == "paused" else None
+
+        info = await _wait(paused, "the reaper to pause the session", 60)
+        assert info["pause_reason"] == "timeout"
+        await asyncio.sleep(1.0)  # the reaper keeps it paused (it does not close it)
+        assert (await _ok(await c.get(f"/sessions/{sid}")))["state"] == "paused"
+        resumed = await _ok(await c.post(f"/sessions/{sid}/resume"))
+        assert resumed["state"] == "running"
+        assert await _sh(c, sid, "cat /root/t") == "before-timeout\n"
+        await _ok(await c.post(f"/sessions/{sid}/close"))
+
+
+async def test_bad_requests_change_nothing(stack: Stack) -> None:
+    async with stack.client() as c:
+        ses = await _create(c)
+        sid = ses["id"]
+        snap = await _ok(await c.post(f"/sessions/{sid}/snapshots", json={}), 201)
+        other = await _create(c)
+        other_snap = await _ok(await c.post(f"/sessions/{other['id']}/snapshots", json={}), 201)
+
+        async def picture() -> tuple[Any, ...]:
+            info = await _ok(await c.get(f"/sessions/{sid}"))
+            listed = await _ok(await c.get("/sessions", params={"limit": 500}))
+            return (info["state"], info["updated_at"], [s["id"] for s in await _snapshots(c, sid)],
+                    sorted(s["id"] for s in listed["items"]), sorted(r.id for r in stack.agent.list()),
+                    sorted(stack.snapshot_dirs()))
+
+        before = await picture()
+        _problem(await c.post(f"/sessions/{sid}/resume"), 409, "invalid_state")  # it is running
+        for n in (0, 10000, -1):
+            _problem(await c.post(f"/sessions/{sid}/branch", json={"n": n}), 422, "validation_error")
+        _problem(await c.post(f"/sessions/{sid}/branch", json={"n": "3"}), 422, "validation_error")
+        _problem(await c.post("/sessions", json={"template": "no-such-template"}), 404, "template_not_found")
+        _problem(await c.post(f"/sessions/{sid}/restore", json={"snapshot_id": "snap_" + "0" * 20}), 404,
+                 "snapshot_not_found")
+        _problem(await c.post(f"/sessions/{sid}/restore", json={"snapshot_id": other_snap["id"]}), 404,
+                 "snapshot_not_found")
+        _problem(await c.post(f"/sessions/{sid}/restore", json={"snapshot_id": "../x"}), 422,
+                 "validation_error")
+        _problem(await c.post("/sessions", json={"on_timeout": "explode"}), 422, "validation_error")
+        _problem(await c.post("/sessions", json={"rolling_snapshots": {"keep": 0}}), 422, "validation_error")
+        async with stack.client(await stack.tenant_key("intruder")) as other_tenant:
+            for path in ("pause", "resume", "snapshots"):
+                _problem(await other_tenant.post(f"/sessions/{sid}/{path}", json={}), 404, "not_found")
+            _problem(await other_tenant.post(f"/sessions/{sid}/branch", json={"n": 1}), 404, "not_found")
+            _problem(await other_tenant.get(f"/sessions/{sid}/snapshots"), 404, "not_found")
+            _problem(await other_tenant.post(f"/sessions/{sid}/restore", json={"snapshot_id": snap["id"]}),
+                     404, "not_found")
+        assert await picture() == before
+        assert snap["id"] in before[-1]
+
+        # Pause twice: the second is refused and changes nothing.
+        await _ok(await c.post(f"/sessions/{sid}/pause"))
+        paused = await picture()
+        _problem(await c.post(f"/sessions/{sid}/pause"), 409, "invalid_state")
+        _problem(await c.post(f"/sessions/{sid}/snapshots", json={}), 409, "invalid_state")
+        assert await picture() == paused
+
+        # A closed session cannot be resumed, paused or branched.
+        await _ok(await c.post(f"/sessions/{sid}/close"))
+        closed = await picture()
+        _problem(await c.post(f"/sessions/{sid}/resume"), 409, "invalid_state")
+        _problem(await c.post(f"/sessions/{sid}/pause"), 409, "invalid_state")
+        _problem(await c.post(f"/sessions/{sid}/branch", json={"n": 2}), 409, "invalid_state")
+        assert await picture() == closed
+        await _ok(await c.post(f"/sessions/{other['id']}/close"))
