@@ -331,6 +331,9 @@ async def test_bad_requests_get_clear_errors_and_change_nothing(
     assert info.value.code == "snapshot_mismatch"
     with pytest.raises(BootError, match="invalid sandbox id"):
         await runtime.restore(snap, spec, sandbox_id="../escape")
+    with pytest.raises(SnapshotError) as info:
+        await runtime.restore(snap, VMSpec(image=spec.image, network=object()))
+    assert info.value.code == "snapshot_unsupported"
     # A snapshot from another VM layout (e.g. QEMU options changed since) is refused before QEMU starts.
     assert snap.manifest.machine is not None
     original = (snap.path / "manifest.json").read_text()
