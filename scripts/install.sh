@@ -40,7 +40,7 @@ esac
 
 PACKAGES=(
     qemu-system-x86 qemu-utils debootstrap busybox-static e2fsprogs zstd lz4 cpio btrfs-progs nftables
-    iproute2 procps util-linux debian-archive-keyring ca-certificates python3 python3-venv python3-dev gcc
+    iproute2 procps curl util-linux debian-archive-keyring ca-certificates python3 python3-venv python3-dev gcc
     postgresql
 )
 
