@@ -1,0 +1,193 @@
+"""Control plane side of pause/resume/branch/snapshots with host-process guests (fake runtime).
+
+The fake runtime cannot snapshot (its "VM" is a host process), so these tests cover what the control plane
+decides on its own: the session options, validation, legal states, tenant scoping, and that a refused
+request changes nothing. The same paths with real snapshots are in
+tests/integration/test_api_snapshots_vm.py.
+"""
+
+# ruff: noqa: F811  (pytest fixtures imported from control_fixtures are re-bound as parameters)
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from capsa.control.lifecycle import transition
+from capsa.control.plane import ControlPlane
+from capsa.control.rolling import _due, due_sessions
+from capsa.control.store.models import SessionRow, utcnow
+from tests.support.api_stack import ApiStack
+from tests.unit.control_fixtures import db_url, pg_cluster, stack  # noqa: F401
+
+
+def _problem(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert response.json()["code"] == code, response.text
+
+
+def _plane(stack: ApiStack) -> ControlPlane:
+    plane = stack.replicas[0].app.state.plane
+    assert isinstance(plane, ControlPlane)
+    return plane
+
+
+async def _row(stack: ApiStack, session_id: str) -> SessionRow:
+    async with _plane(stack).db() as db:
+        row = await db.get(SessionRow, session_id)
+        assert row is not None
+        return row
+
+
+async def test_session_options_are_stored_and_shown(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as c:
+        plain = (await c.post("/v1/sessions", json={})).json()
+        assert plain["on_timeout"] == "close" and plain["rolling_snapshots"] is None
+        assert plain["keep_snapshots"] is False and plain["pause_reason"] is None
+        created = await c.post("/v1/sessions", json={
+            "on_timeout": "pause", "keep_snapshots": True, "env": {"A": "1"},
+            "rolling_snapshots": {"interval_s": 60, "after_command": True}})
+        assert created.status_code == 201, created.text
+        ses = created.json()
+        assert ses["on_timeout"] == "pause" and ses["keep_snapshots"] is True
+        assert ses["rolling_snapshots"] == {"interval_s": 60, "after_command": True, "keep": 3}
+        assert (await c.get(f"/v1/sessions/{ses['id']}")).json() == ses
+        assert (await c.get(f"/v1/sessions/{ses['id']}/snapshots")).json() == {"items": []}
+        row = await _row(stack, ses["id"])
+        # The env is kept so a resumed or branched sandbox gets it again.
+        assert row.env == {"A": "1"} and row.timeout_s == 3600
+        for sid in (plain["id"], ses["id"]):
+            await c.post(f"/v1/sessions/{sid}/close")
+
+
+async def _picture(stack: ApiStack, c: httpx.AsyncClient, sid: str) -> tuple[Any, ...]:
+    info = (await c.get(f"/v1/sessions/{sid}")).json()
+    listed = (await c.get("/v1/sessions", params={"limit": 500})).json()
+    assert stack.agent is not None
+    return (info["state"], info["updated_at"], info["pause_reason"],
+            sorted(s["id"] for s in listed["items"]), sorted(r.id for r in stack.agent.list()),
+            (await c.get(f"/v1/sessions/{sid}/snapshots")).json())
+
+
+@pytest.mark.parametrize("body", [
+    {"n": 0}, {"n": 33}, {"n": 10000}, {"n": -1}, {"n": "3"}, {"n": 2.5}, {"n": None}, {"n": 2, "x": 1},
+])
+async def test_branch_count_is_validated_and_changes_nothing(stack: ApiStack, body: dict[str, Any]) -> None:
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as c:
+        sid = (await c.post("/v1/sessions", json={})).json()["id"]
+        before = await _picture(stack, c, sid)
+        _problem(await c.post(f"/v1/sessions/{sid}/branch", json=body), 422, "validation_error")
+        assert await _picture(stack, c, sid) == before
+        await c.post(f"/v1/sessions/{sid}/close")
+
+
+async def test_refused_requests_change_nothing(stack: ApiStack) -> None:
+    key, intruder_key = await stack.tenant_key("acme"), await stack.tenant_key("intruder")
+    async with stack.client(key) as c, stack.client(intruder_key) as intruder:
+        sid = (await c.post("/v1/sessions", json={})).json()["id"]
+        before = await _picture(stack, c, sid)
+        _problem(await c.post(f"/v1/sessions/{sid}/resume"), 409, "invalid_state")  # running, not paused
+        _problem(await c.post(f"/v1/sessions/{sid}/restore", json={"snapshot_id": "snap_" + "a" * 20}), 404,
+                 "snapshot_not_found")
+        for bad in ("snap_short", "../../x", "", None):
+            _problem(await c.post(f"/v1/sessions/{sid}/restore", json={"snapshot_id": bad}), 422,
+                     "validation_error")
+        _problem(await c.post(f"/v1/sessions/{sid}/snapshots", json={"kind": "rolling"}), 422,
+                 "validation_error")
+        _problem(await c.post("/v1/sessions", json={"template": "nope"}), 404, "template_not_found")
+        for bad_create in ({"on_timeout": "explode"}, {"rolling_snapshots": {"keep": 0}},
+                           {"rolling_snapshots": {"interval_s": 1}}, {"rolling_snapshots": {"keep": 99}},
+                           {"keep_snapshots": "maybe"}):
+            _problem(await c.post("/v1/sessions", json=bad_create), 422, "validation_error")
+        # Another tenant's session does not exist for the intruder.
+        for path in ("pause", "resume", "snapshots"):
+            _problem(await intruder.post(f"/v1/sessions/{sid}/{path}", json={}), 404, "not_found")
+        _problem(await intruder.get(f"/v1/sessions/{sid}/snapshots"), 404, "not_found")
+        _problem(await intruder.post(f"/v1/sessions/{sid}/branch", json={"n": 1}), 404, "not_found")
+        _problem(await intruder.post(f"/v1/sessions/{sid}/restore", json={"snapshot_id": "snap_" + "a" * 20}),
+                 404, "not_found")
+        _problem(await c.post("/v1/sessions/ses_nonexistent/pause"), 404, "not_found")
+        assert await _picture(stack, c, sid) == before
+
+        await c.post(f"/v1/sessions/{sid}/close")
+        closed = await _picture(stack, c, sid)
+        for path, body in (("pause", None), ("resume", None), ("snapshots", {}), ("branch", {"n": 2}),
+                           ("restore", {"snapshot_id": "snap_" + "a" * 20})):
+            response = await c.post(f"/v1/sessions/{sid}/{path}", json=body)
+            assert response.status_code in (404, 409), response.text
+            if path != "restore":
+                _problem(response, 409, "invalid_state")
+        assert await _picture(stack, c, sid) == closed
+
+
+async def test_node_without_snapshot_support_leaves_the_session_running(stack: ApiStack) -> None:
+    # The plain node agent has no snapshot routes: the request fails, the session keeps its sandbox.
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as c:
+        sid = (await c.post("/v1/sessions", json={})).json()["id"]
+        before = await _picture(stack, c, sid)
+        for path in ("pause", "snapshots"):
+            response = await c.post(f"/v1/sessions/{sid}/{path}", json={})
+            assert response.status_code == 404, response.text
+        ran = await c.post(f"/v1/sessions/{sid}/commands", json={"cmd": "echo hi"})
+        assert ran.json()["stdout"] == "hi\n"
+        after = await _picture(stack, c, sid)
+        assert after[0] == "running" and after[3:] == before[3:]
+        await c.post(f"/v1/sessions/{sid}/close")
+
+
+async def test_after_command_policy_marks_the_session_due(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    plane = _plane(stack)
+    async with stack.client(key) as c:
+        policy = {"rolling_snapshots": {"after_command": True}}
+        wants = (await c.post("/v1/sessions", json=policy)).json()["id"]
+        plain = (await c.post("/v1/sessions", json={})).json()["id"]
+        assert (await _row(stack, wants)).snapshot_wanted_at is None
+        for sid in (wants, plain):
+            assert (await c.post(f"/v1/sessions/{sid}/commands", json={"cmd": "true"})).status_code == 200
+        assert (await _row(stack, wants)).snapshot_wanted_at is not None
+        assert (await _row(stack, plain)).snapshot_wanted_at is None
+        assert wants in await due_sessions(plane) and plain not in await due_sessions(plane)
+        for sid in (wants, plain):
+            await c.post(f"/v1/sessions/{sid}/close")
+        assert await due_sessions(plane) == []  # only running sessions are snapshotted
+
+
+def test_interval_policy_needs_time_and_activity() -> None:
+    now = utcnow()
+    long_ago = now - timedelta(seconds=100)
+    row = SessionRow(id="ses_x", created_at=long_ago, last_activity_at=long_ago, snapshot_interval_s=60,
+                     snapshot_keep=3, snapshot_wanted_at=None, last_snapshot_at=None)
+    assert _due(row, now)  # never snapshotted, interval passed: the first one is taken regardless
+    row.last_snapshot_at = now - timedelta(seconds=90)
+    assert not _due(row, now)  # nothing happened since the last snapshot
+    row.last_activity_at = now - timedelta(seconds=10)
+    assert _due(row, now)
+    row.last_snapshot_at = now - timedelta(seconds=30)
+    assert not _due(row, now)  # activity, but the interval has not passed
+    row.snapshot_wanted_at = now
+    assert _due(row, now)  # a finished command wants one now
+    row.snapshot_wanted_at, row.snapshot_interval_s = None, None
+    assert not _due(row, now)
+
+
+async def test_transition_sources_must_be_legal(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as c:
+        sid = (await c.post("/v1/sessions", json={})).json()["id"]
+    async with _plane(stack).db() as db:
+        with pytest.raises(ValueError, match="illegal transition"):
+            await transition(db, sid, "running", sources=("closed",))
+        # A legal but non-matching source does nothing.
+        assert not await transition(db, sid, "running", sources=("paused",))
+        states = (await db.execute(select(SessionRow.state).where(SessionRow.id == sid))).scalars().all()
+        assert states == ["running"]
+    async with stack.client(key) as c:
+        await c.post(f"/v1/sessions/{sid}/close")
