@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from capsa.sdk import (
         AsyncClient,
+        AsyncSecrets,
         AsyncSession,
+        AuditEvent,
         BadRequest,
         CapsaAPIError,
         CapsaClientError,
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
         Process,
         ProcessInfo,
         RateLimited,
+        Secrets,
         Session,
         SessionFailed,
         SessionInfo,
@@ -43,7 +46,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AsyncClient",
+    "AsyncSecrets",
     "AsyncSession",
+    "AuditEvent",
     "BadRequest",
     "CapsaAPIError",
     "CapsaClientError",
@@ -63,6 +68,7 @@ __all__ = [
     "Process",
     "ProcessInfo",
     "RateLimited",
+    "Secrets",
     "Session",
     "SessionFailed",
     "SessionInfo",

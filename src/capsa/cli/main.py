@@ -24,6 +24,9 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "resume": ("capsa.cli.snapshots", "resume"),
     "branch": ("capsa.cli.snapshots", "branch"),
     "snapshots": ("capsa.cli.snapshots", "snapshots"),
+    "secrets": ("capsa.cli.egress", "secrets"),
+    "audit": ("capsa.cli.egress", "audit"),
+    "policy": ("capsa.cli.egress", "policy"),
 }
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import DEFAULT_API_URL, ClientConfig
+from capsa.sdk.egress import AsyncEgress, AsyncSecrets, AuditEvent, PolicyInfo, SecretInfo
+from capsa.sdk.egress_sync import Egress, Secrets
 from capsa.sdk.errors import (
     BadRequest,
     CapsaAPIError,
@@ -47,11 +49,14 @@ __all__ = [
     "ApiKey",
     "AsyncClient",
     "AsyncCommands",
+    "AsyncEgress",
     "AsyncFiles",
     "AsyncKeys",
     "AsyncProcess",
+    "AsyncSecrets",
     "AsyncSession",
     "AsyncSnapshots",
+    "AuditEvent",
     "BadRequest",
     "CapsaAPIError",
     "CapsaClientError",
@@ -61,6 +66,7 @@ __all__ = [
     "ClientConfig",
     "CommandResult",
     "Commands",
+    "Egress",
     "FieldError",
     "FileInfo",
     "Files",
@@ -74,10 +80,13 @@ __all__ = [
     "NotReady",
     "OutputCallback",
     "PayloadTooLarge",
+    "PolicyInfo",
     "Process",
     "ProcessInfo",
     "ProcessOutput",
     "RateLimited",
+    "SecretInfo",
+    "Secrets",
     "Session",
     "SessionFailed",
     "SessionInfo",

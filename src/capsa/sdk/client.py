@@ -19,6 +19,7 @@ from urllib.parse import quote
 import httpx
 
 from capsa.sdk.config import ClientConfig
+from capsa.sdk.egress import AsyncSecrets
 from capsa.sdk.errors import (
     CapsaAPIError,
     CapsaClientError,
@@ -94,6 +95,7 @@ class AsyncClient:
         self._http = httpx.AsyncClient(base_url=self.config.api_url + "/v1", headers=headers,
                                        timeout=httpx.Timeout(self.config.timeout), transport=transport)
         self.keys = AsyncKeys(self)
+        self.secrets = AsyncSecrets(self)
 
     # -- plumbing -------------------------------------------------------------------------------------
 
@@ -192,8 +194,11 @@ class AsyncClient:
                              metadata: Mapping[str, str] | None = None, memory_mib: int | None = None,
                              vcpus: int | None = None, on_timeout: Literal["pause", "close"] | None = None,
                              rolling_snapshots: Mapping[str, Any] | None = None,
-                             keep_snapshots: bool | None = None) -> SessionInfo:
+                             keep_snapshots: bool | None = None,
+                             policy: Mapping[str, Any] | None = None) -> SessionInfo:
         body: dict[str, Any] = {"template": template}
+        if policy is not None:
+            body["policy"] = dict(policy)
         if on_timeout is not None:
             body["on_timeout"] = on_timeout
         if rolling_snapshots is not None:

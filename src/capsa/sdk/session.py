@@ -14,6 +14,7 @@ import httpx
 
 from capsa.sdk.client import AsyncClient
 from capsa.sdk.commands import AsyncCommands
+from capsa.sdk.egress import AsyncEgress, AuditEvent, PolicyInfo
 from capsa.sdk.files import AsyncFiles
 from capsa.sdk.models import SessionInfo
 from capsa.sdk.snapshots import AsyncSnapshots
@@ -53,6 +54,7 @@ class AsyncSession:
         self.commands = AsyncCommands(client, info.id)
         self.files = AsyncFiles(client, info.id)
         self.snapshots = AsyncSnapshots(self)
+        self.egress = AsyncEgress(client, info.id)
 
     @staticmethod
     def _client_for(client: AsyncClient | None, api_url: str | None, api_key: str | None,
@@ -67,6 +69,7 @@ class AsyncSession:
                      metadata: Mapping[str, str] | None = None, memory_mib: int | None = None,
                      vcpus: int | None = None, on_timeout: Literal["pause", "close"] | None = None,
                      rolling_snapshots: Mapping[str, Any] | None = None, keep_snapshots: bool | None = None,
+                     policy: Mapping[str, Any] | None = None,
                      api_url: str | None = None, api_key: str | None = None,
                      client: AsyncClient | None = None,
                      transport: httpx.AsyncBaseTransport | None = None) -> AsyncSession:
@@ -75,13 +78,17 @@ class AsyncSession:
         ``on_timeout="pause"`` keeps a snapshot when the lifetime or idle timeout passes (resume it later);
         ``rolling_snapshots={"interval_s": 300, "after_command": True, "keep": 3}`` snapshots the session
         in the background so it survives the loss of its sandbox; ``keep_snapshots`` keeps them after close.
+
+        ``policy`` is an egress policy (``{"domains": [...], "secrets": [...]}``); without one the session
+        has no network at all. Secrets it binds are referred to by name and reach the sandbox only as
+        placeholders (see :class:`capsa.sdk.egress.AsyncSecrets`).
         """
         conn, owned = cls._client_for(client, api_url, api_key, transport)
         try:
             info = await conn.create_session(template=template, timeout=timeout, idle_timeout=idle_timeout,
                                              env=env, metadata=metadata, memory_mib=memory_mib, vcpus=vcpus,
                                              on_timeout=on_timeout, rolling_snapshots=rolling_snapshots,
-                                             keep_snapshots=keep_snapshots)
+                                             keep_snapshots=keep_snapshots, policy=policy)
         except BaseException:
             if owned:
                 await conn.aclose()
@@ -127,6 +134,15 @@ class AsyncSession:
     @property
     def client(self) -> AsyncClient:
         return self._client
+
+    async def audit(self, *, decision: str | None = None,
+                    limit: int | None = None) -> builtins.list[AuditEvent]:
+        """The session's egress audit trail (requests, DNS queries, dropped packets), oldest first."""
+        return await self.egress.audit(decision=decision, limit=limit)
+
+    async def set_policy(self, policy: Mapping[str, Any]) -> PolicyInfo:
+        """Replace the running session's egress policy (applies without a restart)."""
+        return await self.egress.set_policy(policy)
 
     async def refresh(self) -> SessionInfo:
         self.info = await self._client.get_session(self.id)

@@ -17,6 +17,8 @@ import httpx
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import ClientConfig
+from capsa.sdk.egress import AuditEvent, PolicyInfo
+from capsa.sdk.egress_sync import Egress, Secrets
 from capsa.sdk.files import AsyncFiles, UploadSource
 from capsa.sdk.models import (
     ApiKey,
@@ -58,6 +60,7 @@ class Client:
         self._portal = get_portal()
         self.aio = AsyncClient(api_url, api_key, timeout=timeout, transport=transport)
         self.keys = Keys(self.aio.keys, self._portal)
+        self.secrets = Secrets(self.aio.secrets, self._portal)
 
     @property
     def config(self) -> ClientConfig:
@@ -232,6 +235,7 @@ class Session:
         self.commands = Commands(inner.commands, self._portal)
         self.files = Files(inner.files, self._portal)
         self.snapshots = Snapshots(inner.snapshots, self._portal)
+        self.egress = Egress(inner.egress, self._portal)
 
     @classmethod
     def create(cls, template: str = "base", *, timeout: int | None = None, idle_timeout: int | None = None,
@@ -239,14 +243,15 @@ class Session:
                memory_mib: int | None = None, vcpus: int | None = None,
                on_timeout: Literal["pause", "close"] | None = None,
                rolling_snapshots: Mapping[str, Any] | None = None, keep_snapshots: bool | None = None,
+               policy: Mapping[str, Any] | None = None,
                api_url: str | None = None, api_key: str | None = None, client: Client | None = None,
                transport: httpx.AsyncBaseTransport | None = None) -> Session:
         """See :meth:`capsa.AsyncSession.create`."""
         inner = get_portal().call(AsyncSession.create(
             template, timeout=timeout, idle_timeout=idle_timeout, env=env, metadata=metadata,
             memory_mib=memory_mib, vcpus=vcpus, on_timeout=on_timeout, rolling_snapshots=rolling_snapshots,
-            keep_snapshots=keep_snapshots, api_url=api_url, api_key=api_key, client=_aio(client),
-            transport=transport))
+            keep_snapshots=keep_snapshots, policy=policy, api_url=api_url, api_key=api_key,
+            client=_aio(client), transport=transport))
         return cls(inner)
 
     @classmethod
@@ -279,6 +284,14 @@ class Session:
 
     def refresh(self) -> SessionInfo:
         return self._portal.call(self._inner.refresh())
+
+    def audit(self, *, decision: str | None = None, limit: int | None = None) -> builtins.list[AuditEvent]:
+        """The session's egress audit trail, oldest first."""
+        return self._portal.call(self._inner.audit(decision=decision, limit=limit))
+
+    def set_policy(self, policy: Mapping[str, Any]) -> PolicyInfo:
+        """Replace the running session's egress policy (applies without a restart)."""
+        return self._portal.call(self._inner.set_policy(policy))
 
     def set_timeout(self, timeout: int) -> SessionInfo:
         return self._portal.call(self._inner.set_timeout(timeout))
