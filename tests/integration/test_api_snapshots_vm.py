@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -387,3 +388,70 @@ async def test_bad_requests_change_nothing(stack: Stack) -> None:
         _problem(await c.post(f"/sessions/{sid}/branch", json={"n": 2}), 409, "invalid_state")
         assert await picture() == closed
         await _ok(await c.post(f"/sessions/{other['id']}/close"))
+
+
+async def test_sdk_async_sync_and_cli(stack: Stack) -> None:
+    from click.testing import CliRunner
+
+    from capsa.cli.main import cli
+    from capsa.sdk import AsyncSession, InvalidState, Session
+
+    url, key = stack.control.url, stack.key
+    s = await AsyncSession.create(timeout=900, metadata={"via": "sdk"}, rolling_snapshots={"keep": 2},
+                                  api_url=url, api_key=key)
+    assert s.info.rolling_snapshots == {"interval_s": None, "after_command": False, "keep": 2}
+    await s.files.write("/root/sdk", "first\n")
+    snap = await s.snapshots.create()
+    assert snap.kind == "manual" and [x.id for x in await s.snapshots.list()] == [snap.id]
+    await s.files.write("/root/sdk", "second\n")
+    await s.snapshots.restore(snap.id)
+    assert s.state == "running" and await s.files.read("/root/sdk") == "first\n"
+    assert (await s.pause()).state == "paused"
+    with pytest.raises(InvalidState):
+        await s.pause()
+    again = await AsyncSession.resume(s.id, api_url=url, api_key=key)  # the class form attaches and resumes
+    assert again.state == "running" and await again.files.read("/root/sdk") == "first\n"
+    kids = await again.branch(2)
+    assert [k.info.metadata for k in kids] == [{"via": "sdk", "branched_from": s.id}] * 2
+    assert {await k.files.read("/root/sdk") for k in kids} == {"first\n"}
+    for kid in kids:
+        await kid.close()
+    await again.pause()
+    assert (await again.resume()).state == "running"  # the instance form resumes in place
+    await again.disconnect()
+    await s.disconnect()
+    sid = s.id
+
+    def blocking_part() -> None:
+        env = {"CAPSA_API_URL": stack.control.url, "CAPSA_API_KEY": stack.key}
+        runner = CliRunner()
+
+        def capsa(*args: str, code: int = 0) -> Any:
+            result = runner.invoke(cli, list(args), env=env)
+            assert result.exit_code == code, (args, result.output)
+            return json.loads(result.output) if "--json" in args else result.output
+
+        assert capsa("pause", sid, "--json")["state"] == "paused"
+        assert capsa("resume", sid, "--json")["state"] == "running"
+        taken = capsa("snapshots", sid, "--take").strip()
+        assert taken.startswith("snap_")
+        listed = capsa("snapshots", sid, "--json")["items"]
+        assert listed[0]["id"] == taken and {"pause", "manual"} <= {x["kind"] for x in listed}
+        assert taken in capsa("snapshots", sid)  # the table
+        assert capsa("snapshots", sid, "--restore", taken, "--json")["state"] == "running"
+        kids = capsa("branch", sid, "-n", "2", "--json")["items"]
+        assert len(kids) == 2 and all(k["metadata"]["branched_from"] == sid for k in kids)
+        assert "0 is not in the range" in capsa("branch", sid, "-n", "0", code=2)
+        assert "invalid_state" in capsa("resume", sid, code=1)  # running, not paused
+        capsa("close", *(k["id"] for k in kids))
+
+        session = Session.connect(sid, api_url=url, api_key=key)
+        assert session.pause().state == "paused"
+        session.disconnect()
+        resumed = Session.resume(sid, api_url=url, api_key=key)
+        assert resumed.state == "running" and resumed.files.read("/root/sdk") == "first\n"
+        assert [k.state for k in resumed.branch(1)] == ["running"]
+        assert resumed.snapshots.list()[0].kind == "branch"
+        resumed.close()
+
+    await asyncio.to_thread(blocking_part)

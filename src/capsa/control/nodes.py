@@ -79,12 +79,12 @@ async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> He
         if req.capacity is not None:
             row.memory_mib, row.vcpus = req.capacity.memory_mib, req.capacity.vcpus
             row.max_sandboxes = req.capacity.max_sandboxes
-        failed: list[str] = []
+        failed: list[tuple[str, str | None]] = []
         if req.failed_sandboxes:
             rows = await db.execute(select(SessionRow.id, SessionRow.sandbox_id).where(
                 SessionRow.node_id == node_id, SessionRow.sandbox_id.in_(req.failed_sandboxes),
                 SessionRow.state == "running"))
-            failed = [sid for sid, _ in rows.all()]
+            failed = [(sid, sbx) for sid, sbx in rows.all()]
         orphans: list[str] = []
         if req.sandboxes:
             owned = await db.execute(select(SessionRow.sandbox_id).where(
@@ -94,8 +94,8 @@ async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> He
         await db.commit()
         out = HeartbeatOut(**node_out(row, plane.settings.node_heartbeat_timeout).model_dump(),
                            destroy_sandboxes=orphans)
-    for session_id in failed:
-        await lose_sandbox(plane, session_id, "the sandbox's VM died")
+    for session_id, sandbox_id in failed:
+        await lose_sandbox(plane, session_id, "the sandbox's VM died", sandbox_id)
     return out
 
 

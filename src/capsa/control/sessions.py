@@ -235,12 +235,17 @@ async def purge_snapshots(plane: ControlPlane, session_id: str | None = None) ->
     return deleted
 
 
-async def lose_sandbox(plane: ControlPlane, session_id: str, reason: str) -> str:
+async def lose_sandbox(plane: ControlPlane, session_id: str, reason: str,
+                       sandbox_id: str | None = None) -> str:
     """The session's sandbox is gone (VM died, node lost). With a snapshot to come back to, the session is
-    paused and can be resumed from it; without one it fails. Returns the session's resulting state."""
+    paused and can be resumed from it; without one it fails. Returns the session's resulting state.
+
+    ``sandbox_id``: the sandbox found gone; if the session has moved to another one since (a restore), the
+    session is left alone.
+    """
     async with plane.db() as db:
         row = await db.get(SessionRow, session_id, populate_existing=True)
-        if row is None or row.state != "running":
+        if row is None or row.state != "running" or (sandbox_id is not None and row.sandbox_id != sandbox_id):
             return row.state if row is not None else "failed"
         latest = (await db.execute(select(SnapshotRow.id).where(SnapshotRow.session_id == session_id)
                                    .order_by(SnapshotRow.created_at.desc()).limit(1))).scalar_one_or_none()
@@ -303,7 +308,7 @@ async def running_session(plane: ControlPlane, tenant: str, session_id: str) -> 
 async def node_call_failed(plane: ControlPlane, row: SessionRow, exc: NodeError) -> ApiError:
     """Turn a node error into the API error to show; a vanished sandbox fails the session."""
     if exc.code in SANDBOX_GONE_CODES:
-        if await lose_sandbox(plane, row.id, exc.message or exc.code) == "paused":
+        if await lose_sandbox(plane, row.id, exc.message or exc.code, row.sandbox_id) == "paused":
             return InvalidState(f"session {row.id} lost its sandbox and was paused at its latest snapshot; "
                                 f"resume it to continue ({exc.message})")
         return SessionFailed(f"session {row.id} failed: {exc.message}")

@@ -60,7 +60,8 @@ async def _stream(plane: ControlPlane, row: SessionRow, lines: AsyncIterator[str
                 except ValueError:
                     event = {}
                 if event.get("type") == "error" and event.get("code") in SANDBOX_GONE_CODES:
-                    state = await lose_sandbox(plane, row.id, str(event.get("detail") or event["code"]))
+                    state = await lose_sandbox(plane, row.id, str(event.get("detail") or event["code"]),
+                                               row.sandbox_id)
                     line = _error_line("session_failed" if state == "failed" else "invalid_state",
                                        f"session {row.id} lost its sandbox ({state}): {event.get('detail')}")
                     failed = True
