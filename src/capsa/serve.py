@@ -16,7 +16,6 @@ import socket
 import sys
 from collections.abc import Generator
 from pathlib import Path
-from typing import cast
 
 import uvicorn
 
@@ -30,7 +29,6 @@ from capsa.control.settings import ControlSettings
 from capsa.node.agent import NodeAgent
 from capsa.node.api import create_node_app
 from capsa.node.egress.node_egress import NodeEgress
-from capsa.node.runtime.base import Runtime
 
 __all__ = ["HEARTBEAT_INTERVAL", "LOCAL_NODE_ID", "run"]
 
@@ -103,7 +101,11 @@ def _bind(host: str, port: int) -> socket.socket:
 async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path, database_url: str | None,
                  accel: str) -> None:
     from capsa.images.build import ensure_image, find_image
-    from capsa.node.runtime.qemu import QemuRuntime
+    from capsa.node.api_snapshots import add_snapshot_routes
+    from capsa.node.pool import PoolSettings
+    from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
+    from capsa.node.snapshot_agent import SnapshotNodeAgent
+    from capsa.node.storage.pool import StoragePool
 
     state_dir = await asyncio.to_thread(_prepare_state_dir, state_dir)
     settings = Settings(state_dir=state_dir, accel=accel)
@@ -112,17 +114,22 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
         print("capsa: building the guest image (first start only)…", file=sys.stderr, flush=True)
         image = await asyncio.to_thread(ensure_image, settings)
 
-    runtime = QemuRuntime(settings, accel=accel)
-    # cast: QemuRuntime.list() returns its concrete sandbox type (list is invariant)
+    # Sessions come from template snapshots (warm pool or restore on demand), on the node's storage pool.
+    storage = await asyncio.to_thread(StoragePool.from_settings, settings)
+    runtime = SnapshotRuntime(settings, accel=accel, pool=storage)
+    pool_cfg = PoolSettings()
     # Sandbox namespaces and nftables need root; without it, sessions with a policy are refused
     # (egress_unavailable) and sessions without one run with no network, as always.
     egress = NodeEgress.create() if os.geteuid() == 0 else None
-    agent = NodeAgent(cast(Runtime, runtime), image, node_id=LOCAL_NODE_ID, egress=egress)
+    agent = SnapshotNodeAgent(runtime, image, node_id=LOCAL_NODE_ID, egress=egress, pool_size=pool_cfg.size,
+                              pool_sizes=pool_cfg.sizes)
     await agent.start()
     token = secrets.token_urlsafe(32)
     node_socket = state_dir / "node.sock"
     node_socket.unlink(missing_ok=True)
-    node_server = _QuietServer(uvicorn.Config(create_node_app(agent, token), uds=str(node_socket),
+    node_app = create_node_app(agent, token)
+    add_snapshot_routes(node_app, agent, token)
+    node_server = _QuietServer(uvicorn.Config(node_app, uds=str(node_socket),
                                               log_level="warning", lifespan="off"))
     key_file = await asyncio.to_thread(ensure_key_file, state_dir / "secret.key")
     control_settings = ControlSettings(database_url=database_url or f"sqlite+aiosqlite:///{state_dir}/capsa.db",
@@ -141,7 +148,7 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
         plane: ControlPlane = app.state.plane
         await register_node(plane, NodeRegister(
             id=agent.node_id, url=f"unix://{node_socket}", token=token,
-            capacity=Capacity(**agent.capacity.as_dict()), templates=sorted(agent.templates)))
+            capacity=Capacity(**agent.capacity.as_dict()), templates=agent.template_store.names()))
         beats = asyncio.create_task(_heartbeats(plane, agent), name="capsa-heartbeat")
         print(f"capsa: serving on http://{host}:{port} (runtime {runtime.name}, state {state_dir})",
               file=sys.stderr, flush=True)
@@ -160,4 +167,5 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await node_task
         await agent.close()
+        await asyncio.to_thread(storage.unmount, lazy=True)
         node_socket.unlink(missing_ok=True)

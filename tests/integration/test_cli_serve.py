@@ -63,7 +63,9 @@ def _start(state_dir: Path, log_dir: Path, env: dict[str, str] | None = None) ->
     port = _free_port()
     n = len(list(log_dir.glob("serve-*.out")))
     out, err = log_dir / f"serve-{n}.out", log_dir / f"serve-{n}.err"
-    full_env = {**os.environ, **(env or {})}
+    # No warm pool unless a test asks for one: the "nothing left" checks then mean exactly no VM
+    # (a pool keeps idle VMs by design). Creation still goes through template restore.
+    full_env = {**os.environ, "CAPSA_POOL_SIZE": "0", **(env or {})}
     full_env.pop("CAPSA_API_KEY", None)
     with out.open("w") as o, err.open("w") as e:
         proc = subprocess.Popen([*CAPSA, "serve", "--port", str(port), "--state-dir", str(state_dir),

@@ -64,6 +64,7 @@ async def test_hits_misses_refill_and_no_reuse() -> None:
     await _settle(pool, 2)
     handed = [pool.take(KEY), pool.take(KEY), pool.take(KEY)]
     assert handed[0] is not None and handed[1] is not None and handed[2] is None
+    pool.watch(KEY)  # what the node does once the request is served
     await _settle(pool, 2)
     # Refilled with new sandboxes: nothing handed out ever comes back.
     assert {sb.id for sb in pool.pooled()}.isdisjoint({sb.id for sb in handed if sb is not None})
@@ -85,6 +86,7 @@ async def test_dead_idle_sandbox_is_discarded_not_handed_out() -> None:
     dead = pool.pooled()[0]
     dead.state = SandboxState.FAILED  # type: ignore[misc]
     assert pool.take(KEY) is None
+    pool.watch(KEY)
     await _settle(pool, 1)
     assert dead.id in fleet.destroyed
     await pool.close()

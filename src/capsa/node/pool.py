@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from capsa.node.runtime.base import Sandbox, SandboxState
 from capsa.node.runtime.snapshot import GuestRefresher
 
-__all__ = ["PoolKey", "PoolMetrics", "WarmPool", "bind_identity"]
+__all__ = ["PoolKey", "PoolMetrics", "PoolSettings", "WarmPool", "bind_identity"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,16 @@ RestoreFn = Callable[[PoolKey], Awaitable[Sandbox]]
 DestroyFn = Callable[[Sandbox], Coroutine[object, object, None]]
 
 _RETRY_DELAYS = (1.0, 5.0, 30.0)
+
+
+class PoolSettings(BaseSettings):
+    """``CAPSA_POOL_SIZE`` (idle sandboxes per template, default 1) and ``CAPSA_POOL_SIZES`` (JSON object
+    of per-template overrides, e.g. ``{"base": 2, "py": 0}``)."""
+
+    model_config = SettingsConfigDict(env_prefix="CAPSA_POOL_", extra="ignore")
+
+    size: int = Field(default=1, ge=0, le=64)
+    sizes: dict[str, int] = Field(default_factory=dict)
 
 
 class _IdentityGuest(GuestRefresher, Protocol):
@@ -128,7 +140,11 @@ class WarmPool:
         slot.wake.set()
 
     def take(self, key: PoolKey) -> Sandbox | None:
-        """A pooled sandbox for ``key`` (counted as a hit), or None (a miss: the caller restores)."""
+        """A pooled sandbox for ``key`` (counted as a hit), or None (a miss: the caller restores).
+
+        The caller calls :meth:`watch` once it has bound the sandbox: a refill started right away would
+        compete for the CPU with the request being served.
+        """
         slot = self._slot(key)
         while slot.idle:
             sandbox = slot.idle.popleft()
@@ -136,7 +152,6 @@ class WarmPool:
                 slot.hits += 1
                 self.metrics.hits.labels(**self._labels(key)).inc()
                 self._gauge(slot)
-                self.watch(key)
                 return sandbox
             log.warning("pooled sandbox %s died while idle (%s); discarding it", sandbox.id, sandbox.failure)
             task = asyncio.create_task(self._destroy(sandbox))
@@ -145,7 +160,6 @@ class WarmPool:
         slot.misses += 1
         self.metrics.misses.labels(**self._labels(key)).inc()
         self._gauge(slot)
-        self.watch(key)
         return None
 
     async def _refill(self, slot: _Slot) -> None:

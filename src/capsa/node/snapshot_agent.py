@@ -213,6 +213,7 @@ class SnapshotNodeAgent(NodeAgent):
             return await super().create(sandbox_id, template, memory_mib, vcpus, env, **kwargs)
         started = time.perf_counter()
         self._reserve([sandbox_id], memory_mib, vcpus)
+        tpl: Template | None = None
         try:
             tpl = await self.template_store.resolve(template, memory_mib, vcpus)
             sandbox = self.warm.take(tpl.key)
@@ -225,6 +226,8 @@ class SnapshotNodeAgent(NodeAgent):
             await self._bind(sandbox, _hostname(sandbox_id))
         finally:
             del self._booting[sandbox_id]
+            if tpl is not None:
+                self.warm.watch(tpl.key)
         # The template's own env (from its spec) under the request's.
         template_env = (tpl.spec or {}).get("env") or {}
         return await self._adopt(sandbox_id, sandbox, template=template, env={**template_env, **env},
