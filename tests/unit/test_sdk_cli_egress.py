@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 from capsa.cli.main import cli
 from capsa.sdk import AsyncClient, AsyncSession, InvalidState, NotFound, Unavailable, ValidationFailed
 from tests.support.api_stack import ApiStack
-from tests.unit.control_fixtures import db_url, make_stack, pg_cluster  # noqa: F401
+from tests.unit.control_fixtures import make_stack  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,7 +69,8 @@ async def test_cli_secrets_audit_policy(make_stack: Callable[..., Awaitable[ApiS
     sec_id = created.stdout.strip()
     assert sec_id.startswith("sec_") and VALUE not in created.output
     listed = await _cli(stack, key, "secrets", "ls", "--json")
-    assert [s["name"] for s in json.loads(listed.stdout)["items"]] == ["openai"] and VALUE not in listed.output
+    assert [s["name"] for s in json.loads(listed.stdout)["items"]] == ["openai"]
+    assert VALUE not in listed.output
     table = await _cli(stack, key, "secrets", "ls")
     assert "openai" in table.stdout and sec_id in table.stdout
     dup = await _cli(stack, key, "secrets", "create", "openai", stdin="x\n")
@@ -78,7 +79,8 @@ async def test_cli_secrets_audit_policy(make_stack: Callable[..., Awaitable[ApiS
     assert empty.exit_code == 1 and "empty" in empty.output
     os.environ["CAPSA_TEST_SECRET_VALUE"] = VALUE
     try:
-        from_env = await _cli(stack, key, "secrets", "create", "env-one", "--from-env", "CAPSA_TEST_SECRET_VALUE")
+        from_env = await _cli(stack, key, "secrets", "create", "env-one", "--from-env",
+                              "CAPSA_TEST_SECRET_VALUE")
     finally:
         del os.environ["CAPSA_TEST_SECRET_VALUE"]
     assert from_env.exit_code == 0, from_env.output
@@ -97,3 +99,18 @@ async def test_cli_secrets_audit_policy(make_stack: Callable[..., Awaitable[ApiS
     assert refused.exit_code == 1 and "no_network" in refused.output
     bad = await _cli(stack, key, "policy", "set", sid, "-", stdin="[1, 2]\n")
     assert bad.exit_code == 1 and "mapping" in bad.output
+
+
+async def test_cli_run_with_policy_file(make_stack: Callable[..., Awaitable[ApiStack]],
+                                        tmp_path: Path) -> None:
+    stack = await make_stack()
+    key = await stack.tenant_key("acme")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("domains: [{domain: 10.0.0.1}]\n")
+    refused = await _cli(stack, key, "run", "--policy", str(bad), "--", "true")
+    assert refused.exit_code != 0 and "validation_error" in refused.output
+    listed = await _cli(stack, key, "ls", "--json")
+    assert json.loads(listed.stdout)["items"] == []  # a refused policy creates nothing
+    not_a_map = tmp_path / "list.yaml"
+    not_a_map.write_text("- a\n")
+    assert "mapping" in (await _cli(stack, key, "run", "--policy", str(not_a_map), "--", "true")).output

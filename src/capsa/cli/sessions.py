@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 import click
+import yaml
 
 from capsa.cli.output import (
     ApiOptions,
     api_options,
     emit_json,
+    fail,
     human_time,
     json_option,
     print_table,
@@ -103,31 +106,44 @@ def _with_cmd_options(func: Any) -> Any:
     return func
 
 
+def _load_policy(path: Path) -> dict[str, Any]:
+    try:
+        document = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        fail(f"{path}: cannot read the policy: {exc}", EXIT_CAPSA_ERROR)
+    if not isinstance(document, dict):
+        fail(f"{path}: a policy is a mapping", EXIT_CAPSA_ERROR)
+    return {str(k): v for k, v in document.items()}
+
+
 @click.command(context_settings={"ignore_unknown_options": False})
 @click.option("--template", "-t", default="base", show_default=True, help="Template to start from.")
 @click.option("--memory", "memory_mib", type=click.IntRange(min=1), default=None, help="Memory in MiB.")
 @click.option("--vcpus", type=click.IntRange(min=1), default=None, help="Number of vCPUs.")
 @click.option("--metadata", "-m", "metadata", multiple=True, callback=_parse_env, metavar="KEY=VALUE",
               help="Metadata label for the session (repeatable).")
+@click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="Egress policy (JSON or YAML file); without one the session has no network.")
 @_with_cmd_options
 @json_option
 @api_options
 @click.argument("command", nargs=-1, required=True)
 def run(template: str, memory_mib: int | None, vcpus: int | None, metadata: dict[str, str],
-        timeout: float, env: dict[str, str], cwd: str | None, user: str | None, interactive: bool,
-        as_json: bool, api: ApiOptions, command: tuple[str, ...]) -> None:
+        policy_file: Path | None, timeout: float, env: dict[str, str], cwd: str | None, user: str | None,
+        interactive: bool, as_json: bool, api: ApiOptions, command: tuple[str, ...]) -> None:
     """Create a session, run COMMAND in it (output streamed), close it, exit with its exit code.
 
     A single COMMAND argument runs under /bin/sh -c; several run as an argv:
 
         capsa run -- python3 -c 'print(1)'      capsa run -- 'ls / | wc -l'
     """
+    policy = _load_policy(policy_file) if policy_file is not None else None
     stdin = _read_stdin(interactive)
     status = EXIT_CAPSA_ERROR
     lifetime = min(int(timeout) + _SESSION_GRACE, _MAX_SESSION_TIMEOUT)
     with reports_errors(EXIT_CAPSA_ERROR), Session.create(
             template, timeout=lifetime, env=env, metadata=metadata, memory_mib=memory_mib, vcpus=vcpus,
-            api_url=api.api_url, api_key=api.api_key) as session:
+            policy=policy, api_url=api.api_url, api_key=api.api_key) as session:
         status = _execute(session, command, timeout=timeout, env={}, cwd=cwd, user=user, stdin=stdin,
                           as_json=as_json)
     sys.exit(status)

@@ -232,8 +232,8 @@ async def collect_audit(plane: ControlPlane, node: NodeRow, client: NodeClient |
             return added
         async with plane.db() as db:
             sids = {str(i["session_id"]) for i in items if i.get("session_id")}
-            owners = dict((await db.execute(select(SessionRow.id, SessionRow.tenant)
-                                            .where(SessionRow.id.in_(sids)))).tuples().all())
+            owners = {sid: tenant for sid, tenant in (await db.execute(
+                select(SessionRow.id, SessionRow.tenant).where(SessionRow.id.in_(sids)))).all()}
             rows = [{
                 "tenant": "", "session_id": i.get("session_id"), "sandbox_id": i["sandbox_id"],
                 "node_id": node.id, "node_epoch": page["epoch"], "node_seq": i["seq"], "time": i["time"],
