@@ -134,9 +134,6 @@ class SnapshotNodeAgent(NodeAgent):
         out["templates"] = sorted(set(self.template_store.names()) | set(self.templates))
         return out
 
-    def used(self) -> dict[str, int]:
-        return super().used()
-
     # -- making sandboxes ----------------------------------------------------------------------------------
 
     def _image_for(self, digest: str) -> GuestImage:
@@ -186,6 +183,7 @@ class SnapshotNodeAgent(NodeAgent):
                                 source=source, snapshot=snapshot,
                                 create_ms=round((time.perf_counter() - started) * 1000, 3))
         self._sandboxes[sandbox_id] = record
+        self.metrics.create_seconds.labels(source=source).observe(time.perf_counter() - started)
         if sandbox_id in self._doomed:
             await self.destroy(sandbox_id)
             raise CapsaError(f"sandbox {sandbox_id} was destroyed while it was created",
