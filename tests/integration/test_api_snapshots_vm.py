@@ -455,3 +455,25 @@ async def test_sdk_async_sync_and_cli(stack: Stack) -> None:
         resumed.close()
 
     await asyncio.to_thread(blocking_part)
+
+
+async def test_interval_rolling_snapshots_follow_activity(stack: Stack) -> None:
+    async with stack.client() as c:
+        ses = await _create(c, rolling_snapshots={"interval_s": 10, "keep": 1})
+        sid = ses["id"]
+        await _sh(c, sid, "echo active > /root/a")
+
+        async def first() -> list[dict[str, Any]]:
+            return [s for s in await _snapshots(c, sid) if s["kind"] == "rolling"]
+
+        made = await _wait(first, "the first interval snapshot", 60)
+        assert len(made) == 1
+        await _sh(c, sid, "echo more > /root/a")  # activity: the next interval takes another, keep=1 prunes
+
+        async def replaced() -> bool:
+            now = [s["id"] for s in await _snapshots(c, sid) if s["kind"] == "rolling"]
+            return len(now) == 1 and now[0] != made[0]["id"]
+
+        await _wait(replaced, "the next interval snapshot", 60)
+        assert made[0]["id"] not in stack.snapshot_dirs()
+        await _ok(await c.post(f"/sessions/{sid}/close"))

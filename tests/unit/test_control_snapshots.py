@@ -191,3 +191,23 @@ async def test_transition_sources_must_be_legal(stack: ApiStack) -> None:
         assert states == ["running"]
     async with stack.client(key) as c:
         await c.post(f"/v1/sessions/{sid}/close")
+
+
+async def test_one_replica_at_a_time_claims_a_rolling_snapshot(stack: ApiStack) -> None:
+    # Two replicas share the database; the lease is a conditional update, so exactly one wins it.
+    from capsa.control.rolling import _claim, _release
+
+    second = await stack.add_replica()
+    planes = [_plane(stack), second.app.state.plane]
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as c:
+        body = {"rolling_snapshots": {"after_command": True}}
+        sid = (await c.post("/v1/sessions", json=body)).json()["id"]
+        await c.post(f"/v1/sessions/{sid}/commands", json={"cmd": "true"})
+        first = await _claim(planes[0], sid)
+        assert first is not None and await _claim(planes[1], sid) is None
+        assert sid not in await due_sessions(planes[1])  # claimed: not due for anyone else
+        await _release(planes[0], sid, first, done=True)
+        row = await _row(stack, sid)
+        assert row.snapshot_claim_until is None and row.snapshot_wanted_at is None
+        await c.post(f"/v1/sessions/{sid}/close")
