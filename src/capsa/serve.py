@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import secrets
@@ -120,7 +121,10 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
     pool_cfg = PoolSettings()
     # Sandbox namespaces and nftables need root; without it, sessions with a policy are refused
     # (egress_unavailable) and sessions without one run with no network, as always.
-    egress = NodeEgress.create() if os.geteuid() == 0 else None
+    # A namespace prefix of its own per state directory: stable across restarts, so a restarted node
+    # removes what a crashed one left, and distinct from other nodes' (and tests') on the same host.
+    prefix = "cs" + hashlib.sha256(str(state_dir).encode()).hexdigest()[:8] + "-"
+    egress = NodeEgress.create(netns_prefix=prefix) if os.geteuid() == 0 else None
     agent = SnapshotNodeAgent(runtime, image, node_id=LOCAL_NODE_ID, egress=egress, pool_size=pool_cfg.size,
                               pool_sizes=pool_cfg.sizes)
     await agent.start()

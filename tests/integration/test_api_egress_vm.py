@@ -314,7 +314,9 @@ async def test_egress_through_the_api_with_a_real_vm(guest_image: GuestImage, sh
         broker = EgressBroker(secrets=store, sink=audit, resolver=DnsResolver(world.ip),
                               upstream_ssl=ssl.create_default_context(cafile=str(world.ca_file)),
                               allow_networks=[world.net])
-        manager = NetworkManager(pool=f"10.231.{octet}.0/24")
+        # Its own namespace prefix: the agent's start removes stale namespaces with it, and other tests on
+        # this host use the default one.
+        manager = NetworkManager(pool=f"10.231.{octet}.0/24", netns_prefix=f"cae{secrets.token_hex(3)}-")
         egress = NodeEgress(EgressService(manager, broker, audit, poll_interval=0.5), store, audit)
         runtime = QemuRuntime(Settings(state_dir=state), accel="auto", accel_cache=False)
         key = base64.b64encode(os.urandom(32)).decode()
@@ -335,7 +337,8 @@ async def test_egress_through_the_api_with_a_real_vm(guest_image: GuestImage, sh
                 assert stack.agent is not None
                 (record,) = stack.agent.list()
                 sandbox_id = record.id
-                net, _auditor = egress.service._attached[sandbox_id]
+                net = egress.network(sandbox_id)
+                assert net is not None
                 placeholder = record.env["API_KEY"]
                 assert placeholder != SECRET and record.env["MINE"] == "1"
 
@@ -488,6 +491,6 @@ async def test_egress_through_the_api_with_a_real_vm(guest_image: GuestImage, sh
                 with pytest.raises(Exception, match="unknown sandbox"):
                     broker.get(sandbox_id)  # its CA and placeholders are forgotten
                 assert not egress.holds_secret(secret_id) and store.ids() == []
-                assert sandbox_id not in egress.service._attached
+                assert egress.network(sandbox_id) is None
                 final = await _audit(api, sid)
                 assert len(final) >= len(events)

@@ -80,6 +80,8 @@ class NodeAgent:
     async def start(self) -> list[str]:
         """Remove VMs and workdirs a previous agent process left behind; returns what was removed."""
         removed = await self.runtime.cleanup_orphans()
+        if self.egress is not None:
+            removed += await self.egress.cleanup_stale()
         if removed:
             log.warning("removed %d orphaned sandbox(es): %s", len(removed), removed)
         return removed

@@ -18,7 +18,7 @@ from capsa.node.egress.dns import Resolver
 from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import AttachedNetwork, EgressService
-from capsa.node.net.sandbox_net import NetworkManager
+from capsa.node.net.sandbox_net import NETNS_PREFIX, NetworkManager, SandboxNet
 
 __all__ = ["CA_BUNDLE", "CA_PATH", "NodeEgress", "install_ca_script"]
 
@@ -45,13 +45,26 @@ class NodeEgress:
         self._uses: dict[str, set[str]] = {}  # sandbox id -> secret ids its policy binds
 
     @classmethod
-    def create(cls, *, pool: str = "10.231.0.0/16", resolver: Resolver | None = None,
-               upstream_ssl: ssl.SSLContext | None = None, allow_networks: Sequence[str] = ()) -> NodeEgress:
+    def create(cls, *, pool: str = "10.231.0.0/16", netns_prefix: str = NETNS_PREFIX,
+               resolver: Resolver | None = None, upstream_ssl: ssl.SSLContext | None = None,
+               allow_networks: Sequence[str] = ()) -> NodeEgress:
+        """``netns_prefix`` names this node agent's namespaces; each agent on a host needs its own, since
+        :meth:`cleanup_stale` removes every namespace with the prefix."""
         audit = AuditLog()
         store = InMemorySecretStore(SecretBox(os.urandom(32)))
         broker = EgressBroker(secrets=store, sink=audit, resolver=resolver, upstream_ssl=upstream_ssl,
                               allow_networks=allow_networks)
-        return cls(EgressService(NetworkManager(pool=pool), broker, audit), store, audit)
+        return cls(EgressService(NetworkManager(pool=pool, netns_prefix=netns_prefix), broker, audit), store,
+                   audit)
+
+    def network(self, sandbox_id: str) -> SandboxNet | None:
+        """The sandbox's namespace, tap and addressing while it is attached."""
+        entry = self.service._attached.get(sandbox_id)
+        return entry[0] if entry is not None else None
+
+    async def cleanup_stale(self) -> list[str]:
+        """Remove namespaces (and their taps and rules) a previous process of this agent left behind."""
+        return await self.service.manager.cleanup_stale(keep=set(self.service._attached))
 
     def _store_secrets(self, sandbox_id: str, policy: EgressPolicy, values: Mapping[str, str]) -> None:
         wanted = {b.secret for b in policy.secrets}
