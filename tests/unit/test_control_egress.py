@@ -34,7 +34,8 @@ async def _stack(make_stack: Callable[..., Awaitable[ApiStack]], **settings: Any
 
 
 async def test_secrets_are_write_only_encrypted_and_tenant_scoped(
-        make_stack: Callable[..., Awaitable[ApiStack]], db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+        make_stack: Callable[..., Awaitable[ApiStack]], db_url: str,
+        caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     stack = await _stack(make_stack)
     acme, other = await stack.tenant_key("acme"), await stack.tenant_key("other")
@@ -45,8 +46,10 @@ async def test_secrets_are_write_only_encrypted_and_tenant_scoped(
         body = created.json()
         assert set(body) == {"id", "name", "description", "created_at"} and body["id"].startswith("sec_")
         assert SECRET_VALUE not in created.text
-        assert_problem(await a.post("/v1/secrets", json={"name": "openai", "value": "x"}), 409, "already_exists")
-        assert_problem(await a.post("/v1/secrets", json={"name": "empty", "value": ""}), 422, "validation_error")
+        assert_problem(await a.post("/v1/secrets", json={"name": "openai", "value": "x"}), 409,
+                       "already_exists")
+        assert_problem(await a.post("/v1/secrets", json={"name": "empty", "value": ""}), 422,
+                       "validation_error")
         assert_problem(await a.post("/v1/secrets", json={"name": "../bad", "value": "v"}), 422,
                        "validation_error")
         listed = await a.get("/v1/secrets")
@@ -107,7 +110,8 @@ async def test_policy_validation_and_sessions_without_network(
         got = await a.get(f"/v1/sessions/{sid}/policy")
         assert got.json()["policy"] is None
         assert_problem(await a.put(f"/v1/sessions/{sid}/policy",
-                                   json={"policy": {"domains": [{"domain": "a.example.com"}]}}), 409, "no_network")
+                                   json={"policy": {"domains": [{"domain": "a.example.com"}]}}),
+                       409, "no_network")
         audit = await a.get(f"/v1/sessions/{sid}/audit")
         assert audit.status_code == 200 and audit.json() == {"items": [], "next_cursor": None}
         assert_problem(await a.get(f"/v1/sessions/{sid}/audit", params={"cursor": "!!"}), 422,
