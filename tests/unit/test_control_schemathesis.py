@@ -4,6 +4,8 @@ every error is problem+json. Runs the real stack (uvicorn, node agent, guest dae
 from __future__ import annotations
 
 import asyncio
+import base64
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,7 +48,9 @@ class _StackThread:
                 FakeRuntime(),
                 fake_image(self.root / "image"),
                 capacity=NodeCapacity(10**7, 10**5, 64),
-                settings={"session_create_limit": 40},
+                # A secrets key, so the secrets routes are exercised (without one they answer 503).
+                settings={"session_create_limit": 40,
+                          "secret_key": base64.b64encode(os.urandom(32)).decode()},
             )
             self.stack = await stack.start()
             self.user_key = await stack.tenant_key("fuzz")
