@@ -153,7 +153,16 @@ class SnapshotNodeAgent(NodeAgent):
 
     async def _pool_restore(self, key: PoolKey) -> Sandbox:
         template = await self.template_store.resolve(*key)
-        return await self._restore(template.snapshot, None, {"template": key[0], "pooled": "1"})
+        sandbox = await self._restore(template.snapshot, None, {"template": key[0], "pooled": "1"})
+        try:
+            # A restored guest starts with cold caches (under TCG: no translated code; its RAM pages are
+            # faulted in from the snapshot on first touch), so its first command is slow. Spend that on
+            # a throwaway command while it waits in the pool, not on the user's first one.
+            await sandbox.guest.exec(["sh", "-c", "true"], timeout=60)
+        except BaseException:
+            await asyncio.shield(self.snap_runtime.destroy(sandbox))
+            raise
+        return sandbox
 
     async def _pool_destroy(self, sandbox: Sandbox) -> None:
         await self.snap_runtime.destroy(sandbox)
