@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from capsa.control.egress import merge_patch
 from capsa.control.secretbox import SecretSealer, ensure_key_file
 from capsa.node.egress.audit import EgressEvent
 from capsa.node.egress.audit_log import AuditLog
+from capsa.node.egress.node_egress import NodeEgress
 from tests.support.api_stack import ApiStack
 from tests.unit.control_fixtures import db_url, make_stack, pg_cluster  # noqa: F401
 from tests.unit.test_control_api import assert_problem
@@ -145,3 +147,54 @@ def test_key_file_is_private_and_kept(tmp_path: Any) -> None:
     first = path.read_text()
     SecretSealer.from_text(first)
     assert ensure_key_file(path).read_text() == first
+
+
+def _node_egress() -> NodeEgress:
+    # Only its audit log is used here; a private namespace prefix keeps its start-up cleanup away from
+    # every other test's namespaces.
+    return NodeEgress.create(netns_prefix=f"cue{secrets.token_hex(3)}-")
+
+
+async def test_audit_is_collected_by_heartbeats_once_per_event_and_across_node_restarts(
+        make_stack: Callable[..., Awaitable[ApiStack]], db_url: str) -> None:
+    node_egress = _node_egress()
+    stack = await make_stack(settings={"secret_key": KEY}, egress=node_egress)
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as a:
+        sid = (await a.post("/v1/sessions", json={})).json()["id"]
+        assert stack.agent is not None
+        (record,) = stack.agent.list()
+        for i in range(3):
+            node_egress.audit(EgressEvent(kind="dns", session_id=sid, sandbox_id=record.id,
+                                          destination=f"q{i}.test", decision="deny"))
+        node_egress.audit(EgressEvent(kind="dns", session_id="ses_unknownunknownunkn", sandbox_id="sbx_x",
+                                      destination="stray.test", decision="deny"))
+        assert (await stack.heartbeat()).status_code == 200
+        assert (await stack.heartbeat()).status_code == 200  # nothing new: no duplicates
+
+        engine = create_async_engine(db_url)
+        try:
+            async with engine.connect() as conn:
+                rows = (await conn.execute(text(
+                    "SELECT tenant, destination FROM audit_events ORDER BY id"))).all()
+        finally:
+            await engine.dispose()
+        assert [(t, d) for t, d in rows] == [("acme", "q0.test"), ("acme", "q1.test"), ("acme", "q2.test"),
+                                            ("", "stray.test")]
+
+        # A new node process starts numbering again: its events are new, not skipped.
+        node_egress.audit = AuditLog()
+        node_egress.service.broker.sink = node_egress.audit
+        node_egress.audit(EgressEvent(kind="http", session_id=sid, sandbox_id=record.id, method="GET",
+                                      destination="api.test", status=200, decision="allow",
+                                      secret_ids=["sec_aaaaaaaaaaaaaaaaaaaa"]))
+        page = await a.get(f"/v1/sessions/{sid}/audit", params={"limit": 2})
+        assert [e["destination"] for e in page.json()["items"]] == ["q0.test", "q1.test"]
+        rest = await a.get(f"/v1/sessions/{sid}/audit", params={"cursor": page.json()["next_cursor"]})
+        items = rest.json()["items"]
+        assert [e["destination"] for e in items] == ["q2.test", "api.test"]
+        assert items[-1]["secret_ids"] == ["sec_aaaaaaaaaaaaaaaaaaaa"] and items[-1]["status"] == 200
+        allowed = await a.get(f"/v1/sessions/{sid}/audit", params={"decision": "allow"})
+        assert [e["destination"] for e in allowed.json()["items"]] == ["api.test"]
+    async with stack.client(await stack.tenant_key("other")) as o:
+        assert_problem(await o.get(f"/v1/sessions/{sid}/audit"), 404, "not_found")

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 from sqlalchemy import select
 
+from capsa.control import egress
 from capsa.control.errors import NotFound, Unauthorized
 from capsa.control.lifecycle import ACTIVE_STATES
 from capsa.control.plane import ControlPlane
@@ -96,6 +97,8 @@ async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> He
                            destroy_sandboxes=orphans)
     for session_id, sandbox_id in failed:
         await lose_sandbox(plane, session_id, "the sandbox's VM died", sandbox_id)
+    # Keep the audit copy fresh: events wait in the node's memory only until the next heartbeat.
+    await egress.collect_audit_quietly(plane, row)
     return out
 
 
