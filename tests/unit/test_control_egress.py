@@ -54,6 +54,9 @@ async def test_secrets_are_write_only_encrypted_and_tenant_scoped(
                        "validation_error")
         assert_problem(await a.post("/v1/secrets", json={"name": "../bad", "value": "v"}), 422,
                        "validation_error")
+        smuggled = await a.post("/v1/secrets", json={"name": "crlf", "value": "tok\r\nX-Evil: 1"})
+        assert_problem(smuggled, 422, "validation_error")
+        assert "X-Evil" not in smuggled.text  # the refusal does not echo the value
         listed = await a.get("/v1/secrets")
         assert [s["name"] for s in listed.json()["items"]] == ["openai"] and SECRET_VALUE not in listed.text
         # Another tenant neither sees nor deletes it, and may use the same name.

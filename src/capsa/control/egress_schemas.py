@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from capsa.common.egress_policy import EgressPolicy, PolicyError
 
@@ -42,6 +42,15 @@ class SecretCreate(_Strict):
     value: Annotated[SecretStr, Field(min_length=1, max_length=65536)]
     """Write-only: stored encrypted, never returned, never logged."""
     description: Annotated[str, Field(max_length=1024)] | None = None
+
+    @field_validator("value")
+    @classmethod
+    def _header_safe(cls, value: SecretStr) -> SecretStr:
+        # The broker puts the value into an HTTP header: line breaks or NUL could never be sent there.
+        # The message must not quote the value.
+        if any(c in value.get_secret_value() for c in "\r\n\x00"):
+            raise ValueError("a secret value cannot contain line breaks or NUL characters")
+        return value
 
 
 class SecretOut(BaseModel):
