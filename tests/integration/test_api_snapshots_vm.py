@@ -187,8 +187,10 @@ async def test_pause_resume_keeps_files_and_running_processes(stack: Stack) -> N
         assert [s["kind"] for s in snaps] == ["pause"] and snaps[0]["id"] in stack.snapshot_dirs()
         _problem(await c.post(f"/sessions/{sid}/commands", json={"cmd": "true"}), 409, "invalid_state")
 
+        await asyncio.sleep(3.0)  # the guest clock would lag by this much without the node's clock refresh
         resumed = await _ok(await c.post(f"/sessions/{sid}/resume"))
         assert resumed["state"] == "running" and resumed["pause_reason"] is None
+        assert abs(float(await _sh(c, sid, "date +%s.%N")) - time.time()) < 2.0
         assert await _sh(c, sid, "cat /root/note") == "kept\n"
         first = await _counter(c, sid)
         assert first >= 5  # it ran ~1.5 s before the pause and carried on from there, not from zero
@@ -231,6 +233,8 @@ async def test_branch_into_three_then_diverge(stack: Stack) -> None:
         # Different random bytes in every branch (the node reseeded each one).
         samples = {await _sh(c, kid, "head -c 16 /dev/urandom | od -An -tx1") for kid in kids}
         assert len(samples) == 3
+        for kid in kids:  # and the host's clock, not the snapshot's
+            assert abs(float(await _sh(c, kid, "date +%s.%N")) - time.time()) < 2.0
         for sid in (*kids, pid):
             await _ok(await c.post(f"/sessions/{sid}/close"))
 
