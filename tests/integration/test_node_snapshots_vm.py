@@ -327,3 +327,33 @@ async def test_template_build_create_and_remove(api: httpx.AsyncClient, agent: S
     assert not any(n.startswith("tpl-h1-tools-") for n in _listing(agent)["templates"])
     resp = await api.post("/sandboxes", json={"id": new_id("sbx"), "template": "h1-tools"})
     assert resp.status_code == 404 and resp.json()["code"] == "template_not_found"
+
+
+async def test_template_cli_build_show_rm(api: httpx.AsyncClient, agent: SnapshotNodeAgent, tmp_path: Path,
+                                          state_dir: Path) -> None:
+    """`capsa template build|show|rm` as a user runs them, on the node's state directory."""
+    (tmp_path / "spec.yaml").write_text("name: h1-cli\nfiles:\n  - {path: /etc/h1-cli, content: cli}\n"
+                                        "commands: ['echo done > /root/cli-built']\n")
+    runner = CliRunner()
+
+    def invoke(*args: str) -> Any:
+        # In a thread: the CLI runs its own event loop.
+        return runner.invoke(cli, ["template", *args, "--state-dir", str(state_dir)])
+
+    built = await asyncio.to_thread(invoke, "build", str(tmp_path / "spec.yaml"), "--json")
+    assert built.exit_code == 0, built.output
+    assert "command 1/1" in built.output  # progress lines (stderr, mixed in by CliRunner)
+    shown = await asyncio.to_thread(invoke, "show", "h1-cli", "--json")
+    assert shown.exit_code == 0 and '"h1-cli"' in shown.output
+    sb = await _create(api, "h1-cli")  # the running node sees the new template
+    try:
+        assert await _sh(api, sb["id"], "cat /etc/h1-cli /root/cli-built") == "clidone\n"
+    finally:
+        await _ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
+    removed = await asyncio.to_thread(invoke, "rm", "h1-cli")
+    assert removed.exit_code == 0, removed.output
+    again = await asyncio.to_thread(invoke, "rm", "h1-cli")
+    assert again.exit_code == 1 and "template_not_found" in again.output
+    base = await asyncio.to_thread(invoke, "rm", "base")
+    assert base.exit_code == 1 and "template_protected" in base.output
+    assert not any(n.startswith("tpl-h1-cli-") for n in _listing(agent)["templates"])
