@@ -142,3 +142,20 @@ async def test_bind_identity_reseeds_sets_clock_and_names() -> None:
     assert [c[0] for c in calls] == ["reseed", "clock", "hostname", "reseed", "clock"]
     first, second = calls[0][1], calls[3][1]
     assert isinstance(first, bytes) and len(first) == 64 and first != second
+
+
+async def test_refill_stops_when_the_template_is_gone() -> None:
+    from capsa.common.errors import CapsaError
+
+    calls = 0
+
+    async def restore(key: PoolKey) -> _Sandbox:
+        nonlocal calls
+        calls += 1
+        raise CapsaError("gone", code="template_not_found", status=404)
+
+    pool = WarmPool(restore, _Fleet().destroy, default_size=1)  # type: ignore[arg-type]
+    pool.watch(KEY)
+    await asyncio.sleep(0.2)
+    assert calls == 1 and pool.status()[0]["refill_failures"] == 0
+    await pool.close()

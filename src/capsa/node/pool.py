@@ -181,6 +181,10 @@ class WarmPool:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if getattr(exc, "code", None) == "template_not_found":
+                    # Deleted (e.g. `capsa template rm` from another process): nothing left to refill.
+                    log.info("template %s is gone; its warm pool stops refilling", slot.key[0])
+                    return
                 slot.failures += 1
                 self.metrics.refill_failures.labels(**self._labels(slot.key)).inc()
                 delay = _RETRY_DELAYS[min(attempt, len(_RETRY_DELAYS) - 1)]
