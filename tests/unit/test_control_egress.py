@@ -104,7 +104,8 @@ async def test_policy_validation_and_sessions_without_network(
     async with stack.client(await stack.tenant_key("acme")) as a:
         for bad in ({"domains": [{"domain": "10.0.0.1"}]}, {"domains": "x"}, {"nope": 1},
                     {"domains": [{"domain": "a.example.com"}],
-                     "secrets": [{"secret": "k", "domain": "other.example.com"}]}):
+                     "secrets": [{"secret": "k", "domain": "other.example.com"}]},
+                    {"domains": [{"domain": f"d{i}.example.com"} for i in range(1001)]}):
             assert_problem(await a.post("/v1/sessions", json={"policy": bad}), 422, "validation_error")
         assert (await a.get("/v1/sessions")).json()["items"] == []  # nothing half-created
         # The fake node has no egress service: a valid policy is refused, the session does not run.

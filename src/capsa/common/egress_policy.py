@@ -64,7 +64,7 @@ class DomainRule(BaseModel):
     """``api.example.com`` (exactly that name) or ``*.example.com`` (any name below it, not the apex)."""
     methods: list[str] | None = None
     """Allowed HTTP methods; ``None`` allows the common ones (GET HEAD POST PUT PATCH DELETE OPTIONS)."""
-    path_prefixes: list[str] | None = None
+    path_prefixes: list[str] | None = Field(default=None, max_length=256)
     """Allowed URL path prefixes (each starting with ``/``); ``None`` allows every path."""
     rate_limit: RateLimit | None = None
     max_request_bytes: int | None = Field(default=None, ge=0)
@@ -155,8 +155,9 @@ class EgressPolicy(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    domains: list[DomainRule] = Field(default_factory=list)
-    secrets: list[SecretBinding] = Field(default_factory=list)
+    # Bounded so a policy stays cheap to check on every request and to store with the session.
+    domains: list[DomainRule] = Field(default_factory=list, max_length=1000)
+    secrets: list[SecretBinding] = Field(default_factory=list, max_length=64)
     max_request_bytes: int = Field(default=10 * 1024 * 1024, ge=0)
     max_response_bytes: int = Field(default=50 * 1024 * 1024, ge=0)
 
