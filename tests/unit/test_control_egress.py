@@ -118,6 +118,9 @@ async def test_policy_validation_and_sessions_without_network(
         assert_problem(await a.put(f"/v1/sessions/{sid}/policy",
                                    json={"policy": {"domains": [{"domain": "a.example.com"}]}}),
                        409, "no_network")
+        patched = await a.patch(f"/v1/sessions/{sid}/policy", content=b'{"domains": []}',
+                                headers={"content-type": "application/merge-patch+json"})
+        assert_problem(patched, 409, "no_network")  # the merge-patch body was read as JSON
         audit = await a.get(f"/v1/sessions/{sid}/audit")
         assert audit.status_code == 200 and audit.json() == {"items": [], "next_cursor": None}
         assert_problem(await a.get(f"/v1/sessions/{sid}/audit", params={"cursor": "!!"}), 422,
