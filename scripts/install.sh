@@ -72,8 +72,8 @@ step "Guest image (kernel, initramfs, root filesystem)"
 
 if [ "$DEMO" -eq 1 ]; then
     step "Main job"
-    # ---- MAIN JOB (one line; switch to the SDK quick start when the control plane lands) ----
-    "$VENV/bin/capsa" vm run -- python3 -c 'import platform; print(platform.release())'
+    # ---- MAIN JOB: capsa serve + the SDK quick start (examples/quickstart.py), see scripts/demo.sh ----
+    CAPSA_VENV="$VENV" "$REPO/scripts/demo.sh"
 fi
 
 step "Done"

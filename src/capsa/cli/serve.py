@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import stat
 from pathlib import Path
@@ -13,6 +14,7 @@ import click
 
 from capsa.cli.output import fail, json_option
 from capsa.common.settings import Settings
+from capsa.control.keys import parse_key
 
 __all__ = ["serve"]
 
@@ -68,6 +70,9 @@ def serve(host: str, port: int, state_dir: Path | None, database_url: str | None
     settings = Settings()
     state = (state_dir or settings.state_dir).resolve()
     chosen_accel = accel or settings.accel
+    configured_key = os.environ.get("CAPSA_BOOTSTRAP_KEY")
+    if configured_key and parse_key(configured_key) is None:
+        fail("CAPSA_BOOTSTRAP_KEY must look like csk_<12 chars [0-9a-z]>_<32 chars [0-9A-Za-z]>")
     _check_port(host, port)
     try:
         state.mkdir(parents=True, exist_ok=True)
