@@ -195,11 +195,13 @@ async def finish_session(plane: ControlPlane, session_id: str, target: str, reas
     async with plane.db() as db:
         fields = {"failure_reason": reason} if reason is not None else {}
         done = await transition(db, session_id, target, **fields)
+        # Read what to destroy before committing, so the sandbox is gone as soon after the state
+        # change becomes visible as possible.
+        row = await db.get(SessionRow, session_id, populate_existing=True) if done else None
+        node = await node_of(db, row) if row else None
         await db.commit()
         if not done:
             return False
-        row = await db.get(SessionRow, session_id, populate_existing=True)
-        node = await node_of(db, row) if row else None
     if row is not None and node is not None and row.sandbox_id:
         await _destroy_quietly(plane.node_client(node), row.sandbox_id)
         await egress.collect_audit_quietly(plane, node)  # the sandbox's last events, incl. its teardown
