@@ -4,7 +4,7 @@ One figure for every sandbox: the time from asking for a new sandbox until its f
 has returned, p50/p95 over ``n`` runs, with ratios against capsa's warm pool measured in the same run.
 
 * capsa: the node agent's real creation paths, driven by ``bench/create_paths.py``'s own functions:
-  warm pool, restore on demand (pool off) and cold boot (fewer samples: ~9 s each under TCG).
+  warm pool, restore on demand (pool off) and cold boot (fewer samples: 5-10 s each under TCG).
 * gVisor runsc, bookworm's 20221219 (ptrace) and trixie's 20240729 (systrap), over capsa's guest rootfs
   with ``--network=none`` (:mod:`peers.gvisor`).
 * nitrobox 0.1.0 (namespace sandbox; python3.13 from trixie, see :mod:`peers.install`).
@@ -52,8 +52,8 @@ BASELINE = "capsa_warm_pool"
 HERE = Path(__file__).resolve().parent
 
 
-def _entry(samples: list[float], isolation: str, **extra: Any) -> dict[str, Any]:
-    return {"create_first_exec_s": summary(samples), "isolation": isolation, **extra}
+def _entry(samples: list[float], kind: str, isolation: str, **extra: Any) -> dict[str, Any]:
+    return {"create_first_exec_s": summary(samples), "kind": kind, "isolation": isolation, **extra}
 
 
 async def _capsa(args: argparse.Namespace, image: GuestImage) -> dict[str, dict[str, Any]]:
@@ -72,17 +72,19 @@ async def _capsa(args: argparse.Namespace, image: GuestImage) -> dict[str, dict[
         await agent.start()
         await agent.wait_ready()
         _, first, sources = await _creates(agent, args.n, pooled=True)
-        out["capsa_warm_pool"] = _entry(first, vm, sources={s: sources.count(s) for s in set(sources)})
+        out["capsa_warm_pool"] = _entry(first, "microVM", vm,
+                                        sources={s: sources.count(s) for s in set(sources)})
         print("capsa warm pool done", flush=True)
         await agent.warm.drain()
         agent.warm.default_size = 0
         _, first, sources = await _creates(agent, args.n, pooled=False)
-        out["capsa_restore_on_demand"] = _entry(first, vm,
+        out["capsa_restore_on_demand"] = _entry(first, "microVM", vm,
                                                 sources={s: sources.count(s) for s in set(sources)})
         print("capsa restore on demand done", flush=True)
         if args.cold > 0:
             _, first = await _cold(runtime, VMSpec(image=image, memory_mib=256), args.cold)
-            out["capsa_cold_boot"] = _entry(first, vm, note=f"n={args.cold}: ~9 s per boot under TCG")
+            out["capsa_cold_boot"] = _entry(first, "microVM", vm,
+                                            note=f"n={args.cold}: each cold boot takes seconds under TCG")
             print("capsa cold boot done", flush=True)
     finally:
         await agent.close()
@@ -116,7 +118,8 @@ def _peers(args: argparse.Namespace, image: GuestImage) -> dict[str, dict[str, A
 
     def runsc(suite: str, platform: str) -> dict[str, Any]:
         got = measure_runsc(inst.runsc(suite), platform, inst.rootfs(image), args.n)
-        return _entry(got["create_first_exec"], f"gVisor user-space kernel ({platform} platform)",
+        return _entry(got["create_first_exec"], f"gVisor {platform}",
+                      f"gVisor user-space kernel ({platform} platform)",
                       version=got["version"], run_true_oneshot_s=summary(got["run_true_oneshot"]),
                       note="runsc run --detach (sleep infinity) + runsc exec true, --network=none, "
                            "capsa's guest rootfs read-only; run_true_oneshot_s: `runsc run` of true "
@@ -130,7 +133,8 @@ def _peers(args: argparse.Namespace, image: GuestImage) -> dict[str, dict[str, A
             got = _driver(py, "nitrobox_driver.py", [str(rootfs), str(args.n), str(work)])
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        return _entry(got["create_first_exec"], "Linux namespaces + overlayfs + seccomp (shared host kernel)",
+        return _entry(got["create_first_exec"], "namespaces",
+                      "Linux namespaces + overlayfs + seccomp (shared host kernel)",
                       first_create_s=got["first_create_s"],
                       note="nitrobox 0.1.0 on trixie's python3.13, rootful, net_isolate=True, capsa's guest "
                            "rootfs as the image; its image config pre-seeded (else each create waits ~37 s "
@@ -141,7 +145,8 @@ def _peers(args: argparse.Namespace, image: GuestImage) -> dict[str, dict[str, A
         env = dict(os.environ, PATH=f"{inst.bwrap().parent}:{os.environ.get('PATH', '/usr/bin:/bin')}")
         got = _driver(py, "llm_sandbox_driver.py", [str(args.n), str(args.n_slow)], env=env)
         out["llm_sandbox_docker"] = {"skipped": got["docker_backend"]}
-        return _entry(got["create_first_exec"], "bubblewrap namespaces over the host's own directories",
+        return _entry(got["create_first_exec"], "bubblewrap",
+                      "bubblewrap namespaces over the host's own directories (shared host kernel)",
                       create_first_exec_python_env_s=summary(got["create_first_exec_python_env"]),
                       note="llm-sandbox backend='bubblewrap', skip_environment_setup=True; "
                            "create_first_exec_python_env_s: the lang='python' default, which builds a "
@@ -156,15 +161,15 @@ def _peers(args: argparse.Namespace, image: GuestImage) -> dict[str, dict[str, A
 
 def _table(entries: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float]]) -> Table:
     table = Table(title="create + first exec of `true` (ratio: / capsa warm pool, same run)")
-    for col in ("sandbox", "n", "p50 ms", "p95 ms", "p50 ratio", "p95 ratio", "isolation / skipped"):
-        table.add_column(col, justify="left" if col in ("sandbox", "isolation / skipped") else "right")
+    for col in ("sandbox", "kind", "n", "p50 ms", "p95 ms", "p50 ratio", "p95 ratio"):
+        table.add_column(col, justify="left" if col in ("sandbox", "kind") else "right")
     for name, e in entries.items():
         if "skipped" in e:
-            table.add_row(name, "-", "-", "-", "-", "-", f"skipped: {e['skipped']}")
+            table.add_row(name, f"skipped: {e['skipped']}", "-", "-", "-", "-", "-")
             continue
         s, r = e["create_first_exec_s"], ratios[name]
-        table.add_row(name, str(s["n"]), f"{s['p50'] * 1000:.1f}", f"{s['p95'] * 1000:.1f}",
-                      f"{r['p50']:.2f}", f"{r['p95']:.2f}", e["isolation"])
+        table.add_row(name, e["kind"], str(s["n"]), f"{s['p50'] * 1000:.1f}", f"{s['p95'] * 1000:.1f}",
+                      f"{r['p50']:.2f}", f"{r['p95']:.2f}")
     return table
 
 
@@ -188,7 +193,14 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     results["skipped"] = {name: e["skipped"] for name, e in entries.items() if "skipped" in e}
     results["load_end"] = list(os.getloadavg())
     results["time_end"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    Console().print(_table(entries, ratios))
+    # Wide enough for the sandbox names when stdout is a file or pipe (rich assumes 80 columns).
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=140)
+    console.print(_table(entries, ratios))
+    for name, e in entries.items():
+        if "skipped" in e:
+            print(f"skipped {name}: {e['skipped']}")
     write_results(Path(args.out), results)
     print(f"wrote {args.out}")
     return results
@@ -198,7 +210,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--n", type=int, default=20,
                         help="samples for the fast paths (capsa pool/restore, peers)")
-    parser.add_argument("--cold", type=int, default=3, help="capsa cold boots (~9 s each under TCG)")
+    parser.add_argument("--cold", type=int, default=3, help="capsa cold boots (5-10 s each under TCG)")
     parser.add_argument("--n-slow", type=int, default=5, help="llm-sandbox sessions with a Python virtualenv")
     parser.add_argument("--accel", default="auto")
     parser.add_argument("--peers-dir", default=str(DEFAULT_DIR))

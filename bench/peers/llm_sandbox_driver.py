@@ -46,7 +46,7 @@ def main() -> None:
         "create_first_exec": fast,
         "create_first_exec_python_env": slow,
         "docker_backend": "Docker daemon socket present (not measured here)" if docker else
-                          "skipped: no Docker daemon on this host (/var/run/docker.sock absent)",
+                          "no Docker daemon on this host (/var/run/docker.sock absent)",
     }))
 
 
