@@ -131,7 +131,20 @@ async def stack(state_dir: Path, pool: StoragePool, guest_image: GuestImage) -> 
                 "templates": sorted(agent.templates)})
             assert registered.status_code in (200, 201), registered.text
         s.key = await s.tenant_key("acme")
-        yield s
+
+        async def beat() -> None:
+            # As in capsa serve: without heartbeats the node counts as gone after 30 s.
+            while True:
+                await asyncio.sleep(2.0)
+                await s.heartbeat()
+
+        beats = asyncio.create_task(beat())
+        try:
+            yield s
+        finally:
+            beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beats
     finally:
         if control is not None:
             await control.stop()
