@@ -139,6 +139,7 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
     control_settings = ControlSettings(database_url=database_url or f"sqlite+aiosqlite:///{state_dir}/capsa.db",
                                        secret_key_file=key_file)
     app = create_app(control_settings, on_bootstrap_key=_announce_key)
+    app.state.startup_pending = True  # /v1/ready answers 503 until the local node has registered
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
 
     node_task = asyncio.create_task(node_server.serve(), name="capsa-node-api")
@@ -153,6 +154,7 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
         await register_node(plane, NodeRegister(
             id=agent.node_id, url=f"unix://{node_socket}", token=token,
             capacity=Capacity(**agent.capacity.as_dict()), templates=agent.template_store.names()))
+        app.state.startup_pending = False
         beats = asyncio.create_task(_heartbeats(plane, agent), name="capsa-heartbeat")
         print(f"capsa: serving on http://{host}:{port} (runtime {runtime.name}, state {state_dir})",
               file=sys.stderr, flush=True)

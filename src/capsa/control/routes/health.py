@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from sqlalchemy import text
 
 from capsa.control.deps import Plane, problems
@@ -23,7 +23,11 @@ async def health() -> Health:
 
 
 @router.get("/ready", response_model=Ready, responses={503: problems(503)[503]})
-async def ready(plane: Plane) -> Ready:
+async def ready(plane: Plane, request: Request) -> Ready:
+    # An embedding process (capsa serve) holds readiness until its local node has (re-)registered:
+    # before that, the database may still list the node as healthy from the previous run.
+    if getattr(request.app.state, "startup_pending", False):
+        raise ApiError("starting: the local node has not registered yet", code="not_ready", status=503)
     try:
         async with plane.db() as db:
             await db.execute(text("SELECT 1"))
