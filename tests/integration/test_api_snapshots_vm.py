@@ -483,7 +483,7 @@ async def test_interval_rolling_snapshots_follow_activity(stack: Stack) -> None:
         async def first() -> list[dict[str, Any]]:
             return [s for s in await _snapshots(c, sid) if s["kind"] == "rolling"]
 
-        made = await _wait(first, "the first interval snapshot", 60)
+        made = await _wait(first, "the first interval snapshot", 180)
         assert len(made) == 1
         await _sh(c, sid, "echo more > /root/a")  # activity: the next interval takes another, keep=1 prunes
 
@@ -491,6 +491,6 @@ async def test_interval_rolling_snapshots_follow_activity(stack: Stack) -> None:
             now = [s["id"] for s in await _snapshots(c, sid) if s["kind"] == "rolling"]
             return len(now) == 1 and now[0] != made[0]["id"]
 
-        await _wait(replaced, "the next interval snapshot", 60)
+        await _wait(replaced, "the next interval snapshot", 180)
         assert made[0]["id"] not in stack.snapshot_dirs()
         await _ok(await c.post(f"/sessions/{sid}/close"))
