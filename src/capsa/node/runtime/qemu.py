@@ -53,7 +53,7 @@ from capsa.node.storage.disks import DiskError, private_disk
 if TYPE_CHECKING:
     from capsa.node.runtime.base import GuestImage
 
-__all__ = ["QemuRuntime", "QemuSandbox", "TapNetwork"]
+__all__ = ["QemuRuntime", "QemuSandbox", "TapNetwork", "abort_launch"]
 
 _log = logging.getLogger(__name__)
 
@@ -232,6 +232,21 @@ class QemuSandbox:
 
     def __repr__(self) -> str:
         return f"<QemuSandbox {self._id} {self._state.value} accel={self._accel.value} pid={self.pid}>"
+
+
+async def abort_launch(process: QemuProcess | None, client: GuestClient | None, vmdir: VmDir) -> str:
+    """Undo a boot or restore that failed midway: close the guest channel, kill QEMU and delete the VM
+    directory. Returns the tail of the guest console, for the error message."""
+    if client is not None:
+        with contextlib.suppress(Exception):
+            await client.close()
+    detail = ""
+    if process is not None:
+        await process.kill()
+        console = process.console_tail(1500).strip()
+        detail = f"\n--- guest console (tail) ---\n{console}" if console else ""
+    await asyncio.to_thread(vmdir.remove)
+    return detail
 
 
 class QemuRuntime:
@@ -432,15 +447,7 @@ class QemuRuntime:
         except BaseException as exc:
             if tap_fd is not None:
                 os.close(tap_fd)
-            if client is not None:
-                with contextlib.suppress(Exception):
-                    await client.close()
-            detail = ""
-            if process is not None:
-                await process.kill()
-                console = process.console_tail(1500).strip()
-                detail = f"\n--- guest console (tail) ---\n{console}" if console else ""
-            await asyncio.to_thread(vmdir.remove)
+            detail = await abort_launch(process, client, vmdir)
             if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
                 raise
             if isinstance(exc, _BOOT_FAILURES):

@@ -36,7 +36,7 @@ from capsa.common.settings import Settings
 from capsa.node.guest_client import GuestClient
 from capsa.node.runtime.base import Accelerator, BootError, RuntimeError_, SandboxState, VMSpec
 from capsa.node.runtime.hostinfo import HostInfoError, qemu_binary, qemu_version, tsc_khz
-from capsa.node.runtime.qemu import _SANDBOX_ID_RE, QemuRuntime, QemuSandbox
+from capsa.node.runtime.qemu import _SANDBOX_ID_RE, QemuRuntime, QemuSandbox, abort_launch
 from capsa.node.runtime.qemu_cmdline import QemuConfig, build_argv
 from capsa.node.runtime.qemu_process import QemuProcess
 from capsa.node.runtime.snapshot import (
@@ -214,15 +214,7 @@ class SnapshotRuntime(QemuRuntime):
                                       boot_seconds=loop.time() - started)
             sandbox.files = files
         except BaseException as exc:
-            if client is not None:
-                with contextlib.suppress(Exception):
-                    await client.close()
-            detail = ""
-            if process is not None:
-                await process.kill()
-                console = process.console_tail(1500).strip()
-                detail = f"\n--- guest console (tail) ---\n{console}" if console else ""
-            await asyncio.to_thread(vmdir.remove)
+            detail = await abort_launch(process, client, vmdir)
             if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
                 raise
             if isinstance(exc, (SnapshotError, BootError)):
