@@ -473,6 +473,7 @@ class QemuRuntime:
         QEMU: if it exits, the boot fails at once instead of at the deadline."""
         loop = asyncio.get_running_loop()
         exited = asyncio.ensure_future(process.wait())
+        probe: asyncio.Future[dict[str, object]] | None = None
         try:
             while True:
                 remaining = deadline - loop.time()
@@ -486,7 +487,7 @@ class QemuRuntime:
                     await asyncio.sleep(0.05)
                     continue
                 # Bytes written before the guest opens its port can be lost, so health is retried.
-                ready = asyncio.ensure_future(client.wait_ready(timeout=remaining, interval=1.0))
+                ready = probe = asyncio.ensure_future(client.wait_ready(timeout=remaining, interval=1.0))
                 done, _ = await asyncio.wait({ready, exited}, timeout=remaining,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if ready in done and ready.exception() is None:
@@ -503,10 +504,17 @@ class QemuRuntime:
                         raise exc
                 await asyncio.sleep(0.05)
         finally:
-            if not exited.done():
-                exited.cancel()
-                with contextlib.suppress(BaseException):
-                    await exited
+            # Cancelled from outside (e.g. a pool refill stopped mid-restore): collect the pending
+            # health probe too, or it dies later with an exception nobody retrieves.
+            for pending in (probe, exited):
+                if pending is None:
+                    continue
+                if not pending.done():
+                    pending.cancel()
+                    with contextlib.suppress(BaseException):
+                        await pending
+                elif not pending.cancelled():
+                    pending.exception()
 
     # -- teardown ----------------------------------------------------------------------------------
 
