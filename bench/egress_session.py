@@ -1,7 +1,9 @@
 """What egress costs a session on the node: attaching a sandbox's network + broker + CA (and detaching it),
 against the bare namespace/tap/nftables part alone; live policy updates with and without a CA re-issue;
 sealing and opening a stored secret in the control plane. With ``--vm``, also the time to install the
-sandbox CA in a real guest's trust store (the step that runs on every session creation with a policy).
+sandbox CA in a real guest's trust store (the step that runs on every session creation with a policy),
+and creating a sandbox with a policy on a SnapshotNodeAgent: restored from the networked template vs the
+cold-boot path it falls back to (both include egress attach and the CA install).
 
 Needs root (namespaces, nftables). Writes bench/results/egress_session.json and prints a table.
 
@@ -124,6 +126,52 @@ async def _ca_install(n: int) -> dict[str, Any]:
             "accelerator": str(sandbox.accelerator) if sandbox else None}
 
 
+async def _create_with_policy(n: int) -> dict[str, Any]:
+    from capsa.common.settings import Settings
+    from capsa.images import ensure_image
+    from capsa.node.agent import NodeAgent
+    from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
+    from capsa.node.snapshot_agent import SnapshotNodeAgent, SnapshotRecord
+    from capsa.node.storage import StoragePool, StorageSettings
+
+    state = Path(tempfile.mkdtemp(prefix="cec-", dir="/var/tmp"))
+    os.chmod(state, 0o711)
+    pool = StoragePool.open(state, StorageSettings(loop_size_mib=4096))
+    egress = NodeEgress.create(pool="10.235.0.0/20", netns_prefix=f"cec{secrets.token_hex(2)}-")
+    runtime = SnapshotRuntime(Settings(state_dir=state), pool=pool)
+    image = await asyncio.to_thread(ensure_image, Settings())
+    agent = SnapshotNodeAgent(runtime, image, pool_size=0, egress=egress)
+    restore: list[float] = []
+    cold: list[float] = []
+    template_build = 0.0
+    try:
+        await agent.start()
+        await agent.wait_ready()
+        t0 = time.perf_counter()
+        await agent._net_template(256, 1)
+        template_build = (time.perf_counter() - t0) * 1000
+        for _ in range(n):
+            for kind, times in (("restore", restore), ("cold", cold)):
+                sid = new_id("sbx")
+                t0 = time.perf_counter()
+                if kind == "restore":
+                    record = await agent.create(sid, "base", 256, 1, {}, policy=_policy(),
+                                                secrets={SECRET_ID: "v"}, session_id="ses_bench")
+                    assert isinstance(record, SnapshotRecord) and record.source == "restore"
+                else:  # the plain agent's path, which the snapshot agent falls back to
+                    await NodeAgent.create(agent, sid, "base", 256, 1, {}, policy=_policy(),
+                                           secrets={SECRET_ID: "v"}, session_id="ses_bench")
+                times.append((time.perf_counter() - t0) * 1000)
+                await agent.destroy(sid)
+    finally:
+        await agent.close()
+        pool.destroy()
+        shutil.rmtree(state, ignore_errors=True)
+    return {"restore_ms": summary(restore), "cold_boot_ms": summary(cold),
+            "net_template_build_ms": round(template_build, 1),
+            "cold_over_restore_p50": round(summary(cold)["p50"] / summary(restore)["p50"], 2)}
+
+
 async def main(n: int, vm: bool) -> dict[str, Any]:
     tag = secrets.token_hex(2)
     result: dict[str, Any] = {"host": host_facts(), "n": n}
@@ -135,6 +183,7 @@ async def main(n: int, vm: bool) -> dict[str, Any]:
     result["ratios"] = {"attach_over_bare_network_p50": round(attach / bare, 2)}
     if vm:
         result["vm"] = await _ca_install(5)
+        result["create_with_policy"] = await _create_with_policy(3)
     return result
 
 
@@ -152,6 +201,8 @@ if __name__ == "__main__":
             ("policy update, CA re-issued", data["node_egress"]["update_policy_ca_reissue_ms"])]
     if "vm" in data:
         rows.append(("CA install in guest trust store", data["vm"]["guest_ca_install_ms"]))
+        rows.append(("create with policy: restore (base-net)", data["create_with_policy"]["restore_ms"]))
+        rows.append(("create with policy: cold boot", data["create_with_policy"]["cold_boot_ms"]))
     print(f"{'ms':<45} {'p50':>9} {'p95':>9} {'max':>9}")
     for name, s in rows:
         print(f"{name:<45} {s['p50']:>9.2f} {s['p95']:>9.2f} {s['max']:>9.2f}")

@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import pytest_asyncio
@@ -331,9 +332,15 @@ async def test_bad_requests_get_clear_errors_and_change_nothing(
     assert info.value.code == "snapshot_mismatch"
     with pytest.raises(BootError, match="invalid sandbox id"):
         await runtime.restore(snap, spec, sandbox_id="../escape")
-    with pytest.raises(SnapshotError) as info:
+    with pytest.raises(BootError, match="must describe a tap"):
         await runtime.restore(snap, VMSpec(image=spec.image, network=object()))
-    assert info.value.code == "snapshot_unsupported"
+    # A NIC is part of the device layout: a snapshot taken without one does not restore with one.
+    nic = SimpleNamespace(netns="nope", tap="nope", mac="02:ca:00:00:00:01", guest_ip="10.0.0.2",
+                          gateway_ip="10.0.0.1", prefixlen=30)
+    with pytest.raises(SnapshotError) as info:
+        await runtime.restore(snap, VMSpec(image=spec.image, memory_mib=spec.memory_mib, vcpus=spec.vcpus,
+                                           network=nic))
+    assert info.value.code == "snapshot_mismatch"
     # A snapshot from another VM layout (e.g. QEMU options changed since) is refused before QEMU starts.
     assert snap.manifest.machine is not None
     original = (snap.path / "manifest.json").read_text()

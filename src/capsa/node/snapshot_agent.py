@@ -2,9 +2,11 @@
 
 :class:`SnapshotNodeAgent` is the :class:`~capsa.node.agent.NodeAgent` for a runtime that can snapshot
 (:class:`~capsa.node.runtime.snapshot_runtime.SnapshotRuntime`). Session sandboxes come from template
-snapshots: bound from the warm pool, or restored on demand when it is empty. A sandbox with an egress
-policy still cold-boots through the plain agent: templates are snapshotted without a NIC, and a snapshot
-only restores into the same device layout.
+snapshots: bound from the warm pool, or restored on demand when it is empty. A sandbox of ``base`` with an
+egress policy is restored from ``base-net``, the same guest snapshotted with one virtio-net device of a
+fixed MAC (:data:`NET_TEMPLATE_MAC`; every sandbox has its own namespace, so equal MACs never meet), built
+once with a throwaway tap in a throwaway namespace. The restored NIC gets the new sandbox's tap and the
+guest its address; if any of that fails, the sandbox cold-boots through the plain agent instead.
 
 Snapshots of a sandbox carry their origin and retention in their manifest labels, so they survive a node
 restart: ``capsa.sandbox`` (the agent's sandbox id) and ``capsa.retain`` ("1" or "0"). Destroying a
@@ -15,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.common.ids import is_id, new_id
 from capsa.node.agent import NodeAgent, NodeCapacity, SandboxRecord
@@ -32,7 +36,7 @@ from capsa.node.runtime.snapshot_runtime import Snapshot, SnapshotRuntime, Snaps
 from capsa.node.template_build import remove_stale_work
 from capsa.node.templates import BASE, Template, TemplateStore, check_template_name
 
-__all__ = ["SnapshotNodeAgent", "SnapshotRecord", "snapshot_info"]
+__all__ = ["NET_TEMPLATE", "NET_TEMPLATE_MAC", "SnapshotNodeAgent", "SnapshotRecord", "snapshot_info"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,8 @@ LABEL_SANDBOX = "capsa.sandbox"
 LABEL_RETAIN = "capsa.retain"
 LABEL_TEMPLATE = "capsa.template_name"
 _USER_LABEL_MAX = 32
+NET_TEMPLATE = "base-net"
+NET_TEMPLATE_MAC = "02:ca:00:00:00:01"
 
 
 @dataclass
@@ -131,7 +137,7 @@ class SnapshotNodeAgent(NodeAgent):
 
     def info(self) -> dict[str, object]:
         out = super().info()
-        out["templates"] = sorted(set(self.template_store.names()) | set(self.templates))
+        out["templates"] = sorted((set(self.template_store.names()) | set(self.templates)) - {NET_TEMPLATE})
         return out
 
     # -- making sandboxes ----------------------------------------------------------------------------------
@@ -186,9 +192,11 @@ class SnapshotNodeAgent(NodeAgent):
             self._booting[sid] = (memory_mib, vcpus)
 
     async def _adopt(self, sandbox_id: str, sandbox: SnapshotSandbox, *, template: str,
-                     env: Mapping[str, str], source: str, snapshot: str, started: float) -> SnapshotRecord:
+                     env: Mapping[str, str], source: str, snapshot: str, started: float,
+                     egress_env: Mapping[str, str] | None = None) -> SnapshotRecord:
         m = sandbox.files.spec
         record = SnapshotRecord(sandbox_id, template, m.memory_mib, m.vcpus, dict(env), sandbox,
+                                networked=egress_env is not None, egress_env=dict(egress_env or {}),
                                 source=source, snapshot=snapshot,
                                 create_ms=round((time.perf_counter() - started) * 1000, 3))
         self._sandboxes[sandbox_id] = record
@@ -216,7 +224,25 @@ class SnapshotNodeAgent(NodeAgent):
     async def create(self, sandbox_id: str, template: str, memory_mib: int, vcpus: int,
                      env: Mapping[str, str], **kwargs: Any) -> SandboxRecord:
         """A session sandbox from template ``template``: from the warm pool, else restored on demand."""
-        if kwargs.get("policy") is not None:
+        if template == NET_TEMPLATE:
+            # Its NIC needs a tap: it only serves sessions of ``base`` with a policy.
+            raise CapsaError(f"template {template!r} is internal to the node", code="template_not_found",
+                             status=404)
+        policy = kwargs.get("policy")
+        if policy is not None:
+            if template == BASE and self.egress is not None:
+                try:
+                    return await self._create_networked(sandbox_id, memory_mib, vcpus, env, policy,
+                                                        kwargs.get("secrets"), kwargs.get("session_id"))
+                except CapsaError as exc:
+                    # The request's own faults (bad ids or secrets, a full node) would fail a cold boot too.
+                    if exc.status in (400, 404, 422, 503) or exc.code == "already_exists":
+                        raise
+                    log.warning("restoring %s from %s failed, cold-booting it: %s", sandbox_id,
+                                NET_TEMPLATE, exc)
+                except Exception as exc:
+                    log.warning("restoring %s from %s failed, cold-booting it: %s", sandbox_id,
+                                NET_TEMPLATE, exc)
             return await super().create(sandbox_id, template, memory_mib, vcpus, env, **kwargs)
         started = time.perf_counter()
         self._reserve([sandbox_id], memory_mib, vcpus)
@@ -239,6 +265,62 @@ class SnapshotNodeAgent(NodeAgent):
         template_env = (tpl.spec or {}).get("env") or {}
         return await self._adopt(sandbox_id, sandbox, template=template, env={**template_env, **env},
                                  source=source, snapshot=tpl.snapshot.id, started=started)
+
+    async def _net_template(self, memory_mib: int, vcpus: int) -> Template:
+        """``base`` with a NIC (MAC :data:`NET_TEMPLATE_MAC`), cold-booted and snapshotted on first use."""
+        assert self.egress is not None
+        store = self.template_store
+        async with store._lock((NET_TEMPLATE, memory_mib, vcpus)):
+            found = await asyncio.to_thread(store.find, NET_TEMPLATE, memory_mib, vcpus)
+            if found is not None and await asyncio.to_thread(store.is_current, found, NET_TEMPLATE_MAC):
+                return found
+            log.info("building template %s (%d MiB, %d vCPU)", NET_TEMPLATE, memory_mib, vcpus)
+            # A throwaway namespace and tap (with the sandbox firewall: nothing leaves it) just for the build.
+            manager = self.egress.service.manager
+            net = await manager.create(new_id("sbx"))
+            try:
+                spec = VMSpec(image=self.image, memory_mib=memory_mib, vcpus=vcpus,
+                              network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC),
+                              labels={"template": NET_TEMPLATE})
+                sandbox = await self.snap_runtime.boot(spec)
+                assert isinstance(sandbox, SnapshotSandbox)
+                return await store.store(NET_TEMPLATE, sandbox, spec=None)
+            finally:
+                await asyncio.shield(manager.destroy(net))
+
+    async def _create_networked(self, sandbox_id: str, memory_mib: int, vcpus: int, env: Mapping[str, str],
+                                policy: EgressPolicy, secrets: Mapping[str, str] | None,
+                                session_id: str | None) -> SnapshotRecord:
+        """A sandbox with egress restored from the networked template: attach egress (namespace, tap,
+        rules, broker, CA), restore with the new tap, set the guest's address, install the CA."""
+        assert self.egress is not None
+        started = time.perf_counter()
+        self._reserve([sandbox_id], memory_mib, vcpus)
+        attached = None
+        try:
+            tpl = await self._net_template(memory_mib, vcpus)
+            attached = await self.egress.attach(sandbox_id, policy, secrets or {}, session_id=session_id)
+            spec = VMSpec(image=self._image_for(tpl.snapshot.manifest.image_digest), memory_mib=memory_mib,
+                          vcpus=vcpus, network=dataclasses.replace(attached.net, mac=NET_TEMPLATE_MAC),
+                          labels={"sandbox": sandbox_id, "template": BASE})
+            sandbox = await self.snap_runtime.restore(tpl.snapshot, spec, sandbox_id=sandbox_id,
+                                                      ram_mode=RamMode.COPY)
+            try:
+                await bind_identity(sandbox.guest, hostname=_hostname(sandbox_id))
+                await self._install_ca(sandbox, attached.ca_pem)
+            except BaseException:
+                await asyncio.shield(self.snap_runtime.destroy(sandbox))
+                raise
+        except BaseException:
+            if attached is not None:
+                await asyncio.shield(self.egress.detach(sandbox_id))
+            raise
+        finally:
+            del self._booting[sandbox_id]
+        egress_env = dict(attached.env)
+        return await self._adopt(sandbox_id, sandbox, template=BASE, env={**env, **egress_env},
+                                 source="restore", snapshot=tpl.snapshot.id, started=started,
+                                 egress_env=egress_env)
 
     # -- snapshots -----------------------------------------------------------------------------------------
 

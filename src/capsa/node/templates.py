@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from capsa.common.errors import CapsaError
@@ -155,8 +156,9 @@ class TemplateStore:
         tdir = self.root / _dir_name(check_template_name(name), memory_mib, vcpus)
         return self._load(tdir) if tdir.is_dir() else None
 
-    def is_current(self, template: Template) -> bool:
-        """Whether this node can restore the template (same image, QEMU and device layout)."""
+    def is_current(self, template: Template, mac: str | None = None) -> bool:
+        """Whether this node can restore the template (same image, QEMU and device layout); ``mac``: the
+        template has a NIC with that MAC."""
         m = template.snapshot.manifest
         if m.image_digest != self.image.digest and template.name == BASE:
             return False
@@ -172,7 +174,8 @@ class TemplateStore:
             return False
         if self.runtime.requested_accel not in (Accelerator.AUTO, accel):
             return False
-        spec = VMSpec(image=self.image, memory_mib=m.memory_mib, vcpus=m.vcpus)
+        network = SimpleNamespace(mac=mac) if mac is not None else None
+        spec = VMSpec(image=self.image, memory_mib=m.memory_mib, vcpus=m.vcpus, network=network)
         return m.machine in (None, self.runtime._machine(spec, accel))
 
     async def resolve(self, name: str, memory_mib: int | None = None, vcpus: int | None = None) -> Template:

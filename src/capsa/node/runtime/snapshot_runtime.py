@@ -28,6 +28,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from qemu.qmp import QMPClient
 
@@ -36,7 +37,15 @@ from capsa.common.settings import Settings
 from capsa.node.guest_client import GuestClient
 from capsa.node.runtime.base import Accelerator, BootError, RuntimeError_, SandboxState, VMSpec
 from capsa.node.runtime.hostinfo import HostInfoError, qemu_binary, qemu_version, tsc_khz
-from capsa.node.runtime.qemu import _SANDBOX_ID_RE, QemuRuntime, QemuSandbox, abort_launch
+from capsa.node.runtime.qemu import (
+    _NETWORK_FIELDS,
+    _SANDBOX_ID_RE,
+    QemuRuntime,
+    QemuSandbox,
+    TapNetwork,
+    _open_tap,
+    abort_launch,
+)
 from capsa.node.runtime.qemu_cmdline import QemuConfig, build_argv
 from capsa.node.runtime.qemu_process import QemuProcess
 from capsa.node.runtime.snapshot import (
@@ -55,7 +64,7 @@ from capsa.node.storage.disks import private_disk
 from capsa.node.storage.filecopy import CopyError, copy_file
 from capsa.node.storage.pool import StoragePool
 
-__all__ = ["Snapshot", "SnapshotRuntime", "SnapshotSandbox"]
+__all__ = ["Snapshot", "SnapshotRuntime", "SnapshotSandbox", "configure_guest_network"]
 
 _log = logging.getLogger(__name__)
 
@@ -144,10 +153,6 @@ class SnapshotRuntime(QemuRuntime):
 
     async def _boot(self, binary: str, spec: VMSpec, sid: str, accel: Accelerator,
                     within: float) -> QemuSandbox:
-        if spec.network is not None:
-            # Not snapshottable yet: the NIC's MAC travels in the migration stream and a clone needs a new
-            # identity on its own tap. Such a VM boots as a plain QemuSandbox; snapshot() refuses it.
-            return await super()._boot(binary, spec, sid, accel, within)
         if not 16 <= spec.memory_mib <= 1024 * 1024 or not 1 <= spec.vcpus <= 64:
             raise BootError(f"memory_mib must be 16..1048576 and vcpus 1..64, got {spec.memory_mib} MiB, "
                             f"{spec.vcpus} vCPUs")
@@ -173,7 +178,11 @@ class SnapshotRuntime(QemuRuntime):
                       files: _VmFiles, owner: tuple[int, int] | None, extra_args: list[str], disk_cow: bool,
                       plan: RestorePlan | None = None, extra_groups: tuple[int, ...] = (),
                       refresh: bool = True) -> SnapshotSandbox:
-        """Start QEMU on prepared files; with ``plan``, load the snapshot and refresh the guest first."""
+        """Start QEMU on prepared files; with ``plan``, load the snapshot and refresh the guest first.
+
+        With ``spec.network``, the tap is opened here and its descriptor passed to QEMU. A restored NIC keeps
+        the snapshot's MAC and device state; only its backend (the tap) is new, so the guest's address and
+        route are set again for this tap's subnet."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + within
@@ -189,19 +198,28 @@ class SnapshotRuntime(QemuRuntime):
             raise BootError(f"sandbox {sid} already exists ({vmdir.root})") from None
         process: QemuProcess | None = None
         client: GuestClient | None = None
+        tap_fd: int | None = None
+        network = cast(TapNetwork, spec.network) if spec.network is not None else None
         try:
+            if network is not None:
+                tap_fd = await asyncio.to_thread(_open_tap, network)
             kernel = self._shared_file(spec.image.kernel, vmdir, owner)
             initrd = self._shared_file(spec.image.initrd, vmdir, owner)
             config = QemuConfig(
                 binary=binary, accel=accel, kernel=kernel, initrd=initrd, disk=files.disk,
                 qmp_socket=vmdir.qmp_socket, agent_socket=vmdir.agent_socket,
                 memory_mib=spec.memory_mib, vcpus=spec.vcpus, tsc_khz=tsc_khz(),
-                kernel_args=spec.kernel_args, name=sid, extra_args=tuple(extra_args),
+                kernel_args=spec.kernel_args, name=sid, extra_args=tuple(extra_args), tap_fd=tap_fd,
+                mac=network.mac if network is not None else None,
             )
             groups = [*self._kvm_groups(), *extra_groups] if accel is Accelerator.KVM else list(extra_groups)
             process = QemuProcess(build_argv(config), vmdir, user=owner, extra_groups=groups,
-                                  console_limit=self.console_limit)
+                                  console_limit=self.console_limit,
+                                  pass_fds=(tap_fd,) if tap_fd is not None else ())
             await process.start()
+            if tap_fd is not None:
+                os.close(tap_fd)  # QEMU holds its own copy now
+                tap_fd = None
             qmp = await process.connect_qmp(max(1.0, deadline - loop.time()))
             if plan is not None:
                 async with asyncio.timeout(max(1.0, deadline - loop.time())):
@@ -209,11 +227,15 @@ class SnapshotRuntime(QemuRuntime):
             client = await self._connect_guest(process, vmdir, deadline)
             if plan is not None and refresh:
                 await refresh_guest(client)
+            if network is not None:
+                await configure_guest_network(client, network)
             sandbox = SnapshotSandbox(sid, vmdir, process, client, accel,
                                       vm_uid=owner[0] if owner else None, disk_cow=disk_cow,
                                       boot_seconds=loop.time() - started)
             sandbox.files = files
         except BaseException as exc:
+            if tap_fd is not None:
+                os.close(tap_fd)
             detail = await abort_launch(process, client, vmdir)
             if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
                 raise
@@ -239,8 +261,8 @@ class SnapshotRuntime(QemuRuntime):
             raise SnapshotError(f"{sandbox!r} is not a sandbox of this runtime", code="invalid_state",
                                 status=409)
         if not isinstance(sandbox, SnapshotSandbox):
-            raise SnapshotError(f"sandbox {sandbox.id} has a network device; snapshots of networked VMs "
-                                "are not supported yet", code="snapshot_unsupported", status=409)
+            raise SnapshotError(f"sandbox {sandbox.id} was not started by this runtime's storage pool",
+                                code="snapshot_unsupported", status=409)
         if isinstance(dest, str):
             dest = self.pool.snapshot_dir(dest)
         elif dest is None:
@@ -284,11 +306,15 @@ class SnapshotRuntime(QemuRuntime):
 
     @staticmethod
     def _machine(spec: VMSpec, accel: Accelerator) -> str:
-        """What the migration stream depends on: the command line minus paths, names and host facts."""
+        """What the migration stream depends on: the command line minus paths, names and host facts.
+
+        A NIC counts with its MAC (which travels in the device state), not with its tap descriptor."""
         placeholder = Path("/p")
+        mac = getattr(spec.network, "mac", None) if spec.network is not None else None
         config = QemuConfig(binary="qemu", accel=accel, kernel=placeholder, initrd=placeholder,
                             disk=placeholder, qmp_socket=placeholder, agent_socket=placeholder,
-                            memory_mib=spec.memory_mib, vcpus=spec.vcpus, kernel_args=spec.kernel_args)
+                            memory_mib=spec.memory_mib, vcpus=spec.vcpus, kernel_args=spec.kernel_args,
+                            tap_fd=3 if spec.network is not None else None, mac=mac)
         return "sha256:" + hashlib.sha256("\0".join(build_argv(config)).encode()).hexdigest()
 
     def _snapshot(self, snapshot: Snapshot | Path | str) -> Snapshot:
@@ -316,9 +342,9 @@ class SnapshotRuntime(QemuRuntime):
         """A new running sandbox from ``snapshot``. ``refresh=False`` skips the reseed and clock (tests)."""
         if self._closed:
             raise RuntimeError_("the runtime is closed")
-        if spec.network is not None:
-            raise SnapshotError("restoring with a network device is not supported yet",
-                                code="snapshot_unsupported", status=409)
+        if spec.network is not None and not all(hasattr(spec.network, a) for a in _NETWORK_FIELDS):
+            raise BootError(f"spec.network must describe a tap ({', '.join(_NETWORK_FIELDS)}), "
+                            f"got {spec.network!r}")
         snap = await asyncio.to_thread(self._snapshot, snapshot)
         sid = sandbox_id or new_id("sbx")
         if not _SANDBOX_ID_RE.match(sid):
@@ -401,3 +427,25 @@ class SnapshotRuntime(QemuRuntime):
     def delete_snapshot(self, snapshot: Snapshot | Path | str) -> bool:
         sid = snapshot.id if isinstance(snapshot, Snapshot) else Path(snapshot).name
         return self.pool.remove_snapshot(sid)
+
+
+async def configure_guest_network(client: GuestClient, network: TapNetwork) -> None:
+    """Give the guest NIC (found by its MAC: the guest has no udev to name it) the sandbox's address.
+
+    Idempotent, so it also serves a guest restored from a snapshot taken on another subnet: the old
+    address, route and neighbour entries (the old tap's MAC) go first."""
+    gateway = network.gateway_ip
+    dns = str(getattr(network, "dns_server", gateway))
+    script = (
+        'set -e; dev=""; for d in /sys/class/net/*; do '
+        '[ "$(cat "$d/address")" = "$1" ] && dev="${d##*/}"; done; '
+        '[ -n "$dev" ] || { echo "no NIC with MAC $1" >&2; exit 1; }; '
+        'ip link set dev "$dev" up; ip addr flush dev "$dev"; ip neigh flush dev "$dev"; '
+        'ip addr add "$2" dev "$dev"; ip route replace default via "$3" dev "$dev"; '
+        'printf "nameserver %s\\n" "$4" > /etc/resolv.conf'
+    )
+    argv = ["sh", "-c", script, "capsa-net", network.mac.lower(), f"{network.guest_ip}/{network.prefixlen}",
+            gateway, dns]
+    result = await client.exec(argv, timeout=30)
+    if result.exit_code != 0:
+        raise BootError(f"configuring the guest network failed: {result.stderr.decode(errors='replace')}")
