@@ -185,12 +185,11 @@ async def test_fork_bomb_does_not_reach_the_host(sandbox: QemuSandbox) -> None:
     uid = int(_proc_status(sandbox.pid)["Uid"].split()[0])
     assert _pids_of_uid(uid) == [sandbox.pid]
     threads_before = int(_proc_status(sandbox.pid)["Threads"])
-    outcome = "returned"
-    try:
-        # The outer bound is ours: the guest may be too starved to enforce its own 15 s timeout.
-        await asyncio.wait_for(sandbox.guest.exec("f(){ f | f & }; f; sleep 30", timeout=15), timeout=90)
-    except Exception as exc:  # a starved guest may fail the call; the host must hold
-        outcome = f"{type(exc).__name__}: {exc}"
+    # The outer bound is ours; the guest must enforce its own 15 s timeout: user commands run in a
+    # cgroup with a process cap and a low CPU weight, the daemon in one with a high weight.
+    result = await asyncio.wait_for(sandbox.guest.exec("f(){ f | f & }; f; sleep 30", timeout=15), timeout=90)
+    outcome = f"timed_out={result.timed_out} exit={result.exit_code} signal={result.signal}"
+    assert result.timed_out, outcome
     status = _proc_status(sandbox.pid)
     print(f"fork bomb exec: {outcome}; QEMU threads {threads_before} -> {status['Threads']}, "
           f"state {status['State']}")
@@ -201,16 +200,17 @@ async def test_fork_bomb_does_not_reach_the_host(sandbox: QemuSandbox) -> None:
     assert not status["State"].startswith("Z")
 
 
-@pytest.mark.xfail(reason="known gap: after a guest fork bomb the daemon stopped answering (60 s health "
-                          "timeout, TCG) and QemuRuntime marks a sandbox FAILED only when QEMU exits, so it "
-                          "stays RUNNING while wedged",
-                   strict=False)
-async def test_after_fork_bomb_sandbox_answers_or_is_reported_failed(sandbox: QemuSandbox) -> None:
-    answered = False
-    try:
-        await sandbox.guest.health(timeout=60)
-        answered = True
-    except Exception as exc:
-        print(f"daemon did not answer after the fork bomb: {type(exc).__name__}: {exc}")
-    print(f"after fork bomb: daemon answered={answered}, state={sandbox.state.value}")
-    assert answered or sandbox.state is SandboxState.FAILED, sandbox.state
+async def test_after_fork_bomb_the_sandbox_is_usable_again(sandbox: QemuSandbox) -> None:
+    await sandbox.guest.health(timeout=60)
+    assert sandbox.state is SandboxState.RUNNING
+    # The timeout killed the bomb's whole cgroup: nothing of it is left in the guest (the probe itself
+    # is the only process under `work`; killed processes may take a moment to be reaped).
+    count = -1
+    for _ in range(30):
+        left = await sandbox.guest.exec(["cat", "/sys/fs/cgroup/work/pids.current"], timeout=30)
+        assert left.exit_code == 0, left.stderr
+        count = int(left.stdout.decode().strip())
+        if count <= 1:
+            break
+        await asyncio.sleep(1)
+    assert count <= 1, f"{count} processes of the fork bomb survived its timeout"

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from capsa.guest import cgroups
+
 __all__ = ["DEVICE", "cmdline_options", "main", "mount_all", "set_loopback_up"]
 
 DEVICE = "/dev/virtio-ports/agent0"
@@ -216,6 +218,10 @@ def main() -> int:
         set_loopback_up()
     except OSError as exc:
         _log(f"loopback: {exc}")
+    # Only in a capsa VM (the host names our port on the kernel command line); init's own tests run it as
+    # PID 1 in namespaces on a host, whose cgroups are not ours to rearrange.
+    if "device" in options and not cgroups.setup():
+        _log("cgroup2 unavailable: user commands share the daemon's CPU and process budget")
     device = options.get("device", DEVICE)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)

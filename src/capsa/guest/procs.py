@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from capsa.guest.cgroups import enter_work, forget_command, kill_command
 from capsa.guest.channel import ChannelGone, Stream
 from capsa.guest.errors import OpError, from_os_error
 from capsa.guest.protocol import Kind
@@ -143,17 +144,23 @@ def kill_everything() -> None:
 def reaped(proc: subprocess.Popen[bytes]) -> None:
     with _LIVE_LOCK:
         _LIVE.discard(proc)
+    forget_command(proc.pid)
 
 
 def spawn(spec: CommandSpec, *, stdin: int, stdout: int, stderr: int,
           preexec: Any = None) -> subprocess.Popen[bytes]:
     # A new session makes the command a process group leader, so timeout/kill can take its
-    # descendants too.
+    # descendants too. It also leaves the daemon's cgroup first (see cgroups.py).
+    def prepare() -> None:
+        enter_work()
+        if preexec is not None:
+            preexec()
+
     try:
         proc = subprocess.Popen(
             spec.argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=spec.cwd, env=spec.env,
             start_new_session=True, close_fds=True, user=spec.uid, group=spec.gid,
-            extra_groups=spec.groups, preexec_fn=preexec,
+            extra_groups=spec.groups, preexec_fn=prepare,
         )
         with _LIVE_LOCK:
             _LIVE.add(proc)
@@ -172,6 +179,8 @@ def killpg(pid: int, sig: int = signal.SIGKILL) -> None:
     except (ProcessLookupError, PermissionError):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
+    if sig == signal.SIGKILL:
+        kill_command(pid)  # also what left the group or was mid-fork while it was signalled
 
 
 def _exit_fields(returncode: int | None) -> dict[str, Any]:

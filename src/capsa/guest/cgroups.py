@@ -1,0 +1,99 @@
+"""Keep the guest controllable when user commands misbehave (fork bombs, CPU hogs, memory hogs).
+
+init puts itself and the daemon in the ``agent`` cgroup with a high CPU weight and out of the OOM killer's
+reach; every user command enters the ``work`` cgroup (low CPU weight, bounded process count) and the
+normal OOM score before it execs. Without this, a fork bomb on a 1-vCPU guest starves the daemon and the
+host can no longer stop it. Every step is best effort: a kernel without cgroup2 keeps working as before.
+
+Standard library only: this module is copied into the guest image.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+__all__ = ["AGENT", "ROOT", "WORK", "WORK_PIDS_MAX", "enter_work", "forget_command", "kill_command", "setup"]
+
+ROOT = "/sys/fs/cgroup"
+AGENT = ROOT + "/agent"
+WORK = ROOT + "/work"
+WORK_PIDS_MAX = 2048
+
+
+def _write(path: str, value: str) -> bool:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+        return True
+    except OSError:
+        return False
+
+
+def setup(mount: bool = True) -> bool:
+    """Create the two groups and move the calling process (init) into ``agent``. Returns False when the
+    kernel offers no usable cgroup2 (nothing is changed then)."""
+    if mount and not os.path.ismount(ROOT):
+        import ctypes  # only needed here; keeps enter_work() (run between fork and exec) minimal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mount(b"cgroup2", ROOT.encode(), b"cgroup2", 0, b"nsdelegate") != 0:
+            return False
+    for controller in ("cpu", "pids", "memory"):
+        _write(ROOT + "/cgroup.subtree_control", "+" + controller)
+    for path in (AGENT, WORK):
+        with contextlib.suppress(FileExistsError, OSError):
+            os.mkdir(path)
+    if not os.path.isdir(AGENT) or not os.path.isdir(WORK):
+        return False
+    _write(AGENT + "/cpu.weight", "10000")
+    _write(WORK + "/cpu.weight", "100")
+    _write(WORK + "/pids.max", str(WORK_PIDS_MAX))
+    moved = _write(AGENT + "/cgroup.procs", "0")
+    # The daemon (a child of init) inherits this; enter_work() resets it for user commands.
+    _write("/proc/self/oom_score_adj", "-1000")
+    return moved
+
+
+def _in_agent() -> bool:
+    try:
+        with open("/proc/self/cgroup") as f:
+            return f.read().strip() == "0::/agent"
+    except OSError:
+        return False
+
+
+# Decided once, in the daemon, before any fork: only a daemon that init placed in ``agent`` moves its
+# commands (the same daemon run on a host by the tests must leave the host's cgroups alone).
+_ACTIVE = _in_agent()
+
+
+def _command_group(pid: int) -> str:
+    return f"{WORK}/c{pid}"
+
+
+def enter_work() -> None:
+    """Run in a freshly forked child before exec: join a cgroup of its own under ``work`` (so everything
+    the command forks can be killed at once, even processes that left its process group or were being
+    forked while the group was signalled) and become an ordinary OOM victim."""
+    if _ACTIVE:
+        path = _command_group(os.getpid())
+        try:
+            os.mkdir(path)
+        except OSError:
+            path = WORK
+        _write(path + "/cgroup.procs", "0")
+        _write("/proc/self/oom_score_adj", "0")
+
+
+def kill_command(pid: int) -> None:
+    """SIGKILL every process the command ``pid`` started (cgroup.kill, Linux 5.14+)."""
+    if _ACTIVE:
+        _write(_command_group(pid) + "/cgroup.kill", "1")
+
+
+def forget_command(pid: int) -> None:
+    """Remove the command's cgroup once it is empty (it stays while descendants it left behind run)."""
+    if _ACTIVE:
+        with contextlib.suppress(OSError):
+            os.rmdir(_command_group(pid))
