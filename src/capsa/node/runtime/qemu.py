@@ -53,7 +53,7 @@ from capsa.node.storage.disks import DiskError, private_disk
 if TYPE_CHECKING:
     from capsa.node.runtime.base import GuestImage
 
-__all__ = ["QemuRuntime", "QemuSandbox", "TapNetwork", "abort_launch"]
+__all__ = ["QemuRuntime", "QemuSandbox", "TapNetwork", "abort_launch", "configure_guest_network"]
 
 _log = logging.getLogger(__name__)
 
@@ -441,7 +441,7 @@ class QemuRuntime:
             _log.debug("boot phases of %s: disk %.2fs, qemu to QMP %.2fs, QMP to guest ready %.2fs", sid,
                        t_disk - started, t_qmp - t_disk, loop.time() - t_qmp)
             if network is not None:
-                await _configure_guest_network(client, network)
+                await configure_guest_network(client, network)
             sandbox = QemuSandbox(sid, vmdir, process, client, accel, vm_uid=owner[0] if owner else None,
                                   disk_cow=disk.cow, boot_seconds=loop.time() - started)
         except BaseException as exc:
@@ -581,15 +581,19 @@ def _open_tap(network: TapNetwork) -> int:
     return open_tap(network.netns, network.tap)
 
 
-async def _configure_guest_network(client: GuestClient, network: TapNetwork) -> None:
-    """Give the guest NIC (found by its MAC: the guest has no udev to name it) the sandbox's address."""
+async def configure_guest_network(client: GuestClient, network: TapNetwork) -> None:
+    """Give the guest NIC (found by its MAC: the guest has no udev to name it) the sandbox's address.
+
+    Idempotent, so it also serves a guest restored from a snapshot taken on another subnet: the old
+    address, route and neighbour entries (the old tap's MAC) go first."""
     gateway = network.gateway_ip
     dns = str(getattr(network, "dns_server", gateway))
     script = (
         'set -e; dev=""; for d in /sys/class/net/*; do '
         '[ "$(cat "$d/address")" = "$1" ] && dev="${d##*/}"; done; '
         '[ -n "$dev" ] || { echo "no NIC with MAC $1" >&2; exit 1; }; '
-        'ip link set dev "$dev" up; ip addr add "$2" dev "$dev"; ip route add default via "$3"; '
+        'ip link set dev "$dev" up; ip addr flush dev "$dev"; ip neigh flush dev "$dev"; '
+        'ip addr add "$2" dev "$dev"; ip route replace default via "$3" dev "$dev"; '
         'printf "nameserver %s\\n" "$4" > /etc/resolv.conf'
     )
     argv = ["sh", "-c", script, "capsa-net", network.mac.lower(), f"{network.guest_ip}/{network.prefixlen}",

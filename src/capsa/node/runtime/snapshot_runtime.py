@@ -45,6 +45,7 @@ from capsa.node.runtime.qemu import (
     TapNetwork,
     _open_tap,
     abort_launch,
+    configure_guest_network,
 )
 from capsa.node.runtime.qemu_cmdline import QemuConfig, build_argv
 from capsa.node.runtime.qemu_process import QemuProcess
@@ -64,7 +65,7 @@ from capsa.node.storage.disks import private_disk
 from capsa.node.storage.filecopy import CopyError, copy_file
 from capsa.node.storage.pool import StoragePool
 
-__all__ = ["Snapshot", "SnapshotRuntime", "SnapshotSandbox", "configure_guest_network"]
+__all__ = ["Snapshot", "SnapshotRuntime", "SnapshotSandbox"]
 
 _log = logging.getLogger(__name__)
 
@@ -427,25 +428,3 @@ class SnapshotRuntime(QemuRuntime):
     def delete_snapshot(self, snapshot: Snapshot | Path | str) -> bool:
         sid = snapshot.id if isinstance(snapshot, Snapshot) else Path(snapshot).name
         return self.pool.remove_snapshot(sid)
-
-
-async def configure_guest_network(client: GuestClient, network: TapNetwork) -> None:
-    """Give the guest NIC (found by its MAC: the guest has no udev to name it) the sandbox's address.
-
-    Idempotent, so it also serves a guest restored from a snapshot taken on another subnet: the old
-    address, route and neighbour entries (the old tap's MAC) go first."""
-    gateway = network.gateway_ip
-    dns = str(getattr(network, "dns_server", gateway))
-    script = (
-        'set -e; dev=""; for d in /sys/class/net/*; do '
-        '[ "$(cat "$d/address")" = "$1" ] && dev="${d##*/}"; done; '
-        '[ -n "$dev" ] || { echo "no NIC with MAC $1" >&2; exit 1; }; '
-        'ip link set dev "$dev" up; ip addr flush dev "$dev"; ip neigh flush dev "$dev"; '
-        'ip addr add "$2" dev "$dev"; ip route replace default via "$3" dev "$dev"; '
-        'printf "nameserver %s\\n" "$4" > /etc/resolv.conf'
-    )
-    argv = ["sh", "-c", script, "capsa-net", network.mac.lower(), f"{network.guest_ip}/{network.prefixlen}",
-            gateway, dns]
-    result = await client.exec(argv, timeout=30)
-    if result.exit_code != 0:
-        raise BootError(f"configuring the guest network failed: {result.stderr.decode(errors='replace')}")
