@@ -189,7 +189,8 @@ async def test_fork_bomb_does_not_reach_the_host(sandbox: QemuSandbox) -> None:
     # cgroup with a process cap and a low CPU weight, the daemon in one with a high weight.
     result = await asyncio.wait_for(sandbox.guest.exec("f(){ f | f & }; f; sleep 30", timeout=15), timeout=90)
     outcome = f"timed_out={result.timed_out} exit={result.exit_code} signal={result.signal}"
-    assert result.timed_out, outcome
+    # Ended by its timeout, or by the guest's OOM killer taking the command's whole cgroup.
+    assert result.timed_out or result.signal == 9, outcome
     status = _proc_status(sandbox.pid)
     print(f"fork bomb exec: {outcome}; QEMU threads {threads_before} -> {status['Threads']}, "
           f"state {status['State']}")

@@ -49,6 +49,8 @@ def setup(mount: bool = True) -> bool:
     _write(AGENT + "/cpu.weight", "10000")
     _write(WORK + "/cpu.weight", "100")
     _write(WORK + "/pids.max", str(WORK_PIDS_MAX))
+    # Per-command groups get the memory controller, for memory.oom.group (see enter_work).
+    _write(WORK + "/cgroup.subtree_control", "+memory")
     moved = _write(AGENT + "/cgroup.procs", "0")
     # The daemon (a child of init) inherits this; enter_work() resets it for user commands.
     _write("/proc/self/oom_score_adj", "-1000")
@@ -83,6 +85,9 @@ def enter_work() -> None:
         except OSError:
             path = WORK
         _write(path + "/cgroup.procs", "0")
+        # If the OOM killer picks any process of this command, it takes the whole command: a fork
+        # bomb whose leader dies of OOM must not leave its descendants hogging the guest.
+        _write(path + "/memory.oom.group", "1")
         _write("/proc/self/oom_score_adj", "0")
 
 
