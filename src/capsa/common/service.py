@@ -1,0 +1,69 @@
+"""Running a long-lived capsa process (``capsa serve``, ``capsa control``, ``capsa node``) until a signal.
+
+systemd, Kubernetes and ``kill`` send SIGTERM; a terminal sends SIGINT. Both must stop the process the same
+way: the main coroutine is cancelled, so its ``finally`` blocks destroy VMs, remove taps and namespaces and
+unmount storage before the process exits. uvicorn's own signal handling re-raises the signal after its server
+stops, which ends the process before any of that runs, so servers started under :func:`run_service` must not
+capture signals (see :class:`QuietServer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Coroutine, Generator
+from typing import Any
+
+import uvicorn
+
+__all__ = ["STOP_SIGNALS", "QuietServer", "run_service"]
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class QuietServer(uvicorn.Server):
+    """A uvicorn server that leaves the process's signals to :func:`run_service`."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+async def _main_with_signals(main: Coroutine[Any, Any, None]) -> int:
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(main)
+    received: list[int] = []
+
+    def _stop(signum: int) -> None:
+        if received:
+            log.warning("already stopping (signal %d); cleaning up", signum)
+            return
+        received.append(signum)
+        log.warning("received %s: stopping", signal.Signals(signum).name)
+        task.cancel()
+
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, _stop, signum)
+    try:
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not received:
+                raise
+    finally:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+    return 0
+
+
+def run_service(main: Coroutine[Any, Any, None]) -> int:
+    """Run ``main`` until it returns or SIGTERM/SIGINT arrives; then cancel it and wait for its cleanup.
+
+    Returns 0 after a clean stop (by signal or because ``main`` returned); exceptions from ``main`` propagate.
+    A second signal during cleanup is logged and otherwise ignored: cleanup is what leaves the host clean.
+    """
+    return asyncio.run(_main_with_signals(main))

@@ -1,0 +1,61 @@
+"""Putting a node together from its parts: storage pool, runtime, egress and the agent.
+
+``capsa serve`` and ``capsa node`` both build their node here, so the two run the same agent with the same
+parts. :class:`NodeParts` owns what :func:`build_node` created; :meth:`NodeParts.close` undoes all of it
+(VMs, namespaces, the storage mount).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from capsa.common.image import GuestImage
+from capsa.common.settings import Settings
+from capsa.node.egress.node_egress import NodeEgress
+from capsa.node.pool import PoolSettings
+from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
+from capsa.node.snapshot_agent import SnapshotNodeAgent
+from capsa.node.storage.pool import StoragePool
+
+__all__ = ["NodeParts", "build_node", "netns_prefix"]
+
+
+def netns_prefix(state_dir: Path) -> str:
+    """A namespace prefix of its own per state directory: stable across restarts (a restarted node removes
+    what a crashed one left) and distinct from other nodes' (and tests') on the same host."""
+    return "cs" + hashlib.sha256(str(state_dir).encode()).hexdigest()[:8] + "-"
+
+
+@dataclass
+class NodeParts:
+    agent: SnapshotNodeAgent
+    storage: StoragePool
+
+    async def close(self) -> None:
+        try:
+            await self.agent.close()
+        finally:
+            await asyncio.to_thread(self.storage.unmount, lazy=True)
+
+
+async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> NodeParts:
+    """The agent for ``settings.state_dir``: sessions come from template snapshots (warm pool or restore on
+    demand) on the node's storage pool. Removes what a previous process on this state dir left behind."""
+    storage = await asyncio.to_thread(StoragePool.from_settings, settings)
+    try:
+        runtime = SnapshotRuntime(settings, accel=settings.accel, pool=storage)
+        pool_cfg = PoolSettings()
+        # Sandbox namespaces and nftables need root; without it, sessions with a policy are refused
+        # (egress_unavailable) and sessions without one run with no network, as always.
+        egress = NodeEgress.create(netns_prefix=netns_prefix(settings.state_dir)) if os.geteuid() == 0 else None
+        agent = SnapshotNodeAgent(runtime, image, node_id=node_id, egress=egress, pool_size=pool_cfg.size,
+                                  pool_sizes=pool_cfg.sizes)
+        await agent.start()
+    except BaseException:
+        await asyncio.to_thread(storage.unmount, lazy=True)
+        raise
+    return NodeParts(agent=agent, storage=storage)
