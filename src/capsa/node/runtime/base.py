@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import builtins
 import enum
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -19,16 +19,19 @@ from capsa.common.image import GuestImage
 
 if TYPE_CHECKING:
     from capsa.node.guest_client import GuestClient
+    from capsa.node.runtime.snapshot_manifest import Snapshot
 
 __all__ = [
     "Accelerator",
     "BootError",
     "GuestImage",
+    "RamMode",
     "Runtime",
     "RuntimeError_",
     "Sandbox",
     "SandboxFailed",
     "SandboxState",
+    "SnapshotCapable",
     "VMSpec",
 ]
 
@@ -44,6 +47,15 @@ class SandboxState(enum.StrEnum):
     RUNNING = "running"
     FAILED = "failed"  # the VM died or stopped answering; resources still need destroy()
     DESTROYED = "destroyed"
+
+
+class RamMode(enum.StrEnum):
+    """How a restored VM gets its RAM from a snapshot."""
+
+    PRIVATE = "private"
+    """Map the snapshot's frozen memory.ram privately: nothing copied, clones share clean pages."""
+    COPY = "copy"
+    """Reflink memory.ram into the sandbox and map it shared: the restored VM snapshots cheaply again."""
 
 
 class RuntimeError_(CapsaError):
@@ -124,4 +136,53 @@ class Runtime(Protocol):
 
     async def close(self) -> None:
         """Destroy every sandbox this runtime owns."""
+        ...
+
+
+@runtime_checkable
+class SnapshotCapable(Protocol):
+    """What a runtime that can snapshot offers on top of :class:`Runtime`.
+
+    Snapshots taken without a ``dest`` live in the runtime's snapshot store and are addressed by id
+    (``snap_...``); templates keep theirs under :attr:`templates_dir` and address them by path.
+    """
+
+    @property
+    def templates_dir(self) -> Path:
+        """Where template snapshots live (on the same storage as sandboxes, so restores are reflinks)."""
+        ...
+
+    async def snapshot(self, sandbox: Sandbox, dest: Path | str | None = None, *, resume: bool = True,
+                       labels: dict[str, str] | None = None, content_digest: bool = False) -> Snapshot:
+        """Snapshot a running sandbox into ``dest`` (a snapshot id, a directory, or None for a new id).
+        ``resume=False`` leaves the VM stopped (pause: the caller destroys it next)."""
+        ...
+
+    async def restore(self, snapshot: Snapshot | Path | str, spec: VMSpec, *, sandbox_id: str | None = None,
+                      ram_mode: RamMode = RamMode.COPY, refresh: bool = True) -> Sandbox:
+        """A new running sandbox from ``snapshot``; its guest gets fresh entropy and the host clock unless
+        ``refresh=False``."""
+        ...
+
+    async def branch(self, snapshot: Snapshot | Path | str, n: int, spec: VMSpec, *,
+                     ram_mode: RamMode = RamMode.PRIVATE) -> Sequence[Sandbox]:
+        """``n`` independent sandboxes restored concurrently from one snapshot. All or nothing."""
+        ...
+
+    def open_snapshot(self, snapshot_id: str) -> Snapshot:
+        """The stored snapshot ``snapshot_id``; CapsaError ``snapshot_not_found`` (404) if the id is unknown
+        or malformed."""
+        ...
+
+    def list_snapshot_ids(self) -> builtins.list[str]:
+        """Ids of the snapshots in the store (unverified: opening one may still fail)."""
+        ...
+
+    def delete_snapshot(self, snapshot: Snapshot | str) -> bool:
+        """Delete a stored snapshot; False if it did not exist."""
+        ...
+
+    def can_restore(self, snapshot: Snapshot, spec: VMSpec) -> bool:
+        """Whether this runtime can restore ``snapshot`` as ``spec`` (same accelerator, QEMU and device
+        layout, including a NIC with ``spec.network.mac``)."""
         ...

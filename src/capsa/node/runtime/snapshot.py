@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import os
 import secrets
 import shutil
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from capsa.node.runtime.base import RamMode
 from capsa.node.runtime.snapshot_manifest import (
     DISK_FILE,
     RAM_FILE,
@@ -92,13 +92,6 @@ class GuestRefresher(Protocol):
 
 CloneFn = Callable[[Path, Path], bool]
 """Copy ``src`` to a new file ``dst`` (reflink when possible); True when extents are shared."""
-
-
-class RamMode(enum.StrEnum):
-    PRIVATE = "private"
-    """Map the snapshot's frozen memory.ram privately: nothing copied, clones share clean pages."""
-    COPY = "copy"
-    """Reflink memory.ram into the sandbox and map it shared: the restored VM snapshots cheaply again."""
 
 
 def _qemu_escape(value: str) -> str:

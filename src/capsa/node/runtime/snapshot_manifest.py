@@ -19,6 +19,7 @@ import errno
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -33,6 +34,7 @@ __all__ = [
     "RAM_FILE",
     "STATE_FILE",
     "FileEntry",
+    "Snapshot",
     "SnapshotError",
     "SnapshotManifest",
     "file_sha256",
@@ -178,3 +180,19 @@ def load_manifest(directory: Path, *, verify_content: bool = False) -> SnapshotM
             raise SnapshotError(f"snapshot file {fp} does not match its recorded sha256",
                                 code="snapshot_corrupt")
     return manifest
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A snapshot directory and its (verified) manifest."""
+
+    path: Path
+    manifest: SnapshotManifest
+
+    @property
+    def id(self) -> str:
+        return self.manifest.id
+
+    @classmethod
+    def open(cls, path: Path, *, verify_content: bool = False) -> Snapshot:
+        return cls(path, load_manifest(path, verify_content=verify_content))

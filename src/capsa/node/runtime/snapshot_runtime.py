@@ -28,14 +28,23 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from qemu.qmp import QMPClient
 
-from capsa.common.ids import new_id
+from capsa.common.errors import CapsaError
+from capsa.common.ids import is_id, new_id
 from capsa.common.settings import Settings
 from capsa.node.guest_client import GuestClient
-from capsa.node.runtime.base import Accelerator, BootError, RuntimeError_, SandboxState, VMSpec
+from capsa.node.runtime.base import (
+    Accelerator,
+    BootError,
+    RuntimeError_,
+    Sandbox,
+    SandboxState,
+    SnapshotCapable,
+    VMSpec,
+)
 from capsa.node.runtime.hostinfo import HostInfoError, qemu_binary, qemu_version, tsc_khz
 from capsa.node.runtime.qemu import (
     _NETWORK_FIELDS,
@@ -59,7 +68,7 @@ from capsa.node.runtime.snapshot import (
     refresh_guest,
     save_snapshot,
 )
-from capsa.node.runtime.snapshot_manifest import RAM_FILE, SnapshotError, SnapshotManifest, load_manifest
+from capsa.node.runtime.snapshot_manifest import RAM_FILE, Snapshot, SnapshotError
 from capsa.node.runtime.workdir import VM_UID_BASE, VmDir, pick_vm_uid
 from capsa.node.storage.disks import private_disk
 from capsa.node.storage.filecopy import CopyError, copy_file
@@ -71,22 +80,6 @@ _log = logging.getLogger(__name__)
 
 _SNAPSHOT_GID_COUNT = 1_000_000
 _IMAGE_PREFIX = "image-"
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A snapshot directory and its (verified) manifest."""
-
-    path: Path
-    manifest: SnapshotManifest
-
-    @property
-    def id(self) -> str:
-        return self.manifest.id
-
-    @classmethod
-    def open(cls, path: Path, *, verify_content: bool = False) -> Snapshot:
-        return cls(path, load_manifest(path, verify_content=verify_content))
 
 
 @dataclass
@@ -252,7 +245,7 @@ class SnapshotRuntime(QemuRuntime):
 
     # -- snapshots ---------------------------------------------------------------------------------------
 
-    async def snapshot(self, sandbox: QemuSandbox, dest: Path | str | None = None, *, resume: bool = True,
+    async def snapshot(self, sandbox: Sandbox, dest: Path | str | None = None, *, resume: bool = True,
                        labels: dict[str, str] | None = None, content_digest: bool = False) -> Snapshot:
         """Snapshot a running sandbox into ``dest`` (default: a new id under the pool's snapshots/).
 
@@ -338,6 +331,51 @@ class SnapshotRuntime(QemuRuntime):
         os.chmod(snap.path, 0o711)
         return (gid,)
 
+    def _check_restorable(self, snap: Snapshot, spec: VMSpec) -> Accelerator:
+        """The accelerator ``snap`` restores under; SnapshotError when this runtime cannot restore it."""
+        try:
+            accel = Accelerator(snap.manifest.accel)
+        except ValueError:
+            raise SnapshotError(f"snapshot {snap.id} has unknown accelerator {snap.manifest.accel!r}",
+                                code="snapshot_corrupt") from None
+        if self.requested_accel not in (Accelerator.AUTO, accel):
+            raise SnapshotError(f"snapshot {snap.id} was taken under {accel.value}; this runtime uses "
+                                f"{self.requested_accel.value}", code="snapshot_mismatch", status=409)
+        try:
+            version = qemu_version()
+        except HostInfoError as exc:
+            raise BootError(str(exc)) from exc
+        if snap.manifest.machine not in (None, self._machine(spec, accel)):
+            raise SnapshotError(f"snapshot {snap.id} was taken from a different VM layout (QEMU devices or "
+                                "options changed since)", code="snapshot_mismatch", status=409)
+        if snap.manifest.qemu_version not in (None, version):
+            # microvm has no versioned machine types, so a stream from another QEMU may not load.
+            raise SnapshotError(f"snapshot {snap.id} was taken with QEMU {snap.manifest.qemu_version}, this "
+                                f"node runs {version}", code="snapshot_mismatch", status=409)
+        return accel
+
+    def can_restore(self, snapshot: Snapshot, spec: VMSpec) -> bool:
+        try:
+            self._check_restorable(snapshot, spec)
+        except (SnapshotError, BootError):
+            return False
+        return True
+
+    @property
+    def templates_dir(self) -> Path:
+        return self.pool.templates_dir
+
+    def open_snapshot(self, snapshot_id: str) -> Snapshot:
+        if not is_id(snapshot_id, "snap"):
+            raise CapsaError(f"snapshot {snapshot_id!r} not found", code="snapshot_not_found", status=404)
+        path = self.pool.snapshot_dir(snapshot_id)
+        if not path.is_dir():
+            raise CapsaError(f"snapshot {snapshot_id} not found", code="snapshot_not_found", status=404)
+        return Snapshot.open(path)
+
+    def list_snapshot_ids(self) -> list[str]:
+        return [sid for sid in self.pool.list_snapshots() if is_id(sid, "snap")]
+
     async def restore(self, snapshot: Snapshot | Path | str, spec: VMSpec, *, sandbox_id: str | None = None,
                       ram_mode: RamMode = RamMode.COPY, refresh: bool = True) -> SnapshotSandbox:
         """A new running sandbox from ``snapshot``. ``refresh=False`` skips the reseed and clock (tests)."""
@@ -353,25 +391,10 @@ class SnapshotRuntime(QemuRuntime):
         if sid in self._sandboxes or sid in self._booting:
             raise BootError(f"sandbox {sid} already exists")
         try:
-            accel = Accelerator(snap.manifest.accel)
-        except ValueError:
-            raise SnapshotError(f"snapshot {snap.id} has unknown accelerator {snap.manifest.accel!r}",
-                                code="snapshot_corrupt") from None
-        if self.requested_accel not in (Accelerator.AUTO, accel):
-            raise SnapshotError(f"snapshot {snap.id} was taken under {accel.value}; this runtime uses "
-                                f"{self.requested_accel.value}", code="snapshot_mismatch", status=409)
-        try:
             binary = qemu_binary()
-            version = qemu_version()
         except HostInfoError as exc:
             raise BootError(str(exc)) from exc
-        if snap.manifest.machine not in (None, self._machine(spec, accel)):
-            raise SnapshotError(f"snapshot {snap.id} was taken from a different VM layout (QEMU devices or "
-                                "options changed since)", code="snapshot_mismatch", status=409)
-        if snap.manifest.qemu_version not in (None, version):
-            # microvm has no versioned machine types, so a stream from another QEMU may not load.
-            raise SnapshotError(f"snapshot {snap.id} was taken with QEMU {snap.manifest.qemu_version}, this "
-                                f"node runs {version}", code="snapshot_mismatch", status=409)
+        accel = self._check_restorable(snap, spec)
         self._booting.add(sid)
         owner = self._owner()
         try:
@@ -428,3 +451,8 @@ class SnapshotRuntime(QemuRuntime):
     def delete_snapshot(self, snapshot: Snapshot | Path | str) -> bool:
         sid = snapshot.id if isinstance(snapshot, Snapshot) else Path(snapshot).name
         return self.pool.remove_snapshot(sid)
+
+
+if TYPE_CHECKING:
+    def _is_snapshot_capable(runtime: SnapshotRuntime) -> SnapshotCapable:
+        return runtime  # mypy checks that the runtime provides every SnapshotCapable operation
