@@ -13,7 +13,18 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["AGENT", "ROOT", "WORK", "WORK_PIDS_MAX", "enter_work", "forget_command", "kill_command", "setup"]
+__all__ = [
+    "AGENT",
+    "ROOT",
+    "WORK",
+    "WORK_PIDS_MAX",
+    "enter_work",
+    "forget_command",
+    "kill_command",
+    "oom_kills",
+    "setup",
+    "sweep",
+]
 
 ROOT = "/sys/fs/cgroup"
 AGENT = ROOT + "/agent"
@@ -102,3 +113,38 @@ def forget_command(pid: int) -> None:
     if _ACTIVE:
         with contextlib.suppress(OSError):
             os.rmdir(_command_group(pid))
+
+
+def oom_kills(pid: int) -> int | None:
+    """How many processes of the command ``pid`` any OOM killer (the kernel's global one or a memory
+    cgroup's) has killed: the ``oom_kill`` counter of its cgroup's memory.events. None when the command has
+    no cgroup of its own. Read it before :func:`forget_command` removes the group."""
+    if not _ACTIVE:
+        return None
+    try:
+        with open(_command_group(pid) + "/memory.events") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def sweep() -> int:
+    """Remove the empty command groups a daemon that died without cleaning up left under ``work``
+    (run at daemon start). Groups still holding processes stay. Returns how many were removed."""
+    if not _ACTIVE:
+        return 0
+    removed = 0
+    try:
+        names = os.listdir(WORK)
+    except OSError:
+        return 0
+    for name in names:
+        if name.startswith("c") and name[1:].isdigit():
+            with contextlib.suppress(OSError):
+                os.rmdir(f"{WORK}/{name}")
+                removed += 1
+    return removed

@@ -15,7 +15,17 @@ from collections.abc import Callable
 from typing import Any
 
 from capsa.guest.errors import OpError, from_os_error
-from capsa.guest.protocol import CHUNK_SIZE, INITIAL_WINDOW, Frame, Kind, encode_frame
+from capsa.guest.protocol import (
+    CHUNK_SIZE,
+    HELLO_EVENT,
+    INITIAL_WINDOW,
+    INSTANCE_KEY,
+    PROTOCOL_VERSION,
+    UNAVAILABLE,
+    Frame,
+    Kind,
+    encode_frame,
+)
 
 __all__ = ["ChannelGone", "Connection", "Stream", "StreamReader"]
 
@@ -228,8 +238,9 @@ class Connection:
     """One connected host. ``write`` must write all bytes or raise OSError."""
 
     def __init__(self, write: Callable[[bytes], None], dispatch: Callable[[str], Handler | None],
-                 max_streams: int = 512) -> None:
+                 max_streams: int = 512, *, instance: str = "") -> None:
         self._write = write
+        self.instance = instance
         self._dispatch = dispatch
         self._lock = threading.Lock()
         self._streams: dict[int, Stream] = {}
@@ -263,9 +274,15 @@ class Connection:
         for stream in streams:
             stream.cancel()
 
-    def _reply_error(self, stream_id: int, code: str, message: str) -> None:
+    def announce(self, **extra: Any) -> None:
+        """Send the hello (see the protocol module): which daemon instance serves this connection."""
+        meta = {"event": HELLO_EVENT, INSTANCE_KEY: self.instance, "protocol": PROTOCOL_VERSION, **extra}
         with contextlib.suppress(ChannelGone):
-            self.send_frame(encode_frame(Kind.ERROR, stream_id, {"code": code, "message": message}))
+            self.send_frame(encode_frame(Kind.EVENT, 0, meta))
+
+    def _reply_error(self, stream_id: int, code: str, message: str, **extra: Any) -> None:
+        with contextlib.suppress(ChannelGone):
+            self.send_frame(encode_frame(Kind.ERROR, stream_id, {"code": code, "message": message, **extra}))
 
     def handle(self, frame: Frame) -> None:
         """Route one decoded frame. Runs on the reader thread: never blocks, never raises."""
@@ -300,6 +317,13 @@ class Connection:
         if not isinstance(op, str):
             self._reply_error(frame.stream, "bad_request", "request meta needs a string 'op'")
             return
+        wanted = frame.meta.get(INSTANCE_KEY)
+        if self.instance and wanted is not None and wanted != self.instance:
+            # Meant for a daemon instance that died (PID 1 restarted us): refuse it unrun, and say who we are.
+            self._reply_error(frame.stream, UNAVAILABLE,
+                              f"the guest daemon restarted (instance {str(wanted)[:64]!r} is gone); "
+                              f"the request was not run", **{INSTANCE_KEY: self.instance})
+            return
         handler = self._dispatch(op)
         if handler is None:
             self._reply_error(frame.stream, "unknown_op", f"unknown operation {op!r}")
@@ -315,7 +339,7 @@ class Connection:
             self._reply_error(frame.stream, "too_many_requests",
                               f"more than {self._max_streams} concurrent requests")
             return
-        args = {k: v for k, v in frame.meta.items() if k != "op"}
+        args = {k: v for k, v in frame.meta.items() if k not in ("op", INSTANCE_KEY)}
         thread = threading.Thread(target=_run, args=(handler, stream, args, frame.data),
                                   name=f"capsa-{op}-{frame.stream}", daemon=True)
         thread.start()

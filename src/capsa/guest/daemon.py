@@ -8,10 +8,10 @@ Operations (REQUEST meta ``{"op": name, ...args}``; the answer is one RESULT or 
 =============  ===========================================  ==========================================
 op             arguments (and request body)                 answer (and DATA frames before it)
 =============  ===========================================  ==========================================
-health                                                      version, protocol, pid, uptime, kernel, ...
+health                                                      version, protocol, instance, pid, uptime, ...
 exec           cmd (str: sh -c / list: argv), env, cwd,     EVENT {pid}; DATA {"ch": stdout|stderr};
                user, timeout, max_output, stdin (bool:      exit_code|signal, timed_out, *_truncated,
-               body = DATA* END)                            *_bytes, duration
+               body = DATA* END)                            *_bytes, duration, oom_killed
 proc_start     cmd, env, cwd, user                          ProcessInfo (pid, cmd, running, exit ...)
 proc_list                                                   {"processes": [ProcessInfo]}
 proc_wait      pid, timeout                                 ProcessInfo (maybe still running)
@@ -36,10 +36,13 @@ set_hostname   name                                         {hostname}
 poweroff                                                    {} then the init powers the VM off
 =============  ===========================================  ==========================================
 
+On every connection the daemon first sends a hello (EVENT on stream 0 naming its instance id, see
+capsa.guest.protocol); requests addressed to another instance are refused with guest_unavailable.
+
 Error codes: bad_request, unknown_op, not_found, permission_denied, is_a_directory,
 not_a_directory, already_exists, directory_not_empty, no_space, no_such_process, not_executable,
 unsafe_archive, unsupported, cancelled, flow_control, too_many_requests, malformed_frame,
-frame_too_large, unsupported_version, io_error, internal_error.
+frame_too_large, unsupported_version, guest_unavailable, io_error, internal_error.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import select
 import signal
 import socket
@@ -56,7 +60,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from capsa.guest import files
+from capsa.guest import cgroups, files
 from capsa.guest.channel import Connection, Handler
 from capsa.guest.procs import ProcessTable, op_exec
 from capsa.guest.protocol import Decoder
@@ -72,8 +76,10 @@ class Daemon:
     """Operation table plus state that outlives host connections (background processes)."""
 
     def __init__(self, *, allow_clock: bool = True, allow_poweroff: bool = False) -> None:
+        # Fresh on every start: a restarted daemon is a new instance, and the host must notice.
+        self.instance = secrets.token_hex(8)
         self.processes = ProcessTable()
-        self.system = System(allow_clock=allow_clock, allow_poweroff=allow_poweroff)
+        self.system = System(allow_clock=allow_clock, allow_poweroff=allow_poweroff, instance=self.instance)
         self.ops: dict[str, Handler] = {
             "health": self.system.op_health,
             "set_clock": self.system.op_set_clock,
@@ -98,11 +104,12 @@ class Daemon:
         }
 
     def connection(self, write: Callable[[bytes], None]) -> Connection:
-        return Connection(write, self.ops.get)
+        return Connection(write, self.ops.get, instance=self.instance)
 
     def serve_stream(self, read: Callable[[], bytes], write: Callable[[bytes], None]) -> None:
-        """Serve one connection until ``read`` returns b"" (EOF) or fails."""
+        """Announce this instance, then serve one connection until ``read`` returns b"" (EOF) or fails."""
         conn = self.connection(write)
+        conn.announce(pid=os.getpid())
         decoder = Decoder()
         try:
             while True:
@@ -245,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    # A predecessor killed without warning leaves the empty cgroups of the commands it ran.
+    cgroups.sweep()
     try:
         if args.device:
             daemon.serve_device(args.device)

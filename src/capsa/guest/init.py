@@ -12,6 +12,7 @@ import ctypes.util
 import errno
 import fcntl
 import os
+import select
 import signal
 import socket
 import struct
@@ -149,6 +150,30 @@ def _on_signal(signum: int, frame: object) -> None:
     raise _Shutdown(signal.Signals(signum).name)
 
 
+def _wakeup_on_child_exit() -> int:
+    """A descriptor that becomes readable when a child exits (SIGCHLD), so the main loop notices a dead
+    daemon at once instead of at its next poll. Returns the read end."""
+    read_fd, write_fd = os.pipe()  # both ends close-on-exec: the daemon and commands never see them
+    os.set_blocking(read_fd, False)
+    os.set_blocking(write_fd, False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a Python handler, so the wakeup fd fires
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    return read_fd
+
+
+def _wait_for_event(wakeup_fd: int, timeout: float) -> None:
+    try:
+        ready, _, _ = select.select([wakeup_fd], [], [], timeout)
+    except InterruptedError:
+        return
+    if ready:
+        try:
+            while os.read(wakeup_fd, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+
 def _start_daemon(device: str) -> subprocess.Popen[bytes]:
     env = {
         "PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "linux",
@@ -225,9 +250,10 @@ def main() -> int:
     device = options.get("device", DEVICE)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    wakeup_fd = _wakeup_on_child_exit()
     daemon: subprocess.Popen[bytes] | None = None
     restart_at = started = 0.0
-    backoff = 0.5
+    backoff = 0.0
     try:
         while True:
             if daemon is None and time.monotonic() >= restart_at:
@@ -239,11 +265,14 @@ def main() -> int:
                     restart_at = time.monotonic() + backoff
             if _reap(daemon) and daemon is not None:
                 _log(f"guest daemon exited ({daemon.returncode}); restarting")
-                # Back off only when it keeps dying right away.
-                backoff = min(backoff * 2, 10.0) if time.monotonic() - started < 5 else 0.5
+                # At once after a death (the host waits on it: its calls failed and it wants the new
+                # instance's hello); back off only when it keeps dying right away.
+                backoff = min(max(backoff * 2, 0.5), 10.0) if time.monotonic() - started < 5 else 0.0
                 restart_at = time.monotonic() + backoff
                 daemon = None
-            time.sleep(0.5)
+                continue
+            wait = 0.5 if daemon is not None else max(0.0, min(0.5, restart_at - time.monotonic()))
+            _wait_for_event(wakeup_fd, wait)
     except _Shutdown as why:
         _log(f"received {why}")
     _power_off()

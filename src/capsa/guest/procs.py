@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from capsa.guest.cgroups import enter_work, forget_command, kill_command
+from capsa.guest.cgroups import enter_work, forget_command, kill_command, oom_kills
 from capsa.guest.channel import ChannelGone, Stream
 from capsa.guest.errors import OpError, from_os_error
 from capsa.guest.protocol import Kind
@@ -259,6 +259,7 @@ def op_exec(stream: Stream, args: dict[str, Any], data: bytes) -> None:
         stdin_thread.start()
     stream.send(Kind.EVENT, {"started": True, "pid": proc.pid})
     counts = {"stdout": 0, "stderr": 0}
+    killed_by_oom: int | None = None
     try:
         _pump(stream, proc, counts, max_output)
         returncode = proc.wait()
@@ -268,6 +269,7 @@ def op_exec(stream: Stream, args: dict[str, Any], data: bytes) -> None:
         if proc.poll() is None:
             killpg(proc.pid)
             proc.wait()
+        killed_by_oom = oom_kills(proc.pid)  # before reaped() removes the command's cgroup
         reaped(proc)
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
@@ -280,6 +282,9 @@ def op_exec(stream: Stream, args: dict[str, Any], data: bytes) -> None:
         stdout_bytes=counts["stdout"], stderr_bytes=counts["stderr"],
         stdout_truncated=counts["stdout"] > max_output, stderr_truncated=counts["stderr"] > max_output,
         duration=time.monotonic() - started, pid=proc.pid,
+        # The kernel's own count for this command's cgroup: true when an OOM killer (global or a memory
+        # cgroup's) killed any of its processes, whatever the kernel log says.
+        oom_killed=bool(killed_by_oom),
     )
     stream.result(result)
 

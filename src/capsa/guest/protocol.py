@@ -22,6 +22,18 @@ unacknowledged data bytes in flight per stream and direction, and the receiver r
 ``WINDOW`` frames as it consumes data. That keeps memory bounded on both sides and stops a slow
 consumer on one stream from stalling the whole channel.
 
+Daemon instances. Every start of the guest daemon picks a fresh random instance id. Each time it
+opens the port it announces itself with a *hello*: an ``EVENT`` frame on stream 0 with meta
+``{"event": "hello", "instance": id, "pid": ..., "protocol": PROTOCOL_VERSION}``; ``health`` reports
+the same ``instance``. A host that knows an instance may name it in each ``REQUEST`` (meta
+``"instance"``); a daemon with another id refuses such a request, without running it, with an ERROR
+``guest_unavailable`` whose meta carries its own ``instance``. So when the daemon dies and PID 1
+restarts it, the host learns at once (the hello; a virtio-serial host socket does not notice the
+guest closing its port) that every request in flight was lost, and requests that were still on
+their way to the dead instance are refused rather than run by its successor. A request without
+``"instance"`` is served by any instance. Both additions are optional fields of existing frame
+kinds, so the wire format stays version 1.
+
 Standard library only: this module is copied into the guest image.
 """
 
@@ -37,16 +49,20 @@ from typing import Any
 __all__ = [
     "CHUNK_SIZE",
     "HEADER",
+    "HELLO_EVENT",
     "INITIAL_WINDOW",
+    "INSTANCE_KEY",
     "MAGIC",
     "MAX_DATA",
     "MAX_META",
     "PROTOCOL_VERSION",
+    "UNAVAILABLE",
     "Decoder",
     "Frame",
     "FrameTooLarge",
     "Kind",
     "encode_frame",
+    "hello_instance",
 ]
 
 MAGIC = b"CPSA"
@@ -59,6 +75,9 @@ MAX_DATA = 1024 * 1024
 CHUNK_SIZE = 64 * 1024
 INITIAL_WINDOW = 1024 * 1024
 MAX_STREAM = 0xFFFFFFFF
+HELLO_EVENT = "hello"  # meta["event"] of the daemon's announcement (EVENT on stream 0)
+INSTANCE_KEY = "instance"  # meta key naming a daemon instance (hello, health, REQUEST, ERROR)
+UNAVAILABLE = "guest_unavailable"  # error code: the daemon instance a request was meant for is gone
 
 
 class Kind(enum.IntEnum):
@@ -109,6 +128,14 @@ def encode_frame(kind: Kind, stream: int, meta: dict[str, Any] | None = None, da
         raise FrameTooLarge(f"frame data is {len(data)} bytes, limit {MAX_DATA}")
     prefix = _PREFIX.pack(MAGIC, PROTOCOL_VERSION, int(kind), 0, stream, len(raw_meta), len(data))
     return b"".join((prefix, struct.pack(">I", zlib.crc32(prefix)), raw_meta, data))
+
+
+def hello_instance(frame: Frame) -> str | None:
+    """The instance id a daemon's hello frame announces, or None if ``frame`` is not a hello."""
+    if frame.kind != Kind.EVENT or frame.stream != 0 or frame.meta.get("event") != HELLO_EVENT:
+        return None
+    value = frame.meta.get(INSTANCE_KEY)
+    return value if isinstance(value, str) and value else None
 
 
 def _reject_constant(name: str) -> Any:

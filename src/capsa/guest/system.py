@@ -34,8 +34,9 @@ def _system_uptime() -> float | None:
 
 
 class System:
-    def __init__(self, *, allow_clock: bool = True, allow_poweroff: bool = False) -> None:
+    def __init__(self, *, allow_clock: bool = True, allow_poweroff: bool = False, instance: str = "") -> None:
         self.started = time.monotonic()
+        self.instance = instance
         self.allow_clock = allow_clock
         self.allow_poweroff = allow_poweroff
 
@@ -44,6 +45,7 @@ class System:
             "status": "ok",
             "version": GUEST_VERSION,
             "protocol": PROTOCOL_VERSION,
+            "instance": self.instance,
             "pid": os.getpid(),
             "uptime": _system_uptime(),
             "daemon_uptime": time.monotonic() - self.started,

@@ -4,6 +4,14 @@ One reader task decodes frames and routes them to per-request streams. Inbound d
 bounded by the credit window (the guest may not send more than we have acknowledged, and we only
 acknowledge what the caller has consumed), so a slow consumer costs at most one window of memory.
 A lost connection fails every pending call at once with :class:`ChannelClosed`.
+
+A guest daemon that dies (a user command ran ``kill -9 -1``) does not close the connection: QEMU's
+host side of a virtio-serial port does not see the guest closing it. The guest's PID 1 restarts the
+daemon, and the new instance announces itself with a hello naming a fresh instance id (see
+:mod:`capsa.guest.protocol`); the client then fails every call in flight at once with
+:class:`GuestUnavailable` (``guest_unavailable``) and addresses later requests to the new instance.
+Requests that were still on their way to the dead one are refused unrun by its successor, with the
+same error.
 """
 
 from __future__ import annotations
@@ -23,10 +31,13 @@ from capsa.common.errors import CapsaError
 from capsa.guest.protocol import (
     CHUNK_SIZE,
     INITIAL_WINDOW,
+    INSTANCE_KEY,
+    UNAVAILABLE,
     Decoder,
     Frame,
     Kind,
     encode_frame,
+    hello_instance,
 )
 
 __all__ = [
@@ -37,6 +48,7 @@ __all__ = [
     "FileInfo",
     "GuestClient",
     "GuestError",
+    "GuestUnavailable",
     "OutputCallback",
     "ProcessInfo",
     "ProcessOutput",
@@ -66,6 +78,7 @@ _STATUS = {
     "no_space": 507,
     "timeout": 504,
     "unsupported": 501,
+    UNAVAILABLE: 503,
 }
 
 
@@ -77,6 +90,14 @@ class GuestError(CapsaError):
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message or code, code=code, status=_STATUS.get(code, 502))
+
+
+class GuestUnavailable(GuestError):
+    """The guest daemon instance serving the request died (PID 1 restarts it; the sandbox stays usable).
+    The request may have run partly; later calls go to the new instance."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(UNAVAILABLE, message)
 
 
 class ChannelClosed(GuestError):
@@ -97,6 +118,9 @@ class ExecResult:
     timed_out: bool
     duration: float
     pid: int | None = None
+    oom_killed: bool = False
+    """An OOM killer (the guest kernel's, or a memory cgroup's) killed a process of this command, as
+    counted by the command's own cgroup (memory.events ``oom_kill``)."""
 
     @property
     def ok(self) -> bool:
@@ -331,6 +355,12 @@ class GuestClient:
         self._closed: BaseException | None = None
         self._write_lock = asyncio.Lock()
         self.protocol_errors = 0
+        self.instance: str | None = None
+        """The guest daemon instance this client talks to (learnt from its hello or ``health``)."""
+        self.daemon_restarts = 0
+        """How many times a new daemon instance replaced the one the client knew."""
+        self.last_restart: float | None = None
+        """``time.monotonic()`` when the client last learnt of a new daemon instance."""
         self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
@@ -369,7 +399,34 @@ class GuestClient:
         for stream in streams:
             stream.deliver(reason)
 
+    def _learn_instance(self, instance: str, how: str) -> None:
+        """A daemon instance spoke. When it replaces the one we knew, every call in flight is lost."""
+        if instance == self.instance:
+            return
+        previous, self.instance = self.instance, instance
+        if previous is None:
+            return  # first contact
+        self.daemon_restarts += 1
+        self.last_restart = time.monotonic()
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
+            stream.deliver(GuestUnavailable(
+                f"the guest daemon died and was restarted ({how}); the call in flight was lost"))
+
     def _route(self, frame: Frame) -> None:
+        hello = hello_instance(frame)
+        if hello is not None:
+            self._learn_instance(hello, "a new instance announced itself")
+            return
+        if frame.kind == Kind.ERROR and frame.code == UNAVAILABLE and not frame.malformed:
+            other = frame.meta.get(INSTANCE_KEY)
+            if isinstance(other, str) and other:
+                stream = self._streams.pop(frame.stream, None)
+                self._learn_instance(other, "a new instance refused a request meant for the old one")
+                if stream is not None:
+                    stream.deliver(GuestUnavailable(frame.message or "the guest daemon restarted"))
+                return
         if frame.malformed or (frame.stream == 0 and frame.kind == Kind.ERROR):
             self.protocol_errors += 1
             stream = self._streams.get(frame.stream)
@@ -418,9 +475,11 @@ class GuestClient:
         self._next_id = self._next_id + 1 if self._next_id < 0xFFFFFFF0 else 1
         stream = _Stream(self, stream_id)
         self._streams[stream_id] = stream
-        meta = {"op": op}
+        meta: dict[str, Any] = {"op": op}
         if args:
             meta.update({k: v for k, v in args.items() if v is not None})
+        if self.instance is not None:
+            meta[INSTANCE_KEY] = self.instance
         try:
             await self._send(Kind.REQUEST, stream_id, meta, data)
         except (ValueError, TypeError) as exc:  # too large, or not JSON: the caller's input
@@ -456,7 +515,11 @@ class GuestClient:
     # -- operations ------------------------------------------------------------------------------
 
     async def health(self, timeout: float = 5) -> dict[str, object]:  # noqa: ASYNC109
-        return dict((await self._call("health", timeout=timeout)).meta)
+        meta = dict((await self._call("health", timeout=timeout)).meta)
+        instance = meta.get(INSTANCE_KEY)
+        if isinstance(instance, str) and instance:
+            self._learn_instance(instance, "health named a new instance")
+        return meta
 
     async def wait_ready(self, timeout: float = 30,  # noqa: ASYNC109
                          interval: float = 0.5) -> dict[str, object]:
@@ -533,6 +596,7 @@ class GuestClient:
                         stderr_truncated=bool(meta.get("stderr_truncated")),
                         timed_out=bool(meta.get("timed_out")),
                         duration=time.monotonic() - started, pid=_opt_int(meta.get("pid")),
+                        oom_killed=meta.get("oom_killed") is True,
                     )
         finally:
             if uploader is not None and not uploader.done():
