@@ -1,11 +1,25 @@
-"""Fixtures shared by every test suite. Others may append fixtures here; keep each one small."""
+"""Fixtures shared by every test suite. Others may append fixtures here; keep each one small.
+
+Helpers live in tests/support/ (public names); fixtures live in conftest files: here when more than one
+suite uses them, else in that suite's conftest.py. Test modules never import from each other."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import pytest
+import pytest_asyncio
 
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
+from tests.support.control_db import DATABASES, database_url, optional_postgres
+from tests.support.postgres import PgCluster
+from tests.support.vm import searchable_dir
+
+if TYPE_CHECKING:
+    from capsa.node.runtime.qemu import QemuRuntime
 
 
 @pytest.fixture(scope="session")
@@ -15,3 +29,49 @@ def guest_image() -> GuestImage:
     from capsa.images import ensure_image
 
     return ensure_image(Settings())
+
+
+# --- the control plane's database -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PgCluster | None]:
+    """One throwaway PostgreSQL 15 cluster for the session, or ``None`` where it is not installed."""
+    with optional_postgres() as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=DATABASES)
+def db_url(request: pytest.FixtureRequest, tmp_path: Path, pg_cluster: PgCluster | None) -> str:
+    """An empty control-plane database: each test using it runs on SQLite and on PostgreSQL."""
+    return database_url(request.param, tmp_path, pg_cluster)
+
+
+# --- real microVMs (integration and security suites) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def state_dir() -> Iterator[Path]:
+    """A node state directory shared by the test module's VMs: short (QEMU socket paths) and searchable
+    (QEMU runs as another uid), under /var/tmp; removed afterwards."""
+    with searchable_dir("capsa-vm-", parent="/var/tmp") as path:
+        yield path
+
+
+@pytest.fixture
+def fresh_state_dir() -> Iterator[Path]:
+    """Like ``state_dir``, but one per test."""
+    with searchable_dir("capsa-vm1-", parent="/var/tmp") as path:
+        yield path
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def qemu_runtime(state_dir: Path) -> AsyncIterator[QemuRuntime]:
+    """The plain QEMU runtime on ``state_dir`` (accelerator probed, not cached), closed afterwards."""
+    from capsa.node.runtime.qemu import QemuRuntime
+
+    runtime = QemuRuntime(Settings(state_dir=state_dir), accel="auto", accel_cache=False)
+    try:
+        yield runtime
+    finally:
+        await runtime.close()

@@ -4,7 +4,7 @@ is nowhere in the VM (environment, disk, QEMU memory); a battery of bypass attem
 blocked and each attempt is in the session's audit trail read through the API; a policy update applies to
 the running VM; closing the session removes namespace, tap, rules, CA and placeholders.
 
-Every address involved lives in namespaces this test creates (tests.security.test_egress_battery's
+Every address involved lives in namespaces this test creates (tests.support.outside's
 outside world: a DNS server and HTTP(S) "external APIs" under their own CA). One VM, to spare the 2 cores.
 """
 
@@ -15,11 +15,9 @@ import base64
 import json
 import os
 import secrets
-import shutil
 import ssl
 import subprocess
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +35,9 @@ from capsa.node.egress.service import EgressService
 from capsa.node.net.sandbox_net import NetworkManager
 from capsa.node.runtime.base import SandboxState
 from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
-from tests.integration.test_net_vm_egress import _file_contains, _memory_contains
-from tests.security.test_egress_battery import outside_world
 from tests.support.api_stack import ApiStack
+from tests.support.outside import outside_world
+from tests.support.scan import file_contains, memory_contains
 
 pytestmark = [
     pytest.mark.vm,
@@ -297,17 +295,9 @@ def _sh(*argv: str) -> str:
     return subprocess.run(list(argv), check=True, capture_output=True, text=True).stdout
 
 
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="cae-", dir="/tmp"))  # VM socket paths must stay short
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-async def test_egress_through_the_api_with_a_real_vm(guest_image: GuestImage, short_dir: Path) -> None:
+async def test_egress_through_the_api_with_a_real_vm(guest_image: GuestImage, state_dir: Path) -> None:
     octet = 200 + secrets.randbelow(50)
-    tmp_path = state = short_dir
+    tmp_path = state = state_dir
     async with outside_world(octet) as world:
         audit = AuditLog()
         store = InMemorySecretStore(SecretBox(os.urandom(32)))
@@ -358,10 +348,10 @@ async def test_egress_through_the_api_with_a_real_vm(guest_image: GuestImage, sh
                 assert isinstance(vm, QemuSandbox)
                 pid = vm.pid
                 assert pid is not None
-                assert not await asyncio.to_thread(_memory_contains, pid, SECRET.encode())
-                assert await asyncio.to_thread(_memory_contains, pid, placeholder.encode())  # search works
+                assert not await asyncio.to_thread(memory_contains, pid, SECRET.encode())
+                assert await asyncio.to_thread(memory_contains, pid, placeholder.encode())  # search works
                 disk = vm.workdir / "disk.img"
-                assert not await asyncio.to_thread(_file_contains, disk, SECRET.encode())
+                assert not await asyncio.to_thread(file_contains, disk, SECRET.encode())
 
                 # 3. The battery, inside the VM; each attempt must fail and be in the audit trail.
                 result = await _run(api, sid, ["python3", "-c", BATTERY, world.ip], limit_s=600)

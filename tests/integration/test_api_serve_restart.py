@@ -14,7 +14,9 @@ import httpx
 import pytest
 
 from capsa.control.keys import generate_key
-from tests.integration.test_cli_serve import _start, _wait_no_leftovers, qemu_pids
+from tests.support.leftovers import wait_no_vm_leftovers
+from tests.support.processes import qemu_pids
+from tests.support.served import start_serve
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 
@@ -32,7 +34,7 @@ def test_restart_keeps_records_and_reaper_still_closes_expired_sessions() -> Non
     state = work / "state"
     admin = generate_key().full
     try:
-        first = _start(state, work, env={"CAPSA_BOOTSTRAP_KEY": admin})
+        first = start_serve(state, work, env={"CAPSA_BOOTSTRAP_KEY": admin})
         try:
             with httpx.Client(
                 base_url=first.url, headers={"Authorization": f"Bearer {admin}"}, timeout=300
@@ -43,12 +45,12 @@ def test_restart_keeps_records_and_reaper_still_closes_expired_sessions() -> Non
                 assert len(qemu_pids(state)) == 2
         finally:
             assert first.stop() == 0, first.stderr.read_text()[-2000:]
-        assert _wait_no_leftovers(state) == []  # stopping serve destroyed its VMs
+        assert wait_no_vm_leftovers(state) == []  # stopping serve destroyed its VMs
         # Let the short session's TTL pass while nothing is running.
         expires = datetime.fromisoformat(str(short["expires_at"]))
         time.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds() + 1))
 
-        second = _start(state, work, env={"CAPSA_BOOTSTRAP_KEY": admin})
+        second = start_serve(state, work, env={"CAPSA_BOOTSTRAP_KEY": admin})
         try:
             with httpx.Client(
                 base_url=second.url, headers={"Authorization": f"Bearer {admin}"}, timeout=300
@@ -70,7 +72,7 @@ def test_restart_keeps_records_and_reaper_still_closes_expired_sessions() -> Non
                     time.sleep(0.5)
                 reaped = _session(c, fresh["id"])
                 assert reaped["state"] == "closed" and reaped["failure_reason"] == "timeout"
-                assert _wait_no_leftovers(state) == []
+                assert wait_no_vm_leftovers(state) == []
         finally:
             assert second.stop() == 0, second.stderr.read_text()[-2000:]
         assert "bootstrap admin key" not in second.printed()

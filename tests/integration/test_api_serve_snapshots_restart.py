@@ -14,7 +14,9 @@ import httpx
 import pytest
 
 from capsa.control.keys import generate_key
-from tests.integration.test_cli_serve import _start, _wait_no_leftovers, qemu_pids
+from tests.support.leftovers import wait_no_vm_leftovers
+from tests.support.processes import qemu_pids
+from tests.support.served import start_serve
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 
@@ -50,7 +52,7 @@ def test_sessions_with_snapshots_survive_a_serve_restart() -> None:
     admin = generate_key().full
     headers = {"Authorization": f"Bearer {admin}"}
     try:
-        first = _start(state, work, env={"CAPSA_BOOTSTRAP_KEY": admin})
+        first = start_serve(state, work, env={"CAPSA_BOOTSTRAP_KEY": admin})
         try:
             with httpx.Client(base_url=first.url, headers=headers, timeout=300) as c:
                 rolling = _ok(c.post("/v1/sessions", json={
@@ -66,9 +68,9 @@ def test_sessions_with_snapshots_survive_a_serve_restart() -> None:
                 assert snapshot_ids <= _snapshot_files(state)
         finally:
             assert first.stop() == 0, first.stderr.read_text()[-2000:]
-        assert _wait_no_leftovers(state) == []  # the VMs died with the process (the pool is unmounted)
+        assert wait_no_vm_leftovers(state) == []  # the VMs died with the process (the pool is unmounted)
 
-        second = _start(state, work, env={"CAPSA_BOOTSTRAP_KEY": admin})
+        second = start_serve(state, work, env={"CAPSA_BOOTSTRAP_KEY": admin})
         try:
             with httpx.Client(base_url=second.url, headers=headers, timeout=300) as c:
                 def state_of(sid: str) -> dict[str, Any]:
@@ -88,7 +90,7 @@ def test_sessions_with_snapshots_survive_a_serve_restart() -> None:
                 for sid in (rolling, paused):
                     _ok(c.post(f"/v1/sessions/{sid}/close"))
                 assert not (snapshot_ids & _snapshot_files(state))
-                assert _wait_no_leftovers(state) == []
+                assert wait_no_vm_leftovers(state) == []
         finally:
             assert second.stop() == 0, second.stderr.read_text()[-2000:]
     finally:

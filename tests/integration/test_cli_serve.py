@@ -7,148 +7,25 @@ process under the state directory and no VM working directory.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 import re
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CAPSA = [str(Path(sys.executable).with_name("capsa"))]
-KEY_RE = re.compile(r"bootstrap admin key.*?(csk_[A-Za-z0-9_]+)")
-START_TIMEOUT = 600.0  # the first start may build the guest image
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Served:
-    url: str
-    state_dir: Path
-    proc: subprocess.Popen[str]
-    stdout: Path
-    stderr: Path
-
-    def printed(self) -> str:
-        return self.stdout.read_text()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def _start(state_dir: Path, log_dir: Path, env: dict[str, str] | None = None) -> Served:
-    port = _free_port()
-    n = len(list(log_dir.glob("serve-*.out")))
-    out, err = log_dir / f"serve-{n}.out", log_dir / f"serve-{n}.err"
-    # No warm pool unless a test asks for one: the "nothing left" checks then mean exactly no VM
-    # (a pool keeps idle VMs by design). Creation still goes through template restore.
-    full_env = {**os.environ, "CAPSA_POOL_SIZE": "0", **(env or {})}
-    full_env.pop("CAPSA_API_KEY", None)
-    with out.open("w") as o, err.open("w") as e:
-        proc = subprocess.Popen([*CAPSA, "serve", "--port", str(port), "--state-dir", str(state_dir),
-                                 "--accel", "tcg"], stdout=o, stderr=e, text=True, env=full_env, cwd=ROOT)
-    served = Served(f"http://127.0.0.1:{port}", state_dir, proc, out, err)
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"capsa serve exited {proc.returncode}: {err.read_text()[-2000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{served.url}/v1/ready", timeout=2).status_code == 200:
-                return served
-        time.sleep(0.3)
-    served.stop()
-    raise AssertionError(f"capsa serve did not become ready: {err.read_text()[-2000:]}")
-
-
-def qemu_pids(state_dir: Path) -> list[int]:
-    """QEMU processes whose command line mentions ``state_dir`` (read from /proc: ps truncates)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue  # exited meanwhile
-        if args and b"qemu-system" in args[0] and any(str(state_dir).encode() in a for a in args):
-            pids.append(int(entry.name))
-    return pids
-
-
-def _leftovers(state_dir: Path) -> list[str]:
-    found = [f"qemu pid {pid}" for pid in qemu_pids(state_dir)]
-    vms = state_dir / "vms"
-    if vms.exists():
-        found += [str(p) for p in vms.iterdir()]
-    return found
-
-
-def _wait_no_leftovers(state_dir: Path, timeout: float = 30.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while (left := _leftovers(state_dir)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
-
-
-@pytest.fixture(scope="module")
-def workdir() -> Iterator[Path]:
-    # QEMU runs unprivileged, so the state directory must be searchable by others (mkdtemp makes 0700).
-    path = Path(tempfile.mkdtemp(prefix="capsa-e2e-"))
-    path.chmod(0o755)
-    yield path
-    subprocess.run(["rm", "-rf", str(path)], check=False)
-
-
-@pytest.fixture(scope="module")
-def server(workdir: Path) -> Iterator[tuple[Served, str]]:
-    state = workdir / "state"
-    served = _start(state, workdir, env={"CAPSA_BOOTSTRAP_KEY": ""})
-    try:
-        match = KEY_RE.search(served.printed())
-        assert match, f"no bootstrap key printed: {served.printed()!r}"
-        yield served, match.group(1)
-    finally:
-        assert served.stop() == 0, served.stderr.read_text()[-2000:]
-        assert _wait_no_leftovers(state) == []
-
-
-def capsa(served: Served, key: str | None, *args: str, stdin: str | None = None,
-          timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "CAPSA_API_URL": served.url}
-    env.pop("CAPSA_API_KEY", None)
-    if key is not None:
-        env["CAPSA_API_KEY"] = key
-    return subprocess.run([*CAPSA, *args], capture_output=True, text=True, env=env, input=stdin,
-                          timeout=timeout, cwd=ROOT)
+from tests.support.leftovers import wait_no_vm_leftovers
+from tests.support.served import CAPSA, KEY_RE, ROOT, Served, capsa, free_port, start_serve
 
 
 def test_bootstrap_key_is_printed_only_on_first_start(tmp_path: Path) -> None:
     tmp_path.chmod(0o755)
     state = tmp_path / "state"
-    first = _start(state, tmp_path, env={"CAPSA_BOOTSTRAP_KEY": ""})
+    first = start_serve(state, tmp_path, env={"CAPSA_BOOTSTRAP_KEY": ""})
     try:
         match = KEY_RE.search(first.printed())
         assert match
@@ -158,14 +35,14 @@ def test_bootstrap_key_is_printed_only_on_first_start(tmp_path: Path) -> None:
         assert [k["admin"] for k in json.loads(keys.stdout)["items"]] == [True]
     finally:
         assert first.stop() == 0
-    second = _start(state, tmp_path, env={"CAPSA_BOOTSTRAP_KEY": ""})
+    second = start_serve(state, tmp_path, env={"CAPSA_BOOTSTRAP_KEY": ""})
     try:
         assert "csk_" not in second.printed()
         assert capsa(second, key, "keys", "ls").returncode == 0  # the first key still works
     finally:
         assert second.stop() == 0
     given = "csk_givengivengi_" + "g" * 32
-    third = _start(tmp_path / "state2", tmp_path, env={"CAPSA_BOOTSTRAP_KEY": given})
+    third = start_serve(tmp_path / "state2", tmp_path, env={"CAPSA_BOOTSTRAP_KEY": given})
     try:
         assert given not in third.printed()  # a key the operator chose is never echoed
         assert capsa(third, given, "keys", "ls").returncode == 0
@@ -181,7 +58,7 @@ def test_errors_are_one_line(server: tuple[Served, str]) -> None:
     missing = capsa(served, None, "keys", "ls")
     assert missing.returncode == 1 and missing.stderr.startswith("error: unauthorized")
     down = subprocess.run([*CAPSA, "ls"], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "CAPSA_API_URL": f"http://127.0.0.1:{_free_port()}",
+                          env={**os.environ, "CAPSA_API_URL": f"http://127.0.0.1:{free_port()}",
                                "CAPSA_API_KEY": "csk_x_y"})
     assert down.returncode == 1 and down.stderr.startswith("error: cannot reach capsa API")
     assert "Traceback" not in wrong.stderr + missing.stderr + down.stderr
@@ -210,7 +87,7 @@ def test_readme_quickstart_runs_and_leaves_nothing(server: tuple[Served, str]) -
     listed = capsa(served, key, "ls", "--json")
     states = {s["id"]: s["state"] for s in json.loads(listed.stdout)["items"]}
     assert states == {sid.group(1): "closed"}
-    assert _wait_no_leftovers(served.state_dir) == []
+    assert wait_no_vm_leftovers(served.state_dir) == []
 
 
 @pytest.mark.vm
@@ -247,7 +124,7 @@ def test_cli_run_exec_ls_close_with_real_vms(server: tuple[Served, str]) -> None
         assert closed.returncode == 0 and closed.stdout == f"{s.id} closed\n"
         gone = capsa(served, key, "exec", s.id, "--", "true")
         assert gone.returncode == 125 and gone.stderr.startswith("error: invalid_state")
-    assert _wait_no_leftovers(served.state_dir) == []
+    assert wait_no_vm_leftovers(served.state_dir) == []
 
 
 @pytest.mark.vm
@@ -270,4 +147,4 @@ def test_ctrl_c_on_capsa_run_closes_the_session(server: tuple[Served, str]) -> N
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
     items = json.loads(capsa(served, key, "ls", "--json").stdout)["items"]
     assert [s["state"] for s in items] == ["closed"]
-    assert _wait_no_leftovers(served.state_dir) == []
+    assert wait_no_vm_leftovers(served.state_dir) == []

@@ -7,11 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import secrets
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +20,8 @@ from capsa.node.egress.service import EgressService
 from capsa.node.net.sandbox_net import NetworkManager
 from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.qemu import QemuRuntime
-from tests.security.test_egress_battery import SECRET, SECRET_ID, _policy, outside_world
+from tests.support.outside import SECRET, SECRET_ID, outside_world, world_policy
+from tests.support.scan import file_contains, memory_contains
 
 pytestmark = [
     pytest.mark.vm,
@@ -62,49 +59,6 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="cve-", dir="/tmp"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _memory_contains(pid: int, needle: bytes) -> bool:
-    """Search every readable mapping of the QEMU process (the guest's RAM is one of them)."""
-    found = False
-    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-        for line in maps:
-            m = re.match(r"([0-9a-f]+)-([0-9a-f]+) (\S+)", line)
-            if m is None or m.group(3)[0] != "r":
-                continue
-            start, end = int(m.group(1), 16), int(m.group(2), 16)
-            pos = start
-            tail = b""
-            while pos < end:
-                size = min(16 << 20, end - pos)
-                try:
-                    mem.seek(pos)
-                    chunk = mem.read(size)
-                except OSError:
-                    break
-                if needle in tail + chunk:
-                    found = True
-                tail = chunk[-len(needle):]
-                pos += size
-    return found
-
-
-def _file_contains(path: Path, needle: bytes) -> bool:
-    with open(path, "rb") as f:
-        tail = b""
-        while chunk := f.read(16 << 20):
-            if needle in tail + chunk:
-                return True
-            tail = chunk[-len(needle):]
-    return False
-
-
 async def test_vm_reaches_api_with_injected_secret(state_dir: Path, guest_image: GuestImage) -> None:
     octet = 200 + secrets.randbelow(50)
     sink = ListSink()
@@ -112,7 +66,7 @@ async def test_vm_reaches_api_with_injected_secret(state_dir: Path, guest_image:
     async with outside_world(octet) as world:
         service = EgressService(NetworkManager(pool=f"10.231.{octet}.0/24"), world.broker(sink), sink)
         sid = new_id("sbx")
-        attached = await service.attach(sid, _policy(), session_id="ses_vm")
+        attached = await service.attach(sid, world_policy(), session_id="ses_vm")
         sandbox = None
         try:
             sandbox = await runtime.boot(VMSpec(image=guest_image, network=attached.net), sandbox_id=sid)
@@ -141,10 +95,10 @@ async def test_vm_reaches_api_with_injected_secret(state_dir: Path, guest_image:
             assert attached.env["API_KEY"].encode() in env_dump.stdout  # what it holds is the placeholder
             await sandbox.guest.exec(["sync"])
             assert sandbox.pid is not None
-            assert not await asyncio.to_thread(_memory_contains, sandbox.pid, SECRET.encode())
+            assert not await asyncio.to_thread(memory_contains, sandbox.pid, SECRET.encode())
             # The search itself works: the placeholder the guest used is in its memory.
-            assert await asyncio.to_thread(_memory_contains, sandbox.pid, attached.env["API_KEY"].encode())
-            assert not await asyncio.to_thread(_file_contains, sandbox.workdir / "disk.img", SECRET.encode())
+            assert await asyncio.to_thread(memory_contains, sandbox.pid, attached.env["API_KEY"].encode())
+            assert not await asyncio.to_thread(file_contains, sandbox.workdir / "disk.img", SECRET.encode())
         finally:
             if sandbox is not None:
                 await runtime.destroy(sandbox)

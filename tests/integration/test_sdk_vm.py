@@ -7,39 +7,28 @@ import asyncio
 import hashlib
 import io
 import os
-import shutil
 import signal
 import tarfile
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from capsa import AsyncClient, AsyncSession, SessionFailed
-from tests.integration.test_cli_serve import Served, _start, _wait_no_leftovers, capsa, qemu_pids
+from tests.support.leftovers import wait_no_vm_leftovers
+from tests.support.processes import qemu_pids
+from tests.support.served import Served, capsa
 
 pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[Served, str]]:
-    # Not under pytest's tmp dir: pytest (also in other sessions) resets its root to 0700, and QEMU runs
-    # unprivileged, so every parent of the state directory must stay searchable.
-    work = Path(tempfile.mkdtemp(prefix="capsa-sdk-vm-"))
-    work.chmod(0o755)
-    served = _start(work / "state", work, env={"CAPSA_BOOTSTRAP_KEY": ""})
-    try:
-        admin = served.printed().split("csk_", 1)[1].split()[0]
-        made = capsa(served, "csk_" + admin, "keys", "create", "--tenant", "sdk-vm")
-        assert made.returncode == 0, made.stderr
-        yield served, made.stdout.strip()
-    finally:
-        try:
-            assert served.stop() == 0
-            assert _wait_no_leftovers(served.state_dir) == []
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+def server(server: tuple[Served, str]) -> tuple[Served, str]:
+    """The module's ``capsa serve`` (tests/integration/conftest.py), with a tenant key instead of the
+    admin key."""
+    served, admin = server
+    made = capsa(served, admin, "keys", "create", "--tenant", "sdk-vm")
+    assert made.returncode == 0, made.stderr
+    return served, made.stdout.strip()
 
 
 async def test_sdk_features_in_a_real_vm(server: tuple[Served, str], tmp_path: Path) -> None:
@@ -97,7 +86,7 @@ async def test_sdk_features_in_a_real_vm(server: tuple[Served, str], tmp_path: P
             names = {m.name.lstrip("./") for m in tar.getmembers() if m.isfile()}
         assert names == {"a.txt", "sub/b.bin"}
     assert s.state == "closed"
-    assert _wait_no_leftovers(served.state_dir) == []
+    assert wait_no_vm_leftovers(served.state_dir) == []
 
 
 async def test_killed_vm_surfaces_as_session_failed(server: tuple[Served, str]) -> None:
@@ -115,4 +104,4 @@ async def test_killed_vm_surfaces_as_session_failed(server: tuple[Served, str]) 
         info = await s.refresh()
         assert info.state == "failed" and info.failure_reason
         await s.close()  # closing a failed session is allowed and cleans up
-    assert _wait_no_leftovers(served.state_dir) == []
+    assert wait_no_vm_leftovers(served.state_dir) == []

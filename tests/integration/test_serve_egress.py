@@ -13,14 +13,13 @@ import os
 import secrets
 import stat
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from capsa.sdk import Session
-from tests.integration.test_cli_serve import KEY_RE, _start, _wait_no_leftovers, capsa
+from tests.support.leftovers import wait_no_vm_leftovers
+from tests.support.served import KEY_RE, capsa, start_serve
 
 pytestmark = [
     pytest.mark.vm,
@@ -54,17 +53,9 @@ print(json.dumps(out))
 '''
 
 
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="capsa-e2e-"))
-    path.chmod(0o755)
-    yield path
-    subprocess.run(["rm", "-rf", str(path)], check=False)
-
-
 def test_serve_policy_secret_audit_and_teardown(workdir: Path) -> None:
     state = workdir / "state"
-    served = _start(state, workdir, env={"CAPSA_BOOTSTRAP_KEY": ""})
+    served = start_serve(state, workdir, env={"CAPSA_BOOTSTRAP_KEY": ""})
     try:
         match = KEY_RE.search(served.printed())
         assert match, served.printed()
@@ -107,4 +98,4 @@ def test_serve_policy_secret_audit_and_teardown(workdir: Path) -> None:
         assert SECRET.encode() not in (state / "capsa.db").read_bytes()
     finally:
         assert served.stop() == 0, served.stderr.read_text()[-3000:]
-        assert _wait_no_leftovers(state) == []
+        assert wait_no_vm_leftovers(state) == []

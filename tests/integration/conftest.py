@@ -1,0 +1,40 @@
+"""Fixtures of the integration suite: the storage pool for snapshotting runtimes, and a ``capsa serve``
+process per test module. (VM state directories and the plain QEMU runtime are in tests/conftest.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from capsa.node.storage import StoragePool
+from tests.support.leftovers import wait_no_vm_leftovers
+from tests.support.served import Served, serve_workdir, start_serve
+from tests.support.vm import snapshot_pool
+
+
+@pytest.fixture(scope="module")
+def pool(state_dir: Path) -> Iterator[StoragePool]:
+    """The storage pool on ``state_dir``: a loop-mounted btrfs image (needs root), destroyed afterwards."""
+    with snapshot_pool(state_dir) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Iterator[Path]:
+    """A searchable directory (0755) for a served process's state and logs, removed afterwards."""
+    with serve_workdir() as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def server(workdir: Path) -> Iterator[tuple[Served, str]]:
+    """The module's ``capsa serve`` (first start, no warm pool) and its printed bootstrap admin key. Stopped
+    with SIGINT afterwards: exits 0 and leaves no VM."""
+    served = start_serve(workdir / "state", workdir, env={"CAPSA_BOOTSTRAP_KEY": ""})
+    try:
+        yield served, served.bootstrap_key()
+    finally:
+        assert served.stop() == 0, served.errors()
+        assert wait_no_vm_leftovers(served.state_dir) == []
