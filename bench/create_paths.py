@@ -35,7 +35,7 @@ from capsa.common.settings import Settings
 from capsa.images import ensure_image
 from capsa.node.agent import NodeCapacity
 from capsa.node.runtime.base import VMSpec
-from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
+from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
 from capsa.node.snapshot_agent import SnapshotNodeAgent
 from capsa.node.storage import StoragePool, StorageSettings
 from harness import host_facts, memory_kib, summary, write_results
@@ -73,7 +73,7 @@ async def _creates(agent: SnapshotNodeAgent, n: int,
     return create, first, sources
 
 
-async def _cold(runtime: SnapshotRuntime, spec: VMSpec, n: int) -> tuple[list[float], list[float]]:
+async def _cold(runtime: QemuRuntime, spec: VMSpec, n: int) -> tuple[list[float], list[float]]:
     boots, first = [], []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -173,8 +173,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     state = Path(tempfile.mkdtemp(prefix="capsa-bench-create-", dir="/var/tmp"))
     os.chmod(state, 0o711)
     pool = StoragePool.open(state, StorageSettings(loop_size_mib=16384, require_cow=True))
-    runtime = SnapshotRuntime(Settings(state_dir=state, cache_dir=settings.cache_dir, accel=args.accel),
-                              pool=pool)
+    runtime = QemuRuntime(Settings(state_dir=state, cache_dir=settings.cache_dir, accel=args.accel),
+                              storage=PoolStorage(pool))
     agent = SnapshotNodeAgent(runtime, image, pool_size=1,
                               capacity=NodeCapacity(memory_mib=20480, vcpus=64, max_sandboxes=64))
     results: dict[str, Any] = {"host": host_facts(), "load_start": list(os.getloadavg())}

@@ -130,7 +130,7 @@ async def _create_with_policy(n: int) -> dict[str, Any]:
     from capsa.common.settings import Settings
     from capsa.images import ensure_image
     from capsa.node.agent import NodeAgent
-    from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
+    from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
     from capsa.node.snapshot_agent import SnapshotNodeAgent, SnapshotRecord
     from capsa.node.storage import StoragePool, StorageSettings
 
@@ -138,7 +138,7 @@ async def _create_with_policy(n: int) -> dict[str, Any]:
     os.chmod(state, 0o711)
     pool = StoragePool.open(state, StorageSettings(loop_size_mib=4096))
     egress = NodeEgress.create(pool="10.235.0.0/20", netns_prefix=f"cec{secrets.token_hex(2)}-")
-    runtime = SnapshotRuntime(Settings(state_dir=state), pool=pool)
+    runtime = QemuRuntime(Settings(state_dir=state), storage=PoolStorage(pool))
     image = await asyncio.to_thread(ensure_image, Settings())
     agent = SnapshotNodeAgent(runtime, image, pool_size=0, egress=egress)
     restore: list[float] = []

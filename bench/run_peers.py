@@ -38,7 +38,7 @@ from capsa.common.settings import Settings
 from capsa.images import ensure_image
 from capsa.node.agent import NodeCapacity
 from capsa.node.runtime.base import VMSpec
-from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
+from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
 from capsa.node.snapshot_agent import SnapshotNodeAgent
 from capsa.node.storage import StoragePool, StorageSettings
 from create_paths import _cold, _creates
@@ -62,8 +62,8 @@ async def _capsa(args: argparse.Namespace, image: GuestImage) -> dict[str, dict[
     state = Path(tempfile.mkdtemp(prefix="capsa-bench-peers-", dir="/var/tmp"))
     os.chmod(state, 0o711)
     pool = StoragePool.open(state, StorageSettings(loop_size_mib=16384, require_cow=True))
-    runtime = SnapshotRuntime(Settings(state_dir=state, cache_dir=settings.cache_dir, accel=args.accel),
-                              pool=pool)
+    runtime = QemuRuntime(Settings(state_dir=state, cache_dir=settings.cache_dir, accel=args.accel),
+                              storage=PoolStorage(pool))
     agent = SnapshotNodeAgent(runtime, image, pool_size=1,
                               capacity=NodeCapacity(memory_mib=20480, vcpus=64, max_sandboxes=64))
     vm = "QEMU microvm, own kernel (TCG here: no hardware virtualization)"

@@ -30,8 +30,9 @@ from capsa.common.settings import Settings
 from capsa.images import ensure_image
 from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.hostinfo import qemu_version
-from capsa.node.runtime.snapshot import RamMode
-from capsa.node.runtime.snapshot_runtime import Snapshot, SnapshotRuntime, SnapshotSandbox
+from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
+from capsa.node.runtime.snapshot.manifest import Snapshot
+from capsa.node.runtime.snapshot.mechanics import RamMode
 from capsa.node.storage import StoragePool, StorageSettings
 
 _T = TypeVar("_T")
@@ -41,7 +42,7 @@ _T = TypeVar("_T")
 _DIRTY = "head -c {mib}M /dev/urandom > /dev/shm/ballast && sync"
 
 
-async def _dirty(sb: SnapshotSandbox, mib: int) -> None:
+async def _dirty(sb: QemuSandbox, mib: int) -> None:
     res = await sb.guest.exec(["sh", "-c", _DIRTY.format(mib=mib)], timeout=300)
     assert res.exit_code == 0, res.stderr
 
@@ -71,15 +72,15 @@ async def _timed(coro: Awaitable[_T]) -> tuple[_T, float]:
     return result, time.perf_counter() - started
 
 
-async def _answering(sb: SnapshotSandbox) -> None:
+async def _answering(sb: QemuSandbox) -> None:
     res = await sb.guest.exec(["true"], timeout=30)
     assert res.exit_code == 0
 
 
-async def bench_size(rt: SnapshotRuntime, spec: VMSpec, repeat: int, out: dict[str, Any]) -> Snapshot:
+async def bench_size(rt: QemuRuntime, spec: VMSpec, repeat: int, out: dict[str, Any]) -> Snapshot:
     mib = spec.memory_mib
     sb, boot_s = await _timed(rt.boot(spec))
-    assert isinstance(sb, SnapshotSandbox)
+    assert isinstance(sb, QemuSandbox)
     await _answering(sb)
     rolling: list[float] = []
     for _ in range(repeat):
@@ -124,7 +125,7 @@ async def bench_size(rt: SnapshotRuntime, spec: VMSpec, repeat: int, out: dict[s
     return pause
 
 
-async def bench_branch(rt: SnapshotRuntime, snap: Snapshot, spec: VMSpec, counts: list[int], repeat: int,
+async def bench_branch(rt: QemuRuntime, snap: Snapshot, spec: VMSpec, counts: list[int], repeat: int,
                        out: dict[str, Any]) -> None:
     for mode in RamMode:
         for n in counts:
@@ -156,7 +157,7 @@ async def main() -> int:
     state = Path(tempfile.mkdtemp(prefix="capsa-bench-", dir="/var/tmp"))
     os.chmod(state, 0o711)  # QEMU runs as its own uid and must reach its files in the pool
     pool = StoragePool.open(state, StorageSettings(loop_size_mib=32 * 1024))
-    rt = SnapshotRuntime(Settings(state_dir=state), args.accel, pool=pool)
+    rt = QemuRuntime(Settings(state_dir=state), args.accel, storage=PoolStorage(pool))
     results: dict[str, Any] = {
         "benchmark": "snapshot",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

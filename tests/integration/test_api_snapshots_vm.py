@@ -1,6 +1,6 @@
 """Sessions that outlive sandboxes, through the public API with real microVMs (QEMU microvm, TCG here).
 
-HTTP -> control plane -> node API (SnapshotNodeAgent, docs/node-snapshots.md) -> SnapshotRuntime -> guest.
+HTTP -> control plane -> node API (SnapshotNodeAgent, docs/node-snapshots.md) -> QemuRuntime -> guest.
 One VM is cold-booted for the module (the node's base template); every sandbox after it is restored.
 The control plane's rolling snapshot loop and reaper run for real (short intervals).
 """
@@ -32,7 +32,7 @@ from capsa.control.settings import ControlSettings
 from capsa.node.agent import NodeCapacity
 from capsa.node.api import create_node_app
 from capsa.node.api_snapshots import add_snapshot_routes
-from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
+from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
 from capsa.node.snapshot_agent import SnapshotNodeAgent
 from capsa.node.storage import StoragePool, StorageSettings
 from tests.support.api_stack import Replica, serve_app
@@ -107,7 +107,8 @@ def pool(state_dir: Path) -> Iterator[StoragePool]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(state_dir: Path, pool: StoragePool, guest_image: GuestImage) -> AsyncIterator[Stack]:
-    runtime = SnapshotRuntime(Settings(state_dir=state_dir, cache_dir=Settings().cache_dir), pool=pool)
+    runtime = QemuRuntime(Settings(state_dir=state_dir, cache_dir=Settings().cache_dir),
+                          storage=PoolStorage(pool))
     # No warm pool: keeps one VM fewer on two shared cores; sessions restore from the template on demand.
     agent = SnapshotNodeAgent(runtime, guest_image, node_id=NODE_ID, pool_size=0,
                               capacity=NodeCapacity(8192, 32, 16))

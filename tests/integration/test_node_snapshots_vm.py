@@ -27,7 +27,7 @@ from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.api import create_node_app
 from capsa.node.api_snapshots import add_snapshot_routes
-from capsa.node.runtime.snapshot_runtime import SnapshotRuntime, SnapshotSandbox
+from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.snapshot_agent import SnapshotNodeAgent, SnapshotRecord
 from capsa.node.storage import StoragePool, StorageSettings
 from capsa.node.template_build import build_template, load_spec
@@ -66,7 +66,7 @@ def pool(state_dir: Path) -> Iterator[StoragePool]:
 async def agent(state_dir: Path, pool: StoragePool,
                 guest_image: GuestImage) -> AsyncIterator[SnapshotNodeAgent]:
     settings = Settings(state_dir=state_dir, cache_dir=Settings().cache_dir)
-    rt = SnapshotRuntime(settings, pool=pool)
+    rt = QemuRuntime(settings, storage=PoolStorage(pool))
     a = SnapshotNodeAgent(rt, guest_image, pool_size=1)
     await a.start()
     try:
@@ -302,7 +302,7 @@ async def test_template_build_create_and_remove(api: httpx.AsyncClient, agent: S
     built = await build_template(agent.template_store, spec, sources, progress=steps.append)
     assert built.digest.startswith("sha256:") and any(s.startswith("apt:") for s in steps)
     # No build VM is left behind.
-    assert not any(isinstance(s, SnapshotSandbox) and s.files.spec.labels.get("template-build")
+    assert not any(isinstance(s, QemuSandbox) and s.spec.labels.get("template-build")
                    for s in agent.snap_runtime.list())
 
     listed = (await _ok(await api.get("/templates/h1-tools")))["items"]

@@ -22,7 +22,9 @@ from qemu.qmp import QMPClient
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.runtime.base import VMSpec
-from capsa.node.runtime.snapshot import (
+from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
+from capsa.node.runtime.snapshot.manifest import FileEntry, SnapshotManifest, file_sha256, load_manifest
+from capsa.node.runtime.snapshot.mechanics import (
     RamMode,
     SnapshotError,
     create_ram_file,
@@ -31,8 +33,6 @@ from capsa.node.runtime.snapshot import (
     plan_restore,
     save_snapshot,
 )
-from capsa.node.runtime.snapshot_manifest import FileEntry, SnapshotManifest, file_sha256, load_manifest
-from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
 from capsa.node.storage import StoragePool, StorageSettings
 
 pytestmark = [
@@ -336,8 +336,8 @@ def test_manifest_digest_covers_every_field() -> None:
 
 
 def test_pool_keeps_one_reflinkable_copy_per_recent_image(pool: StoragePool, tmp_path: Path) -> None:
-    rt = SnapshotRuntime(Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache"), "tcg",
-                         pool=pool)
+    rt = QemuRuntime(Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache"), "tcg",
+                         storage=PoolStorage(pool))
     paths = []
     for i in range(4):
         rootfs = tmp_path / f"rootfs{i}.ext4"

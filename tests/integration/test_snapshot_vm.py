@@ -23,9 +23,9 @@ import pytest_asyncio
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.runtime.base import BootError, SandboxState, VMSpec
-from capsa.node.runtime.snapshot import RamMode, SnapshotError
-from capsa.node.runtime.snapshot_manifest import write_manifest
-from capsa.node.runtime.snapshot_runtime import Snapshot, SnapshotRuntime, SnapshotSandbox
+from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
+from capsa.node.runtime.snapshot.manifest import Snapshot, write_manifest
+from capsa.node.runtime.snapshot.mechanics import RamMode, SnapshotError
 from capsa.node.storage import StoragePool, StorageSettings
 
 pytestmark = [
@@ -60,9 +60,9 @@ def pool(state_dir: Path) -> Iterator[StoragePool]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def runtime(state_dir: Path, pool: StoragePool) -> AsyncIterator[SnapshotRuntime]:
+async def runtime(state_dir: Path, pool: StoragePool) -> AsyncIterator[QemuRuntime]:
     settings = Settings(state_dir=state_dir, cache_dir=Settings().cache_dir)
-    rt = SnapshotRuntime(settings, pool=pool)
+    rt = QemuRuntime(settings, storage=PoolStorage(pool))
     try:
         yield rt
     finally:
@@ -75,22 +75,22 @@ def spec(guest_image: GuestImage) -> VMSpec:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def parent(runtime: SnapshotRuntime, spec: VMSpec) -> AsyncIterator[SnapshotSandbox]:
+async def parent(runtime: QemuRuntime, spec: VMSpec) -> AsyncIterator[QemuSandbox]:
     sb = await runtime.boot(spec)
-    assert isinstance(sb, SnapshotSandbox)
+    assert isinstance(sb, QemuSandbox)
     try:
         yield sb
     finally:
         await runtime.destroy(sb)
 
 
-async def _sh(sb: SnapshotSandbox, cmd: str) -> str:
+async def _sh(sb: QemuSandbox, cmd: str) -> str:
     res = await sb.guest.exec(["sh", "-c", cmd], timeout=30)
     assert res.exit_code == 0, (cmd, res.stderr)
     return res.stdout.decode()
 
 
-async def _counter(sb: SnapshotSandbox) -> int:
+async def _counter(sb: QemuSandbox) -> int:
     return int((await _sh(sb, "cat /tmp/counter")).strip())
 
 
@@ -105,10 +105,10 @@ def _qemu_pids(under: Path) -> list[int]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def paused(runtime: SnapshotRuntime, spec: VMSpec) -> AsyncIterator[tuple[Snapshot, int, int]]:
+async def paused(runtime: QemuRuntime, spec: VMSpec) -> AsyncIterator[tuple[Snapshot, int, int]]:
     """A session-like VM: a file, a background counter, then paused (snapshot + destroy)."""
     sb = await runtime.boot(spec)
-    assert isinstance(sb, SnapshotSandbox)
+    assert isinstance(sb, QemuSandbox)
     try:
         await sb.guest.write_file("/root/note.txt", b"written before the pause\n")
         proc = await sb.guest.start_process(["sh", "-c", COUNTER])
@@ -126,7 +126,7 @@ async def paused(runtime: SnapshotRuntime, spec: VMSpec) -> AsyncIterator[tuple[
 
 
 async def test_pause_resume_keeps_files_and_the_counter_continues(
-    runtime: SnapshotRuntime, spec: VMSpec, paused: tuple[Snapshot, int, int], state_dir: Path
+    runtime: QemuRuntime, spec: VMSpec, paused: tuple[Snapshot, int, int], state_dir: Path
 ) -> None:
     snap, before, pid = paused
     # The paused VM is gone: no process and no files of it remain; only the snapshot does.
@@ -153,7 +153,7 @@ async def test_pause_resume_keeps_files_and_the_counter_continues(
 
 
 async def test_branch_into_three_sees_parent_files_then_diverges(
-    runtime: SnapshotRuntime, spec: VMSpec, parent: SnapshotSandbox
+    runtime: QemuRuntime, spec: VMSpec, parent: QemuSandbox
 ) -> None:
     await parent.guest.write_file("/root/shared.txt", b"from the parent\n")
     await _sh(parent, "sync")
@@ -181,14 +181,14 @@ async def test_branch_into_three_sees_parent_files_then_diverges(
         runtime.delete_snapshot(snap)
 
 
-async def _random_and_clock(sb: SnapshotSandbox) -> tuple[str, float]:
+async def _random_and_clock(sb: QemuSandbox) -> tuple[str, float]:
     out = await _sh(sb, "python3 -c 'import os,time; print(os.urandom(16).hex(), time.time())'")
     rnd, clock = out.split()
     return rnd, float(clock) - time.time()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def quiet(runtime: SnapshotRuntime, parent: SnapshotSandbox) -> AsyncIterator[Snapshot]:
+async def quiet(runtime: QemuRuntime, parent: QemuSandbox) -> AsyncIterator[Snapshot]:
     """A snapshot of an idle VM, old enough (3 s) that a stale guest clock is obvious."""
     snap = await runtime.snapshot(parent, resume=True)
     await asyncio.sleep(3)
@@ -199,7 +199,7 @@ async def quiet(runtime: SnapshotRuntime, parent: SnapshotSandbox) -> AsyncItera
 
 
 async def test_restores_get_their_own_entropy_and_the_right_clock(
-    runtime: SnapshotRuntime, spec: VMSpec, quiet: Snapshot
+    runtime: QemuRuntime, spec: VMSpec, quiet: Snapshot
 ) -> None:
     a = await runtime.restore(quiet, spec)
     b = await runtime.restore(quiet, spec, ram_mode=RamMode.PRIVATE)
@@ -232,13 +232,13 @@ def _last_sample_in(ram: Path) -> int:
         return max(int(x.group(1)) for x in _LOG_LINE.finditer(m))
 
 
-async def _samples(sb: SnapshotSandbox) -> dict[int, bytes]:
+async def _samples(sb: QemuSandbox) -> dict[int, bytes]:
     log = await sb.guest.read_file("/dev/shm/rng.log")
     return {int(x.group(1)): x.group(2) for x in _LOG_LINE.finditer(log)}
 
 
 async def test_clones_share_rng_state_at_resume_and_differ_after_the_reseed(
-    runtime: SnapshotRuntime, spec: VMSpec, quiet: Snapshot
+    runtime: QemuRuntime, spec: VMSpec, quiet: Snapshot
 ) -> None:
     """Why the reseed exists, and that it is done before a restore returns.
 
@@ -276,7 +276,7 @@ async def test_clones_share_rng_state_at_resume_and_differ_after_the_reseed(
 
 
 async def test_without_the_refresh_the_guest_clock_lags(
-    runtime: SnapshotRuntime, spec: VMSpec, quiet: Snapshot
+    runtime: QemuRuntime, spec: VMSpec, quiet: Snapshot
 ) -> None:
     """The control for the test above: the clock push is what makes the clock right.
 
@@ -297,7 +297,7 @@ async def test_without_the_refresh_the_guest_clock_lags(
 
 
 async def test_rolling_snapshot_leaves_the_vm_running_and_is_a_point_in_time(
-    runtime: SnapshotRuntime, spec: VMSpec, parent: SnapshotSandbox
+    runtime: QemuRuntime, spec: VMSpec, parent: QemuSandbox
 ) -> None:
     await parent.guest.write_file("/root/before.txt", b"1")
     snap = await runtime.snapshot(parent, resume=True)
@@ -317,7 +317,7 @@ async def test_rolling_snapshot_leaves_the_vm_running_and_is_a_point_in_time(
 
 
 async def test_bad_requests_get_clear_errors_and_change_nothing(
-    runtime: SnapshotRuntime, spec: VMSpec, paused: tuple[Snapshot, int, int], state_dir: Path
+    runtime: QemuRuntime, spec: VMSpec, paused: tuple[Snapshot, int, int], state_dir: Path
 ) -> None:
     snap, _, _ = paused
     before_pool = runtime.pool.list_sandboxes()
@@ -358,7 +358,7 @@ async def test_bad_requests_get_clear_errors_and_change_nothing(
     assert len(runtime.list()) == len(before_pool)
 
 
-async def test_closing_leaves_no_process_or_file(runtime: SnapshotRuntime, spec: VMSpec,
+async def test_closing_leaves_no_process_or_file(runtime: QemuRuntime, spec: VMSpec,
                                                  paused: tuple[Snapshot, int, int], state_dir: Path) -> None:
     snap, _, _ = paused
     sbs = await runtime.branch(snap, 2, spec)
@@ -373,7 +373,7 @@ async def test_closing_leaves_no_process_or_file(runtime: SnapshotRuntime, spec:
 
 
 async def test_a_killed_vm_comes_back_from_its_latest_rolling_snapshot(
-    runtime: SnapshotRuntime, spec: VMSpec, quiet: Snapshot
+    runtime: QemuRuntime, spec: VMSpec, quiet: Snapshot
 ) -> None:
     sb = await runtime.restore(quiet, spec)
     try:
@@ -408,7 +408,8 @@ async def test_pool_without_cow_still_snapshots_with_plain_copies(state_dir: Pat
     state.mkdir(mode=0o711)
     pool = StoragePool.open(state, StorageSettings(path=plain))
     assert pool.cow is False and pool.warning is not None
-    rt = SnapshotRuntime(Settings(state_dir=state, cache_dir=Settings().cache_dir), pool=pool)
+    rt = QemuRuntime(Settings(state_dir=state, cache_dir=Settings().cache_dir),
+                     storage=PoolStorage(pool))
     try:
         sb = await rt.boot(spec)
         try:

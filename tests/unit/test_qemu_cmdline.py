@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from capsa.node.runtime.base import Accelerator
-from capsa.node.runtime.qemu_cmdline import SANDBOX_OPTIONS, QemuConfig, build_argv, kernel_cmdline
+from capsa.node.runtime.qemu.cmdline import SANDBOX_OPTIONS, QemuConfig, build_argv, kernel_cmdline
 
 
 def _config(**overrides: object) -> QemuConfig:

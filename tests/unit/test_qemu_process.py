@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from capsa.node.runtime.hostinfo import qemu_binary
-from capsa.node.runtime.qemu_cmdline import SANDBOX_OPTIONS
-from capsa.node.runtime.qemu_process import QemuProcess, _BoundedLog
+from capsa.node.runtime.qemu.cmdline import SANDBOX_OPTIONS
+from capsa.node.runtime.qemu.process import QemuProcess, _BoundedLog
 from capsa.node.runtime.workdir import (
     VmDir,
     find_qemu_pids,

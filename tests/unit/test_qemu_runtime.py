@@ -14,8 +14,8 @@ from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.runtime.base import Accelerator, BootError, VMSpec
 from capsa.node.runtime.qemu import QemuRuntime
-from capsa.node.runtime.qemu_cmdline import SANDBOX_OPTIONS
-from capsa.node.runtime.qemu_process import QemuProcess
+from capsa.node.runtime.qemu.cmdline import SANDBOX_OPTIONS
+from capsa.node.runtime.qemu.process import QemuProcess
 from capsa.node.runtime.workdir import VmDir, find_qemu_pids
 
 pytestmark = pytest.mark.root

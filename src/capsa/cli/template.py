@@ -31,7 +31,7 @@ __all__ = ["template"]
 @contextmanager
 def _store(state_dir: Path | None, *, need_image: bool) -> Iterator[TemplateStore]:
     from capsa.images.build import ensure_image, find_image
-    from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
+    from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
     from capsa.node.storage.pool import StoragePool
     from capsa.node.templates import TemplateStore
 
@@ -43,7 +43,7 @@ def _store(state_dir: Path | None, *, need_image: bool) -> Iterator[TemplateStor
         # Listing and removing need no image; the store only uses it to build and to check freshness.
         image = GuestImage(kernel=Path("/"), initrd=Path("/"), rootfs=Path("/"), digest="", kernel_release="")
     pool = StoragePool.from_settings(settings)
-    runtime = SnapshotRuntime(settings, pool=pool)
+    runtime = QemuRuntime(settings, storage=PoolStorage(pool))
     yield TemplateStore(runtime, image)
 
 

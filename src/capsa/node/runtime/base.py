@@ -19,11 +19,13 @@ from capsa.common.image import GuestImage
 
 if TYPE_CHECKING:
     from capsa.node.guest_client import GuestClient
-    from capsa.node.runtime.snapshot_manifest import Snapshot
+    from capsa.node.runtime.snapshot.manifest import Snapshot
 
 __all__ = [
+    "TAP_NETWORK_FIELDS",
     "Accelerator",
     "BootError",
+    "FailureCallback",
     "GuestImage",
     "RamMode",
     "Runtime",
@@ -32,6 +34,7 @@ __all__ = [
     "SandboxFailed",
     "SandboxState",
     "SnapshotCapable",
+    "TapNetwork",
     "VMSpec",
 ]
 
@@ -73,6 +76,30 @@ class SandboxFailed(RuntimeError_):
 
     code = "sandbox_failed"
     status = 409
+
+
+FailureCallback = Callable[[str], Awaitable[None] | None]
+
+
+class TapNetwork(Protocol):
+    """What a driver needs from ``VMSpec.network`` (:class:`capsa.node.net.SandboxNet` provides it):
+    a tap inside a network namespace, and the guest's side of its subnet."""
+
+    @property
+    def netns(self) -> str: ...
+    @property
+    def tap(self) -> str: ...
+    @property
+    def mac(self) -> str: ...
+    @property
+    def guest_ip(self) -> str: ...
+    @property
+    def gateway_ip(self) -> str: ...
+    @property
+    def prefixlen(self) -> int: ...
+
+
+TAP_NETWORK_FIELDS = ("netns", "tap", "mac", "guest_ip", "gateway_ip", "prefixlen")
 
 
 @dataclass(frozen=True)
@@ -128,7 +155,7 @@ class Runtime(Protocol):
         """Stop the VM and delete everything it owned (process, disk copy, sockets, workdir). Idempotent."""
         ...
 
-    def list(self) -> list[Sandbox]: ...
+    def list(self) -> Sequence[Sandbox]: ...
 
     async def cleanup_orphans(self) -> builtins.list[str]:
         """Remove VMs/workdirs left by a previous node process; returns what was removed."""

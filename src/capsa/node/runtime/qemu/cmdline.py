@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ __all__ = [
     "QemuConfig",
     "build_argv",
     "kernel_cmdline",
+    "machine_fingerprint",
 ]
 
 AGENT_PORT_NAME = "agent0"
@@ -134,3 +136,15 @@ def build_argv(config: QemuConfig) -> list[str]:
         ]
     argv += list(config.extra_args)
     return argv
+
+
+def machine_fingerprint(accel: Accelerator, *, memory_mib: int, vcpus: int, kernel_args: Sequence[str] = (),
+                        mac: str | None = None, nic: bool = False) -> str:
+    """What a migration stream depends on: the command line minus paths, names and host facts.
+
+    A NIC counts with its MAC (which travels in the device state), not with its tap descriptor."""
+    placeholder = Path("/p")
+    config = QemuConfig(binary="qemu", accel=accel, kernel=placeholder, initrd=placeholder, disk=placeholder,
+                        qmp_socket=placeholder, agent_socket=placeholder, memory_mib=memory_mib, vcpus=vcpus,
+                        kernel_args=tuple(kernel_args), tap_fd=3 if nic else None, mac=mac)
+    return "sha256:" + hashlib.sha256("\0".join(build_argv(config)).encode()).hexdigest()

@@ -179,6 +179,13 @@ class QemuProcess:
                 raise QemuProcessError(f"QMP socket did not appear within {within:.0f}s")
             await asyncio.sleep(0.02)
 
+    @property
+    def monitor(self) -> QMPClient:
+        """The connected QMP client (for migration commands); QemuProcessError before connect_qmp()."""
+        if self._qmp is None:
+            raise QemuProcessError("QMP is not connected")
+        return self._qmp
+
     async def qmp(self, command: str, arguments: dict[str, object] | None = None,
                   within: float = 10) -> object:
         if self._qmp is None:

@@ -1,11 +1,16 @@
-"""The QEMU microvm driver: boots a VM per sandbox, watches it, and tears it down leaving nothing behind.
+"""The QEMU microvm driver: boots, snapshots, restores and branches VMs, and tears them down leaving
+nothing behind.
 
 What QEMU runs with (least privilege): its own uid from a private range (never root when the node is
-root), no supplementary groups except the group owning /dev/kvm when KVM is used, a seccomp filter
-(``-sandbox on,...``: no set*id, fork/exec, obsolete or scheduler syscalls), its own process group, no
-default devices, no display, no network device unless asked for, one private copy of the root disk, and a
-working directory only it and the node can enter. The node keeps the pidfile and console log in a folder
-QEMU cannot write to.
+root), no supplementary groups except the group owning /dev/kvm when KVM is used (and a snapshot's RAM
+group for branches), a seccomp filter (``-sandbox on,...``: no set*id, fork/exec, obsolete or scheduler
+syscalls), its own process group, no default devices, no display, no network device unless asked for, its
+own disk, and a working directory only it and the node can enter. The node keeps the pidfile and console
+log in a folder QEMU cannot write to.
+
+Where disks and RAM live is the pluggable :class:`~capsa.node.runtime.qemu.storage.VmStorage`: work-dir
+copies (no snapshots) or the node's storage pool (snapshots, restores, branches, templates). Cold boots,
+restores and the KVM probe all start QEMU through :func:`~capsa.node.runtime.qemu.launch.launch`.
 """
 
 from __future__ import annotations
@@ -13,33 +18,40 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import functools
-import inspect
 import logging
 import os
 import re
-import shutil
-import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from capsa.common.ids import new_id
+from capsa.common.errors import CapsaError
+from capsa.common.ids import is_id, new_id
 from capsa.common.settings import Settings
-from capsa.node.guest_client import ChannelClosed, GuestClient, GuestError
 from capsa.node.runtime.accel import AccelCache, AccelDecision, parse_accel
-from capsa.node.runtime.base import Accelerator, BootError, RuntimeError_, SandboxFailed, SandboxState, VMSpec
+from capsa.node.runtime.base import (
+    TAP_NETWORK_FIELDS,
+    Accelerator,
+    BootError,
+    RamMode,
+    RuntimeError_,
+    Sandbox,
+    SandboxState,
+    VMSpec,
+)
 from capsa.node.runtime.hostinfo import (
     HostInfoError,
     host_kernel_release,
     kvm_device_status,
     qemu_binary,
     qemu_version,
-    tsc_khz,
 )
-from capsa.node.runtime.qemu_cmdline import QemuConfig, build_argv
-from capsa.node.runtime.qemu_process import QemuProcess, QemuProcessError
+from capsa.node.runtime.qemu.cmdline import machine_fingerprint
+from capsa.node.runtime.qemu.launch import LaunchRequest, check_image, launch
+from capsa.node.runtime.qemu.sandbox import QemuSandbox
+from capsa.node.runtime.qemu.storage import VmFiles, VmStorage, WorkdirStorage
+from capsa.node.runtime.snapshot.manifest import Snapshot, SnapshotError
+from capsa.node.runtime.snapshot.mechanics import check_branch_count, save_snapshot
 from capsa.node.runtime.workdir import (
     VM_UID_BASE,
     VmDir,
@@ -48,219 +60,35 @@ from capsa.node.runtime.workdir import (
     pick_vm_uid,
     read_pidfile,
 )
-from capsa.node.storage.disks import DiskError, private_disk
+from capsa.node.storage.disks import DiskError
+from capsa.node.storage.filecopy import CopyError
+from capsa.node.storage.pool import StoragePool
 
-if TYPE_CHECKING:
-    from capsa.node.runtime.base import GuestImage
-
-__all__ = ["QemuRuntime", "QemuSandbox", "TapNetwork", "abort_launch", "configure_guest_network"]
+__all__ = ["QemuRuntime"]
 
 _log = logging.getLogger(__name__)
 
 _SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-_BOOT_FAILURES = (ValueError, DiskError, QemuProcessError, TimeoutError, OSError, GuestError)
-
-
-class TapNetwork(Protocol):
-    """What the driver needs from ``VMSpec.network`` (:class:`capsa.node.net.SandboxNet` provides it):
-    a tap inside a network namespace, and the guest's side of its subnet."""
-
-    @property
-    def netns(self) -> str: ...
-    @property
-    def tap(self) -> str: ...
-    @property
-    def mac(self) -> str: ...
-    @property
-    def guest_ip(self) -> str: ...
-    @property
-    def gateway_ip(self) -> str: ...
-    @property
-    def prefixlen(self) -> int: ...
-
-
-_NETWORK_FIELDS = ("netns", "tap", "mac", "guest_ip", "gateway_ip", "prefixlen")
-FailureCallback = Callable[[str], Awaitable[None] | None]
-
-
-class _GuestProxy:
-    """The sandbox's GuestClient, except that a dead VM raises SandboxFailed instead of hanging or a bare
-    ChannelClosed, calls on a FAILED sandbox fail at once, and a channel lost while QEMU still runs is
-    reconnected on the next call."""
-
-    def __init__(self, sandbox: QemuSandbox) -> None:
-        self._sandbox = sandbox
-
-    def __getattr__(self, name: str) -> Any:
-        target = getattr(self._sandbox._client, name)
-        if inspect.iscoroutinefunction(target):
-            return functools.partial(self._call, name)
-        if inspect.isasyncgenfunction(target):
-            return functools.partial(self._iterate, name)
-        return target
-
-    async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        client = await self._sandbox._usable_client()
-        try:
-            return await getattr(client, name)(*args, **kwargs)
-        except ChannelClosed as exc:
-            raise await self._sandbox._channel_error(exc) from exc
-
-    async def _iterate(self, name: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        client = await self._sandbox._usable_client()
-        try:
-            async for item in getattr(client, name)(*args, **kwargs):
-                yield item
-        except ChannelClosed as exc:
-            raise await self._sandbox._channel_error(exc) from exc
-
-
-class QemuSandbox:
-    """One QEMU microvm (implements :class:`capsa.node.runtime.base.Sandbox`)."""
-
-    def __init__(self, sandbox_id: str, vmdir: VmDir, process: QemuProcess, client: GuestClient,
-                 accel: Accelerator, *, vm_uid: int | None, disk_cow: bool, boot_seconds: float) -> None:
-        self._id = sandbox_id
-        self._vmdir = vmdir
-        self.process = process
-        self._client = client
-        self._accel = accel
-        self.vm_uid = vm_uid
-        self.disk_cow = disk_cow
-        self.boot_seconds = boot_seconds
-        self._state = SandboxState.RUNNING
-        self._failure: str | None = None
-        self._callbacks: list[FailureCallback] = []
-        self._stopping = False
-        self._lock = asyncio.Lock()
-        self._reconnect_lock = asyncio.Lock()
-        self._watcher: asyncio.Task[None] | None = None
-        self._exited = asyncio.Event()
-        self._proxy = _GuestProxy(self)
-
-    @property
-    def id(self) -> str:
-        return self._id
-
-    @property
-    def state(self) -> SandboxState:
-        return self._state
-
-    @property
-    def accelerator(self) -> Accelerator:
-        return self._accel
-
-    @property
-    def guest(self) -> GuestClient:
-        return cast(GuestClient, self._proxy)
-
-    @property
-    def workdir(self) -> Path:
-        return self._vmdir.root
-
-    @property
-    def failure(self) -> str | None:
-        return self._failure
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
-    @property
-    def console_log(self) -> Path:
-        return self._vmdir.console_log
-
-    def console_tail(self, limit: int = 4000) -> str:
-        return self.process.console_tail(limit)
-
-    def on_failure(self, callback: FailureCallback) -> None:
-        self._callbacks.append(callback)
-
-    async def _usable_client(self) -> GuestClient:
-        self._check_alive()
-        if self._client.closed and self.process.returncode is None:
-            async with self._reconnect_lock:
-                if self._client.closed:
-                    _log.warning("guest channel of %s was lost while the VM runs; reconnecting", self._id)
-                    client = await GuestClient.connect_unix(str(self._vmdir.agent_socket))
-                    try:
-                        await client.wait_ready(timeout=15, interval=1.0)
-                    except BaseException:
-                        await client.close()
-                        raise
-                    self._client = client
-        return self._client
-
-    def _check_alive(self) -> None:
-        if self._state is SandboxState.FAILED:
-            raise SandboxFailed(f"sandbox {self._id} failed: {self._failure}", sandbox_id=self._id)
-        if self._state is SandboxState.DESTROYED:
-            raise SandboxFailed(f"sandbox {self._id} was destroyed", sandbox_id=self._id)
-
-    async def _channel_error(self, exc: ChannelClosed) -> Exception:
-        """Turn a lost guest channel into SandboxFailed when the VM is gone (waiting briefly, since the
-        socket may close a moment before the process exit is noticed)."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._exited.wait(), 2.0)
-        if self._state in (SandboxState.FAILED, SandboxState.DESTROYED):
-            reason = self._failure or "destroyed"
-            return SandboxFailed(f"sandbox {self._id} failed: {reason}", sandbox_id=self._id)
-        return exc
-
-    async def _watch(self) -> None:
-        await self.process.wait()
-        self._exited.set()
-        if self._stopping:
-            return
-        await self._fail(self.process.exit_description())
-
-    async def _fail(self, reason: str) -> None:
-        if self._state in (SandboxState.FAILED, SandboxState.DESTROYED):
-            return
-        self._state = SandboxState.FAILED
-        self._failure = reason
-        _log.warning("sandbox %s failed: %s", self._id, reason)
-        with contextlib.suppress(Exception):
-            await self._client.close()
-        for callback in self._callbacks:
-            try:
-                result = callback(reason)
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:
-                _log.exception("on_failure callback of sandbox %s raised", self._id)
-
-    def __repr__(self) -> str:
-        return f"<QemuSandbox {self._id} {self._state.value} accel={self._accel.value} pid={self.pid}>"
-
-
-async def abort_launch(process: QemuProcess | None, client: GuestClient | None, vmdir: VmDir) -> str:
-    """Undo a boot or restore that failed midway: close the guest channel, kill QEMU and delete the VM
-    directory. Returns the tail of the guest console, for the error message."""
-    if client is not None:
-        with contextlib.suppress(Exception):
-            await client.close()
-    detail = ""
-    if process is not None:
-        await process.kill()
-        console = process.console_tail(1500).strip()
-        detail = f"\n--- guest console (tail) ---\n{console}" if console else ""
-    await asyncio.to_thread(vmdir.remove)
-    return detail
+_Prepare = Callable[[VmDir, tuple[int, int] | None], VmFiles]
+"""Lays out a VM's files (in a thread), given its directory and VM user."""
 
 
 class QemuRuntime:
-    """Boots sandboxes as QEMU microvms. Use from one asyncio event loop."""
+    """Runs sandboxes as QEMU microvms (implements :class:`~capsa.node.runtime.base.Runtime` and
+    :class:`~capsa.node.runtime.base.SnapshotCapable`). Use from one asyncio event loop."""
 
     name = "qemu"
 
     def __init__(self, settings: Settings | None = None, accel: str | Accelerator | None = None, *,
-                 boot_timeout: float = 90.0, kvm_probe_timeout: float = 8.0, drop_privileges: bool = True,
+                 storage: VmStorage | None = None, boot_timeout: float = 90.0, kvm_probe_timeout: float = 8.0,
+                 snapshot_timeout: float = 300.0, drop_privileges: bool = True,
                  console_limit: int = 1024 * 1024, accel_cache: Path | bool | None = True) -> None:
         self.settings = settings or Settings()
         self.requested_accel = parse_accel(accel if accel is not None else self.settings.accel)
+        self.storage: VmStorage = storage if storage is not None else WorkdirStorage()
         self.boot_timeout = boot_timeout
         self.kvm_probe_timeout = kvm_probe_timeout
+        self.snapshot_timeout = snapshot_timeout
         # Only root can hand QEMU another uid; otherwise it runs as the node's own (unprivileged) user.
         self.drop_privileges = drop_privileges and os.geteuid() == 0
         self.console_limit = console_limit
@@ -304,16 +132,18 @@ class QemuRuntime:
         # Every VM uid is in the same position towards /dev/kvm (not its owner), so any one stands for all.
         return VM_UID_BASE if self.drop_privileges else None
 
-    def _kvm_groups(self) -> list[int]:
+    @staticmethod
+    def _kvm_groups() -> list[int]:
         with contextlib.suppress(OSError):
             gid = Path("/dev/kvm").stat().st_gid
             if gid != 0:
                 return [gid]
         return []
 
-    # -- boot --------------------------------------------------------------------------------------
+    # -- starting VMs ------------------------------------------------------------------------------
 
-    async def boot(self, spec: VMSpec, sandbox_id: str | None = None) -> QemuSandbox:
+    def _admit(self, spec: VMSpec, sandbox_id: str | None) -> str:
+        """Check a boot or restore request before anything is made; returns the sandbox id."""
         if self._closed:
             raise RuntimeError_("the runtime is closed")
         sid = sandbox_id or new_id("sbx")
@@ -321,22 +151,79 @@ class QemuRuntime:
             raise BootError(f"invalid sandbox id {sid!r}")
         if sid in self._sandboxes or sid in self._booting:
             raise BootError(f"sandbox {sid} already exists")
-        if spec.network is not None and not all(hasattr(spec.network, a) for a in _NETWORK_FIELDS):
-            raise BootError(f"spec.network must describe a tap ({', '.join(_NETWORK_FIELDS)}), "
+        if spec.network is not None and not all(hasattr(spec.network, a) for a in TAP_NETWORK_FIELDS):
+            raise BootError(f"spec.network must describe a tap ({', '.join(TAP_NETWORK_FIELDS)}), "
                             f"got {spec.network!r}")
+        if not 16 <= spec.memory_mib <= 1024 * 1024 or not 1 <= spec.vcpus <= 64:
+            raise BootError(f"memory_mib must be 16..1048576 and vcpus 1..64, got {spec.memory_mib} MiB, "
+                            f"{spec.vcpus} vCPUs")
+        return sid
+
+    @staticmethod
+    def _binary() -> str:
         try:
-            binary = qemu_binary()
+            return qemu_binary()
         except HostInfoError as exc:
             raise BootError(str(exc)) from exc
+
+    async def _start(self, binary: str, spec: VMSpec, sid: str, accel: Accelerator, within: float, *,
+                     prepare: _Prepare, parent: str | None = None, refresh: bool = True) -> QemuSandbox:
+        """The one launch path: VM directory, files from the storage strategy, then QEMU."""
+        started = asyncio.get_running_loop().time()
+        vmdir = VmDir(self.vms_dir / sid)
+        try:
+            vmdir.check_socket_paths()
+        except ValueError as exc:
+            raise BootError(str(exc)) from exc
+        check_image(spec.image)
+        owner: tuple[int, int] | None = None
+        if self.drop_privileges:
+            uid = pick_vm_uid(self.vms_dir)
+            owner = (uid, uid)
+        try:
+            vmdir.create(owner)
+        except FileExistsError:
+            raise BootError(f"sandbox {sid} already exists ({vmdir.root})") from None
+        except OSError as exc:
+            raise BootError(f"cannot create {vmdir.root}: {exc}") from exc
+        try:
+            try:
+                files = await asyncio.to_thread(prepare, vmdir, owner)
+            except BaseException as exc:
+                await asyncio.to_thread(vmdir.remove)
+                if isinstance(exc, (DiskError, CopyError, OSError, ValueError)):
+                    raise BootError(f"preparing the disk of {sid} failed: {exc}", sandbox_id=sid) from exc
+                raise
+            groups = (*self._kvm_groups(), *files.groups) if accel is Accelerator.KVM else files.groups
+            request = LaunchRequest(sandbox_id=sid, spec=spec, binary=binary, accel=accel, vmdir=vmdir,
+                                    files=files, within=within, owner=owner, groups=groups,
+                                    console_limit=self.console_limit, parent=parent, refresh=refresh)
+            sandbox = await launch(request, started=started)
+        except BaseException:
+            await asyncio.to_thread(self.storage.release, sid)
+            raise
+        self._sandboxes[sid] = sandbox
+        return sandbox
+
+    async def _admitted(self, sid: str, sandbox: QemuSandbox) -> QemuSandbox:
+        if self._closed:  # close() ran while this VM was starting: it must not outlive the runtime
+            await self.destroy(sandbox)
+            raise RuntimeError_(f"the runtime was closed while sandbox {sid} was starting")
+        return sandbox
+
+    async def boot(self, spec: VMSpec, sandbox_id: str | None = None) -> QemuSandbox:
+        """Cold-boot a VM and return once its guest daemon answers. Leaves nothing behind on failure."""
+        sid = self._admit(spec, sandbox_id)
+        binary = self._binary()
         self._booting.add(sid)
         try:
             sandbox = await self._boot_with_accel(binary, spec, sid)
         finally:
             self._booting.discard(sid)
-        if self._closed:  # close() ran while this VM was booting: it must not outlive the runtime
-            await self.destroy(sandbox)
-            raise RuntimeError_("the runtime was closed while the sandbox was booting")
-        return sandbox
+        return await self._admitted(sid, sandbox)
+
+    def _boot_files(self, spec: VMSpec, sid: str) -> _Prepare:
+        return lambda vmdir, owner: self.storage.boot_files(sid, spec, vmdir, owner)
 
     async def _boot_with_accel(self, binary: str, spec: VMSpec, sid: str) -> QemuSandbox:
         accel = self.requested_accel
@@ -354,7 +241,8 @@ class QemuRuntime:
             reason = kvm_device_status(self._probe_uid(), tuple(self._kvm_groups()))
             if reason is not None:
                 raise BootError(f"kvm was requested but {reason}")
-        return await self._boot(binary, spec, sid, accel, self.boot_timeout)
+        return await self._start(binary, spec, sid, accel, self.boot_timeout,
+                                 prepare=self._boot_files(spec, sid))
 
     async def _probe_kvm(self, binary: str, spec: VMSpec, sid: str) -> QemuSandbox | None:
         """Boot this sandbox under KVM with a short deadline; the VM is kept when it works."""
@@ -365,7 +253,8 @@ class QemuRuntime:
         _log.info("probing kvm: booting %s with -accel kvm (%.0fs deadline)", sid, self.kvm_probe_timeout)
         started = time.monotonic()
         try:
-            sandbox = await self._boot(binary, spec, sid, Accelerator.KVM, self.kvm_probe_timeout)
+            sandbox = await self._start(binary, spec, sid, Accelerator.KVM, self.kvm_probe_timeout,
+                                        prepare=self._boot_files(spec, sid))
         except BootError as exc:
             first_line = str(exc).splitlines()[0] if str(exc) else "no answer"
             self._decide(Accelerator.TCG, f"kvm probe boot failed: {first_line}", persist=True)
@@ -374,178 +263,189 @@ class QemuRuntime:
                      persist=True)
         return sandbox
 
-    def _shared_file(self, src: Path, vmdir: VmDir, owner: tuple[int, int] | None) -> Path:
-        """``src`` if the VM user can read it where it is, else a copy inside the VM directory."""
-        if owner is None or _world_readable(src):
-            return src
-        dst = vmdir.root / src.name
-        shutil.copyfile(src, dst)
-        os.chown(dst, owner[0], owner[1])
-        os.chmod(dst, 0o400)
-        return dst
+    # -- snapshots ---------------------------------------------------------------------------------
 
-    async def _boot(self, binary: str, spec: VMSpec, sid: str, accel: Accelerator,
-                    within: float) -> QemuSandbox:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        deadline = started + within
-        vmdir = VmDir(self.vms_dir / sid)
-        try:
-            vmdir.check_socket_paths()
-        except ValueError as exc:
-            raise BootError(str(exc)) from exc
-        self._check_image(spec.image)
-        if not 16 <= spec.memory_mib <= 1024 * 1024 or not 1 <= spec.vcpus <= 64:
-            raise BootError(f"memory_mib must be 16..1048576 and vcpus 1..64, got {spec.memory_mib} MiB, "
-                            f"{spec.vcpus} vCPUs")
-        owner: tuple[int, int] | None = None
-        if self.drop_privileges:
-            uid = pick_vm_uid(self.vms_dir)
-            owner = (uid, uid)
-        try:
-            vmdir.create(owner)
-        except FileExistsError:
-            raise BootError(f"sandbox {sid} already exists ({vmdir.root})") from None
-        except OSError as exc:
-            raise BootError(f"cannot create {vmdir.root}: {exc}") from exc
-        process: QemuProcess | None = None
-        client: GuestClient | None = None
-        tap_fd: int | None = None
-        try:
-            disk = await asyncio.to_thread(private_disk, spec.image.rootfs, vmdir.disk,
-                                           size_mib=spec.disk_size_mib, owner=owner)
-            network = cast(TapNetwork, spec.network) if spec.network is not None else None
-            if network is not None:
-                tap_fd = await asyncio.to_thread(_open_tap, network)
-            kernel = self._shared_file(spec.image.kernel, vmdir, owner)
-            initrd = self._shared_file(spec.image.initrd, vmdir, owner)
-            config = QemuConfig(
-                binary=binary, accel=accel, kernel=kernel, initrd=initrd, disk=disk.path,
-                qmp_socket=vmdir.qmp_socket, agent_socket=vmdir.agent_socket,
-                memory_mib=spec.memory_mib, vcpus=spec.vcpus, tsc_khz=tsc_khz(),
-                kernel_args=spec.kernel_args, name=sid, tap_fd=tap_fd,
-                mac=network.mac if network is not None else None,
-            )
-            groups = self._kvm_groups() if accel is Accelerator.KVM else []
-            process = QemuProcess(build_argv(config), vmdir, user=owner, extra_groups=groups,
-                                  console_limit=self.console_limit,
-                                  pass_fds=(tap_fd,) if tap_fd is not None else ())
-            t_disk = loop.time()
-            await process.start()
-            if tap_fd is not None:
-                os.close(tap_fd)  # QEMU holds its own copy now
-                tap_fd = None
-            await process.connect_qmp(max(1.0, deadline - loop.time()))
-            t_qmp = loop.time()
-            client = await self._connect_guest(process, vmdir, deadline)
-            _log.debug("boot phases of %s: disk %.2fs, qemu to QMP %.2fs, QMP to guest ready %.2fs", sid,
-                       t_disk - started, t_qmp - t_disk, loop.time() - t_qmp)
-            if network is not None:
-                await configure_guest_network(client, network)
-            sandbox = QemuSandbox(sid, vmdir, process, client, accel, vm_uid=owner[0] if owner else None,
-                                  disk_cow=disk.cow, boot_seconds=loop.time() - started)
-        except BaseException as exc:
-            if tap_fd is not None:
-                os.close(tap_fd)
-            detail = await abort_launch(process, client, vmdir)
-            if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
-                raise
-            if isinstance(exc, _BOOT_FAILURES):
-                raise BootError(f"boot of {sid} ({accel.value}) failed: {exc}{detail}",
-                                sandbox_id=sid) from exc
-            raise
-        sandbox._watcher = asyncio.create_task(sandbox._watch(), name=f"watch-{sid}")
-        self._sandboxes[sid] = sandbox
-        _log.info("sandbox %s booted in %.2fs (accel %s, pid %s, cow disk %s)", sid, sandbox.boot_seconds,
-                  accel.value, process.pid, disk.cow)
-        return sandbox
+    @property
+    def can_snapshot(self) -> bool:
+        """Whether the storage strategy keeps VMs where they can be snapshotted (the storage pool)."""
+        return self.storage.pool is not None
+
+    @property
+    def pool(self) -> StoragePool:
+        """The storage pool holding snapshots and templates; SnapshotError ``snapshot_unsupported`` when
+        the storage strategy has none."""
+        pool = self.storage.pool
+        if pool is None:
+            raise SnapshotError("this runtime keeps VM disks in their work directories and cannot snapshot "
+                                "(it needs the storage pool)", code="snapshot_unsupported", status=409)
+        return pool
+
+    @property
+    def templates_dir(self) -> Path:
+        return self.pool.templates_dir
+
+    def open_snapshot(self, snapshot_id: str) -> Snapshot:
+        if not is_id(snapshot_id, "snap"):
+            raise CapsaError(f"snapshot {snapshot_id!r} not found", code="snapshot_not_found", status=404)
+        path = self.pool.snapshot_dir(snapshot_id)
+        if not path.is_dir():
+            raise CapsaError(f"snapshot {snapshot_id} not found", code="snapshot_not_found", status=404)
+        return Snapshot.open(path)
+
+    def list_snapshot_ids(self) -> builtins.list[str]:
+        if self.storage.pool is None:
+            return []
+        return [sid for sid in self.storage.pool.list_snapshots() if is_id(sid, "snap")]
+
+    def delete_snapshot(self, snapshot: Snapshot | Path | str) -> bool:
+        sid = snapshot.id if isinstance(snapshot, Snapshot) else Path(snapshot).name
+        return self.pool.remove_snapshot(sid)
+
+    def _resolve(self, snapshot: Snapshot | Path | str) -> Snapshot:
+        if isinstance(snapshot, Snapshot):
+            return snapshot
+        path = self.pool.snapshot_dir(snapshot) if isinstance(snapshot, str) else snapshot
+        return Snapshot.open(path)
 
     @staticmethod
-    def _check_image(image: GuestImage) -> None:
-        if not all(hasattr(image, name) for name in ("kernel", "initrd", "rootfs")):
-            raise BootError(f"not a guest image: {image!r}")
-        for label, path in (("kernel", image.kernel), ("initrd", image.initrd), ("rootfs", image.rootfs)):
-            if not path.is_file():
-                raise BootError(f"image {label} {path} does not exist")
+    def _machine(spec: VMSpec, accel: Accelerator) -> str:
+        mac = getattr(spec.network, "mac", None) if spec.network is not None else None
+        return machine_fingerprint(accel, memory_mib=spec.memory_mib, vcpus=spec.vcpus,
+                                   kernel_args=spec.kernel_args, mac=mac, nic=spec.network is not None)
 
-    async def _connect_guest(self, process: QemuProcess, vmdir: VmDir, deadline: float) -> GuestClient:
-        """Connect to the agent socket and wait until the guest daemon answers ``health``, while watching
-        QEMU: if it exits, the boot fails at once instead of at the deadline."""
-        loop = asyncio.get_running_loop()
-        exited = asyncio.ensure_future(process.wait())
-        probe: asyncio.Future[dict[str, object]] | None = None
+    def _check_restorable(self, snap: Snapshot, spec: VMSpec) -> Accelerator:
+        """The accelerator ``snap`` restores under; SnapshotError when this runtime cannot restore it."""
         try:
-            while True:
-                remaining = deadline - loop.time()
-                if exited.done():
-                    raise QemuProcessError(process.exit_description())
-                if remaining <= 0:
-                    raise TimeoutError("the guest daemon did not answer before the boot deadline")
-                try:
-                    client = await GuestClient.connect_unix(str(vmdir.agent_socket))
-                except OSError:
-                    await asyncio.sleep(0.05)
-                    continue
-                # Bytes written before the guest opens its port can be lost, so health is retried.
-                ready = probe = asyncio.ensure_future(client.wait_ready(timeout=remaining, interval=1.0))
-                done, _ = await asyncio.wait({ready, exited}, timeout=remaining,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if ready in done and ready.exception() is None:
-                    return client
-                ready.cancel()
-                with contextlib.suppress(BaseException):
-                    await ready
-                with contextlib.suppress(Exception):
-                    await client.close()
-                if ready in done:
-                    exc = ready.exception()
-                    if not isinstance(exc, ChannelClosed):
-                        assert exc is not None
-                        raise exc
-                await asyncio.sleep(0.05)
+            accel = Accelerator(snap.manifest.accel)
+        except ValueError:
+            raise SnapshotError(f"snapshot {snap.id} has unknown accelerator {snap.manifest.accel!r}",
+                                code="snapshot_corrupt") from None
+        if self.requested_accel not in (Accelerator.AUTO, accel):
+            raise SnapshotError(f"snapshot {snap.id} was taken under {accel.value}; this runtime uses "
+                                f"{self.requested_accel.value}", code="snapshot_mismatch", status=409)
+        try:
+            version = qemu_version()
+        except HostInfoError as exc:
+            raise BootError(str(exc)) from exc
+        if snap.manifest.machine not in (None, self._machine(spec, accel)):
+            raise SnapshotError(f"snapshot {snap.id} was taken from a different VM layout (QEMU devices or "
+                                "options changed since)", code="snapshot_mismatch", status=409)
+        if snap.manifest.qemu_version not in (None, version):
+            # microvm has no versioned machine types, so a stream from another QEMU may not load.
+            raise SnapshotError(f"snapshot {snap.id} was taken with QEMU {snap.manifest.qemu_version}, this "
+                                f"node runs {version}", code="snapshot_mismatch", status=409)
+        return accel
+
+    def can_restore(self, snapshot: Snapshot, spec: VMSpec) -> bool:
+        try:
+            self._check_restorable(snapshot, spec)
+        except (SnapshotError, BootError):
+            return False
+        return True
+
+    async def snapshot(self, sandbox: Sandbox, dest: Path | str | None = None, *, resume: bool = True,
+                       labels: dict[str, str] | None = None, content_digest: bool = False) -> Snapshot:
+        """Snapshot a running sandbox into ``dest`` (a snapshot id, a directory, or None for a new id under
+        the pool's snapshots/). ``resume=False`` leaves the VM stopped (pause: the caller destroys it next).
+        """
+        if not isinstance(sandbox, QemuSandbox) or self._sandboxes.get(sandbox.id) is not sandbox:
+            raise SnapshotError(f"{sandbox!r} is not a sandbox of this runtime", code="invalid_state",
+                                status=409)
+        pool = self.pool
+        if isinstance(dest, str):
+            dest = pool.snapshot_dir(dest)
+        elif dest is None:
+            dest = pool.snapshot_dir(new_id("snap"))
+        spec, files = sandbox.spec, sandbox.files
+        async with sandbox.exclusive() as state:
+            if state is not SandboxState.RUNNING:
+                raise SnapshotError(f"sandbox {sandbox.id} is {state.value}, cannot snapshot it",
+                                    code="invalid_state", status=409)
+            version: str | None = None
+            with contextlib.suppress(HostInfoError):
+                version = qemu_version()
+            try:
+                # A monitor that stops answering must not hang the caller forever.
+                async with asyncio.timeout(self.snapshot_timeout):
+                    manifest = await save_snapshot(
+                        sandbox.process.monitor, dest, disk=files.disk,
+                        ram=files.ram if files.shared_ram else None, clone=pool.clone,
+                        memory_mib=spec.memory_mib, vcpus=spec.vcpus, accel=sandbox.accelerator.value,
+                        image_digest=spec.image.digest, qemu_version=version,
+                        machine=self._machine(spec, sandbox.accelerator), parent=sandbox.parent,
+                        labels=labels, resume=resume, content_digest=content_digest,
+                        time_limit=self.snapshot_timeout,
+                    )
+            except TimeoutError:
+                raise SnapshotError(f"snapshot of {sandbox.id} did not finish within "
+                                    f"{self.snapshot_timeout:.0f}s", code="snapshot_timeout") from None
+        # The sandbox's state now descends from this snapshot.
+        sandbox.parent = manifest.id
+        if resume:
+            # The guest clock stood still while the VM was stopped.
+            with contextlib.suppress(Exception):
+                await sandbox.guest.set_clock()
+        return Snapshot(dest, manifest)
+
+    async def pause(self, sandbox: Sandbox, dest: Path | str | None = None, *,
+                    labels: dict[str, str] | None = None) -> Snapshot:
+        """Snapshot the sandbox and destroy it: the session's state lives on only in the snapshot."""
+        snap = await self.snapshot(sandbox, dest, resume=False, labels=labels)
+        await self.destroy(sandbox)
+        return snap
+
+    async def restore(self, snapshot: Snapshot | Path | str, spec: VMSpec, *, sandbox_id: str | None = None,
+                      ram_mode: RamMode = RamMode.COPY, refresh: bool = True) -> QemuSandbox:
+        """A new running sandbox from ``snapshot``. ``refresh=False`` skips the reseed and clock (tests)."""
+        sid = self._admit(spec, sandbox_id)
+        snap = await asyncio.to_thread(self._resolve, snapshot)
+        binary = self._binary()
+        accel = self._check_restorable(snap, spec)
+        self._booting.add(sid)
+        try:
+            sandbox = await self._start(
+                binary, spec, sid, accel, self.boot_timeout, parent=snap.id, refresh=refresh,
+                prepare=lambda _vmdir, owner: self.storage.restore_files(sid, snap, spec, ram_mode, owner))
         finally:
-            # Cancelled from outside (e.g. a pool refill stopped mid-restore): collect the pending
-            # health probe too, or it dies later with an exception nobody retrieves.
-            for pending in (probe, exited):
-                if pending is None:
-                    continue
-                if not pending.done():
-                    pending.cancel()
-                    with contextlib.suppress(BaseException):
-                        await pending
-                elif not pending.cancelled():
-                    pending.exception()
+            self._booting.discard(sid)
+        return await self._admitted(sid, sandbox)
+
+    async def branch(self, snapshot: Snapshot | Path | str, n: int, spec: VMSpec, *,
+                     ram_mode: RamMode = RamMode.PRIVATE) -> builtins.list[QemuSandbox]:
+        """``n`` independent sandboxes from one snapshot, restored concurrently. All or nothing."""
+        check_branch_count(n)
+        snap = await asyncio.to_thread(self._resolve, snapshot)
+        results = await asyncio.gather(*(self.restore(snap, spec, ram_mode=ram_mode) for _ in range(n)),
+                                       return_exceptions=True)
+        made = [r for r in results if isinstance(r, QemuSandbox)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(self.destroy(sb) for sb in made), return_exceptions=True)
+            raise errors[0]
+        return made
 
     # -- teardown ----------------------------------------------------------------------------------
 
     async def destroy(self, sandbox: object) -> None:
+        """Stop the VM and delete everything it owned (process, files, sockets, workdir). Idempotent."""
         if not isinstance(sandbox, QemuSandbox):
             raise TypeError(f"not a QEMU sandbox: {sandbox!r}")
-        async with sandbox._lock:
-            if sandbox._state is SandboxState.DESTROYED:
-                return
-            sandbox._stopping = True
-            with contextlib.suppress(Exception):
-                await sandbox._client.close()
-            how = await sandbox.process.stop()
-            if sandbox._watcher is not None:
-                sandbox._watcher.cancel()
-                with contextlib.suppress(BaseException):
-                    await sandbox._watcher
-            sandbox._exited.set()
-            await asyncio.to_thread(sandbox._vmdir.remove)
-            sandbox._state = SandboxState.DESTROYED
-            self._sandboxes.pop(sandbox.id, None)
+        how = await sandbox.stop()
+        if self._sandboxes.get(sandbox.id) is sandbox:
+            del self._sandboxes[sandbox.id]
+        if how is not None:
+            await asyncio.to_thread(self.storage.release, sandbox.id)
             _log.info("sandbox %s destroyed (%s)", sandbox.id, how)
 
-    def list(self) -> list[QemuSandbox]:
+    def list(self) -> builtins.list[QemuSandbox]:
         return list(self._sandboxes.values())
 
     def get(self, sandbox_id: str) -> QemuSandbox | None:
         return self._sandboxes.get(sandbox_id)
 
     async def cleanup_orphans(self) -> builtins.list[str]:
-        """Kill QEMUs and delete workdirs under our state dir that no sandbox of this runtime owns."""
+        """Kill QEMUs and delete workdirs and storage under our state dir that no sandbox of this runtime
+        owns."""
         ours = set(self._sandboxes) | self._booting
         removed: list[str] = []
         if self.vms_dir.is_dir():
@@ -565,42 +465,18 @@ class QemuRuntime:
                 continue
             await asyncio.to_thread(kill_and_wait, pid)
             removed.append(f"killed stray qemu pid {pid}")
+        keep = set(self._sandboxes) | self._booting
+        for sid in await asyncio.to_thread(self.storage.prune, keep):
+            removed.append(f"{sid}: removed pool files")
         for line in removed:
             _log.warning("orphan cleanup: %s", line)
         return removed
 
     async def close(self) -> None:
+        """Destroy every sandbox this runtime owns."""
         self._closed = True
         await asyncio.gather(*(self.destroy(sb) for sb in list(self._sandboxes.values())),
                              return_exceptions=True)
-
-
-def _open_tap(network: TapNetwork) -> int:
-    from capsa.node.net.wire import open_tap
-
-    return open_tap(network.netns, network.tap)
-
-
-async def configure_guest_network(client: GuestClient, network: TapNetwork) -> None:
-    """Give the guest NIC (found by its MAC: the guest has no udev to name it) the sandbox's address.
-
-    Idempotent, so it also serves a guest restored from a snapshot taken on another subnet: the old
-    address, route and neighbour entries (the old tap's MAC) go first."""
-    gateway = network.gateway_ip
-    dns = str(getattr(network, "dns_server", gateway))
-    script = (
-        'set -e; dev=""; for d in /sys/class/net/*; do '
-        '[ "$(cat "$d/address")" = "$1" ] && dev="${d##*/}"; done; '
-        '[ -n "$dev" ] || { echo "no NIC with MAC $1" >&2; exit 1; }; '
-        'ip link set dev "$dev" up; ip addr flush dev "$dev"; ip neigh flush dev "$dev"; '
-        'ip addr add "$2" dev "$dev"; ip route replace default via "$3" dev "$dev"; '
-        'printf "nameserver %s\\n" "$4" > /etc/resolv.conf'
-    )
-    argv = ["sh", "-c", script, "capsa-net", network.mac.lower(), f"{network.guest_ip}/{network.prefixlen}",
-            gateway, dns]
-    result = await client.exec(argv, timeout=30)
-    if result.exit_code != 0:
-        raise BootError(f"configuring the guest network failed: {result.stderr.decode(errors='replace')}")
 
 
 def _cmdline_text(pid: int) -> str:
@@ -608,12 +484,3 @@ def _cmdline_text(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
-
-
-def _world_readable(path: Path) -> bool:
-    try:
-        if not path.stat().st_mode & stat.S_IROTH:
-            return False
-        return all(parent.stat().st_mode & stat.S_IXOTH for parent in path.resolve().parents)
-    except OSError:
-        return False

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Protocol
 
 from capsa.node.runtime.base import RamMode
-from capsa.node.runtime.snapshot_manifest import (
+from capsa.node.runtime.snapshot.manifest import (
     DISK_FILE,
     RAM_FILE,
     STATE_FILE,
