@@ -66,8 +66,9 @@ def fresh_state_dir() -> Iterator[Path]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def qemu_runtime(state_dir: Path) -> AsyncIterator[QemuRuntime]:
-    """The plain QEMU runtime on ``state_dir`` (accelerator probed, not cached), closed afterwards."""
+async def runtime(state_dir: Path) -> AsyncIterator[QemuRuntime]:
+    """The plain QEMU runtime on ``state_dir`` (accelerator probed, not cached), closed afterwards; modules
+    that need another runtime override it."""
     from capsa.node.runtime.qemu import QemuRuntime
 
     runtime = QemuRuntime(Settings(state_dir=state_dir), accel="auto", accel_cache=False)

@@ -4,7 +4,6 @@ The same request paths as tests/unit/test_control_api.py (which uses host-proces
 real runtime under TCG; the main flow runs on SQLite and on a real PostgreSQL 15. Few VMs are booted
 (each costs ~10 s on two shared cores)."""
 
-# ruff: noqa: F811  (pytest fixtures imported from control_fixtures are re-bound as parameters)
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +11,7 @@ import json
 import os
 import platform
 import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,6 @@ from capsa.common.settings import Settings
 from capsa.node.runtime.base import Runtime
 from capsa.node.runtime.qemu import QemuRuntime
 from tests.support.api_stack import ApiStack
-from tests.unit.control_fixtures import db_url, pg_cluster  # noqa: F401
 
 pytestmark = [
     pytest.mark.vm,
@@ -49,25 +46,17 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def vm_state_dir() -> Iterator[Path]:
-    # Short path: QEMU's Unix socket paths must fit in 107 bytes; searchable: QEMU runs as another uid.
-    state = Path(tempfile.mkdtemp(prefix="capi-", dir="/tmp"))
-    state.chmod(0o711)
-    yield state
-    leftovers = list((state / "vms").glob("*")) if (state / "vms").exists() else []
-    shutil.rmtree(state, ignore_errors=True)
-    assert leftovers == [], f"VM workdirs left behind: {leftovers}"
-
-
-@pytest.fixture
-async def vm_stack(db_url: str, guest_image: GuestImage, vm_state_dir: Path) -> AsyncIterator[ApiStack]:
-    runtime = QemuRuntime(Settings(state_dir=vm_state_dir), accel="tcg", accel_cache=False)
+async def vm_stack(db_url: str, guest_image: GuestImage, fresh_state_dir: Path) -> AsyncIterator[ApiStack]:
+    runtime = QemuRuntime(Settings(state_dir=fresh_state_dir), accel="tcg", accel_cache=False)
     stack = ApiStack(db_url, runtime, guest_image)  # type: ignore[arg-type]
     try:
         await stack.start()
         yield stack
     finally:
         await stack.stop()
+    vms = fresh_state_dir / "vms"
+    leftovers = list(vms.glob("*")) if vms.exists() else []
+    assert leftovers == [], f"VM workdirs left behind: {leftovers}"
 
 
 async def test_real_vm_session_end_to_end(vm_stack: ApiStack) -> None:

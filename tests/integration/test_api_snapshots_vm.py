@@ -11,12 +11,10 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import sqlite3
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +32,7 @@ from capsa.node.api import create_node_app
 from capsa.node.api_snapshots import add_snapshot_routes
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
 from capsa.node.snapshot_agent import SnapshotNodeAgent
-from capsa.node.storage import StoragePool, StorageSettings
+from capsa.node.storage import StoragePool
 from tests.support.api_stack import Replica, serve_app
 
 pytestmark = [
@@ -83,26 +81,6 @@ class Stack:
         assert answer.status_code == 200, answer.text
         for sandbox_id in answer.json()["destroy_sandboxes"]:
             await self.agent.destroy(sandbox_id)
-
-
-@pytest.fixture(scope="module")
-def state_dir() -> Iterator[Path]:
-    # Not under pytest's tmp_path: that is 0700, and QEMU runs as its own unprivileged uid.
-    path = Path(tempfile.mkdtemp(prefix="capsa-apisnap-", dir="/var/tmp"))
-    path.chmod(0o711)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def pool(state_dir: Path) -> Iterator[StoragePool]:
-    p = StoragePool.open(state_dir, StorageSettings(loop_size_mib=8192, require_cow=True))
-    try:
-        yield p
-    finally:
-        p.destroy()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

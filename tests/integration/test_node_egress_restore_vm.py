@@ -6,7 +6,7 @@ create source is ``restore``, the guest has this sandbox's address, the allowed 
 broker with the secret injected, a direct IP is refused, and destroying it removes namespace, tap and
 rules. When the restore fails, the sandbox cold-boots instead and nothing of the failed attempt is left.
 
-Every address involved lives in namespaces this test creates (tests.security.test_egress_battery's outside
+Every address involved lives in namespaces this test creates (tests.support.outside's outside
 world). At most one sandbox VM runs at a time, to spare the 2 cores.
 """
 
@@ -15,11 +15,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import ssl
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,14 +35,7 @@ from capsa.node.net.sandbox_net import NetworkManager
 from capsa.node.runtime.snapshot_runtime import SnapshotRuntime, SnapshotSandbox
 from capsa.node.snapshot_agent import NET_TEMPLATE, NET_TEMPLATE_MAC, SnapshotNodeAgent, SnapshotRecord
 from capsa.node.storage import StoragePool, StorageSettings
-from tests.security.test_egress_battery import (
-    OTHER_ID,
-    OTHER_SECRET,
-    SECRET,
-    SECRET_ID,
-    _policy,
-    outside_world,
-)
+from tests.support.outside import OTHER_ID, OTHER_SECRET, SECRET, SECRET_ID, outside_world, world_policy
 
 pytestmark = [
     pytest.mark.vm,
@@ -94,16 +84,6 @@ print(json.dumps(out))
 '''
 
 
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="cner-", dir="/var/tmp"))  # VM socket paths must stay short
-    path.chmod(0o711)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def _netns() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
 
@@ -140,7 +120,7 @@ async def test_policy_sessions_are_restored_from_the_networked_template(
             await agent.start()
             try:
                 await agent.wait_ready()
-                policy = _policy()
+                policy = world_policy()
                 values = {SECRET_ID: SECRET, OTHER_ID: OTHER_SECRET}
 
                 # The first one builds base-net (a cold boot on a throwaway tap), then restores from it.

@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,7 @@ from capsa.node.api import create_node_app
 from capsa.node.api_snapshots import add_snapshot_routes
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.snapshot_agent import SnapshotNodeAgent, SnapshotRecord
-from capsa.node.storage import StoragePool, StorageSettings
+from capsa.node.storage import StoragePool
 from capsa.node.template_build import build_template, load_spec
 
 pytestmark = [
@@ -41,25 +39,6 @@ pytestmark = [
 
 TOKEN = "t" * 32
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"
-
-
-@pytest.fixture(scope="module")
-def state_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="capsa-nsnap-", dir="/var/tmp"))
-    path.chmod(0o711)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def pool(state_dir: Path) -> Iterator[StoragePool]:
-    p = StoragePool.open(state_dir, StorageSettings(loop_size_mib=8192, require_cow=True))
-    try:
-        yield p
-    finally:
-        p.destroy()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

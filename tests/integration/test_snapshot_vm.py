@@ -10,10 +10,8 @@ import contextlib
 import mmap
 import os
 import re
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,26 +35,6 @@ pytestmark = [
 ]
 
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"
-
-
-@pytest.fixture(scope="module")
-def state_dir() -> Iterator[Path]:
-    # Not under pytest's tmp_path: that is 0700, and QEMU runs as its own unprivileged uid.
-    path = Path(tempfile.mkdtemp(prefix="capsa-snap-", dir="/var/tmp"))
-    path.chmod(0o711)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def pool(state_dir: Path) -> Iterator[StoragePool]:
-    p = StoragePool.open(state_dir, StorageSettings(loop_size_mib=8192, require_cow=True))
-    try:
-        yield p
-    finally:
-        p.destroy()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -10,8 +10,7 @@ import os
 import shutil
 import signal
 import tarfile
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -30,22 +29,6 @@ pytestmark = [
 ]
 
 MIB = 1024 * 1024
-
-
-@pytest.fixture(scope="module")
-def state_dir() -> Iterator[Path]:
-    # Short: Unix socket paths must fit in 107 bytes. Searchable: QEMU runs as another uid.
-    path = Path(tempfile.mkdtemp(prefix="cvm-", dir="/tmp"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def runtime(state_dir: Path) -> AsyncIterator[QemuRuntime]:
-    rt = QemuRuntime(Settings(state_dir=state_dir), accel="auto", accel_cache=False)
-    yield rt
-    await rt.close()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

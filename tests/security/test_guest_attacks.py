@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
 from capsa.common.image import GuestImage
-from capsa.common.settings import Settings
 from capsa.node.runtime.base import SandboxState, VMSpec
 from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
 from capsa.node.runtime.workdir import VM_UID_BASE, VM_UID_COUNT
@@ -30,22 +27,6 @@ pytestmark = [
 MIB = 1024 * 1024
 GUEST_MIB = 256
 VIRTIO_BLOCK, VIRTIO_CONSOLE = 2, 3
-
-
-@pytest.fixture(scope="module")
-def state_dir() -> Iterator[Path]:
-    # Short for Unix socket paths; searchable because QEMU runs as another uid.
-    path = Path(tempfile.mkdtemp(prefix="cva-", dir="/tmp"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def runtime(state_dir: Path) -> AsyncIterator[QemuRuntime]:
-    rt = QemuRuntime(Settings(state_dir=state_dir), accel="auto", accel_cache=False)
-    yield rt
-    await rt.close()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

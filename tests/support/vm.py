@@ -1,5 +1,5 @@
 """Directories and storage for tests that boot real microVMs (the fixtures built on them: ``state_dir``,
-``fresh_state_dir`` and ``qemu_runtime`` in tests/conftest.py, ``pool`` in tests/integration/conftest.py).
+``fresh_state_dir`` and ``runtime`` in tests/conftest.py, ``pool`` in tests/integration/conftest.py).
 
 QEMU runs as its own unprivileged uid, so every parent of a state directory must be searchable by others
 (pytest's tmp_path and ``mkdtemp`` are 0700), and its Unix socket paths must fit in 107 bytes: state

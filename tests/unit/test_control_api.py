@@ -2,7 +2,6 @@
 PostgreSQL. The runtime is the fake one (guest daemons as host processes); tests/integration repeats the
 user-facing paths with real VMs."""
 
-# ruff: noqa: F811  (pytest fixtures imported from control_fixtures are re-bound as parameters)
 from __future__ import annotations
 
 import asyncio
@@ -16,20 +15,9 @@ import httpx
 import pytest
 
 from tests.support.api_stack import ApiStack
-from tests.unit.control_fixtures import db_url, make_stack, pg_cluster, stack  # noqa: F401
+from tests.support.problems import assert_problem
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def assert_problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/problem+json")
-    body: dict[str, Any] = response.json()
-    assert body["code"] == code
-    assert body["status"] == status
-    assert body["type"].endswith("/" + code)
-    assert isinstance(body["title"], str) and isinstance(body["detail"], str)
-    return body
 
 
 async def create(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 the fake runtime. What needs namespaces and nftables (a policy actually enforced) is in
 tests/integration/test_api_egress_vm.py, against a real VM."""
 
-# ruff: noqa: F811  (pytest fixtures imported from control_fixtures are re-bound as parameters)
 from __future__ import annotations
 
 import base64
@@ -22,8 +21,7 @@ from capsa.node.egress.audit import EgressEvent
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.node_egress import NodeEgress
 from tests.support.api_stack import ApiStack
-from tests.unit.control_fixtures import db_url, make_stack, pg_cluster  # noqa: F401
-from tests.unit.test_control_api import assert_problem
+from tests.support.problems import assert_problem
 
 pytestmark = pytest.mark.timeout(120)
 

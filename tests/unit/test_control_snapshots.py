@@ -6,7 +6,6 @@ request changes nothing. The same paths with real snapshots are in
 tests/integration/test_api_snapshots_vm.py.
 """
 
-# ruff: noqa: F811  (pytest fixtures imported from control_fixtures are re-bound as parameters)
 from __future__ import annotations
 
 from datetime import timedelta
@@ -21,7 +20,6 @@ from capsa.control.plane import ControlPlane
 from capsa.control.rolling import _due, due_sessions
 from capsa.control.store.models import SessionRow, utcnow
 from tests.support.api_stack import ApiStack
-from tests.unit.control_fixtures import db_url, pg_cluster, stack  # noqa: F401
 
 
 def _problem(response: httpx.Response, status: int, code: str) -> None:

@@ -25,7 +25,7 @@ from capsa.guest.protocol import INITIAL_WINDOW, MAGIC, PROTOCOL_VERSION, Decode
 from capsa.node import guest_client as guest_client_module
 from capsa.node.guest_client import ChannelClosed, GuestClient, GuestError
 from tests.support.local_guest import GUEST_PACKAGE, LocalGuest, guest_client, local_guest
-from tests.unit.test_guest_exec import processes_with
+from tests.support.processes import processes_with
 
 __all__ = ["guest_client", "local_guest"]
 

@@ -15,23 +15,9 @@ import pytest
 
 from capsa.node.guest_client import GuestClient, GuestError
 from tests.support.local_guest import LocalGuest, guest_client, local_guest
+from tests.support.processes import processes_with
 
 __all__ = ["guest_client", "local_guest"]
-
-
-def processes_with(marker: str) -> list[int]:
-    """Host pids whose command line contains ``marker``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
 
 
 async def wait_present(marker: str, tries: int = 200) -> list[int]:

@@ -2,7 +2,6 @@
 ``capsa policy``) against the real API stack with the fake runtime. The CLI runs in a thread: its blocking
 SDK needs the stack's event loop (this test's) to keep serving."""
 
-# ruff: noqa: F811  (pytest fixtures imported from control_fixtures are re-bound as parameters)
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +17,6 @@ from click.testing import CliRunner, Result
 from capsa.cli.main import cli
 from capsa.sdk import AsyncClient, AsyncSession, InvalidState, NotFound, Unavailable, ValidationFailed
 from tests.support.api_stack import ApiStack
-from tests.unit.control_fixtures import make_stack  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
