@@ -3,7 +3,11 @@ options reach ``capsa.serve.run``. The real server is exercised in tests/integra
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +16,7 @@ from click.testing import CliRunner
 
 import capsa.serve
 from capsa.cli.main import cli
+from tests.support.vm import searchable_dir
 
 
 def test_port_in_use_fails_before_creating_state(tmp_path: Path) -> None:
@@ -33,15 +38,21 @@ def test_unresolvable_host_fails_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in result.output
 
 
-def test_options_reach_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory every uid can search (a pytest tmp_path sits under a 0700 directory)."""
+    with searchable_dir("capsa-cli-", parent="/var/tmp") as path:
+        yield path
+
+
+def test_options_reach_the_server(open_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[Any, ...]] = []
 
     async def fake_run(host: str, port: int, state_dir: Path, database_url: str | None, accel: str) -> None:
         calls.append((host, port, state_dir, database_url, accel))
 
     monkeypatch.setattr(capsa.serve, "run", fake_run)
-    tmp_path.chmod(0o755)
-    state = tmp_path / "state"
+    state = open_dir / "state"
     result = CliRunner().invoke(cli, ["serve", "--port", "0", "--state-dir", str(state), "--accel", "tcg",
                                       "--database-url", "sqlite+aiosqlite:////x.db", "--json"])
     assert result.exit_code == 0, result.output
@@ -49,23 +60,40 @@ def test_options_reach_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert '"accel": "tcg"' in result.stderr
 
 
-def test_unreachable_state_dir_is_warned_about(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unreachable_state_dir_is_refused_in_one_line(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[object] = []
+
     async def fake_run(*args: Any) -> None:
-        return None
+        calls.append(args)
 
     monkeypatch.setattr(capsa.serve, "run", fake_run)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)  # VMs run as other uids (as under root)
     tmp_path.chmod(0o700)
     result = CliRunner().invoke(cli, ["serve", "--port", "0", "--state-dir", str(tmp_path / "state")])
-    assert result.exit_code == 0
-    assert f"warning: {tmp_path} is not searchable by other users" in result.stderr
+    assert result.exit_code != 0
+    assert calls == []  # refused before anything starts
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"{tmp_path} (mode 0700) is not searchable by the sandboxes' VM users" in lines[0]
 
 
-def test_interrupt_exits_quietly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def interrupted(*args: Any) -> None:
-        raise KeyboardInterrupt
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_cancels_the_server_and_its_cleanup_runs(open_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             signum: signal.Signals) -> None:
+    events: list[str] = []
 
-    monkeypatch.setattr(capsa.serve, "run", interrupted)
-    tmp_path.chmod(0o755)
-    result = CliRunner().invoke(cli, ["serve", "--port", "0", "--state-dir", str(tmp_path / "state")])
-    assert result.exit_code == 0
-    assert "Traceback" not in result.output and "error" not in result.stderr
+    async def served(*args: Any) -> None:
+        try:
+            os.kill(os.getpid(), signum)
+            await asyncio.sleep(30)
+            events.append("not cancelled")
+        finally:
+            await asyncio.sleep(0)  # cleanup may await
+            events.append("cleaned up")
+
+    monkeypatch.setattr(capsa.serve, "run", served)
+    result = CliRunner().invoke(cli, ["serve", "--port", "0", "--state-dir", str(open_dir / "state")])
+    assert result.exit_code == 0, result.output
+    assert events == ["cleaned up"]
+    assert "Traceback" not in result.output

@@ -15,6 +15,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "template": ("capsa.cli.template", "template"),
     "vm": ("capsa.cli.vm", "vm"),
     "serve": ("capsa.cli.serve", "serve"),
+    "node": ("capsa.cli.node", "node"),
     "keys": ("capsa.cli.keys", "keys"),
     "run": ("capsa.cli.sessions", "run"),
     "ls": ("capsa.cli.sessions", "ls"),

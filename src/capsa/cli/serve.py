@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import socket
-import stat
 from pathlib import Path
 
 import click
 
 from capsa.cli.output import fail, json_option
+from capsa.common.errors import CapsaError
 from capsa.common.settings import Settings
 from capsa.control.keys import parse_key
 
@@ -37,15 +35,6 @@ def _check_port(host: str, port: int) -> None:
             fail(f"cannot serve on {host}:{port}: {exc.strerror or exc}")
 
 
-def _warn_unsearchable(state: Path) -> None:
-    # QEMU runs as an unprivileged user; it fails at the first session, not here, if it cannot reach the
-    # state directory, so say so at start (e.g. a mktemp directory is 0700).
-    for path in (state, *state.parents):
-        if not path.stat().st_mode & stat.S_IXOTH:
-            click.echo(f"warning: {path} is not searchable by other users; sandboxes will fail to start "
-                       f"(chmod o+x {path}, or choose another --state-dir)", err=True)
-            return
-
 
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -66,6 +55,8 @@ def serve(host: str, port: int, state_dir: Path | None, database_url: str | None
     printed once; keep it, it cannot be shown again.
     """
     from capsa import serve as server  # heavy imports (FastAPI, SQLAlchemy) only for this command
+    from capsa.common.service import run_service
+    from capsa.node.statedir import prepare_state_dir
 
     settings = Settings()
     state = (state_dir or settings.state_dir).resolve()
@@ -75,19 +66,20 @@ def serve(host: str, port: int, state_dir: Path | None, database_url: str | None
         fail("CAPSA_BOOTSTRAP_KEY must look like csk_<12 chars [0-9a-z]>_<32 chars [0-9A-Za-z]>")
     _check_port(host, port)
     try:
-        state.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        fail(f"cannot use state directory {state}: {exc.strerror}")
-    _warn_unsearchable(state)
+        state = prepare_state_dir(state)
+    except CapsaError as exc:
+        fail(str(exc))
     if as_json:
         # Structured server logs are the server's business; --json only makes this banner parseable.
         banner = {"url": f"http://{host}:{port}", "state_dir": str(state), "accel": chosen_accel}
         click.echo(json.dumps(banner), err=True)
-    with contextlib.suppress(KeyboardInterrupt):
-        try:
-            asyncio.run(server.run(host, port, state, database_url, chosen_accel))
-        except NotImplementedError as exc:
-            fail(str(exc))
-        except OSError as exc:
-            # e.g. the port is taken: one line, not a traceback
-            fail(f"cannot serve on {host}:{port}: {exc.strerror or exc}")
+    try:
+        # SIGTERM and SIGINT cancel the server, whose cleanup then removes every VM, tap and mount.
+        run_service(server.run(host, port, state, database_url, chosen_accel))
+    except CapsaError as exc:
+        fail(str(exc))
+    except NotImplementedError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        # e.g. the port is taken: one line, not a traceback
+        fail(f"cannot serve on {host}:{port}: {exc.strerror or exc}")

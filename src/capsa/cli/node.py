@@ -1,0 +1,83 @@
+"""``capsa node``: a node agent on its own host, registered with a control plane over HTTP."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from capsa.cli.output import fail
+from capsa.common.errors import CapsaError
+from capsa.common.settings import Settings
+
+__all__ = ["node"]
+
+
+def _check_listen(listen: str) -> None:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        fail(f"--listen must be HOST:PORT, got {listen!r}")
+
+
+@click.command()
+@click.option("--control-url", envvar="CAPSA_CONTROL_URL", show_envvar=True, required=True,
+              help="The control plane's URL, e.g. http://10.0.0.1:8700.")
+@click.option("--enrol-token", envvar="CAPSA_ENROL_TOKEN", show_envvar=True, default=None,
+              help="One-time token from `capsa nodes token` (first start only; later starts use the stored "
+                   "node credential).")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="This node's VMs, disks, storage pool and credential [default: CAPSA_STATE_DIR or "
+                   "/var/lib/capsa].")
+@click.option("--listen", default="127.0.0.1:8701", show_default=True,
+              help="HOST:PORT for the node API (the control plane calls it).")
+@click.option("--advertise-url", default=None,
+              help="URL the control plane should use for this node [default: http://LISTEN].")
+@click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default=None,
+              help="VM accelerator [default: CAPSA_ACCEL or auto].")
+def node(control_url: str, enrol_token: str | None, state_dir: Path | None, listen: str,
+         advertise_url: str | None, accel: str | None) -> None:
+    """Run a node agent until SIGTERM or SIGINT; then its sessions are paused or failed and nothing of it is
+    left running, mounted or on disk."""
+    import asyncio
+
+    from capsa.common.service import run_service
+    from capsa.images.build import ensure_image, find_image
+    from capsa.node.assembly import build_node
+    from capsa.node.daemon import HttpControlLink, NodeService
+    from capsa.node.statedir import prepare_state_dir
+
+    _check_listen(listen)
+    base = Settings()
+    try:
+        state = prepare_state_dir(state_dir or base.state_dir)
+    except CapsaError as exc:
+        fail(str(exc))
+    settings = Settings(state_dir=state, accel=accel or base.accel)
+
+    async def main() -> None:
+        link = HttpControlLink(control_url, state, enrol_token=enrol_token)
+        image = find_image(settings)
+        if image is None:
+            print("capsa: building the guest image (first start only)…", file=sys.stderr, flush=True)
+            image = await asyncio.to_thread(ensure_image, settings)
+        try:
+            parts = await build_node(settings, image, node_id="unregistered")
+        except BaseException:
+            await link.aclose()
+            raise
+        service = NodeService(parts, link, listen=listen, advertise_url=advertise_url)
+        try:
+            node_id = await service.start()
+            print(f"node {node_id} registered", flush=True)
+            print(f"capsa: node API on {service.url} (state {state})", file=sys.stderr, flush=True)
+            await service.wait()
+        finally:
+            await service.stop()
+
+    try:
+        run_service(main())
+    except CapsaError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"capsa node: {exc.strerror or exc}")
