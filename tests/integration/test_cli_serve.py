@@ -22,10 +22,9 @@ from tests.support.leftovers import wait_no_vm_leftovers
 from tests.support.served import CAPSA, KEY_RE, ROOT, Served, capsa, free_port, start_serve
 
 
-def test_bootstrap_key_is_printed_only_on_first_start(tmp_path: Path) -> None:
-    tmp_path.chmod(0o755)
-    state = tmp_path / "state"
-    first = start_serve(state, tmp_path, env={"CAPSA_BOOTSTRAP_KEY": ""})
+def test_bootstrap_key_is_printed_only_on_first_start(fresh_state_dir: Path) -> None:
+    state = fresh_state_dir / "state"
+    first = start_serve(state, fresh_state_dir, env={"CAPSA_BOOTSTRAP_KEY": ""})
     try:
         match = KEY_RE.search(first.printed())
         assert match
@@ -35,14 +34,14 @@ def test_bootstrap_key_is_printed_only_on_first_start(tmp_path: Path) -> None:
         assert [k["admin"] for k in json.loads(keys.stdout)["items"]] == [True]
     finally:
         assert first.stop() == 0
-    second = start_serve(state, tmp_path, env={"CAPSA_BOOTSTRAP_KEY": ""})
+    second = start_serve(state, fresh_state_dir, env={"CAPSA_BOOTSTRAP_KEY": ""})
     try:
         assert "csk_" not in second.printed()
         assert capsa(second, key, "keys", "ls").returncode == 0  # the first key still works
     finally:
         assert second.stop() == 0
     given = "csk_givengivengi_" + "g" * 32
-    third = start_serve(tmp_path / "state2", tmp_path, env={"CAPSA_BOOTSTRAP_KEY": given})
+    third = start_serve(fresh_state_dir / "state2", fresh_state_dir, env={"CAPSA_BOOTSTRAP_KEY": given})
     try:
         assert given not in third.printed()  # a key the operator chose is never echoed
         assert capsa(third, given, "keys", "ls").returncode == 0
