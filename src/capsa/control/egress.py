@@ -196,7 +196,7 @@ async def update_policy(plane: ControlPlane, tenant: str, session_id: str, polic
             stored.updated_at = now
             await db.commit()
     return PolicyOut(session_id=session_id, policy=document, updated_at=now,
-                     ca_reissued=bool(answer.get("ca_reissued")))
+                     ca_reissued=answer.ca_reissued)
 
 
 # -- audit -----------------------------------------------------------------------------------------------
@@ -225,24 +225,18 @@ async def collect_audit(plane: ControlPlane, node: NodeRow, client: NodeClient |
         async with plane.db() as db:
             epoch, after = await _cursor(db, node.id)
         page = await client.audit(after=after, epoch=epoch, limit=_AUDIT_PAGE)
-        if page.get("lost"):
-            log.warning("node %s dropped %d audit events before they were collected", node.id, page["lost"])
-        items: list[dict[str, Any]] = page["items"]
+        if page.lost:
+            log.warning("node %s dropped %d audit events before they were collected", node.id, page.lost)
+        items = page.items
         if not items:
             return added
         async with plane.db() as db:
-            sids = {str(i["session_id"]) for i in items if i.get("session_id")}
+            sids = {i.session_id for i in items if i.session_id}
             owners = {sid: tenant for sid, tenant in (await db.execute(
                 select(SessionRow.id, SessionRow.tenant).where(SessionRow.id.in_(sids)))).all()}
-            rows = [{
-                "tenant": "", "session_id": i.get("session_id"), "sandbox_id": i["sandbox_id"],
-                "node_id": node.id, "node_epoch": page["epoch"], "node_seq": i["seq"], "time": i["time"],
-                "kind": i["kind"], "decision": i["decision"], "source": i.get("source"),
-                "destination": i.get("destination"), "resolved_ip": i.get("resolved_ip"),
-                "method": i.get("method"), "path": i.get("path"), "status": i.get("status"),
-                "bytes_out": i.get("bytes_out", 0), "bytes_in": i.get("bytes_in", 0), "rule": i.get("rule"),
-                "reason": i.get("reason"), "secret_ids": list(i.get("secret_ids") or []),
-                "count": i.get("count", 1),
+            rows: list[dict[str, Any]] = [{
+                **i.model_dump(exclude={"seq"}), "tenant": "", "node_id": node.id, "node_epoch": page.epoch,
+                "node_seq": i.seq,
             } for i in items]
             for r in rows:
                 # A sandbox no session owns (should not happen): kept under no tenant, so no API user sees

@@ -9,15 +9,41 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from capsa.common.errors import CapsaError
+from capsa.common.node_api import (
+    EXEC_EVENT,
+    NDJSON,
+    AuditPage,
+    BranchRequest,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    FileList,
+    KillRequest,
+    NodeInfo,
+    PauseRequest,
+    PolicyUpdated,
+    ProcessInfo,
+    ProcessList,
+    ProcessOutput,
+    ProcessStart,
+    RestoreRequest,
+    SandboxInfo,
+    SandboxList,
+    SnapshotCreate,
+    SnapshotInfo,
+)
 
 __all__ = ["NodeClient", "NodeClientPool", "NodeError"]
 
 _PREFIX = "/node/v1"
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class NodeError(CapsaError):
@@ -40,13 +66,30 @@ def _raise_for(response: httpx.Response, body: bytes | None = None) -> None:
     raise NodeError(code, response.status_code, detail)
 
 
+def _parse(model: type[_M], raw: bytes) -> _M:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise NodeError("bad_node_answer", 502, f"the node sent a {model.__name__} that does not parse: "
+                                                f"{exc.error_count()} error(s)") from exc
+
+
+def _unreachable(exc: httpx.TransportError) -> NodeError:
+    if isinstance(exc, httpx.TimeoutException):
+        return NodeError("node_unreachable", 503, f"node timed out: {type(exc).__name__}")
+    return NodeError("node_unreachable", 503, f"node unreachable: {exc}")
+
+
 class NodeClient:
-    def __init__(self, url: str, token: str, *, timeout: float = 120.0) -> None:
+    """One node's API. ``transport`` replaces the network (e.g. ``httpx.ASGITransport(app=node_app)``)."""
+
+    def __init__(self, url: str, token: str, *, timeout: float = 120.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         if url.startswith("unix://"):
-            transport = httpx.AsyncHTTPTransport(uds=url.removeprefix("unix://"))
+            transport = transport or httpx.AsyncHTTPTransport(uds=url.removeprefix("unix://"))
             base = "http://node"
         else:
-            transport = httpx.AsyncHTTPTransport()
+            transport = transport or httpx.AsyncHTTPTransport()
             base = url.rstrip("/")
         self._client = httpx.AsyncClient(
             transport=transport, base_url=base + _PREFIX, timeout=httpx.Timeout(timeout, connect=5.0),
@@ -59,15 +102,13 @@ class NodeClient:
     async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = await self._client.request(method, path, **kwargs)
-        except httpx.TimeoutException as exc:
-            raise NodeError("node_unreachable", 503, f"node timed out: {type(exc).__name__}") from exc
         except httpx.TransportError as exc:
-            raise NodeError("node_unreachable", 503, f"node unreachable: {exc}") from exc
+            raise _unreachable(exc) from exc
         _raise_for(response)
         return response
 
-    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        return (await self._request(method, path, **kwargs)).json()
+    async def _call(self, model: type[_M], method: str, path: str, **kwargs: Any) -> _M:
+        return _parse(model, (await self._request(method, path, **kwargs)).content)
 
     @asynccontextmanager
     async def _stream(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
@@ -76,120 +117,104 @@ class NodeClient:
                 if not response.is_success:
                     _raise_for(response, await response.aread())
                 yield response
-        except httpx.TimeoutException as exc:
-            raise NodeError("node_unreachable", 503, f"node timed out: {type(exc).__name__}") from exc
         except httpx.TransportError as exc:
-            raise NodeError("node_unreachable", 503, f"node unreachable: {exc}") from exc
+            raise _unreachable(exc) from exc
 
     # -- node ------------------------------------------------------------------------------------------
-    async def info(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._json("GET", "/info")
-        return result
+    async def info(self) -> NodeInfo:
+        return await self._call(NodeInfo, "GET", "/info")
 
     # -- sandboxes -------------------------------------------------------------------------------------
     async def create_sandbox(self, sandbox_id: str, template: str, memory_mib: int, vcpus: int,
                              env: Mapping[str, str], *, session_id: str | None = None,
                              policy: Mapping[str, Any] | None = None,
-                             secrets: Mapping[str, str] | None = None) -> dict[str, Any]:
+                             secrets: Mapping[str, str] | None = None) -> SandboxInfo:
+        # A plain dict, not SandboxCreate: the secrets' values must go over the wire, not their mask.
         body: dict[str, Any] = {"id": sandbox_id, "template": template, "memory_mib": memory_mib,
                                 "vcpus": vcpus, "env": dict(env)}
         if policy is not None:
             body.update(session_id=session_id, policy=dict(policy), secrets=dict(secrets or {}))
-        result: dict[str, Any] = await self._json("POST", "/sandboxes", json=body, timeout=None)
-        return result
+        return await self._call(SandboxInfo, "POST", "/sandboxes", json=body, timeout=None)
 
     async def destroy_sandbox(self, sandbox_id: str) -> None:
         await self._request("DELETE", f"/sandboxes/{sandbox_id}")
 
-    async def list_sandboxes(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = (await self._json("GET", "/sandboxes"))["items"]
-        return result
+    async def list_sandboxes(self) -> list[SandboxInfo]:
+        return (await self._call(SandboxList, "GET", "/sandboxes")).items
 
     # -- egress ----------------------------------------------------------------------------------------
     async def update_policy(self, sandbox_id: str, policy: Mapping[str, Any],
-                            secrets: Mapping[str, str]) -> dict[str, Any]:
-        result: dict[str, Any] = await self._json("PUT", f"/sandboxes/{sandbox_id}/policy",
-                                                  json={"policy": dict(policy), "secrets": dict(secrets)})
-        return result
+                            secrets: Mapping[str, str]) -> PolicyUpdated:
+        return await self._call(PolicyUpdated, "PUT", f"/sandboxes/{sandbox_id}/policy",
+                                json={"policy": dict(policy), "secrets": dict(secrets)})
 
-    async def audit(self, *, after: int, epoch: str | None, limit: int) -> dict[str, Any]:
+    async def audit(self, *, after: int, epoch: str | None, limit: int) -> AuditPage:
         params: dict[str, str | int] = {"after": after, "limit": limit}
         if epoch is not None:
             params["epoch"] = epoch
-        result: dict[str, Any] = await self._json("GET", "/audit", params=params)
-        return result
+        return await self._call(AuditPage, "GET", "/audit", params=params)
 
     # -- snapshots (docs/node-snapshots.md) ------------------------------------------------------------
     async def snapshot_sandbox(self, sandbox_id: str, *, retain: bool = True,
-                               labels: Mapping[str, str] | None = None) -> dict[str, Any]:
-        body = {"retain": retain, "labels": dict(labels or {})}
-        result: dict[str, Any] = await self._json("POST", f"/sandboxes/{sandbox_id}/snapshots", json=body,
-                                                  timeout=None)
-        return result
+                               labels: Mapping[str, str] | None = None) -> SnapshotInfo:
+        body = SnapshotCreate(retain=retain, labels=dict(labels or {}))
+        return await self._call(SnapshotInfo, "POST", f"/sandboxes/{sandbox_id}/snapshots",
+                                json=body.model_dump(mode="json"), timeout=None)
 
     async def pause_sandbox(self, sandbox_id: str, *,
-                            labels: Mapping[str, str] | None = None) -> dict[str, Any]:
-        result: dict[str, Any] = await self._json("POST", f"/sandboxes/{sandbox_id}/pause",
-                                                  json={"labels": dict(labels or {})}, timeout=None)
-        return result
+                            labels: Mapping[str, str] | None = None) -> SnapshotInfo:
+        body = PauseRequest(labels=dict(labels or {}))
+        return await self._call(SnapshotInfo, "POST", f"/sandboxes/{sandbox_id}/pause",
+                                json=body.model_dump(mode="json"), timeout=None)
 
     async def restore_snapshot(self, snapshot_id: str, sandbox_id: str,
-                               env: Mapping[str, str]) -> dict[str, Any]:
-        result: dict[str, Any] = await self._json("POST", f"/snapshots/{snapshot_id}/restore",
-                                                  json={"id": sandbox_id, "env": dict(env)}, timeout=None)
-        return result
+                               env: Mapping[str, str]) -> SandboxInfo:
+        body = RestoreRequest(id=sandbox_id, env=dict(env))
+        return await self._call(SandboxInfo, "POST", f"/snapshots/{snapshot_id}/restore",
+                                json=body.model_dump(mode="json"), timeout=None)
 
     async def branch_snapshot(self, snapshot_id: str, sandbox_ids: list[str],
-                              env: Mapping[str, str]) -> list[dict[str, Any]]:
-        answer = await self._json("POST", f"/snapshots/{snapshot_id}/branch",
-                                  json={"ids": sandbox_ids, "env": dict(env)}, timeout=None)
-        result: list[dict[str, Any]] = answer["items"]
-        return result
+                              env: Mapping[str, str]) -> list[SandboxInfo]:
+        body = BranchRequest(ids=sandbox_ids, env=dict(env))
+        return (await self._call(SandboxList, "POST", f"/snapshots/{snapshot_id}/branch",
+                                 json=body.model_dump(mode="json"), timeout=None)).items
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await self._request("DELETE", f"/snapshots/{snapshot_id}")
 
-    async def get_snapshot(self, snapshot_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._json("GET", f"/snapshots/{snapshot_id}")
-        return result
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        return await self._call(SnapshotInfo, "GET", f"/snapshots/{snapshot_id}")
 
     # -- commands --------------------------------------------------------------------------------------
-    async def exec(self, sandbox_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         # The command's own timeout bounds this call; the node returns once the guest reports.
-        result: dict[str, Any] = await self._json("POST", f"/sandboxes/{sandbox_id}/exec", json=dict(body),
-                                                  timeout=None)
-        return result
+        return await self._call(ExecResult, "POST", f"/sandboxes/{sandbox_id}/exec",
+                                json=request.model_dump(mode="json"), timeout=None)
 
     @asynccontextmanager
     async def exec_stream(self, sandbox_id: str,
-                          body: Mapping[str, Any]) -> AsyncIterator[AsyncIterator[str]]:
-        """Yields an iterator over NDJSON lines, once the node has accepted the command."""
-        async with self._stream("POST", f"/sandboxes/{sandbox_id}/exec", json=dict(body), timeout=None,
-                                headers={"Accept": "application/x-ndjson"}) as response:
-            yield response.aiter_lines()
+                          request: ExecRequest) -> AsyncIterator[AsyncIterator[ExecEvent]]:
+        """Yields the command's events (output, then one result or error), once the node accepted it."""
+        async with self._stream("POST", f"/sandboxes/{sandbox_id}/exec", json=request.model_dump(mode="json"),
+                                timeout=None, headers={"Accept": NDJSON}) as response:
+            yield _events(response.aiter_lines())
 
-    async def start_process(self, sandbox_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = await self._json("POST", f"/sandboxes/{sandbox_id}/processes",
-                                                  json=dict(body))
-        return result
+    async def start_process(self, sandbox_id: str, request: ProcessStart) -> ProcessInfo:
+        return await self._call(ProcessInfo, "POST", f"/sandboxes/{sandbox_id}/processes",
+                                json=request.model_dump(mode="json"))
 
-    async def list_processes(self, sandbox_id: str) -> list[dict[str, Any]]:
-        answer = await self._json("GET", f"/sandboxes/{sandbox_id}/processes")
-        result: list[dict[str, Any]] = answer["items"]
-        return result
+    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        return (await self._call(ProcessList, "GET", f"/sandboxes/{sandbox_id}/processes")).items
 
-    async def get_process(self, sandbox_id: str, pid: int) -> dict[str, Any]:
-        result: dict[str, Any] = await self._json("GET", f"/sandboxes/{sandbox_id}/processes/{pid}")
-        return result
+    async def get_process(self, sandbox_id: str, pid: int) -> ProcessInfo:
+        return await self._call(ProcessInfo, "GET", f"/sandboxes/{sandbox_id}/processes/{pid}")
 
-    async def process_output(self, sandbox_id: str, pid: int) -> dict[str, Any]:
-        result: dict[str, Any] = await self._json("GET", f"/sandboxes/{sandbox_id}/processes/{pid}/output")
-        return result
+    async def process_output(self, sandbox_id: str, pid: int) -> ProcessOutput:
+        return await self._call(ProcessOutput, "GET", f"/sandboxes/{sandbox_id}/processes/{pid}/output")
 
-    async def kill_process(self, sandbox_id: str, pid: int, signal: int) -> dict[str, Any]:
-        result: dict[str, Any] = await self._json("POST", f"/sandboxes/{sandbox_id}/processes/{pid}/kill",
-                                                  json={"signal": signal})
-        return result
+    async def kill_process(self, sandbox_id: str, pid: int, signal: int) -> ProcessInfo:
+        return await self._call(ProcessInfo, "POST", f"/sandboxes/{sandbox_id}/processes/{pid}/kill",
+                                json=KillRequest(signal=signal).model_dump(mode="json"))
 
     # -- files -----------------------------------------------------------------------------------------
     @asynccontextmanager
@@ -199,29 +224,23 @@ class NodeClient:
             yield response.aiter_raw()
 
     async def write_file(self, sandbox_id: str, path: str, mode: int | None,
-                         body: AsyncIterable[bytes]) -> dict[str, Any]:
+                         body: AsyncIterable[bytes]) -> FileInfo:
         params: dict[str, str] = {"path": path}
         if mode is not None:
             params["mode"] = format(mode, "o")
-        result: dict[str, Any] = await self._json("PUT", f"/sandboxes/{sandbox_id}/files/content",
-                                                  params=params, content=body, timeout=None)
-        return result
+        return await self._call(FileInfo, "PUT", f"/sandboxes/{sandbox_id}/files/content", params=params,
+                                content=body, timeout=None)
 
-    async def list_dir(self, sandbox_id: str, path: str) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = (await self._json(
-            "GET", f"/sandboxes/{sandbox_id}/files/list", params={"path": path}))["items"]
-        return result
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileInfo]:
+        return (await self._call(FileList, "GET", f"/sandboxes/{sandbox_id}/files/list",
+                                 params={"path": path})).items
 
-    async def stat(self, sandbox_id: str, path: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._json("GET", f"/sandboxes/{sandbox_id}/files/stat",
-                                                  params={"path": path})
-        return result
+    async def stat(self, sandbox_id: str, path: str) -> FileInfo:
+        return await self._call(FileInfo, "GET", f"/sandboxes/{sandbox_id}/files/stat", params={"path": path})
 
-    async def mkdir(self, sandbox_id: str, path: str, parents: bool) -> dict[str, Any]:
-        result: dict[str, Any] = await self._json(
-            "POST", f"/sandboxes/{sandbox_id}/files/mkdir",
-            params={"path": path, "parents": "true" if parents else "false"})
-        return result
+    async def mkdir(self, sandbox_id: str, path: str, parents: bool) -> FileInfo:
+        return await self._call(FileInfo, "POST", f"/sandboxes/{sandbox_id}/files/mkdir",
+                                params={"path": path, "parents": "true" if parents else "false"})
 
     async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
         await self._request("DELETE", f"/sandboxes/{sandbox_id}/files",
@@ -238,18 +257,31 @@ class NodeClient:
                             content=body, timeout=None)
 
 
+async def _events(lines: AsyncIterator[str]) -> AsyncIterator[ExecEvent]:
+    async for line in lines:
+        if not line:
+            continue
+        try:
+            yield EXEC_EVENT.validate_json(line)
+        except ValidationError as exc:
+            raise NodeError("bad_node_answer", 502, "the node sent an exec event that does not parse: "
+                                                    f"{exc.error_count()} error(s)") from exc
+
+
 class NodeClientPool:
     """Keeps one connection pool per node; a cache only, nothing another replica would need."""
 
-    def __init__(self, timeout: float = 120.0) -> None:
+    def __init__(self, timeout: float = 120.0, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self._timeout = timeout
+        self._transport = transport
         self._clients: dict[tuple[str, str], NodeClient] = {}
 
     def get(self, url: str, token: str) -> NodeClient:
         key = (url, token)
         client = self._clients.get(key)
         if client is None:
-            client = self._clients[key] = NodeClient(url, token, timeout=self._timeout)
+            client = self._clients[key] = NodeClient(url, token, timeout=self._timeout,
+                                                         transport=self._transport)
         return client
 
     async def aclose(self) -> None:

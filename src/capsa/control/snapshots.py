@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Any
 
 from sqlalchemy import select
 
 from capsa.common.ids import is_id, new_id
+from capsa.common.node_api import SnapshotInfo
 from capsa.control.errors import ApiError, InvalidState, NotFound, SessionFailed
 from capsa.control.lifecycle import transition
 from capsa.control.nodeclient import NodeClient, NodeError
@@ -93,13 +93,10 @@ async def list_snapshots(plane: ControlPlane, tenant: str, session_id: str) -> S
         return SnapshotList(items=[snapshot_out(r) for r in rows.scalars()])
 
 
-def _record(row: SessionRow, node_id: str, snap: dict[str, Any], kind: str) -> SnapshotRow:
-    size = snap.get("size_bytes")
-    parent = snap.get("parent")
-    return SnapshotRow(id=str(snap["id"]), tenant=row.tenant, session_id=row.id, node_id=node_id,
-                       sandbox_id=row.sandbox_id, kind=kind, created_at=utcnow(),
-                       size_bytes=int(size) if isinstance(size, int) else None,
-                       parent=parent if isinstance(parent, str) else None)
+def _record(row: SessionRow, node_id: str, snap: SnapshotInfo, kind: str) -> SnapshotRow:
+    return SnapshotRow(id=snap.id, tenant=row.tenant, session_id=row.id, node_id=node_id,
+                       sandbox_id=row.sandbox_id, kind=kind, created_at=utcnow(), size_bytes=snap.size_bytes,
+                       parent=snap.parent)
 
 
 async def _delete_on_node(client: NodeClient, snapshot_id: str) -> bool:
@@ -143,7 +140,7 @@ async def take_snapshot(plane: ControlPlane, tenant: str | None, session_id: str
         current = await db.get(SessionRow, session_id, populate_existing=True)
         if current is None or current.state != "running" or current.sandbox_id != row.sandbox_id:
             # Closed, paused or swapped while the snapshot was taken: it belongs to nothing now.
-            await _delete_on_node(client, str(snap["id"]))
+            await _delete_on_node(client, snap.id)
             raise InvalidState(f"session {session_id} changed state while it was snapshotted")
         record = _record(row, node.id, snap, kind)
         db.add(record)

@@ -7,21 +7,30 @@ relays guest operations. The HTTP surface is in :mod:`capsa.node.api`.
 from __future__ import annotations
 
 import asyncio
+import builtins
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.common.ids import is_id
 from capsa.node.egress.node_egress import CA_PATH, NodeEgress, install_ca_script
+from capsa.node.guest_client import DEFAULT_MAX_OUTPUT, ExecResult, FileInfo, ProcessInfo, ProcessOutput
 from capsa.node.runtime.base import GuestImage, Runtime, Sandbox, SandboxState, VMSpec
 
 __all__ = ["NodeAgent", "NodeCapacity", "SandboxRecord", "default_capacity"]
 
 log = logging.getLogger(__name__)
+
+ExecChunk = tuple[Literal["stdout", "stderr"], bytes]
+"""A piece of a running command's output (:meth:`NodeAgent.exec_stream`)."""
+# Guest failures that mean the channel, not the request, failed.
+_GUEST_GONE = frozenset({"channel_closed", "internal_error", "guest_unavailable"})
 
 
 @dataclass(frozen=True)
@@ -231,3 +240,173 @@ class NodeAgent:
             if record.networked and self.egress is not None:
                 await asyncio.shield(self.egress.detach(sandbox_id))
         return True
+
+    # -- guest operations ----------------------------------------------------------------------------------
+    # What the node API calls for a sandbox's guest. Each runs with the sandbox's env under the command's
+    # own, and fails with a stable code: ``sandbox_failed`` when the VM died, ``guest_unavailable`` when the
+    # guest channel broke, else the guest's own code (capsa.node.api.errors maps codes to HTTP statuses).
+
+    @contextlib.contextmanager
+    def _guest_call(self, record: SandboxRecord) -> Iterator[None]:
+        try:
+            yield
+        except (CapsaError, OSError, EOFError, asyncio.IncompleteReadError) as exc:
+            raise self._guest_failure(record, exc) from exc
+
+    @staticmethod
+    def _guest_failure(record: SandboxRecord, exc: BaseException) -> CapsaError:
+        if record.sandbox.state == SandboxState.FAILED:
+            return CapsaError(f"sandbox {record.id} failed: {record.sandbox.failure or 'VM died'}",
+                              code="sandbox_failed", status=409)
+        if isinstance(exc, CapsaError) and exc.code == "sandbox_failed":
+            return exc
+        if isinstance(exc, CapsaError) and exc.code not in _GUEST_GONE:
+            # The guest refused the request: its code stands; a code the node does not know is a 400.
+            status = exc.status if 400 <= exc.status < 500 else 400
+            return CapsaError(exc.message, code=exc.code, status=status)
+        return CapsaError(f"guest channel failed: {getattr(exc, 'message', None) or type(exc).__name__}",
+                          code="guest_unavailable", status=503)
+
+    async def exec(self, sandbox_id: str, cmd: str | Sequence[str], *, env: Mapping[str, str] | None = None,
+                   cwd: str | None = None, user: str | None = None, stdin: bytes | None = None,
+                   timeout: float | None = None,  # noqa: ASYNC109 - the guest enforces it
+                   max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
+        """Run a command to its end and return its output."""
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.exec(cmd, env={**record.env, **(env or {})}, cwd=cwd, user=user,
+                                                   stdin=stdin, timeout=timeout, max_output=max_output)
+
+    def exec_stream(self, sandbox_id: str, cmd: str | Sequence[str], *, env: Mapping[str, str] | None = None,
+                    cwd: str | None = None, user: str | None = None, stdin: bytes | None = None,
+                    timeout: float | None = None,
+                    max_output: int = DEFAULT_MAX_OUTPUT) -> AsyncGenerator[ExecChunk | ExecResult, None]:
+        """Run a command, yielding its output as it comes and then its :class:`ExecResult`.
+
+        The sandbox is looked up now (an unknown one raises here, not at the first event); a failure
+        later is raised by the iterator. Closing the iterator early kills the command in the guest."""
+        record = self.get(sandbox_id)
+        return self._exec_events(record, cmd, env={**record.env, **(env or {})}, cwd=cwd, user=user,
+                                 stdin=stdin, timeout=timeout, max_output=max_output)
+
+    async def _exec_events(self, record: SandboxRecord, cmd: str | Sequence[str], *, env: dict[str, str],
+                           cwd: str | None, user: str | None, stdin: bytes | None,
+                           timeout: float | None,  # noqa: ASYNC109
+                           max_output: int) -> AsyncGenerator[ExecChunk | ExecResult, None]:
+        # Bounded: a caller that reads slowly holds up the guest (through the channel's credit window).
+        queue: asyncio.Queue[ExecChunk] = asyncio.Queue(maxsize=64)
+        run = asyncio.create_task(record.sandbox.guest.exec(
+            cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout=timeout, max_output=max_output,
+            on_stdout=lambda b: queue.put(("stdout", b)), on_stderr=lambda b: queue.put(("stderr", b))))
+        getter: asyncio.Future[ExecChunk] | None = None
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait((getter, run), return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                while not queue.empty():
+                    yield queue.get_nowait()
+                with self._guest_call(record):
+                    result = run.result()
+                yield result
+                return
+        finally:
+            if getter is not None:
+                getter.cancel()
+            if not run.done():
+                run.cancel()  # the caller went away: cancelling kills the guest process
+            with contextlib.suppress(asyncio.CancelledError, CapsaError, OSError, EOFError):
+                await run
+
+    async def start_process(self, sandbox_id: str, cmd: str | Sequence[str], *,
+                            env: Mapping[str, str] | None = None, cwd: str | None = None,
+                            user: str | None = None) -> ProcessInfo:
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.start_process(cmd, env={**record.env, **(env or {})}, cwd=cwd,
+                                                            user=user)
+
+    async def list_processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]:
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.list_processes()
+
+    async def get_process(self, sandbox_id: str, pid: int) -> ProcessInfo:
+        for info in await self.list_processes(sandbox_id):
+            if info.pid == pid:
+                return info
+        raise CapsaError(f"no process {pid}", code="not_found", status=404)
+
+    async def kill_process(self, sandbox_id: str, pid: int, signal: int) -> ProcessInfo:
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.kill_process(pid, signal)
+
+    async def process_output(self, sandbox_id: str, pid: int) -> ProcessOutput:
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.process_output(pid)
+
+    async def read_file(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
+        """The file's bytes; the first chunk is read before this returns, so a missing file raises here."""
+        record = self.get(sandbox_id)
+        return await self._first_then_rest(record, record.sandbox.guest.iter_file(path))
+
+    async def write_file(self, sandbox_id: str, path: str, data: AsyncIterable[bytes],
+                         mode: int | None = None) -> FileInfo:
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.write_file(path, data, mode=mode)
+
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.list_dir(path)
+
+    async def stat(self, sandbox_id: str, path: str) -> FileInfo:
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.stat(path)
+
+    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileInfo:
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.mkdir(path, parents=parents)
+
+    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            await record.sandbox.guest.remove(path, recursive=recursive)
+
+    async def export_archive(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
+        """A tar stream of ``path``; like :meth:`read_file`, a failure to start raises here."""
+        record = self.get(sandbox_id)
+        return await self._first_then_rest(record, record.sandbox.guest.tar_export(path))
+
+    async def import_archive(self, sandbox_id: str, path: str, data: AsyncIterable[bytes]) -> None:
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            await record.sandbox.guest.tar_import(path, data)
+
+    async def _first_then_rest(self, record: SandboxRecord,
+                               chunks: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+        with self._guest_call(record):
+            try:
+                first = await anext(chunks)
+            except StopAsyncIteration:
+                first = b""
+
+        async def rest() -> AsyncGenerator[bytes, None]:
+            try:
+                if first:
+                    yield first
+                with self._guest_call(record):
+                    async for chunk in chunks:
+                        yield chunk
+            finally:
+                await chunks.aclose()
+
+        return rest()

@@ -3,7 +3,6 @@ processes."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Annotated, Any
@@ -13,6 +12,7 @@ from fastapi import APIRouter, Header, Path
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from capsa.common import node_api
 from capsa.control import ratelimit
 from capsa.control.deps import PROBLEMS, Caller, Plane
 from capsa.control.nodeclient import NodeError
@@ -37,35 +37,33 @@ _NDJSON = "application/x-ndjson"
 _Pid = Annotated[int, Path(ge=1, le=1 << 22)]
 
 
-def _node_body(plane: ControlPlane, body: CommandRequest) -> dict[str, Any]:
-    return {"cmd": body.cmd, "env": body.env, "cwd": body.cwd, "user": body.user, "stdin": body.stdin,
-            "timeout": body.timeout if body.timeout is not None else plane.settings.default_command_timeout}
+def _node_request(plane: ControlPlane, body: CommandRequest) -> node_api.ExecRequest:
+    timeout = body.timeout if body.timeout is not None else plane.settings.default_command_timeout
+    return node_api.ExecRequest(cmd=body.cmd, env=body.env, cwd=body.cwd, user=body.user, stdin=body.stdin,
+                                timeout=timeout)
+
+
+def _line(event: node_api.ExecEvent) -> str:
+    return node_api.EXEC_EVENT.dump_json(event).decode() + "\n"
 
 
 def _error_line(code: str, detail: str) -> str:
-    return json.dumps({"type": "error", "code": code, "detail": detail}) + "\n"
+    return _line(node_api.ExecError(code=code, detail=detail))
 
 
-async def _stream(plane: ControlPlane, row: SessionRow, lines: AsyncIterator[str],
+async def _stream(plane: ControlPlane, row: SessionRow, events: AsyncIterator[node_api.ExecEvent],
                   stack: AsyncExitStack) -> AsyncIterator[str]:
     failed = False
     try:
-        async for line in lines:
-            if not line:
-                continue
-            if '"error"' in line:
+        async for event in events:
+            if isinstance(event, node_api.ExecError) and event.code in SANDBOX_GONE_CODES:
                 # The node reports a vanished sandbox in-band once streaming has begun.
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    event = {}
-                if event.get("type") == "error" and event.get("code") in SANDBOX_GONE_CODES:
-                    state = await lose_sandbox(plane, row.id, str(event.get("detail") or event["code"]),
-                                               row.sandbox_id)
-                    line = _error_line("session_failed" if state == "failed" else "invalid_state",
-                                       f"session {row.id} lost its sandbox ({state}): {event.get('detail')}")
-                    failed = True
-            yield line if line.endswith("\n") else line + "\n"
+                state = await lose_sandbox(plane, row.id, event.detail or event.code, row.sandbox_id)
+                code = "session_failed" if state == "failed" else "invalid_state"
+                detail = f"session {row.id} lost its sandbox ({state}): {event.detail}"
+                event = node_api.ExecError(code=code, detail=detail)
+                failed = True
+            yield _line(event)
         if not failed:
             await command_finished(plane, row.id)
     except (NodeError, httpx.HTTPError) as exc:
@@ -86,33 +84,33 @@ async def run_command(session_id: str, body: CommandRequest, plane: Plane, calle
                             plane.settings.rate_window_seconds)
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
-    node_body = _node_body(plane, body)
+    node_request = _node_request(plane, body)
     if body.background:
-        node_body.pop("stdin")
-        node_body.pop("timeout")
+        start = node_api.ProcessStart(cmd=body.cmd, env=body.env, cwd=body.cwd, user=body.user)
         try:
-            process = await client.start_process(row.sandbox_id, node_body)
+            process = await client.start_process(row.sandbox_id, start)
         except NodeError as exc:
             raise await node_call_failed(plane, row, exc) from exc
-        return JSONResponse(ProcessInfo.model_validate(process).model_dump(mode="json"), status_code=201)
+        return JSONResponse(ProcessInfo.model_validate(process.model_dump()).model_dump(mode="json"),
+                            status_code=201)
     if accept and _NDJSON in accept:
         stack = AsyncExitStack()
         try:
-            lines = await stack.enter_async_context(client.exec_stream(row.sandbox_id, node_body))
+            events = await stack.enter_async_context(client.exec_stream(row.sandbox_id, node_request))
         except NodeError as exc:
             await stack.aclose()
             raise await node_call_failed(plane, row, exc) from exc
         except BaseException:
             await stack.aclose()
             raise
-        return StreamingResponse(_stream(plane, row, lines, stack), media_type=_NDJSON,
+        return StreamingResponse(_stream(plane, row, events, stack), media_type=_NDJSON,
                                  background=BackgroundTask(stack.aclose))
     try:
-        result = await client.exec(row.sandbox_id, node_body)
+        result = await client.exec(row.sandbox_id, node_request)
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
     await command_finished(plane, row.id)
-    return CommandResult.model_validate(result)
+    return CommandResult.model_validate(result.model_dump())
 
 
 @router.get("/processes", response_model=ProcessList)
@@ -123,7 +121,7 @@ async def list_processes(session_id: str, plane: Plane, caller: Caller) -> Proce
         items = await client.list_processes(row.sandbox_id)
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
-    return ProcessList(items=[ProcessInfo.model_validate(p) for p in items])
+    return ProcessList(items=[ProcessInfo.model_validate(p.model_dump()) for p in items])
 
 
 @router.get("/processes/{pid}", response_model=ProcessInfo)
@@ -131,7 +129,7 @@ async def get_process(session_id: str, pid: _Pid, plane: Plane, caller: Caller) 
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
     try:
-        return ProcessInfo.model_validate(await client.get_process(row.sandbox_id, pid))
+        return ProcessInfo.model_validate((await client.get_process(row.sandbox_id, pid)).model_dump())
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
 
@@ -141,7 +139,8 @@ async def process_output(session_id: str, pid: _Pid, plane: Plane, caller: Calle
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
     try:
-        return ProcessOutput.model_validate(await client.process_output(row.sandbox_id, pid))
+        output = await client.process_output(row.sandbox_id, pid)
+        return ProcessOutput.model_validate(output.model_dump())
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
 
@@ -152,8 +151,8 @@ async def kill_process(session_id: str, pid: _Pid, plane: Plane, caller: Caller,
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
     try:
-        return ProcessInfo.model_validate(
-            await client.kill_process(row.sandbox_id, pid, (body or KillRequest()).signal))
+        killed = await client.kill_process(row.sandbox_id, pid, (body or KillRequest()).signal)
+        return ProcessInfo.model_validate(killed.model_dump())
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
 

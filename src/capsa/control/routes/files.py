@@ -88,7 +88,7 @@ async def write_file(session_id: str, path: GuestPath, request: Request, plane: 
                                        _bounded(request, plane.settings.max_file_bytes))
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
-    return FileInfo.model_validate(info)
+    return FileInfo.model_validate(info.model_dump())
 
 
 @router.get("/list", response_model=FileList)
@@ -99,7 +99,7 @@ async def list_dir(session_id: str, path: GuestPath, plane: Plane, caller: Calle
         items = await client.list_dir(row.sandbox_id, path)
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
-    return FileList(items=[FileInfo.model_validate(i) for i in items])
+    return FileList(items=[FileInfo.model_validate(i.model_dump()) for i in items])
 
 
 @router.get("/stat", response_model=FileInfo)
@@ -107,7 +107,7 @@ async def stat(session_id: str, path: GuestPath, plane: Plane, caller: Caller) -
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
     try:
-        return FileInfo.model_validate(await client.stat(row.sandbox_id, path))
+        return FileInfo.model_validate((await client.stat(row.sandbox_id, path)).model_dump())
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
 
@@ -118,7 +118,7 @@ async def mkdir(session_id: str, path: GuestPath, plane: Plane, caller: Caller,
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
     try:
-        return FileInfo.model_validate(await client.mkdir(row.sandbox_id, path, parents))
+        return FileInfo.model_validate((await client.mkdir(row.sandbox_id, path, parents)).model_dump())
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
 

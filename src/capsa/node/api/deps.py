@@ -1,0 +1,37 @@
+"""What every node route depends on: the node token (the one auth dependency) and the agent."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from capsa.common.errors import CapsaError
+from capsa.common.node_api import GUEST_PATH_PATTERN
+from capsa.node.agent import NodeAgent
+
+__all__ = ["Agent", "GuestPath", "require_node_token"]
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+async def require_node_token(
+        request: Request,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    """The Bearer token must be the node's (``app.state.node_token``, set by create_node_app)."""
+    token: str = request.app.state.node_token
+    given = credentials.credentials if credentials else ""
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise CapsaError("missing or wrong node token", code="unauthorized", status=401)
+
+
+def _agent(request: Request) -> NodeAgent:
+    agent = request.app.state.agent
+    assert isinstance(agent, NodeAgent)
+    return agent
+
+
+Agent = Annotated[NodeAgent, Depends(_agent)]
+GuestPath = Annotated[str, Query(min_length=1, max_length=4096, pattern=GUEST_PATH_PATTERN)]

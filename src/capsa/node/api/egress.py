@@ -1,0 +1,33 @@
+"""Egress: a running sandbox's policy, and the node's audit log of its sandboxes' connections."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from capsa.common.egress_policy import EgressPolicy
+from capsa.common.node_api import AuditEvent, AuditPage, PolicyUpdate, PolicyUpdated
+from capsa.node.api.deps import Agent
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["egress"])
+
+
+@router.put("/sandboxes/{sandbox_id}/policy", response_model=PolicyUpdated)
+async def update_policy(agent: Agent, sandbox_id: str, body: PolicyUpdate) -> PolicyUpdated:
+    reissued = await agent.update_policy(sandbox_id, EgressPolicy.from_data(body.policy),
+                                         {k: v.get_secret_value() for k, v in body.secrets.items()})
+    return PolicyUpdated(ca_reissued=reissued)
+
+
+@router.get("/audit", response_model=AuditPage)
+async def audit(agent: Agent, after: Annotated[int, Query(ge=0)] = 0,
+                epoch: Annotated[str | None, Query(max_length=64)] = None,
+                limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> AuditPage:
+    if agent.egress is None:
+        return AuditPage(epoch="none", items=[], last_seq=0, lost=0)
+    page = agent.egress.audit.read(after, epoch, limit)
+    items = [AuditEvent.model_validate({"seq": seq, **ev.model_dump()}) for seq, ev in page.events]
+    return AuditPage(epoch=page.epoch, last_seq=page.last_seq, lost=page.lost, items=items)

@@ -1,0 +1,86 @@
+"""Errors at the node API's edge: the one table of HTTP statuses, and problem+json bodies."""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from capsa.common.errors import CapsaError
+
+__all__ = ["STATUS", "install_error_handlers", "problem", "status_of"]
+
+log = logging.getLogger(__name__)
+
+STATUS: dict[str, int] = {
+    # The guest daemon's stable codes (capsa.guest.errors).
+    "bad_request": 400,
+    "unknown_op": 400,
+    "unsafe_archive": 400,
+    "not_executable": 400,
+    "cancelled": 400,
+    "permission_denied": 403,
+    "not_found": 404,
+    "no_such_process": 404,
+    "is_a_directory": 409,
+    "not_a_directory": 409,
+    "already_exists": 409,
+    "directory_not_empty": 409,
+    "io_error": 500,
+    "internal": 500,
+    "unsupported": 501,
+    "timeout": 504,
+    "no_space": 507,
+    # The sandbox or its guest channel is gone (capsa.node.agent, guest operations).
+    "sandbox_failed": 409,
+    "guest_unavailable": 503,
+    # The edge itself.
+    "unauthorized": 401,
+    "validation_error": 422,
+    "snapshots_unavailable": 501,
+    "internal_error": 500,
+}
+"""HTTP status by error code. Codes not listed (the agent's own: ``sandbox_not_found``, ``no_capacity``…)
+keep the status the agent raised them with."""
+
+
+def status_of(exc: CapsaError) -> int:
+    return STATUS.get(exc.code, exc.status)
+
+
+def problem(status: int, code: str, detail: str) -> JSONResponse:
+    body = {"type": f"https://capsa.dev/errors/{code}", "title": _phrase(status), "status": status,
+            "detail": detail, "code": code}
+    return JSONResponse(body, status_code=status, media_type="application/problem+json")
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(CapsaError)
+    async def _capsa_error(_request: Request, exc: CapsaError) -> JSONResponse:
+        return problem(status_of(exc), exc.code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        fields = ", ".join(".".join(str(p) for p in e.get("loc", ())) for e in exc.errors()[:5])
+        return problem(422, "validation_error", f"invalid request: {fields}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else "http_error"
+        return problem(exc.status_code, code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("node agent error")
+        return problem(500, "internal_error", "internal error")

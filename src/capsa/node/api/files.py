@@ -1,0 +1,83 @@
+"""Files in a sandbox: content (streamed both ways), listings, stat, mkdir, remove, tar archives."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+
+from capsa.common.errors import CapsaError
+from capsa.common.node_api import FileInfo, FileList
+from capsa.node import guest_client as guest
+from capsa.node.api.deps import Agent, GuestPath
+
+__all__ = ["file_info", "router"]
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/sandboxes/{sandbox_id}/files", tags=["files"])
+
+
+def file_info(info: guest.FileInfo) -> FileInfo:
+    return FileInfo.model_validate(info, from_attributes=True)
+
+
+async def _relay(sandbox_id: str, chunks: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except CapsaError as exc:
+        # The status line is gone already: aborting the response is the only way to say "incomplete".
+        log.warning("stream from sandbox %s failed midway: %s", sandbox_id, exc.message)
+        raise
+    finally:
+        await chunks.aclose()
+
+
+@router.get("/content", response_class=StreamingResponse)
+async def read_file(agent: Agent, sandbox_id: str, path: GuestPath) -> StreamingResponse:
+    chunks = await agent.read_file(sandbox_id, path)
+    return StreamingResponse(_relay(sandbox_id, chunks), media_type="application/octet-stream")
+
+
+@router.put("/content", response_model=FileInfo)
+async def write_file(agent: Agent, sandbox_id: str, path: GuestPath, request: Request,
+                     mode: Annotated[str | None, Query(pattern=r"^[0-7]{3,4}$")] = None) -> FileInfo:
+    return file_info(await agent.write_file(sandbox_id, path, request.stream(),
+                                            mode=int(mode, 8) if mode else None))
+
+
+@router.get("/list", response_model=FileList)
+async def list_dir(agent: Agent, sandbox_id: str, path: GuestPath) -> FileList:
+    return FileList(items=[file_info(i) for i in await agent.list_dir(sandbox_id, path)])
+
+
+@router.get("/stat", response_model=FileInfo)
+async def stat(agent: Agent, sandbox_id: str, path: GuestPath) -> FileInfo:
+    return file_info(await agent.stat(sandbox_id, path))
+
+
+@router.post("/mkdir", response_model=FileInfo)
+async def mkdir(agent: Agent, sandbox_id: str, path: GuestPath, parents: bool = True) -> FileInfo:
+    return file_info(await agent.mkdir(sandbox_id, path, parents=parents))
+
+
+@router.delete("", status_code=204, response_class=Response)
+async def remove(agent: Agent, sandbox_id: str, path: GuestPath, recursive: bool = False) -> Response:
+    await agent.remove(sandbox_id, path, recursive=recursive)
+    return Response(status_code=204)
+
+
+@router.get("/archive", response_class=StreamingResponse)
+async def export_archive(agent: Agent, sandbox_id: str, path: GuestPath) -> StreamingResponse:
+    chunks = await agent.export_archive(sandbox_id, path)
+    return StreamingResponse(_relay(sandbox_id, chunks), media_type="application/x-tar")
+
+
+@router.put("/archive", status_code=204, response_class=Response)
+async def import_archive(agent: Agent, sandbox_id: str, path: GuestPath, request: Request) -> Response:
+    await agent.import_archive(sandbox_id, path, request.stream())
+    return Response(status_code=204)

@@ -1,0 +1,64 @@
+"""Snapshots (docs/node-snapshots.md): take, pause, list, get, delete, restore and branch."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from capsa.common.node_api import (
+    BranchRequest,
+    PauseRequest,
+    RestoreRequest,
+    SandboxInfo,
+    SandboxList,
+    SnapshotCreate,
+    SnapshotInfo,
+    SnapshotList,
+)
+from capsa.node.api.deps import Agent
+from capsa.node.api.sandboxes import sandbox_info
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["snapshots"])
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=SnapshotInfo)
+async def take_snapshot(agent: Agent, sandbox_id: str, body: SnapshotCreate) -> SnapshotInfo:
+    snap = await agent.snapshot(sandbox_id, retain=body.retain, labels=body.labels)
+    return SnapshotInfo.model_validate(snap)
+
+
+@router.get("/sandboxes/{sandbox_id}/snapshots", response_model=SnapshotList)
+async def sandbox_snapshots(agent: Agent, sandbox_id: str) -> SnapshotList:
+    return SnapshotList.model_validate({"items": agent.list_snapshots(sandbox_id)})
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", response_model=SnapshotInfo)
+async def pause(agent: Agent, sandbox_id: str, body: PauseRequest) -> SnapshotInfo:
+    return SnapshotInfo.model_validate(await agent.pause(sandbox_id, labels=body.labels))
+
+
+@router.post("/snapshots/{snapshot_id}/restore", status_code=201, response_model=SandboxInfo)
+async def restore(agent: Agent, snapshot_id: str, body: RestoreRequest) -> SandboxInfo:
+    return sandbox_info(await agent.restore(snapshot_id, body.id, body.env))
+
+
+@router.post("/snapshots/{snapshot_id}/branch", status_code=201, response_model=SandboxList)
+async def branch(agent: Agent, snapshot_id: str, body: BranchRequest) -> SandboxList:
+    return SandboxList(items=[sandbox_info(r) for r in await agent.branch(snapshot_id, body.ids, body.env)])
+
+
+@router.get("/snapshots", response_model=SnapshotList)
+async def list_snapshots(agent: Agent) -> SnapshotList:
+    return SnapshotList.model_validate({"items": agent.list_snapshots()})
+
+
+@router.get("/snapshots/{snapshot_id}", response_model=SnapshotInfo)
+async def get_snapshot(agent: Agent, snapshot_id: str) -> SnapshotInfo:
+    return SnapshotInfo.model_validate(agent.get_snapshot(snapshot_id))
+
+
+@router.delete("/snapshots/{snapshot_id}", status_code=204, response_class=Response)
+async def delete_snapshot(agent: Agent, snapshot_id: str) -> Response:
+    agent.delete_snapshot(snapshot_id)
+    return Response(status_code=204)
