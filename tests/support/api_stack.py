@@ -13,7 +13,7 @@ import secrets
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import httpx
 import uvicorn
@@ -26,7 +26,11 @@ from capsa.control.settings import ControlSettings
 from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.api import create_node_app
 from capsa.node.egress.node_egress import NodeEgress
-from capsa.node.runtime.base import Runtime
+from capsa.node.runtime.base import Runtime, SnapshotCapable
+from capsa.node.snapshots import Snapshots, SnapshottingRuntime
+from capsa.node.sources import ColdBootSource
+from capsa.node.warm_pool import bind_sandbox
+from tests.support.fake_runtime import FakeRuntime
 
 __all__ = ["ApiStack", "Replica", "serve_app"]
 
@@ -77,6 +81,8 @@ class ApiStack:
     capacity: NodeCapacity = field(default_factory=lambda: NodeCapacity(8192, 32, 16))
     node_id: str = "node-test"
     egress: NodeEgress | None = None
+    snapshots: bool = True
+    """Give the agent its snapshots part (when the runtime can snapshot); False: a node without."""
     admin_key: str = ""
     node_token: str = ""
     agent: NodeAgent | None = None
@@ -102,8 +108,14 @@ class ApiStack:
         self._tmp = Path(tempfile.mkdtemp(prefix="capsa-stack-"))
         self.admin_key = generate_key().full
         self.node_token = secrets.token_urlsafe(24)
+        source = ColdBootSource(self.runtime, {"base": self.image})
+        snapshots = None
+        if self.snapshots and isinstance(self.runtime, SnapshotCapable):
+            # A fake guest runs on the host: it may not set the clock or hostname (FakeRuntime.bind_identity).
+            bind = self.runtime.bind_identity if isinstance(self.runtime, FakeRuntime) else bind_sandbox
+            snapshots = Snapshots(cast(SnapshottingRuntime, self.runtime), source.image_for, bind=bind)
         self.agent = NodeAgent(self.runtime, self.image, node_id=self.node_id, capacity=self.capacity,
-                               egress=self.egress)
+                               egress=self.egress, source=source, snapshots=snapshots)
         await self.agent.start()
         self._node = await serve_app(
             create_node_app(self.agent, self.node_token), uds=str(self._tmp / "node.sock"), lifespan="off"

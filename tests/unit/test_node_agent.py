@@ -165,12 +165,13 @@ async def test_destroy_while_booting_wins(node: Node) -> None:
     create = asyncio.create_task(node.agent.create(sid, "base", 256, 1, {}))
     await asyncio.sleep(0)  # the boot has started
     assert await node.agent.destroy(sid) is True
-    with pytest.raises(Exception, match="destroyed while it booted"):
+    with pytest.raises(Exception, match="destroyed while it was created"):
         await create
     assert node.agent.list() == [] and node.runtime.list() == []
 
 
 async def test_control_plane_node_client_over_tcp(tmp_path: Path) -> None:
+    from capsa.common.node_api import ExecRequest
     from capsa.control.nodeclient import NodeClient, NodeError
 
     runtime = FakeRuntime()
@@ -179,17 +180,17 @@ async def test_control_plane_node_client_over_tcp(tmp_path: Path) -> None:
     assert server.url.startswith("http://127.0.0.1:")
     client = NodeClient(server.url, TOKEN)
     try:
-        assert (await client.info())["templates"] == ["base"]
+        assert (await client.info()).templates == ["base"]
         sid = new_id("sbx")
         await client.create_sandbox(sid, "base", 256, 1, {"A": "1"})
-        assert (await client.exec(sid, {"cmd": "echo $A"}))["stdout"] == "1\n"
+        assert (await client.exec(sid, ExecRequest(cmd="echo $A"))).stdout == "1\n"
 
         async def body() -> AsyncIterator[bytes]:
             yield b"hello "
             yield b"node"
 
         info = await client.write_file(sid, "/tmp/h", 0o640, body())
-        assert info["size"] == 10 and info["mode"] == 0o640
+        assert info.size == 10 and info.mode == 0o640
         async with client.read_file(sid, "/tmp/h") as chunks:
             assert b"".join([c async for c in chunks]) == b"hello node"
         with pytest.raises(NodeError) as missing:
@@ -198,7 +199,7 @@ async def test_control_plane_node_client_over_tcp(tmp_path: Path) -> None:
         assert missing.value.code == "not_found" and missing.value.status == 404
         await client.destroy_sandbox(sid)
         with pytest.raises(NodeError) as gone:
-            await client.exec(sid, {"cmd": "true"})
+            await client.exec(sid, ExecRequest(cmd="true"))
         assert gone.value.code == "sandbox_not_found"
         wrong = NodeClient(server.url, "wrong-token-0000000")
         with pytest.raises(NodeError) as unauthorized:

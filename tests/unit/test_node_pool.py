@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 from prometheus_client import generate_latest
 
-from capsa.node.pool import PoolKey, WarmPool, bind_identity
 from capsa.node.runtime.base import SandboxState
+from capsa.node.warm_pool import PoolKey, WarmPool, bind_identity
 
 KEY: PoolKey = ("base", 256, 1)
 

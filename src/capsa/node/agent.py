@@ -2,6 +2,18 @@
 
 It knows nothing about sessions or tenants; it creates and destroys sandboxes by id, reports capacity, and
 relays guest operations. The HTTP surface is in :mod:`capsa.node.api`.
+
+One class, made of parts (ARCHITECTURE.md, node agent):
+
+* a :class:`~capsa.node.sources.SandboxSource` makes session sandboxes: cold boot
+  (:class:`~capsa.node.sources.ColdBootSource`) or template snapshots with a warm pool
+  (:class:`~capsa.node.sources.TemplateSource`);
+* :class:`~capsa.node.snapshots.Snapshots`, present when the runtime can snapshot, takes, lists and
+  restores snapshots of session sandboxes;
+* :class:`~capsa.node.sandboxes.SandboxTable` keeps the records and the capacity held by sandboxes being
+  made, for every way a sandbox is made;
+* :class:`~capsa.node.egress.node_egress.NodeEgress`, when the node has one, gives sandboxes with a policy
+  their network.
 """
 
 from __future__ import annotations
@@ -10,20 +22,22 @@ import asyncio
 import builtins
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, cast
 
 from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
-from capsa.common.ids import is_id
 from capsa.node.egress.node_egress import CA_PATH, NodeEgress, install_ca_script
 from capsa.node.guest_client import DEFAULT_MAX_OUTPUT, ExecResult, FileInfo, ProcessInfo, ProcessOutput
-from capsa.node.runtime.base import GuestImage, Runtime, Sandbox, SandboxState, VMSpec
+from capsa.node.runtime.base import GuestImage, Runtime, Sandbox, SandboxState, SnapshotCapable
+from capsa.node.sandboxes import NodeCapacity, SandboxRecord, SandboxTable, default_capacity
+from capsa.node.snapshots import Snapshots, SnapshottingRuntime
+from capsa.node.sources import ColdBootSource, MadeSandbox, SandboxRequest, SandboxSource, TemplateSource
+from capsa.node.templates import BASE, Template
+from capsa.node.warm_pool import PoolMetrics
 
-__all__ = ["NodeAgent", "NodeCapacity", "SandboxRecord", "default_capacity"]
+__all__ = ["NodeAgent", "NodeCapacity", "SandboxRecord", "default_capacity", "snapshots_for"]
 
 log = logging.getLogger(__name__)
 
@@ -33,71 +47,55 @@ ExecChunk = tuple[Literal["stdout", "stderr"], bytes]
 _GUEST_GONE = frozenset({"channel_closed", "internal_error", "guest_unavailable"})
 
 
-@dataclass(frozen=True)
-class NodeCapacity:
-    memory_mib: int
-    vcpus: int
-    max_sandboxes: int
-
-    def as_dict(self) -> dict[str, int]:
-        return {"memory_mib": self.memory_mib, "vcpus": self.vcpus, "max_sandboxes": self.max_sandboxes}
-
-
-def default_capacity() -> NodeCapacity:
-    """Three quarters of host RAM, 4 vCPUs per host CPU (guests mostly idle), at most 64 sandboxes."""
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return NodeCapacity(memory_mib=int(pages * 3 / 4) >> 20, vcpus=4 * (os.cpu_count() or 1),
-                        max_sandboxes=64)
-
-
-@dataclass
-class SandboxRecord:
-    id: str
-    template: str
-    memory_mib: int
-    vcpus: int
-    env: dict[str, str]
-    sandbox: Sandbox
-    created_at: float = field(default_factory=time.time)
-    networked: bool = False
-    """True when the sandbox was started with an egress policy (it has a NIC behind the broker)."""
-    egress_env: dict[str, str] = field(default_factory=dict)
-    """The part of ``env`` that egress put there (proxy settings, secret placeholders)."""
-
-    def as_dict(self) -> dict[str, object]:
-        return {"id": self.id, "template": self.template, "memory_mib": self.memory_mib, "vcpus": self.vcpus,
-                "state": str(self.sandbox.state), "failure": self.sandbox.failure,
-                "accelerator": str(self.sandbox.accelerator), "created_at": self.created_at}
+def snapshots_for(runtime: Runtime, source: SandboxSource) -> Snapshots | None:
+    """The snapshots part for ``runtime`` if it can snapshot, else None."""
+    if not isinstance(runtime, SnapshotCapable):
+        return None
+    snaps = cast(SnapshottingRuntime, runtime)
+    if isinstance(source, TemplateSource):
+        return Snapshots(snaps, source.image_for, ram_mode=source.ram_mode, bind=source.bind)
+    return Snapshots(snaps, source.image_for)
 
 
 class NodeAgent:
+    """``source`` makes session sandboxes (default: cold boots of ``image``); ``snapshots`` is the
+    snapshots part (default: :func:`snapshots_for` the runtime; pass None explicitly for a node without)."""
+
     def __init__(self, runtime: Runtime, image: GuestImage, *, node_id: str = "local",
-                 capacity: NodeCapacity | None = None,
-                 templates: Mapping[str, GuestImage] | None = None,
-                 egress: NodeEgress | None = None) -> None:
+                 capacity: NodeCapacity | None = None, egress: NodeEgress | None = None,
+                 source: SandboxSource | None = None,
+                 snapshots: Snapshots | Literal["auto"] | None = "auto") -> None:
         self.runtime = runtime
+        self.image = image
         self.egress = egress
         self.node_id = node_id
         self.capacity = capacity or default_capacity()
-        self.templates: dict[str, GuestImage] = {"base": image, **(templates or {})}
-        self._sandboxes: dict[str, SandboxRecord] = {}
-        self._booting: dict[str, tuple[int, int]] = {}  # id -> (memory, vcpus) reserved while it boots
-        self._doomed: set[str] = set()  # destroy asked for while still booting
-        self._failed: set[str] = set()
+        self.source: SandboxSource = source if source is not None else ColdBootSource(runtime, {BASE: image})
+        self.snapshots: Snapshots | None = (snapshots_for(runtime, self.source) if snapshots == "auto"
+                                            else snapshots)
+        self.metrics = self.source.metrics if isinstance(self.source, TemplateSource) else PoolMetrics()
+        self._table = SandboxTable(self.capacity)
 
     # -- lifecycle of the agent ------------------------------------------------------------------------
     async def start(self) -> list[str]:
-        """Remove VMs and workdirs a previous agent process left behind; returns what was removed."""
+        """Remove VMs and workdirs a previous agent process left behind (returns what was removed), then
+        start the source (template builds and warm pools run in the background)."""
         removed = await self.runtime.cleanup_orphans()
         if self.egress is not None:
             removed += await self.egress.cleanup_stale()
         if removed:
             log.warning("removed %d orphaned sandbox(es): %s", len(removed), removed)
+        await self.source.start()
         return removed
 
+    async def wait_ready(self) -> None:
+        """Wait until the source's start-up work (the base template build) is over."""
+        if isinstance(self.source, TemplateSource):
+            await self.source.wait_ready()
+
     async def close(self) -> None:
-        ids = list(self._sandboxes)
-        for sandbox_id in ids:
+        await self.source.close()
+        for sandbox_id in self._table.ids():
             await self.destroy(sandbox_id)
         await self.runtime.close()
         if self.egress is not None:
@@ -105,18 +103,18 @@ class NodeAgent:
 
     # -- capacity ----------------------------------------------------------------------------------------
     def used(self) -> dict[str, int]:
-        records = list(self._sandboxes.values())
-        return {
-            "memory_mib": sum(r.memory_mib for r in records) + sum(m for m, _ in self._booting.values()),
-            "vcpus": sum(r.vcpus for r in records) + sum(c for _, c in self._booting.values()),
-            "sandboxes": len(records) + len(self._booting),
-        }
+        return self._table.used()
 
     def failed_sandboxes(self) -> list[str]:
-        return sorted(self._failed)
+        return self._table.failed()
+
+    @property
+    def templates(self) -> list[str]:
+        """The templates sessions can ask for on this node."""
+        return self.source.template_names()
 
     def info(self) -> dict[str, object]:
-        return {"node_id": self.node_id, "runtime": self.runtime.name, "templates": sorted(self.templates),
+        return {"node_id": self.node_id, "runtime": self.runtime.name, "templates": self.templates,
                 "capacity": self.capacity.as_dict(), "used": self.used(),
                 "failed_sandboxes": self.failed_sandboxes()}
 
@@ -125,60 +123,42 @@ class NodeAgent:
                      env: Mapping[str, str], *, policy: EgressPolicy | None = None,
                      secrets: Mapping[str, str] | None = None,
                      session_id: str | None = None) -> SandboxRecord:
-        """Boot a sandbox. Without ``policy`` it has no NIC at all; with one it gets its own namespace
-        behind the egress broker, the broker's CA in its trust store and the placeholders in ``env``."""
-        if not is_id(sandbox_id, "sbx"):
-            raise CapsaError(f"bad sandbox id {sandbox_id!r}", code="bad_request", status=400)
-        image = self.templates.get(template)
-        if image is None:
-            raise CapsaError(f"template {template!r} not on this node", code="template_not_found", status=404)
-        if sandbox_id in self._sandboxes or sandbox_id in self._booting:
-            raise CapsaError(f"sandbox {sandbox_id} exists", code="already_exists", status=409)
-        used = self.used()
-        if (used["sandboxes"] >= self.capacity.max_sandboxes
-                or used["memory_mib"] + memory_mib > self.capacity.memory_mib
-                or used["vcpus"] + vcpus > self.capacity.vcpus):
-            raise CapsaError("node is full", code="no_capacity", status=503)
+        """Make a sandbox from the source. Without ``policy`` it has no NIC at all; with one it gets its own
+        namespace behind the egress broker, the broker's CA in its trust store and the placeholders in
+        ``env``."""
         if policy is not None and self.egress is None:
             raise CapsaError("this node has no egress service: sessions with a policy cannot run here",
                              code="egress_unavailable", status=503)
-        self._booting[sandbox_id] = (memory_mib, vcpus)
-        egress_env: dict[str, str] = {}
-        try:
-            network = None
-            if policy is not None and self.egress is not None:
+        started = time.perf_counter()
+        with self._table.reserve([sandbox_id], memory_mib, vcpus):
+            if policy is None or self.egress is None:
+                made = await self.source.make(SandboxRequest(sandbox_id, template, memory_mib, vcpus))
+                egress_env: dict[str, str] | None = None
+            else:
                 attached = await self.egress.attach(sandbox_id, policy, secrets or {}, session_id=session_id)
-                network, egress_env = attached.net, dict(attached.env)
-            try:
-                spec = VMSpec(image=image, memory_mib=memory_mib, vcpus=vcpus, network=network,
-                              labels={"sandbox": sandbox_id, "template": template})
-                sandbox = await self.runtime.boot(spec, sandbox_id=sandbox_id)
-                if network is not None:
-                    try:
-                        await self._install_ca(sandbox, attached.ca_pem)
-                    except BaseException:
-                        await asyncio.shield(self.runtime.destroy(sandbox))
-                        raise
-            except BaseException:
-                if network is not None and self.egress is not None:
+                try:
+                    ca_pem = attached.ca_pem
+                    made = await self.source.make(SandboxRequest(
+                        sandbox_id, template, memory_mib, vcpus, network=attached.net,
+                        prepare=lambda sandbox: self._install_ca(sandbox, ca_pem)))
+                except BaseException:
                     await asyncio.shield(self.egress.detach(sandbox_id))
-                raise
-        finally:
-            del self._booting[sandbox_id]
-        record = SandboxRecord(sandbox_id, template, memory_mib, vcpus, {**env, **egress_env}, sandbox,
-                               networked=network is not None, egress_env=egress_env)
-        self._sandboxes[sandbox_id] = record
-        if sandbox_id in self._doomed:
-            await self.destroy(sandbox_id)
-            raise CapsaError(f"sandbox {sandbox_id} was destroyed while it booted", code="sandbox_not_found",
-                             status=404)
+                    raise
+                egress_env = dict(attached.env)
+        record = SandboxRecord(sandbox_id, template, memory_mib, vcpus,
+                               {**made.env, **env, **(egress_env or {})}, made.sandbox,
+                               networked=egress_env is not None, egress_env=egress_env or {})
+        return await self._adopt(record, made, started)
 
-        def _died(reason: str) -> None:
-            log.warning("sandbox %s died: %s", sandbox_id, reason)
-            if sandbox_id in self._sandboxes:
-                self._failed.add(sandbox_id)
-
-        sandbox.on_failure(_died)
+    async def _adopt(self, record: SandboxRecord, made: MadeSandbox, started: float) -> SandboxRecord:
+        elapsed = time.perf_counter() - started
+        record.source, record.snapshot = made.source, made.snapshot
+        record.create_ms = round(elapsed * 1000, 3)
+        self.metrics.create_seconds.labels(source=made.source).observe(elapsed)
+        if not self._table.adopt(record):
+            await self.destroy(record.id)
+            raise CapsaError(f"sandbox {record.id} was destroyed while it was created",
+                             code="sandbox_not_found", status=404)
         return record
 
     @staticmethod
@@ -212,26 +192,18 @@ class NodeAgent:
 
     def get(self, sandbox_id: str) -> SandboxRecord:
         """The live sandbox; a dead one raises ``sandbox_failed``, an unknown one ``sandbox_not_found``."""
-        record = self._sandboxes.get(sandbox_id)
-        if record is None:
-            raise CapsaError(f"sandbox {sandbox_id} not found", code="sandbox_not_found", status=404)
-        if record.sandbox.state == SandboxState.FAILED or sandbox_id in self._failed:
-            self._failed.add(sandbox_id)
-            raise CapsaError(f"sandbox {sandbox_id} failed: {record.sandbox.failure or 'VM died'}",
-                             code="sandbox_failed", status=409)
-        return record
+        return self._table.get(sandbox_id)
 
-    def list(self) -> list[SandboxRecord]:
-        return list(self._sandboxes.values())
+    def list(self) -> builtins.list[SandboxRecord]:
+        return self._table.records()
 
     async def destroy(self, sandbox_id: str) -> bool:
-        """Destroy a sandbox (idempotent). Returns whether there was something to destroy."""
-        if sandbox_id in self._booting:
-            self._doomed.add(sandbox_id)
+        """Destroy a sandbox (idempotent) and its snapshots that are not retained. Returns whether there
+        was something to destroy; one still being made is destroyed as soon as it is."""
+        if self._table.is_making(sandbox_id):
+            self._table.doom(sandbox_id)
             return True
-        record = self._sandboxes.pop(sandbox_id, None)
-        self._failed.discard(sandbox_id)
-        self._doomed.discard(sandbox_id)
+        record = self._table.pop(sandbox_id)
         if record is None:
             return False
         try:
@@ -239,7 +211,96 @@ class NodeAgent:
         finally:
             if record.networked and self.egress is not None:
                 await asyncio.shield(self.egress.detach(sandbox_id))
+            if self.snapshots is not None:
+                await asyncio.to_thread(self.snapshots.drop_unretained, sandbox_id)
         return True
+
+    # -- snapshots -----------------------------------------------------------------------------------------
+    def _snapshots(self) -> Snapshots:
+        if self.snapshots is None:
+            raise CapsaError(f"this node's runtime ({self.runtime.name}) cannot take snapshots",
+                             code="snapshots_unavailable", status=501)
+        return self.snapshots
+
+    def _snapshottable(self, sandbox_id: str) -> tuple[Snapshots, SandboxRecord]:
+        snapshots = self._snapshots()
+        record = self.get(sandbox_id)
+        if record.networked:
+            raise CapsaError(f"sandbox {sandbox_id} cannot be snapshotted (it was booted with a network "
+                             "device, which templates and snapshots do not carry yet)",
+                             code="snapshot_unsupported", status=409)
+        return snapshots, record
+
+    async def snapshot(self, sandbox_id: str, *, retain: bool = False,
+                       labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Snapshot a running sandbox; it keeps running."""
+        snapshots, record = self._snapshottable(sandbox_id)
+        return await snapshots.take(sandbox_id, record.sandbox, template=record.template, retain=retain,
+                                    labels=labels)
+
+    async def pause(self, sandbox_id: str, *, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Snapshot (retained) and destroy the sandbox."""
+        snapshots, record = self._snapshottable(sandbox_id)
+        info = await snapshots.take(sandbox_id, record.sandbox, template=record.template, retain=True,
+                                    labels=labels, resume=False)
+        await self.destroy(sandbox_id)
+        return info
+
+    async def restore(self, snapshot_id: str, sandbox_id: str, env: Mapping[str, str]) -> SandboxRecord:
+        """A new sandbox from a snapshot (resume of a paused session, or rollback)."""
+        snapshots = self._snapshots()
+        started = time.perf_counter()
+        snap = await asyncio.to_thread(snapshots.open, snapshot_id)
+        m = snap.manifest
+        with self._table.reserve([sandbox_id], m.memory_mib, m.vcpus):
+            sandbox = await snapshots.restore(snap, sandbox_id)
+        record = SandboxRecord(sandbox_id, snapshots.template_of(snap, BASE), m.memory_mib, m.vcpus,
+                               dict(env), sandbox)
+        return await self._adopt(record, MadeSandbox(sandbox, "restore", snap.id), started)
+
+    async def branch(self, snapshot_id: str, sandbox_ids: Sequence[str],
+                     env: Mapping[str, str]) -> builtins.list[SandboxRecord]:
+        """One new sandbox per id from one snapshot, all or nothing."""
+        snapshots = self._snapshots()
+        started = time.perf_counter()
+        snap = await asyncio.to_thread(snapshots.open, snapshot_id)
+        m = snap.manifest
+        with self._table.reserve(list(sandbox_ids), m.memory_mib, m.vcpus):
+            made = await snapshots.branch(snap, sandbox_ids)
+        template = snapshots.template_of(snap, BASE)
+        records = []
+        for sid, sandbox in zip(sandbox_ids, made, strict=True):
+            record = SandboxRecord(sid, template, m.memory_mib, m.vcpus, dict(env), sandbox)
+            records.append(await self._adopt(record, MadeSandbox(sandbox, "restore", snap.id), started))
+        return records
+
+    def list_snapshots(self, sandbox_id: str | None = None) -> builtins.list[dict[str, Any]]:
+        return self._snapshots().list(sandbox_id)
+
+    def get_snapshot(self, snapshot_id: str) -> dict[str, Any]:
+        return self._snapshots().get(snapshot_id)
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self._snapshots().delete(snapshot_id)
+
+    # -- templates and warm pool ---------------------------------------------------------------------------
+    def _templates(self) -> TemplateSource:
+        if not isinstance(self.source, TemplateSource):
+            raise CapsaError("this node makes sandboxes by cold boot; it has no templates or warm pool",
+                             code="snapshots_unavailable", status=501)
+        return self.source
+
+    def list_templates(self) -> builtins.list[dict[str, Any]]:
+        return self._templates().list_templates()
+
+    def get_template(self, name: str) -> builtins.list[Template]:
+        return self._templates().get_template(name)
+
+    async def delete_template(self, name: str) -> None:
+        await self._templates().delete_template(name)
+
+    def pool_status(self) -> builtins.list[dict[str, object]]:
+        return self._templates().pool_status()
 
     # -- guest operations ----------------------------------------------------------------------------------
     # What the node API calls for a sandbox's guest. Each runs with the sandbox's env under the command's

@@ -15,11 +15,12 @@ from pathlib import Path
 
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
+from capsa.node.agent import NodeAgent
 from capsa.node.egress.node_egress import NodeEgress
-from capsa.node.pool import PoolSettings
-from capsa.node.runtime.snapshot_runtime import SnapshotRuntime
-from capsa.node.snapshot_agent import SnapshotNodeAgent
+from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
+from capsa.node.sources import TemplateSource
 from capsa.node.storage.pool import StoragePool
+from capsa.node.warm_pool import PoolSettings
 
 __all__ = ["NodeParts", "build_node", "netns_prefix"]
 
@@ -32,7 +33,7 @@ def netns_prefix(state_dir: Path) -> str:
 
 @dataclass
 class NodeParts:
-    agent: SnapshotNodeAgent
+    agent: NodeAgent
     storage: StoragePool
 
     async def close(self) -> None:
@@ -44,16 +45,19 @@ class NodeParts:
 
 async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> NodeParts:
     """The agent for ``settings.state_dir``: sessions come from template snapshots (warm pool or restore on
-    demand) on the node's storage pool. Removes what a previous process on this state dir left behind."""
+    demand) on the node's storage pool (:class:`~capsa.node.sources.TemplateSource`), with the snapshots
+    part (the QEMU runtime can snapshot). Removes what a previous process on this state dir left behind."""
     storage = await asyncio.to_thread(StoragePool.from_settings, settings)
     try:
-        runtime = SnapshotRuntime(settings, accel=settings.accel, pool=storage)
+        runtime = QemuRuntime(settings, accel=settings.accel, storage=PoolStorage(storage))
         pool_cfg = PoolSettings()
         # Sandbox namespaces and nftables need root; without it, sessions with a policy are refused
         # (egress_unavailable) and sessions without one run with no network, as always.
-        egress = NodeEgress.create(netns_prefix=netns_prefix(settings.state_dir)) if os.geteuid() == 0 else None
-        agent = SnapshotNodeAgent(runtime, image, node_id=node_id, egress=egress, pool_size=pool_cfg.size,
-                                  pool_sizes=pool_cfg.sizes)
+        egress = (NodeEgress.create(netns_prefix=netns_prefix(settings.state_dir)) if os.geteuid() == 0
+                  else None)
+        source = TemplateSource(runtime, image, egress=egress, pool_size=pool_cfg.size,
+                                pool_sizes=pool_cfg.sizes)
+        agent = NodeAgent(runtime, image, node_id=node_id, egress=egress, source=source)
         await agent.start()
     except BaseException:
         await asyncio.to_thread(storage.unmount, lazy=True)

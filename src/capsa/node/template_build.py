@@ -29,11 +29,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from capsa.common.errors import CapsaError
-from capsa.node.pool import bind_identity
-from capsa.node.runtime.base import VMSpec
-from capsa.node.runtime.snapshot import RamMode
-from capsa.node.runtime.snapshot_runtime import SnapshotSandbox
+from capsa.node.runtime.base import RamMode, Sandbox, VMSpec
 from capsa.node.templates import BASE, Template, TemplateStore, check_template_name
+from capsa.node.warm_pool import bind_identity
 
 __all__ = ["FileSpec", "TemplateBuildError", "TemplateSpec", "build_template", "load_spec",
            "remove_stale_work", "spec_record"]
@@ -169,7 +167,7 @@ def download_wheels(requirements: list[str], dest: Path) -> list[Path]:
 # -- the build ---------------------------------------------------------------------------------------
 
 
-async def _exec(sb: SnapshotSandbox, cmd: str, what: str, env: dict[str, str] | None = None) -> str:
+async def _exec(sb: Sandbox, cmd: str, what: str, env: dict[str, str] | None = None) -> str:
     res = await sb.guest.exec(["sh", "-c", cmd], env=env, timeout=_COMMAND_TIMEOUT)
     if res.exit_code != 0 or res.timed_out:
         tail = (res.stderr or res.stdout)[-800:].decode(errors="replace")
@@ -178,7 +176,7 @@ async def _exec(sb: SnapshotSandbox, cmd: str, what: str, env: dict[str, str] | 
     return res.stdout.decode(errors="replace")
 
 
-async def _upload(sb: SnapshotSandbox, files: list[Path], guest_dir: str) -> list[str]:
+async def _upload(sb: Sandbox, files: list[Path], guest_dir: str) -> list[str]:
     await sb.guest.mkdir(guest_dir, parents=True)
     out = []
     for f in files:

@@ -27,10 +27,9 @@ from typing import Any
 
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
-from capsa.node.runtime.base import Accelerator, GuestImage, VMSpec
-from capsa.node.runtime.hostinfo import HostInfoError, qemu_version
-from capsa.node.runtime.snapshot_manifest import SnapshotError
-from capsa.node.runtime.snapshot_runtime import Snapshot, SnapshotRuntime, SnapshotSandbox
+from capsa.node.runtime.base import GuestImage, Sandbox, VMSpec
+from capsa.node.runtime.snapshot.manifest import Snapshot, SnapshotError
+from capsa.node.snapshots import SnapshottingRuntime
 
 __all__ = [
     "BASE",
@@ -110,7 +109,7 @@ def template_digest(snapshot: Snapshot, spec: dict[str, Any] | None) -> str:
 class TemplateStore:
     """Templates on one node's storage pool, and building ``base``."""
 
-    def __init__(self, runtime: SnapshotRuntime, image: GuestImage, *, base_memory_mib: int = 256,
+    def __init__(self, runtime: SnapshottingRuntime, image: GuestImage, *, base_memory_mib: int = 256,
                  base_vcpus: int = 1) -> None:
         self.runtime = runtime
         self.image = image
@@ -120,7 +119,7 @@ class TemplateStore:
 
     @property
     def root(self) -> Path:
-        return self.runtime.pool.templates_dir
+        return self.runtime.templates_dir
 
     # -- reading -----------------------------------------------------------------------------------------
 
@@ -162,21 +161,9 @@ class TemplateStore:
         m = template.snapshot.manifest
         if m.image_digest != self.image.digest and template.name == BASE:
             return False
-        try:
-            version = qemu_version()
-        except HostInfoError:
-            return False
-        if m.qemu_version not in (None, version):
-            return False
-        try:
-            accel = Accelerator(m.accel)
-        except ValueError:
-            return False
-        if self.runtime.requested_accel not in (Accelerator.AUTO, accel):
-            return False
         network = SimpleNamespace(mac=mac) if mac is not None else None
         spec = VMSpec(image=self.image, memory_mib=m.memory_mib, vcpus=m.vcpus, network=network)
-        return m.machine in (None, self.runtime._machine(spec, accel))
+        return self.runtime.can_restore(template.snapshot, spec)
 
     async def resolve(self, name: str, memory_mib: int | None = None, vcpus: int | None = None) -> Template:
         """The template to restore a sandbox from; ``base`` variants are built on first use."""
@@ -195,13 +182,14 @@ class TemplateStore:
 
     # -- building ----------------------------------------------------------------------------------------
 
-    def _lock(self, key: tuple[str, int, int]) -> asyncio.Lock:
+    def lock(self, key: tuple[str, int, int]) -> asyncio.Lock:
+        """The lock held while the template ``key`` (name, MiB, vCPUs) is checked and (re)built."""
         return self._locks.setdefault(key, asyncio.Lock())
 
     async def ensure_base(self, memory_mib: int, vcpus: int, progress: Progress | None = None) -> Template:
         """The current ``base`` template of this size, cold-booting and snapshotting once if needed."""
         key = (BASE, memory_mib, vcpus)
-        async with self._lock(key):
+        async with self.lock(key):
             found = await asyncio.to_thread(self.find, BASE, memory_mib, vcpus)
             if found is not None and await asyncio.to_thread(self.is_current, found):
                 return found
@@ -210,10 +198,9 @@ class TemplateStore:
             log.info("building the base template (%d MiB, %d vCPU)", memory_mib, vcpus)
             spec = VMSpec(image=self.image, memory_mib=memory_mib, vcpus=vcpus, labels={"template": BASE})
             sandbox = await self.runtime.boot(spec)
-            assert isinstance(sandbox, SnapshotSandbox)
             return await self.store(BASE, sandbox, spec=None, progress=say)
 
-    async def store(self, name: str, sandbox: SnapshotSandbox, *, spec: dict[str, Any] | None,
+    async def store(self, name: str, sandbox: Sandbox, *, spec: dict[str, Any] | None,
                     progress: Progress | None = None) -> Template:
         """Snapshot ``sandbox`` as template ``name`` (replacing one of the same size), then destroy it.
 
@@ -221,8 +208,7 @@ class TemplateStore:
         until the new one is complete.
         """
         say = progress or (lambda _m: None)
-        files = sandbox.files
-        final = self.root / _dir_name(check_template_name(name), files.spec.memory_mib, files.spec.vcpus)
+        check_template_name(name)
         work = self.root / f".build-{secrets.token_hex(6)}"
         try:
             work.mkdir(mode=0o711)
@@ -237,6 +223,7 @@ class TemplateStore:
             await asyncio.to_thread(shutil.rmtree, work, True)
             raise
         await self.runtime.destroy(sandbox)
+        final = self.root / _dir_name(name, snap.manifest.memory_mib, snap.manifest.vcpus)
         try:
             record = {"name": name, "snapshot": snap.id, "digest": template_digest(snap, spec),
                       "created_at": datetime.now(UTC).isoformat(timespec="seconds"), "spec": spec}

@@ -23,9 +23,9 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from capsa.node.runtime.base import Sandbox, SandboxState
-from capsa.node.runtime.snapshot import GuestRefresher
 
-__all__ = ["PoolKey", "PoolMetrics", "PoolSettings", "WarmPool", "bind_identity"]
+__all__ = ["IdentityBinder", "IdentityGuest", "PoolKey", "PoolMetrics", "PoolSettings", "WarmPool",
+           "bind_identity", "bind_sandbox"]
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,17 @@ class PoolSettings(BaseSettings):
     sizes: dict[str, int] = Field(default_factory=dict)
 
 
-class _IdentityGuest(GuestRefresher, Protocol):
+class IdentityGuest(Protocol):
+    """The guest calls that give a restored sandbox its own identity."""
+
+    async def reseed(self, entropy: bytes | None = None) -> None: ...
+
+    async def set_clock(self, unix_ns: int | None = None) -> None: ...
+
     async def set_hostname(self, name: str) -> None: ...
 
 
-async def bind_identity(guest: _IdentityGuest, *, hostname: str | None) -> None:
+async def bind_identity(guest: IdentityGuest, *, hostname: str | None) -> None:
     """Make a restored sandbox someone's: its own RNG state, the current time and its hostname.
 
     The reseed at restore time already separated pooled clones from each other; this one makes the
@@ -62,6 +68,15 @@ async def bind_identity(guest: _IdentityGuest, *, hostname: str | None) -> None:
     await guest.set_clock()
     if hostname:
         await guest.set_hostname(hostname)
+
+
+IdentityBinder = Callable[[Sandbox, str], Awaitable[None]]
+"""Gives a restored sandbox its identity (hostname given); :func:`bind_sandbox` for real guests."""
+
+
+async def bind_sandbox(sandbox: Sandbox, hostname: str) -> None:
+    """:func:`bind_identity` on the sandbox's guest."""
+    await bind_identity(sandbox.guest, hostname=hostname)
 
 
 class PoolMetrics:

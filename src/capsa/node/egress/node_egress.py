@@ -7,11 +7,14 @@ are dropped as soon as no sandbox on the node binds them any more.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from capsa.common.errors import CapsaError
+from capsa.common.ids import new_id
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker, PolicyUpdate
 from capsa.node.egress.dns import Resolver
@@ -113,6 +116,17 @@ class NodeEgress:
         finally:
             self._uses.pop(sandbox_id, None)
             self._drop_unused()
+
+    @contextlib.asynccontextmanager
+    async def throwaway_network(self) -> AsyncIterator[SandboxNet]:
+        """A namespace and tap of their own with the sandbox firewall and no broker (nothing leaves them), for
+        booting a VM with a NIC that no session uses (building a networked template); removed on exit."""
+        manager = self.service.manager
+        net = await manager.create(new_id("sbx"))
+        try:
+            yield net
+        finally:
+            await asyncio.shield(manager.destroy(net))
 
     def holds_secret(self, secret_id: str) -> bool:
         return secret_id in self.store.ids()

@@ -1,0 +1,167 @@
+"""The node's snapshots of session sandboxes (docs/node-snapshots.md): take, pause, restore, branch, list.
+
+:class:`Snapshots` is the node agent's part for a runtime that can snapshot (:class:`SnapshottingRuntime`:
+a :class:`~capsa.node.runtime.base.Runtime` that is also
+:class:`~capsa.node.runtime.base.SnapshotCapable`). It talks to the runtime and labels what it takes; the
+agent keeps the sandbox records and the capacity.
+
+Snapshots of a sandbox carry their origin and retention in their manifest labels, so they survive a node
+restart: ``capsa.sandbox`` (the agent's sandbox id), ``capsa.retain`` ("1" or "0") and
+``capsa.template_name``. Destroying a sandbox deletes its snapshots that are not retained
+(:meth:`Snapshots.drop_unretained`); pause snapshots are always retained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from capsa.common.errors import CapsaError
+from capsa.common.ids import new_id
+from capsa.common.image import GuestImage
+from capsa.node.runtime.base import RamMode, Runtime, Sandbox, SnapshotCapable, VMSpec
+from capsa.node.runtime.snapshot.manifest import Snapshot
+from capsa.node.warm_pool import IdentityBinder, bind_sandbox
+
+__all__ = [
+    "LABEL_RETAIN",
+    "LABEL_SANDBOX",
+    "LABEL_TEMPLATE",
+    "MAX_BRANCHES",
+    "Snapshots",
+    "SnapshottingRuntime",
+    "check_branch_count",
+    "hostname_for",
+    "snapshot_info",
+]
+
+log = logging.getLogger(__name__)
+
+LABEL_SANDBOX = "capsa.sandbox"
+LABEL_RETAIN = "capsa.retain"
+LABEL_TEMPLATE = "capsa.template_name"
+MAX_BRANCHES = 64
+_USER_LABEL_MAX = 32
+
+
+class SnapshottingRuntime(Runtime, SnapshotCapable, Protocol):
+    """A VM driver that boots and snapshots (the QEMU runtime; the fast tests' fake runtime)."""
+
+
+def hostname_for(sandbox_id: str) -> str:
+    # Hostnames may not contain '_'.
+    return sandbox_id.replace("_", "-")
+
+
+def snapshot_info(snap: Snapshot) -> dict[str, Any]:
+    m = snap.manifest
+    labels = dict(m.labels)
+    size = sum(p.stat().st_size for p in snap.path.iterdir() if p.is_file())
+    return {"id": m.id, "sandbox_id": labels.get(LABEL_SANDBOX), "retain": labels.get(LABEL_RETAIN) == "1",
+            "template": labels.get(LABEL_TEMPLATE), "created_at": m.created_at.isoformat(),
+            "parent": m.parent, "memory_mib": m.memory_mib, "vcpus": m.vcpus, "image_digest": m.image_digest,
+            "size_bytes": size,
+            "labels": {k: v for k, v in labels.items() if not k.startswith("capsa.")}}
+
+
+def _check_labels(labels: Mapping[str, str] | None) -> dict[str, str]:
+    labels = dict(labels or {})
+    if len(labels) > _USER_LABEL_MAX or any(k.startswith("capsa.") for k in labels):
+        raise CapsaError(f"at most {_USER_LABEL_MAX} labels, none starting with 'capsa.'", code="bad_request",
+                         status=400)
+    return labels
+
+
+def check_branch_count(n: int) -> None:
+    if not 1 <= n <= MAX_BRANCHES:
+        raise CapsaError(f"branch count must be between 1 and {MAX_BRANCHES}, got {n}",
+                         code="invalid_branch_count", status=422)
+
+
+class Snapshots:
+    """Snapshots of session sandboxes on ``runtime``; ``image_for`` finds the guest image of a digest."""
+
+    def __init__(self, runtime: SnapshottingRuntime, image_for: Callable[[str], GuestImage], *,
+                 ram_mode: RamMode = RamMode.COPY, bind: IdentityBinder = bind_sandbox) -> None:
+        self.runtime = runtime
+        self.image_for = image_for
+        self.ram_mode = ram_mode
+        self.bind = bind
+
+    async def take(self, sandbox_id: str, sandbox: Sandbox, *, template: str, retain: bool,
+                   labels: Mapping[str, str] | None, resume: bool = True) -> dict[str, Any]:
+        """Snapshot a running sandbox; ``resume=False`` leaves it stopped (pause: the caller destroys it)."""
+        all_labels = {**_check_labels(labels), LABEL_SANDBOX: sandbox_id,
+                      LABEL_RETAIN: "1" if retain else "0", LABEL_TEMPLATE: template}
+        snap = await self.runtime.snapshot(sandbox, new_id("snap"), resume=resume, labels=all_labels)
+        return snapshot_info(snap)
+
+    def open(self, snapshot_id: str) -> Snapshot:
+        return self.runtime.open_snapshot(snapshot_id)
+
+    def get(self, snapshot_id: str) -> dict[str, Any]:
+        return snapshot_info(self.open(snapshot_id))
+
+    def list(self, sandbox_id: str | None = None) -> builtins.list[dict[str, Any]]:
+        out = []
+        for sid in self.runtime.list_snapshot_ids():
+            try:
+                info = snapshot_info(self.runtime.open_snapshot(sid))
+            except (CapsaError, OSError) as exc:
+                log.warning("unreadable snapshot %s: %s", sid, exc)
+                continue
+            if sandbox_id is None or info["sandbox_id"] == sandbox_id:
+                out.append(info)
+        return sorted(out, key=lambda i: (i["created_at"], i["id"]))
+
+    def delete(self, snapshot_id: str) -> None:
+        self.runtime.delete_snapshot(self.open(snapshot_id))
+
+    def drop_unretained(self, sandbox_id: str) -> None:
+        """Delete the snapshots of ``sandbox_id`` that were not taken to be kept."""
+        for info in self.list(sandbox_id):
+            if not info["retain"]:
+                self.runtime.delete_snapshot(str(info["id"]))
+
+    @staticmethod
+    def template_of(snap: Snapshot, default: str) -> str:
+        return snap.manifest.labels.get(LABEL_TEMPLATE, default)
+
+    def spec_for(self, snap: Snapshot, labels: Mapping[str, str], network: object | None = None) -> VMSpec:
+        m = snap.manifest
+        return VMSpec(image=self.image_for(m.image_digest), memory_mib=m.memory_mib, vcpus=m.vcpus,
+                      network=network, labels=dict(labels))
+
+    async def restore(self, snap: Snapshot, sandbox_id: str, *, ram_mode: RamMode | None = None) -> Sandbox:
+        """A new sandbox from ``snap``, bound to its identity (hostname from ``sandbox_id``)."""
+        sandbox = await self.runtime.restore(snap, self.spec_for(snap, {"sandbox": sandbox_id}),
+                                             sandbox_id=sandbox_id, ram_mode=ram_mode or self.ram_mode)
+        try:
+            await self.bind(sandbox, hostname_for(sandbox_id))
+        except BaseException:
+            await asyncio.shield(self.runtime.destroy(sandbox))
+            raise
+        return sandbox
+
+    async def branch(self, snap: Snapshot, sandbox_ids: Sequence[str]) -> builtins.list[Sandbox]:
+        """One new sandbox per id from ``snap``, restored concurrently with private RAM. All or nothing."""
+        check_branch_count(len(sandbox_ids))
+        results = await asyncio.gather(
+            *(self.runtime.restore(snap, self.spec_for(snap, {"sandbox": sid}), sandbox_id=sid,
+                                   ram_mode=RamMode.PRIVATE) for sid in sandbox_ids),
+            return_exceptions=True)
+        made = [r for r in results if not isinstance(r, BaseException)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            bound = await asyncio.gather(*(self.bind(sb, hostname_for(sid))
+                                           for sid, sb in zip(sandbox_ids, made, strict=True)),
+                                         return_exceptions=True)
+            errors = [r for r in bound if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(self.runtime.destroy(sb) for sb in made), return_exceptions=True)
+            raise errors[0]
+        return made
+

@@ -1,0 +1,319 @@
+"""Where the node agent's session sandboxes come from: a :class:`SandboxSource`.
+
+* :class:`ColdBootSource`: boot the template's guest image (``runtime.boot``).
+* :class:`TemplateSource`: restore from the template's snapshot (docs/node-snapshots.md): bind one from
+  the warm pool, or restore on demand when it is empty. A sandbox of ``base`` with a NIC (an egress
+  policy) is restored from ``base-net``, the same guest snapshotted with one virtio-net device of a fixed
+  MAC (:data:`NET_TEMPLATE_MAC`; every sandbox has its own namespace, so equal MACs never meet), built
+  once on the egress's throwaway network. The restored NIC gets the new sandbox's tap and the guest its
+  address; if any of that fails, the sandbox is cold-booted instead.
+
+A source only makes the VM; the agent checks the request, holds the capacity, attaches egress and keeps
+the record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from capsa.common.errors import CapsaError
+from capsa.common.image import GuestImage
+from capsa.node.egress.node_egress import NodeEgress
+from capsa.node.net.sandbox_net import SandboxNet
+from capsa.node.runtime.base import RamMode, Runtime, Sandbox, VMSpec
+from capsa.node.snapshots import SnapshottingRuntime, hostname_for
+from capsa.node.template_build import remove_stale_work
+from capsa.node.templates import BASE, Template, TemplateStore, check_template_name
+from capsa.node.warm_pool import IdentityBinder, PoolKey, PoolMetrics, WarmPool, bind_sandbox
+
+__all__ = [
+    "NET_TEMPLATE",
+    "NET_TEMPLATE_MAC",
+    "ColdBootSource",
+    "MadeSandbox",
+    "SandboxRequest",
+    "SandboxSource",
+    "TemplateSource",
+]
+
+log = logging.getLogger(__name__)
+
+NET_TEMPLATE = "base-net"
+NET_TEMPLATE_MAC = "02:ca:00:00:00:01"
+
+Prepare = Callable[[Sandbox], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class SandboxRequest:
+    sandbox_id: str
+    template: str
+    memory_mib: int
+    vcpus: int
+    network: SandboxNet | None = None
+    """The sandbox's tap (from egress); None: no NIC."""
+    prepare: Prepare | None = None
+    """Run on the new sandbox before it counts as made (e.g. install the egress CA); if it fails, the
+    sandbox is destroyed."""
+
+
+@dataclass(frozen=True)
+class MadeSandbox:
+    sandbox: Sandbox
+    source: str
+    """``boot``, ``pool`` or ``restore``"""
+    snapshot: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    """The template's own env (the request's goes over it)."""
+
+
+class SandboxSource(Protocol):
+    """Makes session sandboxes for the agent."""
+
+    def template_names(self) -> list[str]:
+        """The templates sessions can ask for."""
+        ...
+
+    def image_for(self, digest: str) -> GuestImage:
+        """The guest image with ``digest`` (a snapshot's); ``snapshot_mismatch`` if the node has none."""
+        ...
+
+    async def start(self) -> None:
+        """Begin serving (e.g. build templates, fill pools in the background)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop and destroy what the source holds that is not a session's (idle pooled sandboxes)."""
+        ...
+
+    async def make(self, request: SandboxRequest) -> MadeSandbox:
+        """A running sandbox for ``request``; leaves nothing behind on failure."""
+        ...
+
+
+async def _prepared(runtime: Runtime, sandbox: Sandbox, prepare: Prepare | None) -> Sandbox:
+    if prepare is not None:
+        try:
+            await prepare(sandbox)
+        except BaseException:
+            await asyncio.shield(runtime.destroy(sandbox))
+            raise
+    return sandbox
+
+
+class ColdBootSource:
+    """Every sandbox is a cold boot of its template's image (``images``: template name -> image)."""
+
+    def __init__(self, runtime: Runtime, images: Mapping[str, GuestImage]) -> None:
+        self.runtime = runtime
+        self.images = dict(images)
+
+    def template_names(self) -> list[str]:
+        return sorted(self.images)
+
+    def image_for(self, digest: str) -> GuestImage:
+        for image in self.images.values():
+            if image.digest == digest:
+                return image
+        raise CapsaError(f"no guest image {digest} on this node for that snapshot", code="snapshot_mismatch",
+                         status=409)
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def make(self, request: SandboxRequest) -> MadeSandbox:
+        image = self.images.get(request.template)
+        if image is None:
+            raise CapsaError(f"template {request.template!r} not on this node", code="template_not_found",
+                             status=404)
+        spec = VMSpec(image=image, memory_mib=request.memory_mib, vcpus=request.vcpus,
+                      network=request.network,
+                      labels={"sandbox": request.sandbox_id, "template": request.template})
+        sandbox = await self.runtime.boot(spec, sandbox_id=request.sandbox_id)
+        return MadeSandbox(await _prepared(self.runtime, sandbox, request.prepare), "boot")
+
+
+class TemplateSource:
+    """Sandboxes restored from template snapshots, through a warm pool; cold boot only as a fallback."""
+
+    def __init__(self, runtime: SnapshottingRuntime, image: GuestImage, *, egress: NodeEgress | None = None,
+                 pool_size: int = 1, pool_sizes: Mapping[str, int] | None = None,
+                 ram_mode: RamMode = RamMode.COPY, base_memory_mib: int = 256, base_vcpus: int = 1,
+                 bind: IdentityBinder = bind_sandbox, metrics: PoolMetrics | None = None) -> None:
+        self.runtime = runtime
+        self.image = image
+        self.egress = egress
+        self.ram_mode = ram_mode
+        self.bind = bind
+        self.store = TemplateStore(runtime, image, base_memory_mib=base_memory_mib, base_vcpus=base_vcpus)
+        self.metrics = metrics or PoolMetrics()
+        self.warm = WarmPool(self._pool_restore, self._pool_destroy, default_size=pool_size,
+                             sizes=pool_sizes, metrics=self.metrics)
+        self.cold = ColdBootSource(runtime, {BASE: image})
+        self._warmup: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._warmup = asyncio.create_task(self._warm_up(), name="templates-warm-up")
+
+    async def _warm_up(self) -> None:
+        """Build ``base`` if missing and start filling the pools of the templates on disk."""
+        try:
+            await asyncio.to_thread(remove_stale_work, self.store.root)
+            base = await self.store.ensure_base(self.store.base_memory_mib, self.store.base_vcpus)
+            self.warm.watch(base.key)
+            for t in await asyncio.to_thread(self.store.all):
+                if t.name not in (BASE, NET_TEMPLATE) and await asyncio.to_thread(self.store.is_current, t):
+                    self.warm.watch(t.key)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("building the base template failed; sandboxes will build it on demand")
+
+    async def wait_ready(self) -> None:
+        """Wait until the start-up template build is over (tests and benchmarks)."""
+        if self._warmup is not None:
+            await asyncio.shield(self._warmup)
+
+    async def close(self) -> None:
+        if self._warmup is not None:
+            self._warmup.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._warmup
+        await self.warm.close()
+
+    # -- templates ---------------------------------------------------------------------------------------
+
+    def template_names(self) -> list[str]:
+        return sorted(set(self.store.names()) - {NET_TEMPLATE})
+
+    def image_for(self, digest: str) -> GuestImage:
+        return self.cold.image_for(digest)
+
+    def list_templates(self) -> list[dict[str, Any]]:
+        return [t.as_dict() for t in self.store.all()]
+
+    def get_template(self, name: str) -> list[Template]:
+        variants = self.store.variants(name)
+        if not variants:
+            raise CapsaError(f"template {name!r} not on this node", code="template_not_found", status=404)
+        return variants
+
+    async def delete_template(self, name: str) -> None:
+        check_template_name(name)
+        if name == BASE:
+            raise CapsaError("the base template cannot be deleted (it is rebuilt on demand)",
+                             code="template_protected", status=409)
+        self.get_template(name)
+        await self.warm.drain(name)
+        await asyncio.to_thread(self.store.delete, name)
+
+    def pool_status(self) -> list[dict[str, object]]:
+        return self.warm.status()
+
+    # -- making sandboxes --------------------------------------------------------------------------------
+
+    def _spec(self, template: Template, labels: Mapping[str, str], network: object | None = None) -> VMSpec:
+        m = template.snapshot.manifest
+        return VMSpec(image=self.image_for(m.image_digest), memory_mib=m.memory_mib, vcpus=m.vcpus,
+                      network=network, labels=dict(labels))
+
+    async def _pool_restore(self, key: PoolKey) -> Sandbox:
+        template = await self.store.resolve(*key)
+        sandbox = await self.runtime.restore(template.snapshot,
+                                             self._spec(template, {"template": key[0], "pooled": "1"}),
+                                             ram_mode=self.ram_mode)
+        try:
+            # A restored guest starts with cold caches (under TCG: no translated code; its RAM pages are
+            # faulted in from the snapshot on first touch), so its first command is slow. Spend that on
+            # a throwaway command while it waits in the pool, not on the user's first one.
+            await sandbox.guest.exec(["sh", "-c", "true"], timeout=60)
+        except BaseException:
+            await asyncio.shield(self.runtime.destroy(sandbox))
+            raise
+        return sandbox
+
+    async def _pool_destroy(self, sandbox: Sandbox) -> None:
+        await self.runtime.destroy(sandbox)
+
+    async def make(self, request: SandboxRequest) -> MadeSandbox:
+        if request.template == NET_TEMPLATE:
+            # Its NIC needs a tap: it only serves sessions of ``base`` with a policy.
+            raise CapsaError(f"template {request.template!r} is internal to the node",
+                             code="template_not_found", status=404)
+        if request.network is not None:
+            return await self._make_networked(request)
+        tpl = await self.store.resolve(request.template, request.memory_mib, request.vcpus)
+        try:
+            sandbox = self.warm.take(tpl.key)
+            source = "pool"
+            if sandbox is None:
+                source = "restore"
+                labels = {"sandbox": request.sandbox_id, "template": request.template}
+                sandbox = await self.runtime.restore(tpl.snapshot, self._spec(tpl, labels),
+                                                     ram_mode=self.ram_mode)
+            try:
+                await self.bind(sandbox, hostname_for(request.sandbox_id))
+            except BaseException:
+                await asyncio.shield(self.runtime.destroy(sandbox))
+                raise
+            sandbox = await _prepared(self.runtime, sandbox, request.prepare)
+        finally:
+            self.warm.watch(tpl.key)
+        return MadeSandbox(sandbox, source, tpl.snapshot.id, dict((tpl.spec or {}).get("env") or {}))
+
+    async def _make_networked(self, request: SandboxRequest) -> MadeSandbox:
+        """``base`` restored from ``base-net`` onto the request's tap; any other template, or a failed
+        restore, cold-boots."""
+        if request.template != BASE or self.egress is None or request.network is None:
+            return await self.cold.make(request)
+        try:
+            tpl = await self._net_template(request.memory_mib, request.vcpus)
+            spec = self._spec(tpl, {"sandbox": request.sandbox_id, "template": BASE},
+                              network=dataclasses.replace(request.network, mac=NET_TEMPLATE_MAC))
+            sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
+                                                 ram_mode=RamMode.COPY)
+            try:
+                await self.bind(sandbox, hostname_for(request.sandbox_id))
+            except BaseException:
+                await asyncio.shield(self.runtime.destroy(sandbox))
+                raise
+            sandbox = await _prepared(self.runtime, sandbox, request.prepare)
+            return MadeSandbox(sandbox, "restore", tpl.snapshot.id)
+        except CapsaError as exc:
+            # The request's own faults (bad ids or secrets, a full node) would fail a cold boot too.
+            if exc.status in (400, 404, 422, 503) or exc.code == "already_exists":
+                raise
+            log.warning("restoring %s from %s failed, cold-booting it: %s", request.sandbox_id, NET_TEMPLATE,
+                        exc)
+        except Exception as exc:
+            log.warning("restoring %s from %s failed, cold-booting it: %s", request.sandbox_id, NET_TEMPLATE,
+                        exc)
+        return await self.cold.make(request)
+
+    async def _net_template(self, memory_mib: int, vcpus: int) -> Template:
+        """``base`` with a NIC (MAC :data:`NET_TEMPLATE_MAC`), cold-booted and snapshotted on first use."""
+        assert self.egress is not None
+        store = self.store
+        async with store.lock((NET_TEMPLATE, memory_mib, vcpus)):
+            found = await asyncio.to_thread(store.find, NET_TEMPLATE, memory_mib, vcpus)
+            if found is not None and await asyncio.to_thread(store.is_current, found, NET_TEMPLATE_MAC):
+                return found
+            log.info("building template %s (%d MiB, %d vCPU)", NET_TEMPLATE, memory_mib, vcpus)
+            # A throwaway namespace and tap (with the sandbox firewall: nothing leaves it) just for the build.
+            async with self.egress.throwaway_network() as net:
+                spec = VMSpec(image=self.image, memory_mib=memory_mib, vcpus=vcpus,
+                              network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC),
+                              labels={"template": NET_TEMPLATE})
+                sandbox = await self.runtime.boot(spec)
+                return await store.store(NET_TEMPLATE, sandbox, spec=None)
