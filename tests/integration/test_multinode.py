@@ -1,0 +1,176 @@
+"""Several hosts' worth of capsa on this machine: one PostgreSQL, two ``capsa control`` replicas on it and two
+``capsa node`` processes with their own state directories, all started as a user would start them.
+
+Proves: sessions land on both nodes and work there (commands, files, pause/resume, branch); a session made
+through one replica is used through the other; SIGTERM of one node pauses or fails its own sessions, leaves
+the other node's untouched and leaves nothing of it on the host; the rest stop cleanly too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from capsa.control.keys import generate_key
+from capsa.sdk import AsyncClient, AsyncSession
+from tests.support.leftovers import wait_no_node_leftovers
+from tests.support.postgres import PgCluster, postgres_missing_reason, temporary_postgres
+from tests.support.served import CAPSA, ROOT, Served, free_port, serve_workdir, spawn
+
+pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.timeout(1500)]
+
+if os.geteuid() != 0:
+    pytest.skip("nodes need root (VM uids, storage pool, namespaces)", allow_module_level=True)
+if (missing := postgres_missing_reason()) is not None:
+    pytest.skip(missing, allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[PgCluster]:
+    with temporary_postgres() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Iterator[Path]:
+    with serve_workdir("capsa-mn-") as path:
+        yield path
+
+
+def _cli(url: str, key: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CAPSA_API_URL": url, "CAPSA_API_KEY": key}
+    return subprocess.run([*CAPSA, *args], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+
+
+def _start_control(workdir: Path, db_url: str, key: str) -> Served:
+    port = free_port()
+    args = ["control", "--host", "127.0.0.1", "--port", str(port), "--state-dir", str(workdir / "control")]
+    return spawn(args,
+                 url=f"http://127.0.0.1:{port}", state_dir=workdir / "control", log_dir=workdir,
+                 env={"CAPSA_DATABASE_URL": db_url, "CAPSA_BOOTSTRAP_KEY": key}, name="control",
+                 ready_path="/v1/health", timeout=120)
+
+
+def _start_node(workdir: Path, name: str, control_url: str, token: str) -> tuple[Served, str]:
+    """``capsa node`` with its own state dir; returns it once it printed ``node <id> registered``."""
+    state, port = workdir / name, free_port()
+    out, err = workdir / f"{name}.out", workdir / f"{name}.err"
+    args = ["node", "--control-url", control_url, "--enrol-token", token, "--state-dir", str(state),
+            "--listen", f"127.0.0.1:{port}", "--accel", "tcg"]
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen([*CAPSA, *args], stdout=o, stderr=e, text=True, cwd=ROOT,
+                                env={**os.environ, "CAPSA_POOL_SIZE": "0"})
+    node = Served(f"http://127.0.0.1:{port}", state, proc, out, err)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        for line in out.read_text().splitlines():
+            words = line.split()
+            if len(words) == 3 and words[0] == "node" and words[2] == "registered":
+                return node, words[1]
+        if proc.poll() is not None:
+            raise AssertionError(f"capsa node exited {proc.returncode}: {node.errors()}")
+        time.sleep(0.3)
+    node.stop()
+    raise AssertionError(f"capsa node did not register: {node.errors()}")
+
+
+def _nodes(url: str, key: str) -> dict[str, dict[str, object]]:
+    listed = _cli(url, key, "nodes", "ls", "--json")
+    assert listed.returncode == 0, listed.stderr
+    return {str(n["id"]): n for n in json.loads(listed.stdout)["items"]}
+
+
+async def _state(client: AsyncClient, session_id: str) -> str:
+    return (await client.get_session(session_id)).state
+
+
+async def test_two_nodes_two_replicas_one_database(pg: PgCluster, workdir: Path) -> None:
+    admin = generate_key().full
+    db_url = pg.new_database()
+    control = _start_control(workdir, db_url, admin)
+    replica = _start_control(workdir, db_url, admin)
+    started: list[Served] = [control, replica]
+    try:
+        tokens = []
+        for _ in range(2):
+            made = _cli(control.url, admin, "nodes", "token", "--json")
+            assert made.returncode == 0, made.stderr
+            tokens.append(json.loads(made.stdout)["token"])
+        node_a, id_a = _start_node(workdir, "node-a", control.url, tokens[0])
+        started.append(node_a)
+        node_b, id_b = _start_node(workdir, "node-b", control.url, tokens[1])
+        started.append(node_b)
+        assert id_a != id_b
+        # An enrolment token works once.
+        reuse = [*CAPSA, "node", "--control-url", control.url, "--enrol-token", tokens[0], "--state-dir",
+                 str(workdir / "node-c"), "--listen", f"127.0.0.1:{free_port()}", "--accel", "tcg"]
+        again = await asyncio.to_thread(subprocess.run, reuse, capture_output=True, text=True, timeout=300,
+                                        cwd=ROOT)
+        assert again.returncode != 0 and "error" in again.stderr.lower(), again.stderr
+        assert len(again.stderr.strip().splitlines()) == 1, again.stderr
+        wait_no_node_leftovers(workdir / "node-c")
+
+        listed = _nodes(control.url, admin)
+        assert listed[id_a]["healthy"] and listed[id_b]["healthy"], listed
+
+        one = AsyncClient(control.url, admin)
+        two = AsyncClient(replica.url, admin)
+        sessions = [await AsyncSession.create(timeout=900, client=one) for _ in range(4)]
+        where = {s.id: (await one.get_session(s.id)).node_id for s in sessions}
+        assert set(where.values()) == {id_a, id_b}, where
+        for s in sessions:
+            # Made through one replica, used through the other.
+            other = await AsyncSession.connect(s.id, client=two)
+            result = await other.commands.run(f"echo {s.id} > /tmp/who; cat /tmp/who", timeout=60)
+            assert result.exit_code == 0 and result.stdout.strip() == s.id
+            assert (await s.files.read("/tmp/who")).strip() == s.id
+
+        on_a = [s for s in sessions if where[s.id] == id_a]
+        on_b = [s for s in sessions if where[s.id] == id_b]
+        # Pause/resume on A, branch on B: each stays on the node that holds its snapshot.
+        await on_a[0].pause()
+        assert await _state(one, on_a[0].id) == "paused"
+        resumed = await AsyncSession.resume(on_a[0].id, client=two)
+        assert (await resumed.files.read("/tmp/who")).strip() == on_a[0].id
+        branches = await on_b[0].branch(2)
+        for br in branches:
+            assert (await one.get_session(br.id)).node_id == id_b
+            out = await br.commands.run("cat /tmp/who", timeout=60)
+            assert out.stdout.strip() == on_b[0].id
+        await branches[0].files.write("/tmp/mine", "0")
+        assert not [e for e in await branches[1].files.list("/tmp") if e.name == "mine"]
+
+        # SIGTERM of node A: its sessions are paused or failed, B's untouched, nothing of A left.
+        assert node_a.stop(signal.SIGTERM, timeout=120) == 0, node_a.errors()
+        left = wait_no_node_leftovers(node_a.state_dir, timeout=60)
+        assert left == [], left
+        for s in on_a:
+            assert await _state(one, s.id) in ("paused", "failed")
+        assert not _nodes(replica.url, admin)[id_a]["healthy"]
+        for s in [*on_b, *branches]:
+            assert await _state(two, s.id) == "running"
+            assert (await s.commands.run("echo still here", timeout=60)).stdout == "still here\n"
+        # New sessions go to the node that is left.
+        fresh = await AsyncSession.create(timeout=600, client=two)
+        assert (await two.get_session(fresh.id)).node_id == id_b
+        await fresh.close()
+        for s in [*branches, *on_b]:
+            await s.close()
+        await one.aclose()
+        await two.aclose()
+    finally:
+        codes = {}
+        for proc in reversed(started):
+            codes[proc.stdout.name] = proc.stop(signal.SIGTERM, timeout=120)
+    assert all(code == 0 for code in codes.values()), (codes, node_b.errors(), control.errors())
+    for state in (workdir / "node-a", workdir / "node-b"):
+        left = wait_no_node_leftovers(state, timeout=60)
+        assert left == [], left
