@@ -5,18 +5,14 @@ the host re-synchronises with the new instance and the sandbox keeps working."""
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
 
 from capsa.common.image import GuestImage
-from capsa.common.settings import Settings
 from capsa.node.guest_client import GuestError
 from capsa.node.runtime.base import SandboxState, VMSpec
 from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
@@ -30,22 +26,6 @@ pytestmark = [
 COMMAND_TIMEOUT = 60.0
 # A correctness bound, not a speed benchmark: far below the 60 s the calls would otherwise wait.
 FAIL_WITHIN = 20.0
-
-
-@pytest.fixture(scope="module")
-def state_dir() -> Iterator[Path]:
-    # Short for Unix socket paths; searchable because QEMU runs as another uid.
-    path = Path(tempfile.mkdtemp(prefix="cvr-", dir="/tmp"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def runtime(state_dir: Path) -> AsyncIterator[QemuRuntime]:
-    rt = QemuRuntime(Settings(state_dir=state_dir), accel="auto", accel_cache=False)
-    yield rt
-    await rt.close()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

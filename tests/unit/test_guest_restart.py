@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -17,9 +17,42 @@ import pytest
 from capsa.guest.protocol import HELLO_EVENT, INSTANCE_KEY, UNAVAILABLE, Decoder, Frame, Kind, encode_frame
 from capsa.node.guest_client import GuestClient, GuestError, GuestUnavailable
 from tests.support.local_guest import LocalGuest, local_guest
-from tests.unit.test_guest_channel import RawPeer, in_thread
 
 __all__ = ["local_guest"]
+
+
+class RawPeer:
+    """A blocking host end speaking frames by hand to the real daemon (to send what GuestClient would not)."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(20)
+        self.sock.connect(str(path))
+        self.decoder = Decoder()
+        self.pending: list[Frame] = []
+
+    def send(self, raw: bytes) -> None:
+        self.sock.sendall(raw)
+
+    def frame(self) -> Frame:
+        while not self.pending:
+            chunk = self.sock.recv(65536)
+            assert chunk, "daemon closed the connection"
+            self.pending += self.decoder.feed(chunk)
+        return self.pending.pop(0)
+
+    def until(self, stream: int) -> Frame:
+        while True:
+            f = self.frame()
+            if f.stream == stream and f.kind in (Kind.RESULT, Kind.ERROR):
+                return f
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def in_thread(fn: Callable[[], Frame]) -> Frame:
+    return await asyncio.get_running_loop().run_in_executor(None, fn)
 
 
 class FakeDaemon:
