@@ -20,9 +20,8 @@ import pytest
 from qemu.qmp import QMPClient
 
 from capsa.common.image import GuestImage
-from capsa.common.settings import Settings
 from capsa.node.runtime.base import VMSpec
-from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
+from capsa.node.runtime.qemu import PoolStorage
 from capsa.node.runtime.snapshot.manifest import FileEntry, SnapshotManifest, file_sha256, load_manifest
 from capsa.node.runtime.snapshot.mechanics import (
     RamMode,
@@ -33,6 +32,7 @@ from capsa.node.runtime.snapshot.mechanics import (
     plan_restore,
     save_snapshot,
 )
+from capsa.node.runtime.workdir import VmDir
 from capsa.node.storage import StoragePool, StorageSettings
 
 pytestmark = [
@@ -336,23 +336,26 @@ def test_manifest_digest_covers_every_field() -> None:
 
 
 def test_pool_keeps_one_reflinkable_copy_per_recent_image(pool: StoragePool, tmp_path: Path) -> None:
-    rt = QemuRuntime(Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache"), "tcg",
-                         storage=PoolStorage(pool))
+    storage = PoolStorage(pool)
     paths = []
     for i in range(4):
         rootfs = tmp_path / f"rootfs{i}.ext4"
         rootfs.write_bytes(f"image {i}".encode() * 1000)
         digest = hashlib.sha256(bytes([i])).hexdigest()
         image = GuestImage(kernel=rootfs, initrd=rootfs, rootfs=rootfs, digest=digest, kernel_release="x")
-        path = rt._pool_rootfs(VMSpec(image=image))
-        assert path.read_bytes() == rootfs.read_bytes()
-        assert rt._pool_rootfs(VMSpec(image=image)) == path  # reused, not copied again
-        # Sandbox disks made from it are reflinks that outlive the copy being pruned later.
-        disk = pool.sandbox_dir(f"sbx_{i}", create=True) / "disk.img"
-        assert pool.clone(path, disk) is True
-        paths.append((path, disk, rootfs.read_bytes()))
-        os.utime(path.parent, (time.time() + i, time.time() + i))
+        spec = VMSpec(image=image, memory_mib=16)
+        first = storage.boot_files(f"sbx_{i}a", spec, VmDir(tmp_path / "vms" / f"{i}a"), None)
+        copies = {p: p.stat().st_ino for p in pool.templates_dir.glob("image-*/rootfs.ext4")}
+        second = storage.boot_files(f"sbx_{i}b", spec, VmDir(tmp_path / "vms" / f"{i}b"), None)
+        # The image copy is reused, not copied again, and sandbox disks are reflinks of it.
+        assert {p: p.stat().st_ino for p in pool.templates_dir.glob("image-*/rootfs.ext4")} == copies
+        assert first.disk_cow and second.disk_cow
+        assert first.disk.read_bytes() == second.disk.read_bytes() == rootfs.read_bytes()
+        newest = max(pool.templates_dir.glob("image-*"), key=lambda p: p.stat().st_ctime_ns)
+        paths.append((newest, first.disk, rootfs.read_bytes()))
+        os.utime(newest, (time.time() + i, time.time() + i))
     remaining = {p.name for p in pool.templates_dir.iterdir()}
-    assert remaining == {paths[2][0].parent.name, paths[3][0].parent.name}
+    assert remaining == {paths[2][0].name, paths[3][0].name}
+    # Disks made from a pruned copy keep their extents.
     for _, disk, content in paths:
         assert disk.read_bytes() == content

@@ -20,6 +20,7 @@ from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.runtime.base import RuntimeError_, SandboxFailed, SandboxState, VMSpec
 from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
+from capsa.node.runtime.snapshot.manifest import SnapshotError
 from capsa.node.runtime.workdir import VM_UID_BASE, VM_UID_COUNT
 
 pytestmark = [
@@ -229,6 +230,16 @@ async def test_close_during_boot_leaves_no_vm(state_dir: Path, guest_image: Gues
     assert other.list() == []
     with pytest.raises(RuntimeError_, match="closed"):
         await other.boot(VMSpec(image=guest_image))
+
+
+async def test_work_dir_storage_refuses_a_snapshot_and_the_vm_keeps_running(runtime: QemuRuntime,
+                                                                              sandbox: QemuSandbox) -> None:
+    assert runtime.can_snapshot is False
+    with pytest.raises(SnapshotError) as err:
+        await runtime.snapshot(sandbox)
+    assert err.value.code == "snapshot_unsupported" and err.value.status == 409
+    assert _state(sandbox) is SandboxState.RUNNING
+    assert (await sandbox.guest.exec(["true"], timeout=30)).exit_code == 0
 
 
 async def test_destroy_leaves_nothing(runtime: QemuRuntime, sandbox: QemuSandbox, state_dir: Path) -> None:

@@ -43,9 +43,9 @@ def bogus_image(base: Path) -> GuestImage:
                       digest="0" * 64, kernel_release="none")
 
 
-def _runtime(base: Path, **kwargs: object) -> QemuRuntime:
+def _runtime(base: Path, accel: str = "tcg") -> QemuRuntime:
     settings = Settings(state_dir=base / "state", cache_dir=base / "cache")
-    return QemuRuntime(settings, accel=kwargs.pop("accel", "tcg"), accel_cache=False, **kwargs)  # type: ignore[arg-type]
+    return QemuRuntime(settings, accel=accel, accel_cache=False)
 
 
 def _kvm_open_to_everyone() -> bool:

@@ -208,7 +208,7 @@ class QemuRuntime:
     async def _admitted(self, sid: str, sandbox: QemuSandbox) -> QemuSandbox:
         if self._closed:  # close() ran while this VM was starting: it must not outlive the runtime
             await self.destroy(sandbox)
-            raise RuntimeError_(f"the runtime was closed while sandbox {sid} was starting")
+            raise RuntimeError_(f"the runtime was closed while the sandbox was booting ({sid})")
         return sandbox
 
     async def boot(self, spec: VMSpec, sandbox_id: str | None = None) -> QemuSandbox:
@@ -282,7 +282,10 @@ class QemuRuntime:
 
     @property
     def templates_dir(self) -> Path:
-        return self.pool.templates_dir
+        """The pool's templates/ (never raises, so ``isinstance(runtime, SnapshotCapable)`` works for
+        every storage; without a pool it names a directory no snapshot can be taken into)."""
+        pool = self.storage.pool
+        return pool.templates_dir if pool is not None else self.settings.state_dir / "templates"
 
     def open_snapshot(self, snapshot_id: str) -> Snapshot:
         if not is_id(snapshot_id, "snap"):
