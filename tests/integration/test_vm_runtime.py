@@ -182,7 +182,7 @@ async def test_command_past_its_timeout_is_killed(sandbox: QemuSandbox) -> None:
 
 
 async def test_lost_channel_is_reconnected_while_the_vm_runs(sandbox: QemuSandbox) -> None:
-    await sandbox._client.close()  # e.g. a reader crash on the host side; QEMU and the guest are fine
+    await sandbox.guest.close()  # e.g. a reader crash on the host side; QEMU and the guest are fine
     health = await sandbox.guest.health()
     assert health["status"] == "ok"
     result = await sandbox.guest.exec(["echo", "again"])
