@@ -1,6 +1,6 @@
 """Creation paths benchmark: warm pool vs restore on demand vs cold boot; pause/resume; branch; density.
 
-Drives the node agent (:class:`capsa.node.snapshot_agent.SnapshotNodeAgent`) directly, with real QEMU
+Drives the node agent (:class:`capsa.node.agent.NodeAgent` with a ``TemplateSource``) directly, with real QEMU
 microvms (TCG on hosts without hardware virtualization) on a btrfs loop pool in a temporary state
 directory that is removed afterwards. Prints a table and writes JSON::
 
@@ -33,15 +33,15 @@ from typing import Any
 from capsa.common.ids import new_id
 from capsa.common.settings import Settings
 from capsa.images import ensure_image
-from capsa.node.agent import NodeCapacity
+from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
-from capsa.node.snapshot_agent import SnapshotNodeAgent
+from capsa.node.sources import TemplateSource
 from capsa.node.storage import StoragePool, StorageSettings
 from harness import host_facts, memory_kib, summary, write_results
 
 
-async def _wait_pool(agent: SnapshotNodeAgent, idle: int = 1) -> None:
+async def _wait_pool(agent: NodeAgent, idle: int = 1) -> None:
     while True:
         st = [s for s in agent.pool_status() if s["template"] == "base" and s["memory_mib"] == 256]
         if st and st[0]["idle"] == idle and st[0]["restoring"] == 0:
@@ -49,12 +49,12 @@ async def _wait_pool(agent: SnapshotNodeAgent, idle: int = 1) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _true(agent: SnapshotNodeAgent, sid: str) -> None:
+async def _true(agent: NodeAgent, sid: str) -> None:
     res = await agent.get(sid).sandbox.guest.exec(["true"], timeout=60)
     assert res.exit_code == 0
 
 
-async def _creates(agent: SnapshotNodeAgent, n: int,
+async def _creates(agent: NodeAgent, n: int,
                    pooled: bool) -> tuple[list[float], list[float], list[str]]:
     create, first, sources = [], [], []
     for _ in range(n):
@@ -88,7 +88,7 @@ async def _cold(runtime: QemuRuntime, spec: VMSpec, n: int) -> tuple[list[float]
     return boots, first
 
 
-async def _pause_resume(agent: SnapshotNodeAgent, memory_mib: int, n: int) -> dict[str, Any]:
+async def _pause_resume(agent: NodeAgent, memory_mib: int, n: int) -> dict[str, Any]:
     pauses, resumes = [], []
     for _ in range(n):
         sid = new_id("sbx")
@@ -119,7 +119,7 @@ def _pss_mib(sb: object) -> float | None:
     return memory_kib(pid)["pss"] / 1024
 
 
-async def _branch(agent: SnapshotNodeAgent, repeat: int) -> tuple[dict[str, Any], list[float]]:
+async def _branch(agent: NodeAgent, repeat: int) -> tuple[dict[str, Any], list[float]]:
     sid = new_id("sbx")
     await agent.create(sid, "base", 256, 1, {})
     snap = await agent.snapshot(sid)
@@ -144,7 +144,7 @@ async def _branch(agent: SnapshotNodeAgent, repeat: int) -> tuple[dict[str, Any]
     return out, pss
 
 
-async def _idle_density(agent: SnapshotNodeAgent, k: int) -> list[float]:
+async def _idle_density(agent: NodeAgent, k: int) -> list[float]:
     ids = [new_id("sbx") for _ in range(k)]
     try:
         for sid in ids:
@@ -175,8 +175,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     pool = StoragePool.open(state, StorageSettings(loop_size_mib=16384, require_cow=True))
     runtime = QemuRuntime(Settings(state_dir=state, cache_dir=settings.cache_dir, accel=args.accel),
                               storage=PoolStorage(pool))
-    agent = SnapshotNodeAgent(runtime, image, pool_size=1,
-                              capacity=NodeCapacity(memory_mib=20480, vcpus=64, max_sandboxes=64))
+    source = TemplateSource(runtime, image, pool_size=1)
+    agent = NodeAgent(runtime, image, source=source,
+                      capacity=NodeCapacity(memory_mib=20480, vcpus=64, max_sandboxes=64))
     results: dict[str, Any] = {"host": host_facts(), "load_start": list(os.getloadavg())}
     try:
         t0 = time.perf_counter()
@@ -191,8 +192,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         print("create from warm pool   ", _fmt(results["create_pool_s"]), flush=True)
 
         # The pool off: every creation restores the template on demand.
-        await agent.warm.drain()
-        agent.warm.default_size = 0
+        await source.warm.drain()
+        source.warm.default_size = 0
         create, first, sources = await _creates(agent, args.n, pooled=False)
         results["create_restore_s"] = summary(create)
         results["create_restore_first_exec_s"] = summary(first)

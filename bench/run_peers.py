@@ -36,10 +36,10 @@ from rich.table import Table
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.images import ensure_image
-from capsa.node.agent import NodeCapacity
+from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
-from capsa.node.snapshot_agent import SnapshotNodeAgent
+from capsa.node.sources import TemplateSource
 from capsa.node.storage import StoragePool, StorageSettings
 from create_paths import _cold, _creates
 from harness import host_facts, summary, write_results
@@ -64,8 +64,9 @@ async def _capsa(args: argparse.Namespace, image: GuestImage) -> dict[str, dict[
     pool = StoragePool.open(state, StorageSettings(loop_size_mib=16384, require_cow=True))
     runtime = QemuRuntime(Settings(state_dir=state, cache_dir=settings.cache_dir, accel=args.accel),
                               storage=PoolStorage(pool))
-    agent = SnapshotNodeAgent(runtime, image, pool_size=1,
-                              capacity=NodeCapacity(memory_mib=20480, vcpus=64, max_sandboxes=64))
+    source = TemplateSource(runtime, image, pool_size=1)
+    agent = NodeAgent(runtime, image, source=source,
+                      capacity=NodeCapacity(memory_mib=20480, vcpus=64, max_sandboxes=64))
     vm = "QEMU microvm, own kernel (TCG here: no hardware virtualization)"
     out: dict[str, dict[str, Any]] = {}
     try:
@@ -75,8 +76,8 @@ async def _capsa(args: argparse.Namespace, image: GuestImage) -> dict[str, dict[
         out["capsa_warm_pool"] = _entry(first, "microVM", vm,
                                         sources={s: sources.count(s) for s in set(sources)})
         print("capsa warm pool done", flush=True)
-        await agent.warm.drain()
-        agent.warm.default_size = 0
+        await source.warm.drain()
+        source.warm.default_size = 0
         _, first, sources = await _creates(agent, args.n, pooled=False)
         out["capsa_restore_on_demand"] = _entry(first, "microVM", vm,
                                                 sources={s: sources.count(s) for s in set(sources)})

@@ -1,6 +1,6 @@
 """Sessions that outlive sandboxes, through the public API with real microVMs (QEMU microvm, TCG here).
 
-HTTP -> control plane -> node API (SnapshotNodeAgent, docs/node-snapshots.md) -> QemuRuntime -> guest.
+HTTP -> control plane -> node API (NodeAgent, TemplateSource; docs/node-snapshots.md) -> QemuRuntime -> guest.
 One VM is cold-booted for the module (the node's base template); every sandbox after it is restored.
 The control plane's rolling snapshot loop and reaper run for real (short intervals).
 """
@@ -27,11 +27,10 @@ from capsa.common.settings import Settings
 from capsa.control.app import create_app
 from capsa.control.keys import generate_key
 from capsa.control.settings import ControlSettings
-from capsa.node.agent import NodeCapacity
+from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.api import create_node_app
-from capsa.node.api_snapshots import add_snapshot_routes
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
-from capsa.node.snapshot_agent import SnapshotNodeAgent
+from capsa.node.sources import TemplateSource
 from capsa.node.storage import StoragePool
 from tests.support.api_stack import Replica, serve_app
 
@@ -49,7 +48,7 @@ COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; do
 
 
 class Stack:
-    def __init__(self, agent: SnapshotNodeAgent, node: Replica, control: Replica, admin: str,
+    def __init__(self, agent: NodeAgent, node: Replica, control: Replica, admin: str,
                  state_dir: Path) -> None:
         self.agent, self.node, self.control, self.admin = agent, node, control, admin
         self.state_dir = state_dir
@@ -67,7 +66,8 @@ class Stack:
 
     @property
     def pool_root(self) -> Path:
-        return self.agent.snap_runtime.pool.root
+        assert isinstance(self.agent.runtime, QemuRuntime)
+        return self.agent.runtime.templates_dir.parent
 
     def snapshot_dirs(self) -> set[str]:
         return {p.name for p in (self.pool_root / "snapshots").iterdir()}
@@ -88,15 +88,14 @@ async def stack(state_dir: Path, pool: StoragePool, guest_image: GuestImage) -> 
     runtime = QemuRuntime(Settings(state_dir=state_dir, cache_dir=Settings().cache_dir),
                           storage=PoolStorage(pool))
     # No warm pool: keeps one VM fewer on two shared cores; sessions restore from the template on demand.
-    agent = SnapshotNodeAgent(runtime, guest_image, node_id=NODE_ID, pool_size=0,
-                              capacity=NodeCapacity(8192, 32, 16))
+    agent = NodeAgent(runtime, guest_image, node_id=NODE_ID, capacity=NodeCapacity(8192, 32, 16),
+                      source=TemplateSource(runtime, guest_image, pool_size=0))
     await agent.start()
     node: Replica | None = None
     control: Replica | None = None
     try:
         await agent.wait_ready()
         app = create_node_app(agent, NODE_TOKEN)
-        add_snapshot_routes(app, agent, NODE_TOKEN)
         node = await serve_app(app, uds=str(state_dir / "node.sock"), lifespan="off")
         admin = generate_key().full
         settings = ControlSettings(database_url=f"sqlite+aiosqlite:///{state_dir}/capsa.db",

@@ -1,10 +1,11 @@
 """Sessions with an egress policy restored from the networked template, with real VMs (TCG here).
 
-A :class:`SnapshotNodeAgent` with egress builds ``base-net`` (``base`` plus a NIC with a fixed MAC, booted
-once on a throwaway tap) and restores a sandbox with a policy from it onto that sandbox's own tap: the
-create source is ``restore``, the guest has this sandbox's address, the allowed HTTPS call goes through the
-broker with the secret injected, a direct IP is refused, and destroying it removes namespace, tap and
-rules. When the restore fails, the sandbox cold-boots instead and nothing of the failed attempt is left.
+A :class:`NodeAgent` with the template source and egress builds ``base-net`` (``base`` plus a NIC with a
+fixed MAC, booted once on a throwaway tap) and restores a sandbox with a policy from it onto that
+sandbox's own tap: the create source is ``restore``, the guest has this sandbox's address, the allowed
+HTTPS call goes through the broker with the secret injected, a direct IP is refused, and destroying it
+removes namespace, tap and rules. When the restore fails, the sandbox cold-boots (source ``boot``) on the
+same tap instead and nothing of the failed attempt is left.
 
 Every address involved lives in namespaces this test creates (tests.support.outside's outside
 world). At most one sandbox VM runs at a time, to spare the 2 cores.
@@ -24,7 +25,7 @@ import pytest
 from capsa.common.errors import CapsaError
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
-from capsa.node.agent import SandboxRecord
+from capsa.node.agent import NodeAgent, SandboxRecord
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.dns import DnsResolver
@@ -32,8 +33,8 @@ from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import EgressService
 from capsa.node.net.sandbox_net import NetworkManager
-from capsa.node.runtime.snapshot_runtime import SnapshotRuntime, SnapshotSandbox
-from capsa.node.snapshot_agent import NET_TEMPLATE, NET_TEMPLATE_MAC, SnapshotNodeAgent, SnapshotRecord
+from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
+from capsa.node.sources import NET_TEMPLATE, NET_TEMPLATE_MAC, TemplateSource
 from capsa.node.storage import StoragePool, StorageSettings
 from tests.support.outside import OTHER_ID, OTHER_SECRET, SECRET, SECRET_ID, outside_world, world_policy
 
@@ -115,8 +116,9 @@ async def test_policy_sessions_are_restored_from_the_networked_template(
             manager = NetworkManager(pool=f"10.231.{octet}.0/24", netns_prefix=prefix)
             egress = NodeEgress(EgressService(manager, broker, audit, poll_interval=0.5), store, audit)
             settings = Settings(state_dir=state_dir, cache_dir=Settings().cache_dir)
-            runtime = SnapshotRuntime(settings, pool=pool)
-            agent = SnapshotNodeAgent(runtime, guest_image, pool_size=0, egress=egress)
+            runtime = QemuRuntime(settings, storage=PoolStorage(pool))
+            source = TemplateSource(runtime, guest_image, pool_size=0, egress=egress)
+            agent = NodeAgent(runtime, guest_image, egress=egress, source=source)
             await agent.start()
             try:
                 await agent.wait_ready()
@@ -127,9 +129,9 @@ async def test_policy_sessions_are_restored_from_the_networked_template(
                 sid = "sbx_" + secrets.token_hex(10)
                 record = await agent.create(sid, "base", 256, 1, {"MINE": "1"}, policy=policy,
                                             secrets=values, session_id="ses_a")
-                assert isinstance(record, SnapshotRecord) and record.source == "restore"
-                assert record.networked and isinstance(record.sandbox, SnapshotSandbox)
-                net_tpl = agent.template_store.find(NET_TEMPLATE, 256, 1)
+                assert record.source == "restore"
+                assert record.networked and isinstance(record.sandbox, QemuSandbox)
+                net_tpl = source.store.find(NET_TEMPLATE, 256, 1)
                 assert net_tpl is not None and record.snapshot == net_tpl.snapshot.id
                 assert prefix not in "".join(line for line in _netns().splitlines() if sid not in line)
                 net = egress.network(sid)
@@ -169,7 +171,7 @@ async def test_policy_sessions_are_restored_from_the_networked_template(
                 assert net.tap not in _links()
 
                 # A restore that fails falls back to a cold boot, leaving nothing of the failed attempt.
-                async def broken(*_a: object, **_k: object) -> SnapshotSandbox:
+                async def broken(*_a: object, **_k: object) -> QemuSandbox:
                     assert egress.network(sid2) is not None  # egress was attached before the restore
                     raise RuntimeError("restore broken on purpose")
 
@@ -178,7 +180,7 @@ async def test_policy_sessions_are_restored_from_the_networked_template(
                     m.setattr(runtime, "restore", broken)
                     cold = await agent.create(sid2, "base", 256, 1, {}, policy=policy, secrets=values,
                                               session_id="ses_b")
-                assert not isinstance(cold, SnapshotRecord) and cold.networked
+                assert cold.source == "boot" and cold.snapshot is None and cold.networked
                 assert [r.id for r in agent.list()] == [sid2]
                 seen = await _probe(cold, world.ip)
                 assert seen["allowed"] == 200 and seen["direct_ip_http"] == 403

@@ -23,10 +23,10 @@ from capsa.cli.main import cli
 from capsa.common.ids import new_id
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
+from capsa.node.agent import NodeAgent
 from capsa.node.api import create_node_app
-from capsa.node.api_snapshots import add_snapshot_routes
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
-from capsa.node.snapshot_agent import SnapshotNodeAgent, SnapshotRecord
+from capsa.node.sources import TemplateSource
 from capsa.node.storage import StoragePool
 from capsa.node.template_build import build_template, load_spec
 
@@ -43,10 +43,10 @@ COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; do
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def agent(state_dir: Path, pool: StoragePool,
-                guest_image: GuestImage) -> AsyncIterator[SnapshotNodeAgent]:
+                guest_image: GuestImage) -> AsyncIterator[NodeAgent]:
     settings = Settings(state_dir=state_dir, cache_dir=Settings().cache_dir)
     rt = QemuRuntime(settings, storage=PoolStorage(pool))
-    a = SnapshotNodeAgent(rt, guest_image, pool_size=1)
+    a = NodeAgent(rt, guest_image, source=TemplateSource(rt, guest_image, pool_size=1))
     await a.start()
     try:
         await a.wait_ready()
@@ -56,9 +56,8 @@ async def agent(state_dir: Path, pool: StoragePool,
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def api(agent: SnapshotNodeAgent) -> AsyncIterator[httpx.AsyncClient]:
+async def api(agent: NodeAgent) -> AsyncIterator[httpx.AsyncClient]:
     app = create_node_app(agent, TOKEN)
-    add_snapshot_routes(app, agent, TOKEN)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://node/node/v1",
                                  headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300) as client:
@@ -94,11 +93,21 @@ async def _wait_pool_full(api: httpx.AsyncClient, limit: float = 120) -> None:
         await asyncio.sleep(0.2)
 
 
-def _pool_root(agent: SnapshotNodeAgent) -> Path:
-    return agent.snap_runtime.pool.root
+def _templates(agent: NodeAgent) -> TemplateSource:
+    assert isinstance(agent.source, TemplateSource)
+    return agent.source
 
 
-def _listing(agent: SnapshotNodeAgent) -> dict[str, list[str]]:
+def _runtime(agent: NodeAgent) -> QemuRuntime:
+    assert isinstance(agent.runtime, QemuRuntime)
+    return agent.runtime
+
+
+def _pool_root(agent: NodeAgent) -> Path:
+    return _runtime(agent).templates_dir.parent
+
+
+def _listing(agent: NodeAgent) -> dict[str, list[str]]:
     root = _pool_root(agent)
     return {area: sorted(p.name for p in (root / area).iterdir()) for area in ("sandboxes", "snapshots",
                                                                              "templates")}
@@ -113,14 +122,12 @@ async def test_base_template_is_listed(api: httpx.AsyncClient) -> None:
     assert "base" in (await _ok(await api.get("/info")))["templates"]
 
 
-def _source(agent: SnapshotNodeAgent, sid: str) -> str:
-    record = agent.get(sid)
-    assert isinstance(record, SnapshotRecord)
-    return record.source
+def _source(agent: NodeAgent, sid: str) -> str:
+    return agent.get(sid).source
 
 
 async def test_create_from_pool_then_on_demand_and_identity(api: httpx.AsyncClient,
-                                                            agent: SnapshotNodeAgent) -> None:
+                                                            agent: NodeAgent) -> None:
     await _wait_pool_full(api)
     a = await _create(api)
     b = await _create(api)  # the pool has just been emptied: restored on demand
@@ -146,7 +153,7 @@ async def test_create_from_pool_then_on_demand_and_identity(api: httpx.AsyncClie
             await _ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
 
 
-async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: SnapshotNodeAgent) -> None:
+async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: NodeAgent) -> None:
     sb = await _create(api)
     sid = sb["id"]
     await _ok(await api.put(f"/sandboxes/{sid}/files/content", params={"path": "/root/note.txt"},
@@ -159,8 +166,8 @@ async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: S
     assert snap["retain"] is True and snap["sandbox_id"] == sid
     assert (await api.get(f"/sandboxes/{sid}")).status_code == 404
     # The paused VM's files are gone; only the snapshot remains.
-    runtime_ids = {s.id for s in agent.snap_runtime.list()}
-    pooled = {s.id for s in agent.warm.pooled()}
+    runtime_ids = {s.id for s in _runtime(agent).list()}
+    pooled = {s.id for s in _templates(agent).warm.pooled()}
     assert set(_listing(agent)["sandboxes"]) <= runtime_ids | pooled
     assert snap["id"] in _listing(agent)["snapshots"]
 
@@ -210,7 +217,7 @@ async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: S
     # Closing deletes the sandbox's disk and memory files and its non-retained snapshot.
     assert not sandbox_dir.exists()
     assert not snap_dir.exists()
-    assert not (agent.snap_runtime.vms_dir / runtime_id).exists()
+    assert not (_runtime(agent).vms_dir / runtime_id).exists()
     # The pause snapshot is retained until it is deleted explicitly.
     assert (_pool_root(agent) / "snapshots" / snap["id"]).is_dir()
     await _ok(await api.delete(f"/snapshots/{snap['id']}"), 204)
@@ -218,7 +225,7 @@ async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: S
     assert (await api.get(f"/snapshots/{snap['id']}")).status_code == 404
 
 
-async def test_bad_requests_change_nothing(api: httpx.AsyncClient, agent: SnapshotNodeAgent) -> None:
+async def test_bad_requests_change_nothing(api: httpx.AsyncClient, agent: NodeAgent) -> None:
     await _wait_pool_full(api)
     sb = await _create(api)
     try:
@@ -272,17 +279,17 @@ env:
 """
 
 
-async def test_template_build_create_and_remove(api: httpx.AsyncClient, agent: SnapshotNodeAgent,
+async def test_template_build_create_and_remove(api: httpx.AsyncClient, agent: NodeAgent,
                                                 tmp_path: Path, state_dir: Path) -> None:
     (tmp_path / "spec.yaml").write_text(SPEC)
     (tmp_path / "data.bin").write_bytes(b"\x00\x01binary")
     spec, sources = load_spec(tmp_path / "spec.yaml")
     steps: list[str] = []
-    built = await build_template(agent.template_store, spec, sources, progress=steps.append)
+    built = await build_template(_templates(agent).store, spec, sources, progress=steps.append)
     assert built.digest.startswith("sha256:") and any(s.startswith("apt:") for s in steps)
     # No build VM is left behind.
     assert not any(isinstance(s, QemuSandbox) and s.spec.labels.get("template-build")
-                   for s in agent.snap_runtime.list())
+                   for s in _runtime(agent).list())
 
     listed = (await _ok(await api.get("/templates/h1-tools")))["items"]
     assert listed[0]["digest"] == built.digest and listed[0]["spec"]["env"] == {"GREETING": "howdy"}
@@ -308,7 +315,7 @@ async def test_template_build_create_and_remove(api: httpx.AsyncClient, agent: S
     assert resp.status_code == 404 and resp.json()["code"] == "template_not_found"
 
 
-async def test_template_cli_build_show_rm(api: httpx.AsyncClient, agent: SnapshotNodeAgent, tmp_path: Path,
+async def test_template_cli_build_show_rm(api: httpx.AsyncClient, agent: NodeAgent, tmp_path: Path,
                                           state_dir: Path) -> None:
     """`capsa template build|show|rm` as a user runs them, on the node's state directory."""
     (tmp_path / "spec.yaml").write_text("name: h1-cli\nfiles:\n  - {path: /etc/h1-cli, content: cli}\n"

@@ -656,6 +656,7 @@ async def test_ndjson_output_arrives_while_the_command_runs(stack: ApiStack) -> 
 async def test_placement_picks_the_node_with_most_free_memory(make_stack: Any, tmp_path: Any) -> None:
     from capsa.node.agent import NodeAgent, NodeCapacity
     from capsa.node.api import create_node_app
+    from capsa.node.sources import ColdBootSource
     from tests.support.api_stack import serve_app
     from tests.support.fake_runtime import FakeRuntime, fake_image
 
@@ -664,11 +665,9 @@ async def test_placement_picks_the_node_with_most_free_memory(make_stack: Any, t
     servers = []
     try:
         for name, memory, templates in (("small", 1024, ["base"]), ("other-template", 65536, ["gpu"])):
-            agent = NodeAgent(
-                FakeRuntime(), fake_image(tmp_path / name), node_id=name, capacity=NodeCapacity(memory, 8, 8)
-            )
-            if templates == ["gpu"]:
-                agent.templates = {"gpu": agent.templates["base"]}
+            runtime, image = FakeRuntime(), fake_image(tmp_path / name)
+            agent = NodeAgent(runtime, image, node_id=name, capacity=NodeCapacity(memory, 8, 8),
+                              source=ColdBootSource(runtime, {t: image for t in templates}))
             server = await serve_app(
                 create_node_app(agent, "token-" + "x" * 20),
                 uds=str(tmp_path / f"{name}.sock"),

@@ -126,6 +126,10 @@ async def test_refused_snapshot_requests_change_nothing(agent: NodeAgent) -> Non
     with pytest.raises(CapsaError) as dup:
         await agent.branch(snap["id"], [sid + "x"[:0], sid], {})
     assert dup.value.code in ("already_exists", "bad_request")
+    for count in (0, 65):
+        with pytest.raises(CapsaError) as bad_count:
+            await agent.branch(snap["id"], [new_id("sbx") for _ in range(count)], {})
+        assert bad_count.value.code == "invalid_branch_count" and bad_count.value.status == 422
     # A branch that cannot fit the node's capacity makes none of them.
     with pytest.raises(CapsaError) as full:
         await agent.branch(snap["id"], [new_id("sbx") for _ in range(16)], {})

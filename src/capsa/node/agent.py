@@ -32,7 +32,7 @@ from capsa.node.egress.node_egress import CA_PATH, NodeEgress, install_ca_script
 from capsa.node.guest_client import DEFAULT_MAX_OUTPUT, ExecResult, FileInfo, ProcessInfo, ProcessOutput
 from capsa.node.runtime.base import GuestImage, Runtime, Sandbox, SandboxState, SnapshotCapable
 from capsa.node.sandboxes import NodeCapacity, SandboxRecord, SandboxTable, default_capacity
-from capsa.node.snapshots import Snapshots, SnapshottingRuntime
+from capsa.node.snapshots import Snapshots, SnapshottingRuntime, check_branch_count
 from capsa.node.sources import ColdBootSource, MadeSandbox, SandboxRequest, SandboxSource, TemplateSource
 from capsa.node.templates import BASE, Template
 from capsa.node.warm_pool import PoolMetrics
@@ -263,6 +263,7 @@ class NodeAgent:
         """One new sandbox per id from one snapshot, all or nothing."""
         snapshots = self._snapshots()
         started = time.perf_counter()
+        check_branch_count(len(sandbox_ids))
         snap = await asyncio.to_thread(snapshots.open, snapshot_id)
         m = snap.manifest
         with self._table.reserve(list(sandbox_ids), m.memory_mib, m.vcpus):

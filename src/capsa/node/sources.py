@@ -278,7 +278,7 @@ class TemplateSource:
         if request.template != BASE or self.egress is None or request.network is None:
             return await self.cold.make(request)
         try:
-            tpl = await self._net_template(request.memory_mib, request.vcpus)
+            tpl = await self.net_template(request.memory_mib, request.vcpus)
             spec = self._spec(tpl, {"sandbox": request.sandbox_id, "template": BASE},
                               network=dataclasses.replace(request.network, mac=NET_TEMPLATE_MAC))
             sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
@@ -301,7 +301,7 @@ class TemplateSource:
                         exc)
         return await self.cold.make(request)
 
-    async def _net_template(self, memory_mib: int, vcpus: int) -> Template:
+    async def net_template(self, memory_mib: int, vcpus: int) -> Template:
         """``base`` with a NIC (MAC :data:`NET_TEMPLATE_MAC`), cold-booted and snapshotted on first use."""
         assert self.egress is not None
         store = self.store
