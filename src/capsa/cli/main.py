@@ -17,6 +17,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("capsa.cli.serve", "serve"),
     "node": ("capsa.cli.node", "node"),
     "keys": ("capsa.cli.keys", "keys"),
+    "nodes": ("capsa.cli.nodes", "nodes"),
+    "control": ("capsa.cli.control", "control"),
     "run": ("capsa.cli.sessions", "run"),
     "ls": ("capsa.cli.sessions", "ls"),
     "exec": ("capsa.cli.sessions", "exec_"),

@@ -11,6 +11,7 @@ from importlib.metadata import version
 from fastapi import FastAPI
 
 from capsa.control.auth import ensure_bootstrap_key
+from capsa.control.node_secrets import node_sealer
 from capsa.control.nodeclient import NodeClientPool
 from capsa.control.plane import ControlPlane
 from capsa.control.problems import install_problem_handlers
@@ -39,11 +40,12 @@ def create_app(settings: ControlSettings | None = None,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = create_engine(settings.database_url)
         plane = ControlPlane(settings=settings, engine=engine, db=session_factory(engine),
-                             nodes=NodeClientPool(settings.node_request_timeout))
+                             nodes=NodeClientPool(settings.node_request_timeout),
+                             sealer=node_sealer(settings))
         reaper: asyncio.Task[None] | None = None
         rolling: asyncio.Task[None] | None = None
         try:
-            await migrate(engine)
+            await migrate(engine, plane.sealer.seal if plane.sealer is not None else None)
             async with plane.db() as db:
                 plane.bootstrap_key = await ensure_bootstrap_key(db, settings.bootstrap_key,
                                                                  settings.bootstrap_tenant)

@@ -8,6 +8,7 @@ from capsa.common.errors import CapsaError
 
 __all__ = [
     "ApiError",
+    "EnrolTokenInvalid",
     "Forbidden",
     "InvalidState",
     "NoCapacity",
@@ -35,6 +36,13 @@ class Unauthorized(ApiError):
     code, status, title = "unauthorized", 401, "Unauthorized"
 
     def __init__(self, message: str = "missing, malformed, unknown or revoked API key") -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class EnrolTokenInvalid(ApiError):
+    code, status, title = "enrol_token_invalid", 401, "Enrolment token invalid"
+
+    def __init__(self, message: str = "unknown, expired or already used node enrolment token") -> None:
         super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
 
 

@@ -1,31 +1,57 @@
-"""Node registry: registration, heartbeats (with sandbox reconciliation) and node loss."""
+"""Node registry: enrolment, (re-)registration, heartbeats (with sandbox reconciliation), leaving and loss.
+
+A node's credential (what it presents to the control plane) is stored as a SHA-256; its API token (what the
+control plane presents to it) is stored encrypted (:mod:`capsa.control.node_secrets`).
+"""
 
 from __future__ import annotations
 
-import hmac
 from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import or_, select, update
 
+from capsa.common.ids import new_id
 from capsa.control import egress
-from capsa.control.errors import NotFound, Unauthorized
+from capsa.control.errors import EnrolTokenInvalid, NotFound, Unauthorized
 from capsa.control.lifecycle import ACTIVE_STATES
+from capsa.control.node_secrets import hash_secret, new_credential, new_enrol_token, secret_matches
 from capsa.control.plane import ControlPlane
-from capsa.control.schemas import HeartbeatOut, NodeHeartbeat, NodeOut, NodeRegister
+from capsa.control.schemas import (
+    HeartbeatOut,
+    NodeEnrol,
+    NodeEnrolled,
+    NodeHeartbeat,
+    NodeOut,
+    NodeRegister,
+    NodeToken,
+    NodeTokenCreate,
+)
 from capsa.control.sessions import finish_session, lose_sandbox
 from capsa.control.store.db import DbSession
-from capsa.control.store.models import NodeRow, SessionRow, utcnow
+from capsa.control.store.models import NodeEnrolTokenRow, NodeRow, SessionRow, utcnow
 
-__all__ = ["check_node_token", "fail_silent_nodes", "heartbeat", "list_nodes", "node_out", "register_node"]
+__all__ = [
+    "check_node_credential",
+    "create_enrol_token",
+    "enrol_node",
+    "fail_silent_nodes",
+    "heartbeat",
+    "leave_node",
+    "list_nodes",
+    "node_out",
+    "register_node",
+]
 
 
 def node_out(row: NodeRow, heartbeat_timeout: float) -> NodeOut:
-    healthy = row.last_heartbeat_at >= utcnow() - timedelta(seconds=heartbeat_timeout)
+    healthy = (row.left_at is None and row.token_sealed is not None
+               and row.last_heartbeat_at >= utcnow() - timedelta(seconds=heartbeat_timeout))
     return NodeOut(
-        id=row.id, url=row.url,
+        id=row.id, name=row.name, url=row.url,
         capacity={"memory_mib": row.memory_mib, "vcpus": row.vcpus, "max_sandboxes": row.max_sandboxes},
-        used=dict(row.used or {}), templates=list(row.templates or []), registered_at=row.registered_at,
-        last_heartbeat_at=row.last_heartbeat_at, healthy=healthy,
+        used=dict(row.used or {}), templates=list(row.templates or []), egress=bool(row.egress),
+        registered_at=row.registered_at, last_heartbeat_at=row.last_heartbeat_at, left_at=row.left_at,
+        healthy=healthy,
     )
 
 
@@ -37,37 +63,95 @@ async def _sessions_on(db: DbSession, node_id: str) -> list[tuple[str, bool]]:
     return [(sid, expires_at <= now) for sid, expires_at in rows.all()]
 
 
-async def register_node(plane: ControlPlane, req: NodeRegister) -> NodeOut:
-    """Add or re-add a node. A (re-)registering node has just started and removed every old VM, so
-    sessions that were running there are failed now rather than left pointing at nothing."""
-    now = utcnow()
-    async with plane.db() as db:
-        row = await db.get(NodeRow, req.id)
-        if row is None:
-            row = NodeRow(id=req.id, registered_at=now, used={})
-            db.add(row)
-        row.url, row.token, row.templates = req.url, req.token, list(req.templates)
-        row.memory_mib, row.vcpus = req.capacity.memory_mib, req.capacity.vcpus
-        row.max_sandboxes = req.capacity.max_sandboxes
-        row.registered_at = row.last_heartbeat_at = now
-        stale = await _sessions_on(db, req.id)
-        await db.commit()
-    for session_id, expired in stale:
+async def _drop_sandboxes(plane: ControlPlane, sessions: list[tuple[str, bool]], reason: str) -> None:
+    """The node's sandboxes are gone: each session is paused at its latest snapshot or failed."""
+    for session_id, expired in sessions:
         if expired:  # it would have been closed anyway: record what the reaper would have
             await finish_session(plane, session_id, "closed", "timeout")
         else:
-            await lose_sandbox(plane, session_id, "node restarted; its sandbox is gone")
+            await lose_sandbox(plane, session_id, reason)
+
+
+async def _load_out(plane: ControlPlane, node_id: str) -> NodeOut:
     async with plane.db() as db:
-        fresh = await db.get(NodeRow, req.id, populate_existing=True)
-        assert fresh is not None
-        return node_out(fresh, plane.settings.node_heartbeat_timeout)
+        row = await db.get(NodeRow, node_id, populate_existing=True)
+        if row is None:
+            raise NotFound(f"node {node_id} not found")
+        return node_out(row, plane.settings.node_heartbeat_timeout)
 
 
-async def check_node_token(plane: ControlPlane, node_id: str, token: str | None) -> None:
+async def create_enrol_token(plane: ControlPlane, req: NodeTokenCreate) -> NodeToken:
+    """A one-time enrolment token; only its hash is stored."""
+    token, now = new_enrol_token(), utcnow()
+    expires_at = now + timedelta(seconds=req.ttl_seconds)
+    async with plane.db() as db:
+        db.add(NodeEnrolTokenRow(token_hash=hash_secret(token), created_at=now, expires_at=expires_at))
+        await db.commit()
+    return NodeToken(token=token, expires_at=expires_at)
+
+
+async def enrol_node(plane: ControlPlane, enrol_token: str | None, req: NodeEnrol) -> NodeEnrolled:
+    """Create a node from a one-time token. The token is consumed by a conditional UPDATE in the same
+    transaction that creates the node, so of two replicas racing for one token exactly one succeeds."""
+    if not enrol_token:
+        raise EnrolTokenInvalid()
+    sealer = plane.node_sealer()
+    node_id, credential, now = new_id("node"), new_credential(), utcnow()
+    async with plane.db() as db:
+        claimed = await db.execute(
+            update(NodeEnrolTokenRow)
+            .where(NodeEnrolTokenRow.token_hash == hash_secret(enrol_token),
+                   NodeEnrolTokenRow.used_at.is_(None), NodeEnrolTokenRow.expires_at > now)
+            .values(used_at=now, node_id=node_id))
+        if claimed.rowcount != 1:  # type: ignore[attr-defined]  # CursorResult of an UPDATE
+            await db.rollback()
+            raise EnrolTokenInvalid()
+        db.add(NodeRow(
+            id=node_id, name=req.name, url=req.url, token_sealed=sealer.seal(node_id, req.api_token),
+            credential_hash=hash_secret(credential), memory_mib=req.capacity.memory_mib,
+            vcpus=req.capacity.vcpus, max_sandboxes=req.capacity.max_sandboxes, templates=list(req.templates),
+            egress=req.egress, used={}, registered_at=now, last_heartbeat_at=now, left_at=None))
+        await db.commit()
+    return NodeEnrolled(id=node_id, credential=credential)
+
+
+async def register_node(plane: ControlPlane, node_id: str, req: NodeRegister, *,
+                        credential: str | None = None, name: str | None = None) -> NodeOut:
+    """Add or re-add a node: the in-process admin path, also behind ``/register`` for an enrolled node.
+
+    A (re-)registering node has just started and removed every old VM, so sessions that were running there
+    lose their sandbox now (paused at their latest snapshot, or failed) rather than pointing at nothing.
+    ``credential``: set (hashed) as the node's credential; None keeps the one it has (an in-process node
+    that never calls the HTTP API may have none).
+    """
+    sealer = plane.node_sealer()
+    now = utcnow()
+    async with plane.db() as db:
+        row = await db.get(NodeRow, node_id, populate_existing=True)
+        if row is None:
+            row = NodeRow(id=node_id, registered_at=now, used={}, name=name)
+            db.add(row)
+        elif name is not None:
+            row.name = name
+        row.url, row.token_sealed = req.url, sealer.seal(node_id, req.api_token)
+        if credential is not None:
+            row.credential_hash = hash_secret(credential)
+        row.templates, row.egress = list(req.templates), req.egress
+        row.memory_mib, row.vcpus = req.capacity.memory_mib, req.capacity.vcpus
+        row.max_sandboxes = req.capacity.max_sandboxes
+        row.registered_at = row.last_heartbeat_at = now
+        row.left_at = None
+        stale = await _sessions_on(db, node_id)
+        await db.commit()
+    await _drop_sandboxes(plane, stale, "node restarted; its sandbox is gone")
+    return await _load_out(plane, node_id)
+
+
+async def check_node_credential(plane: ControlPlane, node_id: str, credential: str | None) -> None:
     async with plane.db() as db:
         row = await db.get(NodeRow, node_id)
-    if row is None or token is None or not hmac.compare_digest(row.token.encode(), token.encode()):
-        raise Unauthorized("unknown node or wrong node token")
+    if row is None or not secret_matches(credential, row.credential_hash):
+        raise Unauthorized("unknown node or wrong node credential")
 
 
 async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> HeartbeatOut:
@@ -80,6 +164,8 @@ async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> He
         if req.capacity is not None:
             row.memory_mib, row.vcpus = req.capacity.memory_mib, req.capacity.vcpus
             row.max_sandboxes = req.capacity.max_sandboxes
+        if req.templates is not None:
+            row.templates = list(req.templates)
         failed: list[tuple[str, str | None]] = []
         if req.failed_sandboxes:
             rows = await db.execute(select(SessionRow.id, SessionRow.sandbox_id).where(
@@ -102,6 +188,19 @@ async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> He
     return out
 
 
+async def leave_node(plane: ControlPlane, node_id: str) -> NodeOut:
+    """The node is stopping: it gets no new sessions from now on, and its sessions lose their sandbox now
+    (paused at their latest snapshot, or failed). It takes sessions again once it registers."""
+    async with plane.db() as db:
+        done = await db.execute(update(NodeRow).where(NodeRow.id == node_id).values(left_at=utcnow()))
+        if done.rowcount != 1:  # type: ignore[attr-defined]  # CursorResult of an UPDATE
+            raise NotFound(f"node {node_id} not found")
+        stale = await _sessions_on(db, node_id)
+        await db.commit()
+    await _drop_sandboxes(plane, stale, "node stopped")
+    return await _load_out(plane, node_id)
+
+
 async def list_nodes(plane: ControlPlane) -> list[NodeOut]:
     async with plane.db() as db:
         rows = await db.execute(select(NodeRow).order_by(NodeRow.id))
@@ -109,12 +208,17 @@ async def list_nodes(plane: ControlPlane) -> list[NodeOut]:
 
 
 async def fail_silent_nodes(plane: ControlPlane) -> list[str]:
-    """Fail every active session on a node that stopped heartbeating; returns the failed session ids."""
+    """Fail every running session on a node that stopped heartbeating or left; returns the failed ids.
+
+    Safe with several replicas: each session's change is a conditional update (``lose_sandbox``), so
+    exactly one replica acts on it.
+    """
     cutoff = utcnow() - timedelta(seconds=plane.settings.node_heartbeat_timeout)
     async with plane.db() as db:
         rows = await db.execute(
             select(SessionRow.id).join(NodeRow, NodeRow.id == SessionRow.node_id)
-            .where(NodeRow.last_heartbeat_at < cutoff, SessionRow.state == "running")
+            .where(or_(NodeRow.last_heartbeat_at < cutoff, NodeRow.left_at.is_not(None)),
+                   SessionRow.state == "running")
         )
         ids = list(rows.scalars())
     # A session with a snapshot is paused instead: it resumes once a node can read that snapshot again.

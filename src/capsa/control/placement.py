@@ -1,4 +1,5 @@
-"""Choosing a node for a new sandbox: healthy, has the template, most free memory wins."""
+"""Choosing a node for a new sandbox: healthy (recent heartbeat, not left), has the template, can run
+networked sandboxes when the session has an egress policy, has room; most free memory wins."""
 
 from __future__ import annotations
 
@@ -16,18 +17,26 @@ __all__ = ["choose_node", "choose_snapshot_node", "healthy_nodes"]
 
 async def healthy_nodes(db: DbSession, heartbeat_timeout: float) -> list[NodeRow]:
     cutoff = utcnow() - timedelta(seconds=heartbeat_timeout)
-    rows = await db.execute(select(NodeRow).where(NodeRow.last_heartbeat_at >= cutoff))
+    rows = await db.execute(select(NodeRow).where(
+        NodeRow.last_heartbeat_at >= cutoff, NodeRow.left_at.is_(None), NodeRow.token_sealed.is_not(None)))
     return list(rows.scalars())
 
 
 async def choose_node(db: DbSession, template: str, memory_mib: int, vcpus: int,
-                      heartbeat_timeout: float) -> NodeRow:
+                      heartbeat_timeout: float, egress: bool = False) -> NodeRow:
+    """``egress``: the session has an egress policy, so only nodes with an egress broker can run it."""
     nodes = await healthy_nodes(db, heartbeat_timeout)
     if not nodes:
         raise NoCapacity("no healthy node is registered")
     candidates = [node for node in nodes if template in (node.templates or [])]
     if not candidates:
         raise TemplateNotFound(f"template {template!r} is not available on any node")
+    if egress:
+        candidates = [node for node in candidates if node.egress]
+        if not candidates:
+            raise NoCapacity("no healthy node can run networked sessions (none has egress enabled); "
+                             f"create the session without a policy or start a node with egress (template "
+                             f"{template!r})")
     return await _roomiest(db, candidates, memory_mib, vcpus)
 
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
-from capsa.control.nodeclient import NodeClient, NodeClientPool
+from capsa.control.errors import ApiError
+from capsa.control.node_secrets import NodeSealer
+from capsa.control.nodeclient import NodeClient, NodeClientPool, NodeError
 from capsa.control.settings import ControlSettings
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import NodeRow
@@ -25,6 +27,26 @@ class ControlPlane:
     nodes: NodeClientPool = field(default_factory=NodeClientPool)
     bootstrap_key: str | None = None
     """Set when this process generated the bootstrap admin key (shown once, never stored in clear)."""
+    sealer: NodeSealer | None = None
+    """Encrypts the node API tokens at rest; None when no key is configured (nodes cannot register)."""
+
+    def node_sealer(self) -> NodeSealer:
+        if self.sealer is None:
+            raise ApiError("node API tokens are stored encrypted: set CAPSA_SECRET_KEY (or "
+                           "CAPSA_SECRET_KEY_FILE) or CAPSA_BOOTSTRAP_KEY on the control plane",
+                           code="secret_key_missing", status=503)
+        return self.sealer
 
     def node_client(self, node: NodeRow) -> NodeClient:
-        return self.nodes.get(node.url, node.token)
+        """A client for the node, presenting the node's API token (decrypted here, never kept in clear).
+
+        A token that cannot be read makes the node unreachable (``NodeError``, as every caller handles).
+        """
+        if node.token_sealed is None:
+            raise NodeError("node_unreachable", 503, f"node {node.id} has no API token on record; "
+                            "it must register again")
+        try:
+            token = self.node_sealer().open(node.id, node.token_sealed)
+        except ApiError as exc:
+            raise NodeError("node_unreachable", 503, exc.message) from None
+        return self.nodes.get(node.url, token)

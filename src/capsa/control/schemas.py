@@ -7,6 +7,15 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from capsa.common.node_wire import (
+    Capacity,
+    HeartbeatOut,
+    NodeEnrol,
+    NodeEnrolled,
+    NodeHeartbeat,
+    NodeOut,
+    NodeRegister,
+)
 from capsa.control.egress_schemas import PolicyDocument
 
 __all__ = [
@@ -24,10 +33,15 @@ __all__ = [
     "Health",
     "HeartbeatOut",
     "KillRequest",
+    "NodeCreate",
+    "NodeEnrol",
+    "NodeEnrolled",
     "NodeHeartbeat",
     "NodeList",
     "NodeOut",
     "NodeRegister",
+    "NodeToken",
+    "NodeTokenCreate",
     "ProblemDetail",
     "ProcessInfo",
     "ProcessList",
@@ -262,46 +276,36 @@ class ApiKeyList(BaseModel):
     items: list[ApiKeyOut]
 
 
-class Capacity(_Strict):
-    memory_mib: Annotated[int, Field(ge=0, le=1 << 30)]
-    vcpus: Annotated[int, Field(ge=0, le=1 << 20)]
-    max_sandboxes: Annotated[int, Field(ge=0, le=1 << 20)]
+class NodeCreate(_Strict):
+    """An admin registering a node by hand: the admin picks the id.
 
+    ``token`` is both the node's API token (which the control plane presents to it) and its credential
+    for heartbeats; a node started with ``capsa node`` enrols instead and gets a credential of its own.
+    """
 
-class NodeRegister(_Strict):
     id: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
     url: Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^(https?|unix)://")]
     token: Annotated[str, Field(min_length=16, max_length=256, pattern=r"^[\x21-\x7e]+$")]
     capacity: Capacity
     templates: Annotated[list[Annotated[str, Field(min_length=1, max_length=128)]], Field(max_length=256)] = \
         Field(default_factory=lambda: ["base"])
+    egress: bool = True
+    """Whether the node can run sessions with an egress policy (assumed, as before nodes reported it)."""
+
+    def registration(self) -> NodeRegister:
+        return NodeRegister(url=self.url, api_token=self.token, capacity=self.capacity,
+                            templates=self.templates, egress=self.egress)
 
 
-class NodeHeartbeat(_Strict):
-    capacity: Capacity | None = None
-    used: dict[Annotated[str, Field(max_length=64)], Annotated[int, Field(ge=0, le=1 << 40)]] = \
-        Field(default_factory=dict, max_length=16)
-    failed_sandboxes: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=10000)] = \
-        Field(default_factory=list)
-    """Sandboxes whose VM died since they were created; their sessions become ``failed``."""
-    sandboxes: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=10000)] | None = None
-    """Every sandbox the node holds; the answer's ``destroy_sandboxes`` lists those no live session owns."""
+class NodeTokenCreate(_Strict):
+    ttl_seconds: Annotated[int, Field(ge=60, le=7 * 86400)] = 3600
+    """How long the enrolment token stays valid (one minute to one week)."""
 
 
-class NodeOut(BaseModel):
-    id: str
-    url: str
-    capacity: dict[str, int]
-    used: dict[str, int]
-    templates: list[str]
-    registered_at: datetime
-    last_heartbeat_at: datetime
-    healthy: bool
-
-
-class HeartbeatOut(NodeOut):
-    destroy_sandboxes: list[str]
-    """Sandboxes the node should destroy: their sessions ended but the destroy call never reached the node."""
+class NodeToken(BaseModel):
+    token: str
+    """A one-time enrolment token for ``capsa node --enrol-token``; shown once, stored hashed."""
+    expires_at: datetime
 
 
 class NodeList(BaseModel):

@@ -138,7 +138,7 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
         policy, secret_values = await egress.resolve_policy(plane, principal.tenant, req.policy)
     async with plane.db() as db:
         node = await choose_node(db, req.template, req.memory_mib, req.vcpus,
-                                 plane.settings.node_heartbeat_timeout)
+                                 plane.settings.node_heartbeat_timeout, egress=policy is not None)
         row = SessionRow(
             id=session_id, tenant=principal.tenant, state="creating", template=req.template, created_at=now,
             updated_at=now, expires_at=now + timedelta(seconds=req.timeout), idle_timeout=req.idle_timeout,

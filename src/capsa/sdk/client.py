@@ -29,6 +29,7 @@ from capsa.sdk.errors import (
     error_from_problem,
 )
 from capsa.sdk.models import ApiKey, SessionInfo, SnapshotInfo, parse, parse_items
+from capsa.sdk.nodes import AsyncNodes
 
 __all__ = ["AsyncClient", "AsyncKeys", "seg"]
 
@@ -95,6 +96,7 @@ class AsyncClient:
         self._http = httpx.AsyncClient(base_url=self.config.api_url + "/v1", headers=headers,
                                        timeout=httpx.Timeout(self.config.timeout), transport=transport)
         self.keys = AsyncKeys(self)
+        self.nodes = AsyncNodes(self)
         self.secrets = AsyncSecrets(self)
 
     # -- plumbing -------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from capsa.sdk.models import (
     SessionInfo,
     SnapshotInfo,
 )
+from capsa.sdk.nodes import Nodes
 from capsa.sdk.portal import Portal, get_portal
 from capsa.sdk.session import AsyncSession
 from capsa.sdk.snapshots import AsyncSnapshots
@@ -60,6 +61,7 @@ class Client:
         self._portal = get_portal()
         self.aio = AsyncClient(api_url, api_key, timeout=timeout, transport=transport)
         self.keys = Keys(self.aio.keys, self._portal)
+        self.nodes = Nodes(self.aio.nodes, self._portal)
         self.secrets = Secrets(self.aio.secrets, self._portal)
 
     @property

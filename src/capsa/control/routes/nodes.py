@@ -1,44 +1,93 @@
-"""``/v1/nodes`` (admin only, except heartbeats, which a node may send with its own token)."""
+"""``/v1/nodes``: admin routes (list, register by hand, enrolment tokens), a node's own routes (register,
+heartbeat, leave; its credential or an admin key) and enrolment (a one-time token)."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Body, Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from capsa.control import nodes
 from capsa.control.auth import authenticate, require_admin
 from capsa.control.deps import Admin, Plane, problems
 from capsa.control.errors import Unauthorized
-from capsa.control.schemas import HeartbeatOut, NodeHeartbeat, NodeList, NodeOut, NodeRegister
+from capsa.control.schemas import (
+    HeartbeatOut,
+    NodeCreate,
+    NodeEnrol,
+    NodeEnrolled,
+    NodeHeartbeat,
+    NodeList,
+    NodeOut,
+    NodeRegister,
+    NodeToken,
+    NodeTokenCreate,
+)
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/nodes", tags=["nodes"], responses=problems(403, 404))
-_bearer = HTTPBearer(auto_error=False, description="An admin API key, or the node's own token")
+_node_bearer = HTTPBearer(auto_error=False, description="The node's credential, or an admin API key")
+_enrol_bearer = HTTPBearer(auto_error=False, description="A one-time node enrolment token")
+_NodeAuth = Annotated[HTTPAuthorizationCredentials | None, Depends(_node_bearer)]
 
 
-@router.post("", status_code=201, response_model=NodeOut)
-async def register_node(body: NodeRegister, plane: Plane, _admin: Admin) -> NodeOut:
-    return await nodes.register_node(plane, body)
-
-
-@router.post("/{node_id}/heartbeat", response_model=HeartbeatOut)
-async def node_heartbeat(node_id: str, body: NodeHeartbeat, plane: Plane,
-                         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-                         ) -> HeartbeatOut:
+async def _node_or_admin(node_id: str, plane: Plane, credentials: _NodeAuth) -> None:
     token = credentials.credentials if credentials else None
     if token and token.startswith("csk_"):
         async with plane.db() as db:
             require_admin(await authenticate(db, token))
     elif token:
-        await nodes.check_node_token(plane, node_id, token)
+        await nodes.check_node_credential(plane, node_id, token)
     else:
         raise Unauthorized()
-    return await nodes.heartbeat(plane, node_id, body)
+
+
+_Node = Annotated[None, Depends(_node_or_admin)]
+
+
+@router.post("", status_code=201, response_model=NodeOut)
+async def create_node(body: NodeCreate, plane: Plane, _admin: Admin) -> NodeOut:
+    """Register a node by hand under an id the admin picks; its ``token`` is also its credential."""
+    return await nodes.register_node(plane, body.id, body.registration(), credential=body.token)
 
 
 @router.get("", response_model=NodeList)
 async def list_nodes(plane: Plane, _admin: Admin) -> NodeList:
     return NodeList(items=await nodes.list_nodes(plane))
+
+
+@router.post("/tokens", status_code=201, response_model=NodeToken)
+async def create_enrol_token(plane: Plane, _admin: Admin,
+                             body: Annotated[NodeTokenCreate | None, Body()] = None) -> NodeToken:
+    """A one-time token for ``capsa node --enrol-token``, valid ``ttl_seconds``, used up by one enrolment."""
+    return await nodes.create_enrol_token(plane, body or NodeTokenCreate())
+
+
+@router.post("/enrol", status_code=201, response_model=NodeEnrolled, responses=problems(503))
+async def enrol_node(body: NodeEnrol, plane: Plane,
+                     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_enrol_bearer)],
+                     ) -> NodeEnrolled:
+    """Create a node; the answer holds its credential, shown once (code ``enrol_token_invalid`` if the
+    token is unknown, expired or used)."""
+    return await nodes.enrol_node(plane, credentials.credentials if credentials else None, body)
+
+
+@router.post("/{node_id}/register", response_model=NodeOut, responses=problems(503))
+async def register_node(node_id: str, body: NodeRegister, plane: Plane, _node: _Node) -> NodeOut:
+    """A restarted node announces its new address, API token and capacity; sessions that ran there lose
+    their sandbox (paused at their latest snapshot, or failed)."""
+    return await nodes.register_node(plane, node_id, body)
+
+
+@router.post("/{node_id}/heartbeat", response_model=HeartbeatOut)
+async def node_heartbeat(node_id: str, body: NodeHeartbeat, plane: Plane, _node: _Node) -> HeartbeatOut:
+    return await nodes.heartbeat(plane, node_id, body)
+
+
+@router.post("/{node_id}/leave", response_model=NodeOut)
+async def leave_node(node_id: str, plane: Plane, _node: _Node) -> NodeOut:
+    """The node is stopping: no new sessions go to it; its sessions are paused at their latest snapshot or
+    failed now."""
+    return await nodes.leave_node(plane, node_id)

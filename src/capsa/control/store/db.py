@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from alembic import command
@@ -40,19 +41,23 @@ def session_factory(engine: AsyncEngine) -> async_sessionmaker[DbSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
 
 
-def _upgrade(connection: Connection) -> None:
+def _upgrade(connection: Connection, node_token_sealer: Callable[[str, str], bytes] | None) -> None:
     if connection.dialect.name == "postgresql":
         # Transaction-scoped: released when the migration transaction ends.
         connection.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
     config = Config()
     config.set_main_option("script_location", str(_MIGRATIONS))
     config.attributes["connection"] = connection
+    config.attributes["node_token_sealer"] = node_token_sealer
     command.upgrade(config, "head")
 
 
-async def migrate(engine: AsyncEngine) -> None:
-    """Bring the schema to the newest revision (idempotent; safe with several replicas)."""
+async def migrate(engine: AsyncEngine, node_token_sealer: Callable[[str, str], bytes] | None = None) -> None:
+    """Bring the schema to the newest revision (idempotent; safe with several replicas).
+
+    ``node_token_sealer(node_id, token)`` encrypts the node API tokens that older revisions kept in clear.
+    """
     if engine.url.get_backend_name() == "sqlite" and engine.url.database:
         Path(engine.url.database).parent.mkdir(parents=True, exist_ok=True)
     async with engine.begin() as conn:
-        await conn.run_sync(_upgrade)
+        await conn.run_sync(_upgrade, node_token_sealer)

@@ -5,13 +5,24 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-__all__ = ["ApiKeyRow", "Base", "NodeRow", "RateCounterRow", "SessionMetadataRow", "SessionRow",
-           "SnapshotRow", "UTCDateTime", "utcnow"]
+__all__ = ["ApiKeyRow", "Base", "NodeEnrolTokenRow", "NodeRow", "RateCounterRow", "SessionMetadataRow",
+           "SessionRow", "SnapshotRow", "UTCDateTime", "utcnow"]
 
 
 def utcnow() -> datetime:
@@ -59,7 +70,10 @@ class NodeRow(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     url: Mapped[str] = mapped_column(String(1024))
-    token: Mapped[str] = mapped_column(String(256))
+    token_sealed: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    """The node's API token, encrypted (control.node_secrets); None until the node registers again."""
+    credential_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """SHA-256 of the node's own credential (register, heartbeat, leave)."""
     memory_mib: Mapped[int] = mapped_column(Integer)
     vcpus: Mapped[int] = mapped_column(Integer)
     max_sandboxes: Mapped[int] = mapped_column(Integer)
@@ -67,6 +81,24 @@ class NodeRow(Base):
     used: Mapped[dict[str, int]] = mapped_column(JSON, default=dict)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime)
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    # Migration 0004.
+    name: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    egress: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+    """The node can run sessions with an egress policy."""
+    left_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    """Set when the node said it was stopping; cleared when it registers again."""
+
+
+class NodeEnrolTokenRow(Base):
+    """A one-time node enrolment token; only its SHA-256 is stored."""
+
+    __tablename__ = "node_enrol_tokens"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    node_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class SessionRow(Base):

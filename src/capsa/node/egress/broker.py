@@ -8,6 +8,10 @@ tells which sandbox it belongs to; its source address must also be the sandbox's
 For each request the broker checks the policy, resolves the destination itself, refuses non-public
 answers, pins the address for the connection, swaps placeholders for secrets where a binding allows it,
 verifies the upstream certificate, redacts secrets from the response and writes one audit event.
+
+Bodies stream in both directions (injection touches headers only; redaction of a bound destination's
+response works on a bounded sliding window, see redaction.py). What one sandbox and the node may hold —
+connections, descriptors, buffered bytes, time — is in limits.py.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import json
 import logging
+import re
 import socket
 import ssl
 import time
@@ -24,16 +28,20 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import h11
 
 from capsa.common.errors import CapsaError
 from capsa.node.egress import dnswire
+from capsa.node.egress.addresses import is_ip_literal, is_public_address
 from capsa.node.egress.audit import AuditSink, EgressEvent, emit_safely
-from capsa.node.egress.ca import SandboxCA
+from capsa.node.egress.ca import SandboxCA, leaf_name
+from capsa.node.egress.clienthello import MAX_HELLO, UNRECOGNIZED_NAME_ALERT, Hello, parse_client_hello
 from capsa.node.egress.dns import DnsAnswer, DnsServerProtocol, ResolveError, Resolver, SystemResolver
+from capsa.node.egress.limits import BrokerLimits, ByteBudget, Pace
 from capsa.node.egress.policy import DomainRule, EgressPolicy, SecretBinding
+from capsa.node.egress.redaction import SecretLeak, SecretPatterns, StreamRedactor
 from capsa.node.egress.secrets import SecretStore, new_placeholder
 from capsa.node.net.nsexec import open_listener
 from capsa.node.net.sandbox_net import ServicePorts
@@ -54,12 +62,27 @@ _HOP_BY_HOP = {
     b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"proxy-authenticate",
     b"te", b"trailer", b"transfer-encoding", b"upgrade", b"content-length", b"http2-settings",
 }
-_REDACTED = b"[REDACTED]"
-_HEADER_TIMEOUT = 30.0
-_IDLE_TIMEOUT = 120.0
-_UPSTREAM_TIMEOUT = 60.0
-MAX_CONNECTIONS_PER_SANDBOX = 256
 DNS_QUERIES_PER_SECOND = 100
+_STREAM_LIMIT = 64 * 1024
+
+
+def _until(deadline: float) -> Callable[[], float]:
+    """Seconds left before ``deadline`` (monotonic), as the read timeouts of one whole phase."""
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed")
+        return remaining
+    return left
+
+
+def _where(exc: BaseException) -> str:
+    """Where an exception was raised (file:line), for a log line that must not quote its message: h11's and
+    ssl's messages can hold header values, and header values can hold secrets."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
 
 
 class BrokerError(CapsaError):
@@ -122,6 +145,12 @@ class SandboxEgress:
     """Queries refused by the rate limit since the last audited one."""
     bound: dict[str, tuple[str, int]] = field(default_factory=dict)
     """Where the listeners are: ``http``, ``tls``, ``proxy``, ``dns`` → (address, port)."""
+    budget: ByteBudget | None = None
+    """The bytes this sandbox's transfers may buffer at once (charged to the node's budget too)."""
+    accept_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    listen_socks: list[socket.socket] = field(default_factory=list)
+    patterns: SecretPatterns | None = None
+    """Redaction forms of the secrets this sandbox binds; built on first use, dropped on policy change."""
 
     @property
     def placeholder_env(self) -> dict[str, str]:
@@ -135,30 +164,7 @@ class SandboxEgress:
         return None
 
 
-def is_public_address(addr: str, extra_allowed: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network] = ()
-                      ) -> bool:
-    """True for globally routable unicast addresses, or addresses inside ``extra_allowed``."""
-    ip = ipaddress.ip_address(addr)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    if any(ip in net for net in extra_allowed):
-        return True
-    return ip.is_global and not (ip.is_multicast or ip.is_reserved or ip.is_loopback or ip.is_link_local)
-
-
-def _is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        pass
-    else:
-        return True
-    # Also the forms inet_aton accepts (decimal, hex, octal, short dotted) that curl and others resolve.
-    try:
-        socket.inet_aton(host)
-    except OSError:
-        return False
-    return True
+_is_ip_literal = is_ip_literal
 
 
 def _scrub(sbx: SandboxEgress, path: str) -> str:
@@ -168,18 +174,23 @@ def _scrub(sbx: SandboxEgress, path: str) -> str:
     return path[:512]
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise _Deny(400, "malformed port")
+    return int(text)
+
+
 def _split_host(value: str, default_port: int) -> tuple[str, int]:
     value = value.strip().lower()
     if value.startswith("["):
         end = value.find("]")
+        if end < 0:
+            raise _Deny(400, "malformed host")
         host, rest = value[1:end], value[end + 1:]
-        port = int(rest[1:]) if rest.startswith(":") and rest[1:].isdigit() else default_port
-        return host, port
+        return host, (_port(rest[1:]) if rest.startswith(":") else default_port)
     if value.count(":") == 1:
         host, _, p = value.partition(":")
-        if not p.isdigit():
-            raise _Deny(400, "malformed host")
-        return host.rstrip("."), int(p)
+        return host.rstrip("."), _port(p)
     if ":" in value:
         return value, default_port  # bare IPv6 literal; refused as an IP literal later
     return value.rstrip("."), default_port
@@ -196,19 +207,20 @@ class _Client:
         self.reader, self.writer = reader, writer
         self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=32 * 1024)
 
-    async def next_event(self, wait_s: float) -> h11.Event | type[h11.PAUSED]:
+    async def next_event(self, left: Callable[[], float]) -> h11.Event | type[h11.PAUSED]:
+        """The next event; each read waits at most ``left()`` seconds (which raises once time is up)."""
         while True:
             event = self.conn.next_event()
             if event is h11.NEED_DATA:
-                data = await asyncio.wait_for(self.reader.read(65536), wait_s)
+                data = await asyncio.wait_for(self.reader.read(_STREAM_LIMIT), left())
                 self.conn.receive_data(data)
                 continue
             return event  # type: ignore[return-value]
 
-    async def send(self, *events: h11.Event) -> None:
+    async def send(self, *events: h11.Event, left: Callable[[], float] | None = None) -> None:
         # One write per response: fewer segments and TLS records.
         self.writer.write(b"".join(self.conn.send(ev) or b"" for ev in events))
-        await self.writer.drain()
+        await asyncio.wait_for(self.writer.drain(), left() if left is not None else None)
 
 
 class _Upstream:
@@ -217,14 +229,23 @@ class _Upstream:
         self.reader, self.writer, self.key = reader, writer, key
         self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
 
-    async def next_event(self) -> h11.Event:
+    async def next_event(self, left: Callable[[], float]) -> h11.Event:
         while True:
             event = self.conn.next_event()
             if event is h11.NEED_DATA:
-                data = await asyncio.wait_for(self.reader.read(65536), _UPSTREAM_TIMEOUT)
+                data = await asyncio.wait_for(self.reader.read(_STREAM_LIMIT), left())
                 self.conn.receive_data(data)
                 continue
             return event  # type: ignore[return-value]
+
+    async def send(self, event: h11.Event, left: Callable[[], float]) -> None:
+        try:
+            data = self.conn.send(event) or b""
+        except h11.LocalProtocolError:
+            # Its message quotes the offending header value, which may hold a secret: never pass it on.
+            raise _Deny(400, "request cannot be framed for the upstream") from None
+        self.writer.write(data)
+        await asyncio.wait_for(self.writer.drain(), left())
 
     def close(self) -> None:
         self.writer.close()
@@ -240,7 +261,7 @@ class _Request:
     headers: list[tuple[bytes, bytes]]
     rule: DomainRule | None = None
     secret_ids: list[str] = field(default_factory=list)
-    secrets_out: list[bytes] = field(default_factory=list)
+    bytes_out: int = 0
 
 
 class EgressBroker:
@@ -257,6 +278,7 @@ class EgressBroker:
         upstream_http_port: int = 80,
         upstream_https_port: int = 443,
         connect_timeout: float = 10.0,
+        limits: BrokerLimits | None = None,
     ) -> None:
         """``allow_networks`` lets destinations resolve into otherwise refused ranges (private, loopback…);
         it is empty by default and meant for tests and deliberate on-premises exceptions."""
@@ -268,6 +290,11 @@ class EgressBroker:
         self.upstream_http_port = upstream_http_port
         self.upstream_https_port = upstream_https_port
         self.connect_timeout = connect_timeout
+        self.limits = limits or BrokerLimits()
+        self.connection_cap = self.limits.connection_cap()
+        """Connections the node serves at once, all sandboxes together (bounded by RLIMIT_NOFILE)."""
+        self.active = 0
+        self.budget = ByteBudget(self.limits.buffer_bytes_total)
         self._sandboxes: dict[str, SandboxEgress] = {}
         self._sni: weakref.WeakKeyDictionary[ssl.SSLObject, str] = weakref.WeakKeyDictionary()
         self._tls_contexts: dict[str, ssl.SSLContext] = {}
@@ -281,6 +308,7 @@ class EgressBroker:
         ipaddress.ip_address(guest_ip)
         sbx = SandboxEgress(sandbox_id, session_id, guest_ip, policy,
                             SandboxCA(sandbox_id, [r.domain for r in policy.domains]))
+        sbx.budget = ByteBudget(self.limits.buffer_bytes_per_sandbox, parent=self.budget)
         for binding in policy.secrets:
             sbx.placeholders[new_placeholder()] = binding
         self._sandboxes[sandbox_id] = sbx
@@ -305,9 +333,10 @@ class EgressBroker:
         reissue = any(not sbx.ca.covers(r.domain[2:] if r.is_wildcard else r.domain) for r in policy.domains)
         sbx.policy = policy
         sbx.placeholders = kept
+        self._forget_patterns(sbx)
         sbx.buckets.clear()
         if reissue:
-            # The SNI callback reads sbx.ca on every handshake, so listeners pick the new CA up at once.
+            # The TLS paths read sbx.ca on every handshake, so listeners pick the new CA up at once.
             sbx.ca = SandboxCA(sandbox_id, [r.domain for r in policy.domains])
         return PolicyUpdate(ca_reissued=reissue, ca_pem=sbx.ca.cert_pem)
 
@@ -318,18 +347,19 @@ class EgressBroker:
         ports = ports or ServicePorts()
         loop = asyncio.get_running_loop()
         try:
-            modes: tuple[tuple[int, Mode], ...] = ((ports.http, "http"), (ports.tls, "tls"),
-                                                   (ports.proxy, "proxy"))
+            modes: tuple[tuple[int, Mode], ...] = ((ports.http, "http"), (ports.proxy, "proxy"))
             for port, mode in modes:
                 sock = await asyncio.to_thread(open_listener, netns, host, port)
-                # TLS from the first byte on the DNAT-ed port: starting it later could lose a ClientHello
-                # the stream had already buffered.
-                server = await asyncio.start_server(
-                    self._handler(sbx, mode), sock=sock,
-                    ssl=self._tls_contexts[sandbox_id] if mode == "tls" else None,
-                    ssl_handshake_timeout=_HEADER_TIMEOUT if mode == "tls" else None)
+                server = await asyncio.start_server(self._handler(sbx, mode), sock=sock, limit=_STREAM_LIMIT)
                 sbx.servers.append(server)
                 sbx.bound[mode] = server.sockets[0].getsockname()[:2]
+            # TLS on the DNAT-ed port: the broker reads the ClientHello's name before the handshake starts,
+            # so the leaf for it can be issued off the event loop (see _tls_connection).
+            tls_sock = await asyncio.to_thread(open_listener, netns, host, ports.tls)
+            tls_sock.setblocking(False)
+            sbx.listen_socks.append(tls_sock)
+            sbx.bound["tls"] = tls_sock.getsockname()[:2]
+            sbx.accept_tasks.append(asyncio.create_task(self._accept_tls(sbx, tls_sock)))
             usock = await asyncio.to_thread(open_listener, netns, host, ports.dns, socket.SOCK_DGRAM)
             transport, _ = await loop.create_datagram_endpoint(
                 lambda: DnsServerProtocol(lambda q, src: self._dns_answer(sbx, host, q, src)), sock=usock)
@@ -347,14 +377,25 @@ class EgressBroker:
             return
         await self._close_listeners(sbx)
         sbx.placeholders.clear()
+        self._forget_patterns(sbx)
 
     async def close(self) -> None:
         for sid in list(self._sandboxes):
             await self.unregister(sid)
 
+    @staticmethod
+    def _forget_patterns(sbx: SandboxEgress) -> None:
+        if sbx.patterns is not None:
+            sbx.patterns = None
+            re.purge()  # the compiled forms (which spell the secrets) also sit in re's cache
+
     async def _close_listeners(self, sbx: SandboxEgress) -> None:
         for server in sbx.servers:
             server.close()
+        for accept in sbx.accept_tasks:
+            accept.cancel()
+        for sock in sbx.listen_socks:
+            sock.close()
         for w in list(sbx.writers):
             w.close()
         for task in list(sbx.tasks):
@@ -362,9 +403,11 @@ class EgressBroker:
         for server in sbx.servers:
             with contextlib.suppress(Exception):
                 await server.wait_closed()
-        if sbx.tasks:
-            await asyncio.gather(*sbx.tasks, return_exceptions=True)
+        if sbx.tasks or sbx.accept_tasks:
+            await asyncio.gather(*sbx.tasks, *sbx.accept_tasks, return_exceptions=True)
         sbx.servers.clear()
+        sbx.accept_tasks.clear()
+        sbx.listen_socks.clear()
         if sbx.dns_transport is not None:
             sbx.dns_transport.close()
             sbx.dns_transport = None
@@ -401,75 +444,195 @@ class EgressBroker:
 
     # -- TLS ---------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _tls_leaf(sbx: SandboxEgress, name: str | None) -> str | None:
+        """The leaf name that serves ``name`` for this sandbox, or None when the name is refused."""
+        host = (name or "").lower().rstrip(".")
+        if not host or _is_ip_literal(host) or not sbx.ca.covers(host):
+            return None
+        rule = sbx.policy.rule_for(host)
+        return None if rule is None else leaf_name(host, rule.is_wildcard)
+
     def _make_sni_context(self, sbx: SandboxEgress) -> ssl.SSLContext:
+        """The context of TLS inside a CONNECT tunnel: the leaf is issued (off the loop) before the
+        handshake starts, so the callback only looks it up."""
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.set_alpn_protocols(["http/1.1"])
 
         def on_sni(sslobj: ssl.SSLObject | ssl.SSLSocket, name: str | None, _ctx: ssl.SSLContext
                    ) -> int | None:
-            host = (name or "").lower().rstrip(".")
-            allowed = bool(host) and not _is_ip_literal(host) and sbx.policy.rule_for(host) is not None
-            if not allowed or not sbx.ca.covers(host):
-                self._audit(sbx, kind="tls", decision="deny", destination=host or "<no SNI>",
+            leaf = self._tls_leaf(sbx, name)
+            leaf_ctx = sbx.ca.cached_context(leaf) if leaf is not None else None
+            if leaf_ctx is None:
+                self._audit(sbx, kind="tls", decision="deny", destination=name or "<no SNI>",
                             reason="TLS server name missing or not allowed by policy")
                 return ssl.ALERT_DESCRIPTION_UNRECOGNIZED_NAME
-            try:
-                sslobj.context = sbx.ca.server_context(host)
-            except Exception:
-                _log.exception("cannot issue a certificate for %s", host)
-                return ssl.ALERT_DESCRIPTION_INTERNAL_ERROR
-            if isinstance(sslobj, ssl.SSLObject):
-                self._sni[sslobj] = host
+            sslobj.context = leaf_ctx
+            if isinstance(sslobj, ssl.SSLObject) and name is not None:
+                self._sni[sslobj] = name.lower().rstrip(".")
             return None
 
         ctx.sni_callback = on_sni
         return ctx
 
-    async def _start_tls(self, sbx: SandboxEgress, client: _Client) -> str | None:
+    async def _start_tls(self, sbx: SandboxEgress, client: _Client, host: str) -> str | None:
         ctx = self._tls_contexts.get(sbx.sandbox_id)
-        if ctx is None:
+        leaf = self._tls_leaf(sbx, host)
+        if ctx is None or leaf is None:
             return None
         try:
-            await asyncio.wait_for(client.writer.start_tls(ctx), _HEADER_TIMEOUT)
+            await sbx.ca.context_for(leaf)
+            await asyncio.wait_for(client.writer.start_tls(ctx), self.limits.head_timeout)
         except (ssl.SSLError, OSError, TimeoutError, ConnectionError):
             return None
         sslobj = client.writer.get_extra_info("ssl_object")
         return self._sni.get(sslobj) if isinstance(sslobj, ssl.SSLObject) else None
 
+    async def _accept_tls(self, sbx: SandboxEgress, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:
+                if sock.fileno() < 0:
+                    return
+                # EMFILE/ENFILE: the descriptor budget is spent; back off instead of spinning.
+                _log.warning("egress TLS accept of %s failed: %s", sbx.sandbox_id, exc.__class__.__name__)
+                await asyncio.sleep(0.1)
+                continue
+            conn.setblocking(False)
+            task = asyncio.create_task(self._tls_connection(sbx, conn))
+            if not self._enter(sbx, task):
+                task.cancel()
+                conn.close()
+
+    async def _peek_hello(self, conn: socket.socket, left: Callable[[], float]) -> Hello | None:
+        """The connection's ClientHello, read without consuming it; None if it closed first."""
+        loop = asyncio.get_running_loop()
+        while True:
+            ready = loop.create_future()
+            loop.add_reader(conn.fileno(), ready.set_result, None)
+            try:
+                await asyncio.wait_for(ready, left())
+            finally:
+                loop.remove_reader(conn.fileno())
+            try:
+                data = conn.recv(MAX_HELLO, socket.MSG_PEEK)
+            except BlockingIOError:
+                continue
+            if not data:
+                return None
+            hello = parse_client_hello(data)
+            if hello.complete:
+                return hello
+            # Part of a hello is queued: the socket stays readable until the rest comes, so wait a little.
+            await asyncio.sleep(0.02)
+
+    async def _tls_connection(self, sbx: SandboxEgress, conn: socket.socket) -> None:
+        writer: asyncio.StreamWriter | None = None
+
+        def close() -> None:
+            if writer is not None:
+                writer.close()
+            conn.close()
+
+        async def run() -> None:
+            nonlocal writer
+            try:
+                source = str(conn.getpeername()[0])
+            except OSError:
+                return
+            if source != sbx.guest_ip:
+                self._audit(sbx, kind="tls", decision="deny", source=source,
+                            reason="connection from an address that is not the sandbox's")
+                return
+            hello = await self._peek_hello(conn, _until(time.monotonic() + self.limits.head_timeout))
+            if hello is None:
+                return
+            leaf = self._tls_leaf(sbx, hello.server_name) if hello.valid else None
+            if leaf is None or hello.server_name is None:
+                self._audit(sbx, kind="tls", decision="deny", source=source,
+                            destination=(hello.server_name or "<no SNI>")[:255],
+                            reason="TLS server name missing or not allowed by policy")
+                with contextlib.suppress(OSError):
+                    conn.send(UNRECOGNIZED_NAME_ALERT)
+                return
+            host = hello.server_name.lower().rstrip(".")
+            ctx = await sbx.ca.context_for(leaf)
+            loop = asyncio.get_running_loop()
+            reader = asyncio.StreamReader(limit=_STREAM_LIMIT, loop=loop)
+            protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+            transport, _ = await loop.connect_accepted_socket(
+                lambda: protocol, conn, ssl=ctx, ssl_handshake_timeout=self.limits.head_timeout)
+            writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+            sbx.writers.add(writer)
+            try:
+                await self._serve(sbx, "tls", reader, writer, tls_host=host)
+            finally:
+                sbx.writers.discard(writer)
+
+        await self._guarded(sbx, run, close)
+
     # -- connections -------------------------------------------------------------------------------
+
+    def _enter(self, sbx: SandboxEgress, task: asyncio.Task[None]) -> bool:
+        """Count a new connection against its sandbox's and the node's caps; False if either is full."""
+        if len(sbx.tasks) >= self.limits.connections_per_sandbox:
+            # Every connection costs descriptors and buffers: cap what one sandbox holds.
+            self._audit(sbx, kind="http", decision="deny", reason="too many concurrent connections")
+            return False
+        if self.active >= self.connection_cap:
+            self._audit(sbx, kind="http", decision="deny",
+                        reason="the node's egress connection cap is reached")
+            return False
+        sbx.tasks.add(task)
+        self.active += 1
+        task.add_done_callback(lambda t: self._leave(sbx, t))
+        return True
+
+    def _leave(self, sbx: SandboxEgress, task: asyncio.Task[None]) -> None:
+        if task in sbx.tasks:
+            sbx.tasks.discard(task)
+            self.active -= 1
+
+    async def _guarded(self, sbx: SandboxEgress, run: Callable[[], Awaitable[None]],
+                       close: Callable[[], None]) -> None:
+        try:
+            await run()
+        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, ssl.SSLError, h11.ProtocolError):
+            pass
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:
+            # Not the message: it can quote header values (see _where).
+            _log.error("egress connection of %s failed: %s at %s", sbx.sandbox_id, exc.__class__.__name__,
+                       _where(exc))
+        finally:
+            close()
 
     def _handler(self, sbx: SandboxEgress, mode: Mode
                  ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             task = asyncio.current_task()
             assert task is not None
-            if len(sbx.tasks) >= MAX_CONNECTIONS_PER_SANDBOX:
-                # Each connection may buffer a body up to the policy's limits: cap what one sandbox holds.
-                self._audit(sbx, kind="http", decision="deny", reason="too many concurrent connections")
+            if not self._enter(sbx, task):
                 writer.close()
                 return
-            sbx.tasks.add(task)
             sbx.writers.add(writer)
-            try:
-                await self._serve(sbx, mode, reader, writer)
-            except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
-                pass
-            except asyncio.CancelledError:
-                pass
-            except Exception:
-                _log.exception("egress connection of %s failed", sbx.sandbox_id)
-            finally:
-                sbx.tasks.discard(task)
+
+            def close() -> None:
                 sbx.writers.discard(writer)
                 writer.close()
-                with contextlib.suppress(Exception):
-                    await writer.wait_closed()
+
+            await self._guarded(sbx, lambda: self._serve(sbx, mode, reader, writer), close)
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
 
         return handle
 
     async def _serve(self, sbx: SandboxEgress, mode: Mode, reader: asyncio.StreamReader,
-                     writer: asyncio.StreamWriter) -> None:
+                     writer: asyncio.StreamWriter, *, tls_host: str | None = None) -> None:
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if peer else "?"
         if source != sbx.guest_ip:
@@ -477,22 +640,20 @@ class EgressBroker:
                         reason="connection from an address that is not the sandbox's")
             return
         client = _Client(reader, writer)
-        pinned: str | None = None  # the one host this connection may talk to
-        tls = False
-        if mode == "tls":
-            sslobj = writer.get_extra_info("ssl_object")
-            pinned = self._sni.get(sslobj) if isinstance(sslobj, ssl.SSLObject) else None
-            if pinned is None:
-                return
-            tls = True
+        pinned: str | None = tls_host  # the one host this connection may talk to
+        tls = tls_host is not None
         upstream: _Upstream | None = None
+        first = True
         try:
             while True:
+                # The whole request head within its deadline, however slowly its bytes come.
+                wait = self.limits.head_timeout if first else self.limits.idle_timeout
+                first = False
                 try:
-                    event = await client.next_event(_HEADER_TIMEOUT if upstream is None else _IDLE_TIMEOUT)
+                    event = await client.next_event(_until(time.monotonic() + wait))
                 except h11.RemoteProtocolError as exc:
                     self._audit(sbx, kind="http", decision="deny", source=source, destination=pinned,
-                                status=400, reason=f"malformed HTTP: {exc}")
+                                status=400, reason=f"malformed HTTP: {str(exc)[:200]}")
                     await self._send_plain_error(writer, 400, "malformed request")
                     return
                 if isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
@@ -503,7 +664,7 @@ class EgressBroker:
                     host = await self._connect(sbx, client, event, source)
                     if host is None:
                         return
-                    sni = await self._start_tls(sbx, client)
+                    sni = await self._start_tls(sbx, client, host)
                     if sni != host:
                         if sni is not None:
                             self._audit(sbx, kind="tls", decision="deny", source=source, destination=sni,
@@ -511,6 +672,7 @@ class EgressBroker:
                         return
                     pinned, tls = host, True
                     client = _Client(reader, writer)
+                    first = True
                     continue
                 keep, pinned, upstream = await self._one_request(sbx, mode, client, event, source, pinned,
                                                                  tls, upstream)
@@ -528,8 +690,8 @@ class EgressBroker:
         body = f"capsa egress: {text}\n".encode()
         writer.write(f"HTTP/1.1 {status} Refused\r\ncontent-type: text/plain\r\ncontent-length: {len(body)}"
                      f"\r\nconnection: close\r\n\r\n".encode() + body)
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            await asyncio.wait_for(writer.drain(), self.limits.head_timeout)
 
     async def _connect(self, sbx: SandboxEgress, client: _Client, req: h11.Request, source: str
                        ) -> str | None:
@@ -546,12 +708,14 @@ class EgressBroker:
             if _header(req.headers, b"upgrade"):
                 raise _Deny(403, "protocol upgrade refused")
         except _Deny as deny:
-            self._audit(sbx, kind="connect", decision="deny", source=source, destination=target,
+            self._audit(sbx, kind="connect", decision="deny", source=source, destination=target[:255],
                         method="CONNECT", status=deny.status, reason=deny.reason)
             await client.send(h11.Response(status_code=deny.status,
-                                           headers=[(b"content-length", b"0"), (b"connection", b"close")]))
+                                           headers=[(b"content-length", b"0"), (b"connection", b"close")]),
+                              left=_until(time.monotonic() + self.limits.head_timeout))
             return None
-        await client.send(h11.Response(status_code=200, headers=[]))
+        await client.send(h11.Response(status_code=200, headers=[]),
+                          left=_until(time.monotonic() + self.limits.head_timeout))
         if client.conn.trailing_data[0]:
             return None  # TLS bytes pipelined before our answer: refuse rather than guess
         self._audit(sbx, kind="connect", decision="allow", source=source, destination=f"{host}:{port}",
@@ -565,7 +729,6 @@ class EgressBroker:
         target = ev.target.decode("latin-1")
         req = _Request(method, target, target, pinned or "", 0, list(ev.headers))
         resolved: str | None = None
-        bytes_out = 0
         try:
             self._check_framing(req)
             host_values = _header(req.headers, b"host")
@@ -577,7 +740,10 @@ class EgressBroker:
                 if mode != "proxy" or tls or not target.startswith("http://"):
                     raise _Deny(400, "absolute-form requests are only accepted by the proxy, for http://")
                 parts = urlsplit(target)
-                th, tp = (parts.hostname or ""), (parts.port or self.upstream_http_port)
+                try:
+                    th, tp = (parts.hostname or ""), (parts.port or self.upstream_http_port)
+                except ValueError:  # a port that is not a number or out of range
+                    raise _Deny(400, "malformed port in the request target") from None
                 if (th, tp) != (hh, hp):
                     raise _Deny(421, "request target and Host header disagree")
                 req.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -586,7 +752,7 @@ class EgressBroker:
             elif mode == "proxy" and not tls:
                 raise _Deny(400, "the proxy needs absolute-form requests or CONNECT")
             if pinned is not None and hh != pinned:
-                raise _Deny(421, f"Host {hh} does not match the connection's host {pinned}"
+                raise _Deny(421, f"Host {hh[:255]} does not match the connection's host {pinned}"
                             + (" (TLS server name)" if tls else " (no host switching on keep-alive)"))
             if hp not in (default_port, 443 if tls else 80):
                 raise _Deny(403, f"port {hp} is not allowed")
@@ -610,22 +776,25 @@ class EgressBroker:
                                                                      rule.rate_limit.burst)
                 if not bucket.take():
                     raise _Deny(429, "rate limit exceeded", rule=rule.domain, close=False)
-            body = await self._read_body(client, sbx.policy.request_limit(rule), rule)
-            bytes_out = len(body)
-            self._inject(sbx, req, body, tls)
+            limit = sbx.policy.request_limit(rule)
+            length = self._body_length(req, limit)
+            self._inject(sbx, req, tls)
             upstream, resolved = await self._upstream_for(req, tls, upstream)
-            status, resp_len, keep = await self._forward(sbx, client, upstream, req, body)
+            status, resp_len = await self._exchange(sbx, client, upstream, req, length, limit)
         except _Deny as deny:
+            if upstream is not None and deny.status != 429:
+                upstream.close()  # it may have seen part of a request or response: never reuse it
+                upstream = None
             self._audit(sbx, kind="http", decision="deny", source=source, destination=req.host or pinned,
                         resolved_ip=resolved, method=method, path=_scrub(sbx, req.path), status=deny.status,
-                        rule=deny.rule, reason=deny.reason, bytes_out=bytes_out)
+                        rule=deny.rule, reason=deny.reason, bytes_out=req.bytes_out)
             await self._deny(client, deny)
             return (not deny.close and client.conn.their_state is h11.DONE), pinned, upstream
         self._audit(sbx, kind="http", decision="allow", source=source, destination=req.host,
                     resolved_ip=resolved, method=method, path=_scrub(sbx, req.path), status=status,
-                    rule=req.rule.domain if req.rule else None, bytes_out=bytes_out, bytes_in=resp_len,
+                    rule=req.rule.domain if req.rule else None, bytes_out=req.bytes_out, bytes_in=resp_len,
                     secret_ids=req.secret_ids)
-        return keep, pinned, upstream
+        return True, pinned, upstream
 
     @staticmethod
     def _check_framing(req: _Request) -> None:
@@ -645,36 +814,27 @@ class EgressBroker:
         if ".." in segments or "." in segments or "\\" in decoded or "\x00" in decoded or "//" in raw:
             raise _Deny(400, "path with dot segments, backslashes or empty segments refused")
 
-    async def _read_body(self, client: _Client, limit: int, rule: DomainRule) -> bytes:
-        if client.conn.they_are_waiting_for_100_continue:
-            await client.send(h11.InformationalResponse(status_code=100, headers=[]))
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            try:
-                event = await client.next_event(_HEADER_TIMEOUT)
-            except h11.RemoteProtocolError as exc:
-                raise _Deny(400, f"malformed request body: {exc}") from None
-            if isinstance(event, h11.Data):
-                size += len(event.data)
-                if size > limit:
-                    raise _Deny(413, f"request body over {limit} bytes", rule=rule.domain)
-                chunks.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                return b"".join(chunks)
-            else:
-                raise _Deny(400, "request body ended early")
+    @staticmethod
+    def _body_length(req: _Request, limit: int) -> int | None:
+        """The request body's declared length (None: chunked), refused up front when over ``limit``."""
+        assert req.rule is not None
+        if _header(req.headers, b"transfer-encoding"):
+            return None  # h11 accepts only chunked; the size is checked as it streams
+        lengths = _header(req.headers, b"content-length")
+        length = int(lengths[0]) if lengths else 0  # h11 has checked the value
+        if length > limit:
+            raise _Deny(413, f"request body over {limit} bytes", rule=req.rule.domain)
+        return length
 
-    def _inject(self, sbx: SandboxEgress, req: _Request, body: bytes, tls: bool) -> None:
-        """Swap placeholders for secrets where a binding allows it; refuse any other use of one."""
+    def _inject(self, sbx: SandboxEgress, req: _Request, tls: bool) -> None:
+        """Swap placeholders for secrets in the request head where a binding allows it; refuse any other
+        use of one. (The body is checked for placeholders as it streams, see _send_body.)"""
         if not sbx.placeholders:
             return
         for ph, binding in sbx.placeholders.items():
             needle = ph.encode()
             if needle in req.target.encode("latin-1") or needle in unquote(req.target).encode("latin-1"):
                 raise _Deny(403, f"placeholder of {binding.secret} in the URL")
-            if needle in body:
-                raise _Deny(403, f"placeholder of {binding.secret} in the request body")
             new_headers: list[tuple[bytes, bytes]] = []
             for name, value in req.headers:
                 if needle not in value and needle not in name:
@@ -690,7 +850,6 @@ class EgressBroker:
                 secret = self.secrets.reveal(binding.secret).encode()
                 new_headers.append((name, value.replace(needle, secret)))
                 req.secret_ids.append(binding.secret)
-                req.secrets_out.append(secret)
             req.headers = new_headers
 
     async def _resolve(self, host: str) -> str:
@@ -717,7 +876,7 @@ class EgressBroker:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(ip, port, ssl=self.upstream_ssl if tls else None,
-                                        server_hostname=req.host if tls else None),
+                                        server_hostname=req.host if tls else None, limit=_STREAM_LIMIT),
                 self.connect_timeout)
         except ssl.SSLCertVerificationError as exc:
             raise _Deny(502, f"upstream certificate of {req.host} failed verification: "
@@ -726,137 +885,158 @@ class EgressBroker:
             raise _Deny(502, f"cannot reach {req.host}: {exc.__class__.__name__}") from None
         return _Upstream(reader, writer, (req.host, ip, port)), ip
 
-    async def _forward(self, sbx: SandboxEgress, client: _Client, up: _Upstream, req: _Request, body: bytes
-                       ) -> tuple[int, int, bool]:
+    def _is_bound(self, sbx: SandboxEgress, host: str) -> bool:
+        """Only a destination a secret is bound to can ever have received one: its responses are
+        redacted (and must come unencoded); every other response streams through untouched."""
+        return any(b.domain == host for b in sbx.placeholders.values())
+
+    def _patterns(self, sbx: SandboxEgress) -> SecretPatterns:
+        if sbx.patterns is None:
+            values: list[bytes] = []
+            for binding in sbx.placeholders.values():
+                with contextlib.suppress(CapsaError):
+                    values.append(self.secrets.reveal(binding.secret).encode())
+            sbx.patterns = SecretPatterns(values)
+        return sbx.patterns
+
+    async def _exchange(self, sbx: SandboxEgress, client: _Client, up: _Upstream, req: _Request,
+                        length: int | None, limit: int) -> tuple[int, int]:
+        """Send the request (streaming its body) and stream the response back; (status, body bytes)."""
+        assert req.rule is not None and sbx.budget is not None
+        patterns = self._patterns(sbx) if self._is_bound(sbx, req.host) else None
+        # The most this exchange buffers at once: a read chunk in each direction plus the redaction window.
+        hold = 2 * self.limits.read_chunk + (patterns.window if patterns else 0)
+        try:
+            await sbx.budget.reserve(hold, self.limits.head_timeout)
+        except TimeoutError:
+            raise _Deny(503, "egress buffer budget exhausted", rule=req.rule.domain) from None
+        try:
+            await self._send_request(sbx, client, up, req, length, limit, patterns is not None)
+            return await self._stream_response(sbx, client, up, req, patterns)
+        except (OSError, TimeoutError, h11.RemoteProtocolError, ssl.SSLError) as exc:
+            raise _Deny(502, f"upstream error: {exc.__class__.__name__}", rule=req.rule.domain) from None
+        finally:
+            sbx.budget.release(hold)
+
+    async def _send_request(self, sbx: SandboxEgress, client: _Client, up: _Upstream, req: _Request,
+                            length: int | None, limit: int, bound: bool) -> None:
         assert req.rule is not None
-        headers = [(k, v) for k, v in req.headers if k not in _HOP_BY_HOP]
-        if req.secret_ids:
-            # Redaction reads the response body: ask for it uncompressed.
+        headers = [(k, v) for k, v in req.headers if k not in _HOP_BY_HOP and k != b"expect"]
+        if bound:
+            # Redaction reads the response body: every response from a bound destination comes unencoded.
             headers = [(k, v) for k, v in headers if k != b"accept-encoding"]
             headers.append((b"accept-encoding", b"identity"))
-        if body or req.method in ("POST", "PUT", "PATCH"):
-            headers.append((b"content-length", str(len(body)).encode()))
-        try:
-            out = [up.conn.send(h11.Request(method=req.method, target=req.path, headers=headers)) or b""]
-            if body:
-                out.append(up.conn.send(h11.Data(data=body)) or b"")
-            out.append(up.conn.send(h11.EndOfMessage()) or b"")
-            up.writer.write(b"".join(out))
-            await up.writer.drain()
-            response = await up.next_event()
-            while isinstance(response, h11.InformationalResponse):
-                response = await up.next_event()
-            if not isinstance(response, h11.Response):
-                raise _Deny(502, "upstream closed without a response", rule=req.rule.domain)
-            limit = sbx.policy.response_limit(req.rule)
-            if not self._needs_redaction(sbx, req):
-                return await self._stream_response(client, up, req, response, limit)
-            chunks: list[bytes] = []
-            size = 0
-            while True:
-                ev = await up.next_event()
-                if isinstance(ev, h11.Data):
-                    size += len(ev.data)
-                    if size > limit:
-                        raise _Deny(502, f"response body over {limit} bytes", rule=req.rule.domain)
-                    chunks.append(bytes(ev.data))
-                elif isinstance(ev, h11.EndOfMessage):
-                    break
-                else:
-                    raise _Deny(502, "upstream response ended early", rule=req.rule.domain)
-        except (OSError, TimeoutError, h11.RemoteProtocolError, ssl.SSLError) as exc:
-            up.close()
-            raise _Deny(502, f"upstream error: {exc.__class__.__name__}", rule=req.rule.domain) from None
-        resp_body = b"".join(chunks)
-        resp_headers = list(response.headers)
-        secrets = self._secrets_to_redact(sbx, req)
-        encoded = any(k == b"content-encoding" and v.strip().lower() != b"identity" for k, v in resp_headers)
-        if req.secret_ids and encoded and resp_body:
-            raise _Deny(502, "encoded response to a request carrying a secret cannot be checked",
-                        rule=req.rule.domain)
-        for secret in secrets:
-            resp_body = resp_body.replace(secret, _REDACTED)
-            resp_headers = [(k, v.replace(secret, _REDACTED)) for k, v in resp_headers]
-        out_headers = [(k, v) for k, v in resp_headers if k not in _HOP_BY_HOP]
-        no_body = req.method == "HEAD" or response.status_code in (204, 304)
-        if no_body:
-            out_headers += [(k, v) for k, v in resp_headers if k == b"content-length"]
-        else:
-            out_headers.append((b"content-length", str(len(resp_body)).encode()))
-        upstream_keep = up.conn.our_state is h11.DONE and up.conn.their_state is h11.DONE
-        if upstream_keep:
-            up.conn.start_next_cycle()
-        else:
-            up.close()
-        events: list[h11.Event] = [h11.Response(status_code=response.status_code, headers=out_headers,
-                                                reason=response.reason)]
-        if resp_body and not no_body:
-            events.append(h11.Data(data=resp_body))
-        await client.send(*events, h11.EndOfMessage())
-        return response.status_code, len(resp_body), True
+        if length is None:
+            headers.append((b"transfer-encoding", b"chunked"))
+        elif length or req.method in ("POST", "PUT", "PATCH"):
+            headers.append((b"content-length", str(length).encode()))
+        pace = Pace(self.limits.min_rate, self.limits.rate_grace)
+        await up.send(h11.Request(method=req.method, target=req.path, headers=headers), pace.remaining)
+        if client.conn.they_are_waiting_for_100_continue:
+            await client.send(h11.InformationalResponse(status_code=100, headers=[]), left=pace.remaining)
+        needles = [(ph.encode(), b.secret) for ph, b in sbx.placeholders.items()]
+        carry_len = max((len(n) for n, _ in needles), default=1) - 1
+        carry = b""
+        while True:
+            try:
+                event = await client.next_event(pace.remaining)
+            except TimeoutError:
+                raise _Deny(408, "request body below the minimum rate", rule=req.rule.domain) from None
+            except h11.RemoteProtocolError:
+                raise _Deny(400, "malformed request body") from None
+            if isinstance(event, h11.Data):
+                data = bytes(event.data)
+                req.bytes_out += len(data)
+                pace.add(len(data))
+                if req.bytes_out > limit:
+                    raise _Deny(413, f"request body over {limit} bytes", rule=req.rule.domain)
+                window = carry + data
+                for needle, secret_id in needles:
+                    if needle in window:
+                        raise _Deny(403, f"placeholder of {secret_id} in the request body")
+                carry = window[-carry_len:] if carry_len else b""
+                await up.send(h11.Data(data=data), pace.remaining)
+            elif isinstance(event, h11.EndOfMessage):
+                await up.send(h11.EndOfMessage(), pace.remaining)
+                return
+            else:
+                raise _Deny(400, "request body ended early")
 
-    @staticmethod
-    def _needs_redaction(sbx: SandboxEgress, req: _Request) -> bool:
-        """Only a destination a secret is bound to can ever have received one: its responses are read
-        whole and redacted; every other response streams through (large downloads stay possible)."""
-        return bool(req.secret_ids) or any(b.domain == req.host for b in sbx.placeholders.values())
-
-    async def _stream_response(self, client: _Client, up: _Upstream, req: _Request, response: h11.Response,
-                               limit: int) -> tuple[int, int, bool]:
+    async def _stream_response(self, sbx: SandboxEgress, client: _Client, up: _Upstream, req: _Request,
+                               patterns: SecretPatterns | None) -> tuple[int, int]:
         assert req.rule is not None
-        headers = [(k, v) for k, v in response.headers if k not in _HOP_BY_HOP]
+        rule = req.rule.domain
+        response = await up.next_event(_until(time.monotonic() + self.limits.upstream_timeout))
+        while isinstance(response, h11.InformationalResponse):
+            response = await up.next_event(_until(time.monotonic() + self.limits.upstream_timeout))
+        if not isinstance(response, h11.Response):
+            raise _Deny(502, "upstream closed without a response", rule=rule)
+        limit = sbx.policy.response_limit(req.rule)
+        no_body = req.method == "HEAD" or response.status_code in (204, 304)
         lengths = _header(response.headers, b"content-length")
-        if len(lengths) == 1:
-            if int(lengths[0]) > limit and req.method != "HEAD":
-                up.close()
-                raise _Deny(502, f"response body over {limit} bytes", rule=req.rule.domain)
+        if len(lengths) == 1 and int(lengths[0]) > limit and not no_body:
+            raise _Deny(502, f"response body over {limit} bytes", rule=rule)
+        headers = [(k, v) for k, v in response.headers if k not in _HOP_BY_HOP]
+        redactor: StreamRedactor | None = None
+        if patterns:
+            encoded = any(k == b"content-encoding" and v.strip().lower() != b"identity" for k, v in headers)
+            if encoded and not no_body:
+                raise _Deny(502, "encoded response from a destination a secret is bound to cannot be checked",
+                            rule=rule)
+            try:
+                headers = [(k, patterns.redact(v)) for k, v in headers]
+                for _k, v in headers:
+                    patterns.check_leak(v)
+            except SecretLeak:
+                raise _Deny(502, "response header holds part of a secret", rule=rule) from None
+            redactor = StreamRedactor(patterns)
+            if no_body and len(lengths) == 1:
+                headers.append((b"content-length", lengths[0]))
+            # Otherwise no length: redaction may change it, h11 frames the body as chunked.
+        elif len(lengths) == 1:
             headers.append((b"content-length", lengths[0]))
-        # Without a length h11 frames the body as chunked for the sandbox.
+        pace = Pace(self.limits.min_rate, self.limits.rate_grace)
         await client.send(h11.Response(status_code=response.status_code, headers=headers,
-                                       reason=response.reason))
+                                       reason=response.reason), left=pace.remaining)
         size = 0
-        try:
-            while True:
-                ev = await up.next_event()
-                if isinstance(ev, h11.Data):
-                    size += len(ev.data)
-                    if size > limit:
-                        raise _Deny(502, f"response body over {limit} bytes (cut off)", rule=req.rule.domain)
-                    await client.send(h11.Data(data=ev.data))
-                elif isinstance(ev, h11.EndOfMessage):
-                    break
-                else:
-                    raise _Deny(502, "upstream response ended early", rule=req.rule.domain)
-        except (OSError, TimeoutError, h11.RemoteProtocolError, ssl.SSLError) as exc:
-            up.close()
-            raise _Deny(502, f"upstream error mid-response: {exc.__class__.__name__}",
-                        rule=req.rule.domain) from None
-        except _Deny:
-            up.close()
-            raise
-        await client.send(h11.EndOfMessage())
+        pending: h11.Event | None = None
+        while True:
+            ev = pending if pending is not None else await up.next_event(pace.remaining)
+            pending = None
+            if isinstance(ev, h11.Data):
+                size += len(ev.data)
+                pace.add(len(ev.data))
+                if size > limit:
+                    raise _Deny(502, f"response body over {limit} bytes (cut off)", rule=rule)
+                nxt = up.conn.next_event()
+                if nxt is not h11.NEED_DATA:
+                    pending = nxt  # type: ignore[assignment]
+                try:
+                    out = redactor.feed(bytes(ev.data)) if redactor else bytes(ev.data)
+                    if redactor and isinstance(pending, h11.EndOfMessage):
+                        out += redactor.finish()  # all of it in one piece: nothing held back between chunks
+                        redactor = None
+                except SecretLeak:
+                    raise _Deny(502, "response holds part of a secret (cut off)", rule=rule) from None
+                if out:
+                    await client.send(h11.Data(data=out), left=pace.remaining)
+            elif isinstance(ev, h11.EndOfMessage):
+                if redactor is not None:
+                    try:
+                        out = redactor.finish()
+                    except SecretLeak:
+                        raise _Deny(502, "response holds part of a secret (cut off)", rule=rule) from None
+                    if out:
+                        await client.send(h11.Data(data=out), left=pace.remaining)
+                break
+            else:
+                raise _Deny(502, "upstream response ended early", rule=rule)
+        await client.send(h11.EndOfMessage(), left=pace.remaining)
         if up.conn.our_state is h11.DONE and up.conn.their_state is h11.DONE:
             up.conn.start_next_cycle()
         else:
             up.close()
-        return response.status_code, size, True
-
-    def _secrets_to_redact(self, sbx: SandboxEgress, req: _Request) -> list[bytes]:
-        found = list(req.secrets_out)
-        for binding in sbx.placeholders.values():
-            if binding.secret in req.secret_ids:
-                continue
-            with contextlib.suppress(CapsaError):
-                found.append(self.secrets.reveal(binding.secret).encode())
-        # Also the forms an upstream echoing a request commonly uses: percent-encoded and JSON-escaped.
-        variants: list[bytes] = []
-        for secret in found:
-            text = secret.decode("utf-8", "replace")
-            for form in (secret, quote(text, safe="").encode(), json.dumps(text)[1:-1].encode()):
-                if form and form not in variants:
-                    variants.append(form)
-        # Longest first, so a form containing another is replaced whole.
-        return sorted(variants, key=len, reverse=True)
+        return response.status_code, size
 
     async def _deny(self, client: _Client, deny: _Deny) -> None:
         body = f"capsa egress: {deny.reason}\n".encode()
@@ -867,6 +1047,7 @@ class EgressBroker:
         try:
             if client.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                 await client.send(h11.Response(status_code=deny.status, headers=headers),
-                                  h11.Data(data=body), h11.EndOfMessage())
-        except h11.LocalProtocolError:
+                                  h11.Data(data=body), h11.EndOfMessage(),
+                                  left=_until(time.monotonic() + self.limits.head_timeout))
+        except (h11.LocalProtocolError, ConnectionError, TimeoutError):
             pass

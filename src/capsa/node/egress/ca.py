@@ -3,14 +3,22 @@
 Each sandbox gets its own CA whose certificate carries X.509 name constraints limited to the domains its
 policy allows, so even a leaked CA key could not vouch for any other name. Its certificate (PEM) is
 installed in the guest's trust store; its key never leaves the node and dies with the sandbox.
+
+Leaves: a name under a wildcard rule gets the wildcard leaf of its parent (``a.example.com`` and every other
+name one label below ``example.com`` share ``*.example.com``), so a guest that walks through 10,000 names
+under a wildcard costs one issuance. Every leaf of a CA shares one key (made with the CA), so issuing is one
+signature; contexts live in a bounded LRU cache, and :meth:`SandboxCA.context_for` issues in a worker thread,
+one issuance at a time per CA, never on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import ssl
 import tempfile
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -19,10 +27,21 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["SandboxCA", "constraint_names"]
+__all__ = ["MAX_LEAVES", "SandboxCA", "constraint_names", "leaf_name"]
 
 _LEAF_DAYS = 7
 _CA_DAYS = 30
+MAX_LEAVES = 64
+"""Server contexts a CA keeps (least recently used dropped first); each holds one leaf certificate."""
+
+
+def leaf_name(host: str, wildcard: bool) -> str:
+    """The certificate name that serves ``host``: itself under an exact rule, the wildcard of its parent
+    (``*.b.example.com`` for ``a.b.example.com``) under a wildcard rule."""
+    host = host.lower().rstrip(".")
+    if wildcard and "." in host:
+        return "*." + host.split(".", 1)[1]
+    return host
 
 
 def constraint_names(domains: Iterable[str]) -> list[str]:
@@ -76,8 +95,15 @@ class SandboxCA:
                 critical=True,
             )
         self.certificate = builder.sign(self._key, hashes.SHA256())
-        self._contexts: dict[str, ssl.SSLContext] = {}
+        self._leaf_key = ec.generate_private_key(ec.SECP256R1())
+        self._leaf_key_pem = self._leaf_key.private_bytes(serialization.Encoding.PEM,
+                                                          serialization.PrivateFormat.PKCS8,
+                                                          serialization.NoEncryption())
+        self._contexts: OrderedDict[str, ssl.SSLContext] = OrderedDict()
         self._lock = threading.Lock()
+        self._issuing: asyncio.Lock | None = None
+        self.issued = 0
+        """Leaves signed so far (a cache miss each)."""
 
     @property
     def cert_pem(self) -> bytes:
@@ -88,8 +114,12 @@ class SandboxCA:
         host = host.lower()
         return any(host == n or host.endswith("." + n) for n in self.permitted)
 
-    def _issue(self, host: str) -> tuple[bytes, bytes]:
-        key = ec.generate_private_key(ec.SECP256R1())
+    @property
+    def cached(self) -> int:
+        return len(self._contexts)
+
+    def _issue(self, host: str) -> bytes:
+        key = self._leaf_key
         now = dt.datetime.now(dt.UTC)
         cert = (
             x509.CertificateBuilder()
@@ -106,26 +136,47 @@ class SandboxCA:
                            critical=False)
             .sign(self._key, hashes.SHA256())
         )
-        key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())
-        return cert.public_bytes(serialization.Encoding.PEM) + self.cert_pem, key_pem
+        return cert.public_bytes(serialization.Encoding.PEM) + self.cert_pem
+
+    def cached_context(self, name: str) -> ssl.SSLContext | None:
+        """The context for leaf ``name`` if it is already issued (never issues)."""
+        with self._lock:
+            ctx = self._contexts.get(name)
+            if ctx is not None:
+                self._contexts.move_to_end(name)
+            return ctx
+
+    async def context_for(self, name: str) -> ssl.SSLContext:
+        """The context for leaf ``name``, issued in a worker thread on a miss (one at a time per CA)."""
+        ctx = self.cached_context(name)
+        if ctx is not None:
+            return ctx
+        if self._issuing is None:
+            self._issuing = asyncio.Lock()
+        async with self._issuing:
+            return await asyncio.to_thread(self.server_context, name)
 
     def server_context(self, host: str) -> ssl.SSLContext:
-        """A TLS server context presenting a leaf for ``host`` (issued on first use, then cached)."""
-        with self._lock:
-            ctx = self._contexts.get(host)
-            if ctx is not None:
-                return ctx
-            chain, key = self._issue(host)
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-            ctx.set_alpn_protocols(["http/1.1"])
-            # ssl only loads keys from files: write them to a private temp dir, load, delete at once.
-            with tempfile.TemporaryDirectory(prefix="capsa-leaf-") as tmp:
-                cert_path, key_path = Path(tmp, "c.pem"), Path(tmp, "k.pem")
-                cert_path.write_bytes(chain)
-                key_path.touch(mode=0o600)
-                key_path.write_bytes(key)
-                ctx.load_cert_chain(cert_path, key_path)
-            self._contexts[host] = ctx
+        """A TLS server context presenting a leaf for ``host`` (a name or ``*.parent``), issued on first use,
+        then cached. Blocking: on the event loop call :meth:`context_for`."""
+        ctx = self.cached_context(host)
+        if ctx is not None:
             return ctx
+        chain = self._issue(host)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.set_alpn_protocols(["http/1.1"])
+        # ssl only loads keys from files: write them to a private temp dir, load, delete at once.
+        with tempfile.TemporaryDirectory(prefix="capsa-leaf-") as tmp:
+            cert_path, key_path = Path(tmp, "c.pem"), Path(tmp, "k.pem")
+            cert_path.write_bytes(chain)
+            key_path.touch(mode=0o600)
+            key_path.write_bytes(self._leaf_key_pem)
+            ctx.load_cert_chain(cert_path, key_path)
+        with self._lock:
+            self.issued += 1
+            self._contexts[host] = ctx
+            self._contexts.move_to_end(host)
+            while len(self._contexts) > MAX_LEAVES:
+                self._contexts.popitem(last=False)
+        return ctx

@@ -1,0 +1,62 @@
+"""``capsa nodes``: list the nodes and make one-time enrolment tokens for new ones (needs an admin key)."""
+
+from __future__ import annotations
+
+import click
+
+from capsa.cli.output import (
+    ApiOptions,
+    api_options,
+    emit_json,
+    human_time,
+    json_option,
+    print_table,
+    reports_errors,
+)
+
+__all__ = ["nodes"]
+
+
+@click.group()
+def nodes() -> None:
+    """Manage nodes (admin only)."""
+
+
+@nodes.command("token")
+@click.option("--ttl", "ttl_seconds", type=click.IntRange(60, 7 * 86400), default=None,
+              help="Seconds the token stays valid (default: one hour).")
+@json_option
+@api_options
+def token(ttl_seconds: int | None, as_json: bool, api: ApiOptions) -> None:
+    """Make a one-time enrolment token for `capsa node --enrol-token`."""
+    with reports_errors(), api.client() as client:
+        made = client.nodes.create_token(ttl_seconds=ttl_seconds)
+    if as_json:
+        emit_json(made)
+        return
+    # The token alone on stdout, so `T=$(capsa nodes token)` works; the rest goes to stderr.
+    click.echo(made.token)
+    click.echo(f"one-time node enrolment token, valid until {human_time(made.expires_at)}", err=True)
+
+
+def _usage(used: dict[str, int], capacity: dict[str, int], used_key: str, cap_key: str) -> str:
+    return f"{used.get(used_key, 0)}/{capacity.get(cap_key, 0)}"
+
+
+@nodes.command("ls")
+@json_option
+@api_options
+def ls(as_json: bool, api: ApiOptions) -> None:
+    """List the nodes with their health, capacity and use."""
+    with reports_errors(), api.client() as client:
+        items = client.nodes.list()
+    if as_json:
+        emit_json({"items": items})
+        return
+    rows = [[n.id, n.name or "-", n.url, "yes" if n.healthy else "no",
+             _usage(n.used, n.capacity, "sandboxes", "max_sandboxes"),
+             _usage(n.used, n.capacity, "memory_mib", "memory_mib"),
+             _usage(n.used, n.capacity, "vcpus", "vcpus"), "yes" if n.egress else "no",
+             ",".join(n.templates) or "-", human_time(n.last_heartbeat_at)] for n in items]
+    print_table(["ID", "NAME", "URL", "HEALTHY", "SANDBOXES", "MEMORY MIB", "VCPUS", "EGRESS", "TEMPLATES",
+                 "LAST HEARTBEAT"], rows)

@@ -1,0 +1,78 @@
+"""``capsa control``: the control plane alone, serving HTTP until cancelled (nodes join over HTTP).
+
+Run it under :func:`capsa.common.service.run_service`: SIGTERM or SIGINT cancels :func:`run_control`, whose
+``finally`` stops the server, which ends the background loops and closes the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from capsa.common.service import QuietServer
+from capsa.control.app import create_app
+from capsa.control.secretbox import ensure_key_file
+from capsa.control.settings import ControlSettings
+
+__all__ = ["announce_key", "control_settings", "run_control"]
+
+
+def announce_key(key: str) -> None:
+    """A generated bootstrap admin key exists in clear only now: print it once, as ``capsa serve`` does."""
+    print(f"capsa: bootstrap admin key (shown once, store it now): {key}", flush=True)
+
+
+def control_settings(state_dir: Path, database_url: str | None) -> ControlSettings:
+    """Settings from ``CAPSA_*``, with the database and the secret key file in ``state_dir`` by default.
+
+    Replicas on one PostgreSQL must share the secret key: give them the same ``CAPSA_SECRET_KEY`` (or
+    ``CAPSA_SECRET_KEY_FILE``), else each seals node tokens and secrets with its own state dir's key.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    overrides: dict[str, Any] = {"database_url": database_url or f"sqlite+aiosqlite:///{state_dir}/capsa.db"}
+    if not os.environ.get("CAPSA_SECRET_KEY") and not os.environ.get("CAPSA_SECRET_KEY_FILE"):
+        overrides["secret_key_file"] = ensure_key_file(state_dir / "secret.key")
+    return ControlSettings(**overrides)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+
+
+async def run_control(host: str, port: int, state_dir: Path, database_url: str | None) -> None:
+    """Serve the control plane's API on ``host:port`` until cancelled; prints one line once it answers."""
+    # Bind first: a taken port fails before a bootstrap key is generated that would never be shown again.
+    listener = _bind(host, port)
+    try:
+        settings = await asyncio.to_thread(control_settings, state_dir, database_url)
+        app = create_app(settings, on_bootstrap_key=announce_key)
+        server = QuietServer(uvicorn.Config(app, log_level="warning"))
+        task = asyncio.create_task(server.serve(sockets=[listener]), name="capsa-control-api")
+        try:
+            while not server.started:
+                if task.done():
+                    task.result()  # why it stopped (a database that cannot be reached, a bad key, ...)
+                    raise OSError("the control plane stopped before it started")
+                await asyncio.sleep(0.05)
+            bound = listener.getsockname()
+            shown = f"[{bound[0]}]" if ":" in str(bound[0]) else bound[0]
+            print(f"capsa: control plane on http://{shown}:{bound[1]}", flush=True)
+            # Shielded: a cancellation (SIGTERM, SIGINT) lands here and the finally below stops the server.
+            await asyncio.shield(task)
+        finally:
+            if not task.done():
+                server.should_exit = True
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+    finally:
+        listener.close()

@@ -1,0 +1,69 @@
+"""Node administration (admin keys only): list the nodes, make one-time enrolment tokens for new ones."""
+
+from __future__ import annotations
+
+import builtins
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict
+
+from capsa.sdk.models import parse, parse_items
+from capsa.sdk.portal import Portal
+
+if TYPE_CHECKING:
+    from capsa.sdk.client import AsyncClient
+
+__all__ = ["AsyncNodes", "EnrolToken", "NodeInfo", "Nodes"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class NodeInfo(_Model):
+    id: str
+    name: str | None = None
+    url: str
+    healthy: bool
+    """Heartbeating and not stopping: the node can get new sessions."""
+    capacity: dict[str, int]
+    used: dict[str, int]
+    templates: list[str] = []
+    egress: bool = False
+    registered_at: datetime | None = None
+    last_heartbeat_at: datetime | None = None
+    left_at: datetime | None = None
+
+
+class EnrolToken(_Model):
+    token: str
+    """Give it to ``capsa node --enrol-token``; it works once, until ``expires_at``."""
+    expires_at: datetime | None = None
+
+
+class AsyncNodes:
+    """Node administration (admin keys only)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def list(self) -> builtins.list[NodeInfo]:
+        return parse_items(NodeInfo, await self._client.json("GET", "/nodes"))
+
+    async def create_token(self, *, ttl_seconds: int | None = None) -> EnrolToken:
+        body = {"ttl_seconds": ttl_seconds} if ttl_seconds is not None else {}
+        return parse(EnrolToken, await self._client.json("POST", "/nodes/tokens", json=body))
+
+
+class Nodes:
+    """Node administration (admin keys only)."""
+
+    def __init__(self, inner: AsyncNodes, portal: Portal) -> None:
+        self._inner, self._portal = inner, portal
+
+    def list(self) -> builtins.list[NodeInfo]:
+        return self._portal.call(self._inner.list())
+
+    def create_token(self, *, ttl_seconds: int | None = None) -> EnrolToken:
+        return self._portal.call(self._inner.create_token(ttl_seconds=ttl_seconds))
