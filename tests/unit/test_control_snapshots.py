@@ -1,13 +1,17 @@
-"""Control plane side of pause/resume/branch/snapshots with host-process guests (fake runtime).
+"""Pause/resume/branch/snapshots through the whole server side with host-process guests (fake runtime).
 
-The fake runtime cannot snapshot (its "VM" is a host process), so these tests cover what the control plane
+Control plane and the production node agent behind real HTTP servers (tests/support/api_stack.py). The
+fake runtime snapshots a guest's files (not its processes), so these tests cover the flows end to end
+(pause/resume, restore, branch, rolling snapshots, close deleting snapshots) and what the control plane
 decides on its own: the session options, validation, legal states, tenant scoping, and that a refused
-request changes nothing. The same paths with real snapshots are in
-tests/integration/test_api_snapshots_vm.py.
+request changes nothing. The same paths with real microVMs are in tests/integration/test_api_snapshots_vm.py.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +24,10 @@ from capsa.control.plane import ControlPlane
 from capsa.control.rolling import _due, due_sessions
 from capsa.control.store.models import SessionRow, utcnow
 from tests.support.api_stack import ApiStack
+from tests.support.fake_runtime import FakeRuntime
+
+_needs_root = pytest.mark.skipif(os.geteuid() != 0,
+                                 reason="the fake runtime snapshots only confined guests (root)")
 
 
 def _problem(response: httpx.Response, status: int, code: str) -> None:
@@ -124,15 +132,15 @@ async def test_refused_requests_change_nothing(stack: ApiStack) -> None:
         assert await _picture(stack, c, sid) == closed
 
 
-async def test_node_without_snapshot_support_leaves_the_session_running(stack: ApiStack) -> None:
-    # The plain node agent has no snapshot routes: the request fails, the session keeps its sandbox.
+async def test_node_without_snapshot_support_leaves_the_session_running(make_stack: Any) -> None:
+    # A node agent without the snapshots part refuses: the request fails, the session keeps its sandbox.
+    stack: ApiStack = await make_stack(snapshots=False)
     key = await stack.tenant_key("acme")
     async with stack.client(key) as c:
         sid = (await c.post("/v1/sessions", json={})).json()["id"]
         before = await _picture(stack, c, sid)
         for path in ("pause", "snapshots"):
-            response = await c.post(f"/v1/sessions/{sid}/{path}", json={})
-            assert response.status_code == 404, response.text
+            _problem(await c.post(f"/v1/sessions/{sid}/{path}", json={}), 501, "snapshots_unavailable")
         ran = await c.post(f"/v1/sessions/{sid}/commands", json={"cmd": "echo hi"})
         assert ran.json()["stdout"] == "hi\n"
         after = await _picture(stack, c, sid)
@@ -209,3 +217,88 @@ async def test_one_replica_at_a_time_claims_a_rolling_snapshot(stack: ApiStack) 
         row = await _row(stack, sid)
         assert row.snapshot_claim_until is None and row.snapshot_wanted_at is None
         await c.post(f"/v1/sessions/{sid}/close")
+
+
+# -- the flows end to end (the fake runtime snapshots a guest's files; needs root for its confinement) --
+
+async def _ok(response: httpx.Response, status: int = 200) -> Any:
+    assert response.status_code == status, response.text
+    return response.json() if response.content else None
+
+
+async def _sh(c: httpx.AsyncClient, sid: str, cmd: str) -> str:
+    result = await _ok(await c.post(f"/v1/sessions/{sid}/commands", json={"cmd": cmd}))
+    assert result["exit_code"] == 0, result
+    return str(result["stdout"])
+
+
+def _snapshot_dirs(stack: ApiStack) -> set[str]:
+    assert isinstance(stack.runtime, FakeRuntime)
+    return set(stack.runtime.list_snapshot_ids())
+
+
+@_needs_root
+async def test_pause_resume_restore_branch_and_close(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as c:
+        ses = await _ok(await c.post("/v1/sessions", json={"env": {"ROLE": "parent"}}), 201)
+        sid = ses["id"]
+        await _sh(c, sid, "echo kept > /tmp/note")
+
+        paused = await _ok(await c.post(f"/v1/sessions/{sid}/pause"))
+        assert paused["state"] == "paused"
+        assert stack.agent is not None and stack.agent.list() == []  # the sandbox is gone
+        snaps = (await _ok(await c.get(f"/v1/sessions/{sid}/snapshots")))["items"]
+        assert [s["kind"] for s in snaps] == ["pause"] and snaps[0]["id"] in _snapshot_dirs(stack)
+
+        resumed = await _ok(await c.post(f"/v1/sessions/{sid}/resume"))
+        assert resumed["state"] == "running"
+        assert await _sh(c, sid, "cat /tmp/note; echo $ROLE") == "kept\nparent\n"
+
+        # Roll back: a file written after a snapshot is as it was.
+        manual = await _ok(await c.post(f"/v1/sessions/{sid}/snapshots", json={}), 201)
+        await _sh(c, sid, "echo later > /tmp/note")
+        restored = await _ok(await c.post(f"/v1/sessions/{sid}/restore", json={"snapshot_id": manual["id"]}))
+        assert restored["state"] == "running"
+        assert await _sh(c, sid, "cat /tmp/note") == "kept\n"
+
+        # Branch into three: each has the file; writes in one do not show in another or the parent.
+        branched = await _ok(await c.post(f"/v1/sessions/{sid}/branch", json={"n": 3}), 201)
+        kids = [k["id"] for k in branched["items"]]
+        assert len(set(kids)) == 3 and sid not in kids
+        for i, kid in enumerate(kids):
+            assert await _sh(c, kid, "cat /tmp/note; echo $ROLE") == "kept\nparent\n"
+            await _sh(c, kid, f"echo kid{i} > /tmp/note")
+        await _sh(c, sid, "echo parent > /tmp/note")
+        for i, kid in enumerate(kids):
+            assert await _sh(c, kid, "cat /tmp/note") == f"kid{i}\n"
+        assert await _sh(c, sid, "cat /tmp/note") == "parent\n"
+
+        taken = {s["id"] for s in (await _ok(await c.get(f"/v1/sessions/{sid}/snapshots")))["items"]}
+        assert taken and taken <= _snapshot_dirs(stack)
+        for s in (*kids, sid):
+            await _ok(await c.post(f"/v1/sessions/{s}/close"))
+        assert not (taken & _snapshot_dirs(stack))  # closing deletes the session's snapshots on the node
+        assert stack.agent.list() == [] and stack.runtime.list() == []
+
+
+@_needs_root
+async def test_rolling_snapshot_after_a_command_restores(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as c:
+        body = {"rolling_snapshots": {"after_command": True, "keep": 2}}
+        sid = (await _ok(await c.post("/v1/sessions", json=body), 201))["id"]
+        await _sh(c, sid, "echo one > /tmp/r")
+        deadline = time.monotonic() + 60
+        while True:  # the control plane's reaper takes it in the background
+            snaps = (await _ok(await c.get(f"/v1/sessions/{sid}/snapshots")))["items"]
+            rolling = [s for s in snaps if s["kind"] == "rolling"]
+            if rolling:
+                break
+            assert time.monotonic() < deadline, "no rolling snapshot was taken"
+            await asyncio.sleep(0.2)
+        await _sh(c, sid, "echo two > /tmp/r")
+        await _ok(await c.post(f"/v1/sessions/{sid}/restore", json={"snapshot_id": rolling[0]["id"]}))
+        assert await _sh(c, sid, "cat /tmp/r") == "one\n"
+        await _ok(await c.post(f"/v1/sessions/{sid}/close"))
+        assert rolling[0]["id"] not in _snapshot_dirs(stack)
