@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from capsa.common.egress_policy import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
 from capsa.node.egress.policy import EgressPolicy, PolicyError, domain_matches, policy_json_schema
 
 YAML_DOC = """
@@ -112,3 +113,15 @@ def test_published_schema_file_matches_the_model() -> None:
 
     published = Path(policy_module.__file__).with_name("policy.schema.json").read_text()
     assert published == policy_json_schema() + "\n"
+
+
+@pytest.mark.parametrize("doc", [
+    {"max_request_bytes": MAX_REQUEST_BYTES + 1},
+    {"max_response_bytes": MAX_RESPONSE_BYTES + 1},
+    {"domains": [{"domain": "a.test", "max_request_bytes": MAX_REQUEST_BYTES + 1}]},
+    {"domains": [{"domain": "a.test", "max_response_bytes": MAX_RESPONSE_BYTES + 1}]},
+])
+def test_body_limits_are_bounded(doc: dict[str, object]) -> None:
+    with pytest.raises(PolicyError, match="less than or equal"):
+        EgressPolicy.from_data(doc)
+    EgressPolicy.from_data({"max_request_bytes": MAX_REQUEST_BYTES, "max_response_bytes": MAX_RESPONSE_BYTES})

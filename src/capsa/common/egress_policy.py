@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from capsa.common.errors import CapsaError
 
 __all__ = [
+    "MAX_REQUEST_BYTES",
+    "MAX_RESPONSE_BYTES",
     "DomainRule",
     "EgressPolicy",
     "PolicyError",
@@ -32,6 +34,10 @@ _LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
 _HOST_RE = re.compile(rf"^{_LABEL}(\.{_LABEL})+$")
 _HEADER_RE = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 _METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
+# Bodies stream through the broker (nothing holds a whole body), but a transfer still costs time and a
+# connection: the limits a policy may set are bounded.
+MAX_REQUEST_BYTES = 1 << 30
+MAX_RESPONSE_BYTES = 1 << 32
 # Headers a binding may not target: they steer routing or framing, not credentials.
 _FORBIDDEN_BINDING_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "upgrade", "te"}
 
@@ -67,8 +73,8 @@ class DomainRule(BaseModel):
     path_prefixes: list[str] | None = Field(default=None, max_length=256)
     """Allowed URL path prefixes (each starting with ``/``); ``None`` allows every path."""
     rate_limit: RateLimit | None = None
-    max_request_bytes: int | None = Field(default=None, ge=0)
-    max_response_bytes: int | None = Field(default=None, ge=0)
+    max_request_bytes: int | None = Field(default=None, ge=0, le=MAX_REQUEST_BYTES)
+    max_response_bytes: int | None = Field(default=None, ge=0, le=MAX_RESPONSE_BYTES)
 
     @field_validator("domain")
     @classmethod
@@ -158,8 +164,8 @@ class EgressPolicy(BaseModel):
     # Bounded so a policy stays cheap to check on every request and to store with the session.
     domains: list[DomainRule] = Field(default_factory=list, max_length=1000)
     secrets: list[SecretBinding] = Field(default_factory=list, max_length=64)
-    max_request_bytes: int = Field(default=10 * 1024 * 1024, ge=0)
-    max_response_bytes: int = Field(default=50 * 1024 * 1024, ge=0)
+    max_request_bytes: int = Field(default=10 * 1024 * 1024, ge=0, le=MAX_REQUEST_BYTES)
+    max_response_bytes: int = Field(default=50 * 1024 * 1024, ge=0, le=MAX_RESPONSE_BYTES)
 
     @model_validator(mode="after")
     def _check_consistency(self) -> EgressPolicy:

@@ -10,6 +10,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, fi
 from capsa.common.egress_policy import EgressPolicy, PolicyError
 
 __all__ = [
+    "SECRET_VALUE_CONTROL",
+    "SECRET_VALUE_WHITESPACE",
     "AuditEventOut",
     "AuditList",
     "PolicyDocument",
@@ -33,6 +35,10 @@ PolicyDocument = Annotated[dict[str, Any], AfterValidator(_valid_policy)]
 """An egress policy (schema: src/capsa/node/egress/policy.schema.json), normalised once validated."""
 
 
+SECRET_VALUE_CONTROL = "a secret value cannot contain control characters (line breaks, tabs, NUL, DEL)"
+SECRET_VALUE_WHITESPACE = "a secret value cannot start or end with whitespace"
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -46,10 +52,14 @@ class SecretCreate(_Strict):
     @field_validator("value")
     @classmethod
     def _header_safe(cls, value: SecretStr) -> SecretStr:
-        # The broker puts the value into an HTTP header: line breaks or NUL could never be sent there.
-        # The message must not quote the value.
-        if any(c in value.get_secret_value() for c in "\r\n\x00"):
-            raise ValueError("a secret value cannot contain line breaks or NUL characters")
+        # The broker puts the value into an HTTP header. Control characters could never be sent there (h11
+        # would refuse the request, quoting the header in its error), and surrounding whitespace would be
+        # stripped by the upstream's parser. Refused here, with a message that never quotes the value.
+        text = value.get_secret_value()
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
+            raise ValueError(SECRET_VALUE_CONTROL)
+        if text != text.strip():
+            raise ValueError(SECRET_VALUE_WHITESPACE)
         return value
 
 
