@@ -119,7 +119,7 @@ async def test_two_replicas_race_for_one_token_and_exactly_one_wins(stack: ApiSt
     async with plane_of(stack).db() as db:
         enrolled = list((await db.execute(select(NodeRow.id).where(NodeRow.id.like("node\\_%", escape="\\"))))
                         .scalars())
-        used = list((await db.execute(select(NodeEnrolTokenRow.node_id))).scalars())
+        used = [n for n in (await db.execute(select(NodeEnrolTokenRow.node_id))).scalars() if n is not None]
     assert len(enrolled) == 5 and sorted(enrolled) == sorted(used)
 
 
@@ -151,8 +151,9 @@ async def test_node_secrets_are_not_stored_in_clear(stack: ApiStack) -> None:
     for secret in (API_TOKEN, node["credential"], stack.node_token):
         assert secret not in dump
     # The control plane still presents the right token when it calls the node.
-    assert plane_of(stack).sealer is not None
-    assert plane_of(stack).sealer.open(node["id"], row.token_sealed) == API_TOKEN
+    sealer = plane_of(stack).sealer
+    assert sealer is not None
+    assert sealer.open(node["id"], row.token_sealed) == API_TOKEN
 
 
 async def test_leave_fails_sessions_without_snapshot_and_stops_placement(stack: ApiStack) -> None:
