@@ -19,9 +19,11 @@ from alembic.config import Config
 from sqlalchemy.engine import Connection
 
 import capsa.control.store
+from capsa.control.errors import ApiError
 from capsa.control.keys import generate_key
-from capsa.control.node_secrets import NodeSealer
+from capsa.control.node_secrets import NodeSealer, node_sealer
 from capsa.control.secretbox import SecretSealer
+from capsa.control.server import control_settings
 from capsa.control.store.db import create_engine, migrate
 
 _CLI = "from capsa.cli.main import main; main()"
@@ -129,3 +131,24 @@ async def test_migration_0004_seals_existing_node_tokens(tmp_path: Path) -> None
     assert b"old-clear-token-123456" not in row["token_sealed"]
     assert sealer.open("old-node", row["token_sealed"]) == "old-clear-token-123456"
     assert row["credential_hash"] and row["egress"]
+
+
+def test_replicas_on_a_database_server_share_the_secret_key(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CAPSA_SECRET_KEY", raising=False)
+    monkeypatch.delenv("CAPSA_SECRET_KEY_FILE", raising=False)
+    monkeypatch.setenv("CAPSA_BOOTSTRAP_KEY", generate_key().full)
+    shared = "postgresql+asyncpg://postgres@127.0.0.1:1/capsa"
+    one = node_sealer(control_settings(tmp_path / "one", shared))
+    two = node_sealer(control_settings(tmp_path / "two", shared))
+    assert one is not None and two is not None
+    assert two.open("node_x", one.seal("node_x", "api-token")) == "api-token"
+    assert not (tmp_path / "one" / "secret.key").exists()
+    # With SQLite the key is a file in the state dir, as for `capsa serve`.
+    local = control_settings(tmp_path / "local", None)
+    assert local.secret_key_file == tmp_path / "local" / "secret.key" and local.secret_key_file.exists()
+    monkeypatch.setenv("CAPSA_BOOTSTRAP_KEY", generate_key().full)
+    other = node_sealer(control_settings(tmp_path / "three", shared))
+    assert other is not None
+    with pytest.raises(ApiError, match="node_x"):
+        other.open("node_x", one.seal("node_x", "api-token"))

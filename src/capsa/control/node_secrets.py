@@ -8,6 +8,7 @@ every replica is given too; with neither, nodes cannot be registered (503 ``secr
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import secrets
@@ -21,6 +22,7 @@ from capsa.control.settings import ControlSettings
 
 __all__ = [
     "NodeSealer",
+    "derive_secret_key",
     "hash_secret",
     "new_credential",
     "new_enrol_token",
@@ -73,10 +75,19 @@ class NodeSealer:
         return "NodeSealer(<key hidden>)"
 
 
+def derive_secret_key(bootstrap_key: str) -> str:
+    """A secret key (base64, as ``CAPSA_SECRET_KEY`` takes it) derived from the bootstrap admin key.
+
+    Every replica given the same bootstrap key derives the same key; the database holds only the bootstrap
+    key's SHA-256, from which this cannot be computed.
+    """
+    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+               info=b"capsa secret key").derive(bootstrap_key.encode())
+    return base64.b64encode(key).decode()
+
+
 def node_sealer(settings: ControlSettings) -> NodeSealer | None:
     sealer = SecretSealer.from_settings(settings)
     if sealer is None and settings.bootstrap_key:
-        key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
-                   info=b"capsa node api tokens").derive(settings.bootstrap_key.encode())
-        sealer = SecretSealer(key)
+        sealer = SecretSealer.from_text(derive_secret_key(settings.bootstrap_key))
     return NodeSealer(sealer) if sealer is not None else None

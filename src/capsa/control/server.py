@@ -17,6 +17,7 @@ import uvicorn
 
 from capsa.common.service import QuietServer
 from capsa.control.app import create_app
+from capsa.control.node_secrets import derive_secret_key
 from capsa.control.secretbox import ensure_key_file
 from capsa.control.settings import ControlSettings
 
@@ -29,15 +30,22 @@ def announce_key(key: str) -> None:
 
 
 def control_settings(state_dir: Path, database_url: str | None) -> ControlSettings:
-    """Settings from ``CAPSA_*``, with the database and the secret key file in ``state_dir`` by default.
+    """Settings from ``CAPSA_*``, with the database in ``state_dir`` by default.
 
-    Replicas on one PostgreSQL must share the secret key: give them the same ``CAPSA_SECRET_KEY`` (or
-    ``CAPSA_SECRET_KEY_FILE``), else each seals node tokens and secrets with its own state dir's key.
+    The secret key (node API tokens and users' secrets are sealed with it) is ``CAPSA_SECRET_KEY`` or
+    ``CAPSA_SECRET_KEY_FILE`` when set. Otherwise, on a database server (which several replicas may share)
+    it is derived from ``CAPSA_BOOTSTRAP_KEY``, so every replica given that key has the same one; with SQLite,
+    or without a bootstrap key, it is a key file in ``state_dir`` (made on the first start, 0600).
     """
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    overrides: dict[str, Any] = {"database_url": database_url or f"sqlite+aiosqlite:///{state_dir}/capsa.db"}
+    url = database_url or f"sqlite+aiosqlite:///{state_dir}/capsa.db"
+    overrides: dict[str, Any] = {"database_url": url}
     if not os.environ.get("CAPSA_SECRET_KEY") and not os.environ.get("CAPSA_SECRET_KEY_FILE"):
-        overrides["secret_key_file"] = ensure_key_file(state_dir / "secret.key")
+        bootstrap = os.environ.get("CAPSA_BOOTSTRAP_KEY")
+        if bootstrap and not url.startswith("sqlite"):
+            overrides["secret_key"] = derive_secret_key(bootstrap)
+        else:
+            overrides["secret_key_file"] = ensure_key_file(state_dir / "secret.key")
     return ControlSettings(**overrides)
 
 
