@@ -41,8 +41,9 @@ capsa.guest.protocol); requests addressed to another instance are refused with g
 
 Error codes: bad_request, unknown_op, not_found, permission_denied, is_a_directory,
 not_a_directory, already_exists, directory_not_empty, no_space, no_such_process, not_executable,
-unsafe_archive, unsupported, cancelled, flow_control, too_many_requests, malformed_frame,
-frame_too_large, unsupported_version, guest_unavailable, io_error, internal_error.
+unsafe_archive, unsupported, too_large (a listing over MAX_LISTING_BYTES), cancelled, flow_control,
+too_many_requests, malformed_frame, frame_too_large, unsupported_version, guest_unavailable, io_error,
+internal_error.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import Any
 
 from capsa.guest.channel import Stream
 from capsa.guest.errors import OpError, from_os_error
-from capsa.guest.protocol import CHUNK_SIZE
+from capsa.guest.protocol import CHUNK_SIZE, MAX_LISTING_BYTES
 
 __all__ = [
     "TAR_OPS",
@@ -192,7 +192,11 @@ def op_list(stream: Stream, args: dict[str, Any], data: bytes) -> None:
             except FileNotFoundError:
                 continue  # removed while listing
     entries.sort(key=lambda e: e["name"])
-    stream.send_data(json.dumps(entries, separators=(",", ":")).encode())
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    if len(raw) > MAX_LISTING_BYTES:
+        raise OpError("too_large", f"{path}: the listing of {len(entries)} entries is {len(raw)} bytes, "
+                                   f"more than the {MAX_LISTING_BYTES} a listing may hold")
+    stream.send_data(raw)
     stream.result({"count": len(entries)})
 
 

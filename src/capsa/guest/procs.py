@@ -19,7 +19,7 @@ from typing import Any
 from capsa.guest.cgroups import enter_work, forget_command, kill_command, oom_kills
 from capsa.guest.channel import ChannelGone, Stream
 from capsa.guest.errors import OpError, from_os_error
-from capsa.guest.protocol import Kind
+from capsa.guest.protocol import PROCESS_OUTPUT_KEPT, Kind
 
 __all__ = [
     "DEFAULT_MAX_OUTPUT",
@@ -33,7 +33,7 @@ __all__ = [
 
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
 MAX_MAX_OUTPUT = 1024 * 1024 * 1024
-RING_SIZE = 1024 * 1024
+RING_SIZE = PROCESS_OUTPUT_KEPT
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # After the command itself exits, descendants that inherited its pipes may keep them open
 # forever (`cmd &`); stop collecting once they have been quiet this long.

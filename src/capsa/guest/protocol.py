@@ -54,7 +54,9 @@ __all__ = [
     "INSTANCE_KEY",
     "MAGIC",
     "MAX_DATA",
+    "MAX_LISTING_BYTES",
     "MAX_META",
+    "PROCESS_OUTPUT_KEPT",
     "PROTOCOL_VERSION",
     "UNAVAILABLE",
     "Decoder",
@@ -78,6 +80,10 @@ MAX_STREAM = 0xFFFFFFFF
 HELLO_EVENT = "hello"  # meta["event"] of the daemon's announcement (EVENT on stream 0)
 INSTANCE_KEY = "instance"  # meta key naming a daemon instance (hello, health, REQUEST, ERROR)
 UNAVAILABLE = "guest_unavailable"  # error code: the daemon instance a request was meant for is gone
+# Result sizes both sides hold to: the guest never sends more, and the host fails a call whose guest does
+# (``protocol_error``), so a hostile guest cannot make the host buffer without bound.
+MAX_LISTING_BYTES = 32 * 1024 * 1024  # file_list: the JSON array; a larger directory is refused (too_large)
+PROCESS_OUTPUT_KEPT = 1024 * 1024  # proc_output: the last bytes of each of stdout/stderr a guest keeps
 
 
 class Kind(enum.IntEnum):
