@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 
 from capsa.guest.protocol import INITIAL_WINDOW, MAGIC, PROTOCOL_VERSION, Decoder, Frame, Kind, encode_frame
-from capsa.node import guest_client as guest_client_module
-from capsa.node.guest_client import ChannelClosed, GuestClient, GuestError
+from capsa.node.guest_client import ChannelClosed, GuestClient, GuestDeadlines, GuestError
 from tests.support.local_guest import GUEST_PACKAGE, LocalGuest, guest_client, local_guest
 from tests.support.processes import processes_with
 
@@ -284,10 +283,11 @@ async def test_health_timeout_on_a_silent_guest(fake_guest: Callable[[Behaviour]
     client = await fake_guest(silent)
     with pytest.raises(GuestError) as e:
         await client.health(timeout=0.2)
-    assert e.value.code == "timeout"
+    assert e.value.code == "guest_timeout"
+    assert e.value.status == 504
     with pytest.raises(GuestError) as e:
         await client.wait_ready(timeout=0.5, interval=0.1)
-    assert e.value.code == "timeout"
+    assert e.value.code == "guest_timeout"
 
 
 async def test_daemon_serves_an_inherited_descriptor_until_eof() -> None:
@@ -311,15 +311,19 @@ async def test_daemon_serves_an_inherited_descriptor_until_eof() -> None:
 
 
 async def test_exec_gives_up_on_a_guest_that_ignores_its_timeout(
-        fake_guest: Callable[[Behaviour], Awaitable[GuestClient]], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(guest_client_module, "EXEC_TIMEOUT_GRACE", 0.2)
+        fake_guest: Callable[[Behaviour], Awaitable[GuestClient]]) -> None:
     seen: list[Frame] = []
 
     async def silent(frame: Frame, writer: asyncio.StreamWriter) -> None:
-        seen.append(frame)
+        if frame.meta["op"] == "health":
+            await _answer_health(frame, writer)  # alive, but never reports the command
+        else:
+            seen.append(frame)
 
     client = await fake_guest(silent)
+    client.deadlines = GuestDeadlines(exec_grace=0.2)
     with pytest.raises(GuestError) as e:
         await client.exec("sleep 100", timeout=0.1)
-    assert e.value.code == "timeout"
+    assert e.value.code == "guest_timeout"
+    assert "within its timeout" in e.value.message
     assert seen[0].meta["timeout"] == 0.1  # the guest was asked to enforce it

@@ -12,6 +12,24 @@ daemon, and the new instance announces itself with a hello naming a fresh instan
 :class:`GuestUnavailable` (``guest_unavailable``) and addresses later requests to the new instance.
 Requests that were still on their way to the dead one are refused unrun by its successor, with the
 same error.
+
+A hostile guest (its root is the tenant's) is bounded two more ways:
+
+* **Bytes per call.** Every result the client collects has a cap taken from the operation's own limit:
+  exec output ``max_output`` per stream, ``proc_output`` :data:`PROCESS_OUTPUT_KEPT` per stream (what
+  the guest keeps), ``file_list`` :data:`MAX_LISTING_BYTES`, ``read_file`` its ``max_bytes`` (the
+  guest is asked for no more), and no DATA at all for the one-frame answers (stat, proc_list, ...).
+  At most :data:`MAX_EVENTS_PER_CALL` EVENT frames per call. Streamed results (``iter_file``,
+  ``tar_export``, a terminal) go to the caller as they arrive, within the credit window, and are not
+  capped. A guest past a cap fails that call with ``protocol_error`` at the frame that crosses it
+  (nothing more is buffered); the client sends CANCEL, drops the stream's later frames and stays
+  usable for other calls. The sandbox is not failed: a guest can only break its own sandbox's calls.
+* **Time per call.** Every call has a deadline (:class:`GuestDeadlines`): one-frame answers
+  ``call``, slow file operations ``long_call``, streamed phases ``idle`` between frames or credit,
+  exec and ``proc_wait`` their own timeout + ``exec_grace``; while an exec or a wait is silent for
+  ``probe_interval`` the client asks the guest for ``health``, so a guest that stopped answering fails
+  a command without a timeout too. Past a deadline the call fails with :class:`GuestTimeout`
+  (``guest_timeout``, 504).
 """
 
 from __future__ import annotations
@@ -23,7 +41,15 @@ import json
 import os
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +58,8 @@ from capsa.guest.protocol import (
     CHUNK_SIZE,
     INITIAL_WINDOW,
     INSTANCE_KEY,
+    MAX_LISTING_BYTES,
+    PROCESS_OUTPUT_KEPT,
     UNAVAILABLE,
     Decoder,
     Frame,
@@ -42,12 +70,16 @@ from capsa.guest.protocol import (
 
 __all__ = [
     "DEFAULT_MAX_OUTPUT",
+    "DEFAULT_MAX_READ",
     "EXEC_TIMEOUT_GRACE",
+    "MAX_EVENTS_PER_CALL",
     "ChannelClosed",
     "ExecResult",
     "FileInfo",
     "GuestClient",
+    "GuestDeadlines",
     "GuestError",
+    "GuestTimeout",
     "GuestUnavailable",
     "OutputCallback",
     "ProcessInfo",
@@ -56,11 +88,15 @@ __all__ = [
 ]
 
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
+DEFAULT_MAX_READ = 64 * 1024 * 1024
+"""What :meth:`GuestClient.read_file` collects at most (larger files: ``iter_file``)."""
 READ_SIZE = 256 * 1024
 # How long past its own timeout a command may take to be reported before the client gives up on the guest.
 EXEC_TIMEOUT_GRACE = 60.0
 # Data frames are bounded by the credit window; this bounds the small ones (events, empty data).
 MAX_QUEUED_FRAMES = 4096
+MAX_EVENTS_PER_CALL = 16
+"""EVENT frames a call accepts (the daemon sends one, ``started``): their meta is not flow controlled."""
 
 OutputCallback = Callable[[bytes], Awaitable[None] | None]
 
@@ -77,9 +113,31 @@ _STATUS = {
     "directory_not_empty": 409,
     "no_space": 507,
     "timeout": 504,
+    "guest_timeout": 504,
+    "too_large": 413,
     "unsupported": 501,
     UNAVAILABLE: 503,
 }
+
+
+@dataclass(frozen=True)
+class GuestDeadlines:
+    """How long the client waits for a guest (seconds) before failing a call with ``guest_timeout``."""
+
+    call: float = 60.0
+    """A one-frame answer (health has its own ``timeout``; stat, mkdir, proc_list, proc_output, ...)."""
+    long_call: float = 600.0
+    """Answers that may take long in an honest guest: recursive remove, rename across filesystems,
+    the result of file_write and tar_import once their body is sent."""
+    idle: float = 120.0
+    """Streamed phases (file and tar reads, uploads, a terminal starting): the longest wait for the next
+    frame, or for credit to send more."""
+    exec_grace: float = EXEC_TIMEOUT_GRACE
+    """Past a command's own timeout (exec, proc_wait), which the guest enforces."""
+    probe_interval: float = 30.0
+    """An exec or proc_wait silent this long makes the client check the guest with health ..."""
+    probe: float = 10.0
+    """... which must answer within this; also the most a CANCEL may wait to be written."""
 
 
 class GuestError(CapsaError):
@@ -98,6 +156,13 @@ class GuestUnavailable(GuestError):
 
     def __init__(self, message: str) -> None:
         super().__init__(UNAVAILABLE, message)
+
+
+class GuestTimeout(GuestError):
+    """The guest did not answer a call by its deadline (:class:`GuestDeadlines`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("guest_timeout", message)
 
 
 class ChannelClosed(GuestError):
@@ -186,12 +251,21 @@ def _opt_float(value: object) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+Limits = Mapping[str | None, int]
+"""Bytes a call accepts per DATA channel (``meta["ch"]``, None for frames without one); a channel not
+named accepts none. ``None`` instead of a mapping: the call streams to its caller and is not capped."""
+
+
 class _Stream:
     """Client-side state of one request."""
 
-    def __init__(self, client: GuestClient, stream_id: int) -> None:
+    def __init__(self, client: GuestClient, stream_id: int, op: str, limits: Limits | None) -> None:
         self.client = client
         self.id = stream_id
+        self.op = op
+        self.limits = limits
+        self.received: dict[str | None, int] = {}
+        self.events = 0
         self.queue: asyncio.Queue[Frame | BaseException] = asyncio.Queue()
         self.send_credit = INITIAL_WINDOW
         self.credit_changed = asyncio.Event()
@@ -199,6 +273,34 @@ class _Stream:
         self.recv_unacked = 0  # consumed bytes not yet returned as credit
         self.done = False  # RESULT/ERROR arrived (or the connection died)
         self.failure: BaseException | None = None
+
+    def _admit(self, frame: Frame) -> Frame | GuestError:
+        """The frame as queued (DATA keeps only its channel), or the protocol error it amounts to."""
+        if frame.kind == Kind.EVENT:
+            self.events += 1
+            if self.events > MAX_EVENTS_PER_CALL:
+                return GuestError("protocol_error", f"guest sent more than {MAX_EVENTS_PER_CALL} events "
+                                                    f"for one {self.op}")
+            return frame
+        if frame.kind != Kind.DATA:
+            return frame
+        self.recv_allowed -= len(frame.data)
+        if self.recv_allowed < 0:
+            return GuestError("flow_control", "guest sent more data than the window allows")
+        if self.limits is None:
+            return Frame(Kind.DATA, frame.stream, {}, frame.data)
+        ch = frame.meta.get("ch")
+        key = ch if isinstance(ch, str) else None
+        if key not in self.limits:
+            return GuestError("protocol_error", f"guest sent data on channel {str(key)[:40]!r}, which "
+                                                f"{self.op} does not have")
+        total = self.received.get(key, 0) + len(frame.data)
+        self.received[key] = total
+        if total > self.limits[key]:
+            what = f"{key} of " if key else ""
+            return GuestError("protocol_error", f"guest sent more than {self.limits[key]} bytes of "
+                                                f"{what}{self.op}, the most it may")
+        return Frame(Kind.DATA, frame.stream, {"ch": key} if key else {}, frame.data)
 
     def deliver(self, item: Frame | BaseException) -> None:
         if self.failure is not None:
@@ -212,10 +314,7 @@ class _Stream:
                     self.send_credit += n
                     self.credit_changed.set()
                 return
-            if item.kind == Kind.DATA:
-                self.recv_allowed -= len(item.data)
-                if self.recv_allowed < 0:
-                    item = GuestError("flow_control", "guest sent more data than the window allows")
+            item = self._admit(item)
             if isinstance(item, Frame) and item.kind in (Kind.RESULT, Kind.ERROR):
                 self.done = True
         if isinstance(item, BaseException):
@@ -226,11 +325,16 @@ class _Stream:
         self.queue.put_nowait(item)
         self.credit_changed.set()
 
-    async def next(self) -> Frame:
-        """Next frame for the caller; raises the guest's error or ChannelClosed."""
+    async def next(self, deadline: float | None = None) -> Frame:
+        """Next frame for the caller; raises the guest's error or ChannelClosed, and TimeoutError when
+        nothing came by ``deadline`` (loop time; nothing is lost then)."""
         if self.failure is not None:
             raise self.failure
-        item = await self.queue.get()
+        if deadline is None:
+            item = await self.queue.get()
+        else:
+            async with asyncio.timeout_at(deadline):
+                item = await self.queue.get()
         if isinstance(item, BaseException):
             raise item
         if item.kind == Kind.ERROR:
@@ -246,21 +350,21 @@ class _Stream:
             self.recv_allowed += grant
             await self.client._send(Kind.WINDOW, self.id, {"n": grant})
 
-    async def result(self) -> Frame:
-        """Skip DATA/EVENT frames until the final RESULT."""
-        while True:
-            frame = await self.next()
-            if frame.kind == Kind.RESULT:
-                return frame
-
     async def send_data(self, data: bytes) -> bool:
-        """Send within credit; returns False when the guest already finished the request."""
+        """Send within credit; returns False when the guest already finished the request. Waiting longer
+        than the client's idle deadline for credit fails with GuestTimeout."""
         view = memoryview(data)
         while view:
             while self.send_credit <= 0 and not self.done:
                 self.credit_changed.clear()
-                await self.credit_changed.wait()
+                idle = self.client.deadlines.idle
+                try:
+                    await asyncio.wait_for(self.credit_changed.wait(), idle)
+                except TimeoutError:
+                    raise GuestTimeout(f"the guest took no more of the {self.op} body for {idle} s") from None
             if self.done:
+                if self.failure is not None:
+                    raise self.failure
                 return False
             n = min(len(view), CHUNK_SIZE, self.send_credit)
             self.send_credit -= n
@@ -341,10 +445,16 @@ class PtyHandle:
         stream.client._forget(stream)
 
 
+_LONG_OPS = frozenset({"file_remove", "file_rename", "poweroff"})
+
+
 class GuestClient:
     """Talks to one guest daemon over an asyncio stream pair. Use from a single event loop."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 deadlines: GuestDeadlines | None = None) -> None:
+        self.deadlines = deadlines or GuestDeadlines()
+        """How long calls wait for the guest; may be replaced (tests shorten them)."""
         self._reader = reader
         self._writer = writer
         self._decoder = Decoder()
@@ -364,9 +474,10 @@ class GuestClient:
         self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
-    async def connect_unix(cls, path: str | os.PathLike[str]) -> GuestClient:
+    async def connect_unix(cls, path: str | os.PathLike[str],
+                           deadlines: GuestDeadlines | None = None) -> GuestClient:
         reader, writer = await asyncio.open_unix_connection(os.fspath(path), limit=READ_SIZE)
-        return cls(reader, writer)
+        return cls(reader, writer, deadlines)
 
     @property
     def closed(self) -> bool:
@@ -445,7 +556,10 @@ class GuestClient:
         if stream is None:
             return  # late frames for requests we abandoned
         stream.deliver(frame)
-        if frame.kind in (Kind.RESULT, Kind.ERROR):
+        if frame.kind in (Kind.RESULT, Kind.ERROR) or stream.failure is not None:
+            # Finished, or failed (past a cap, out of window): later frames for it are dropped unread.
+            if stream.failure is not None:
+                self.protocol_errors += 1
             self._streams.pop(frame.stream, None)
 
     def _check_open(self) -> None:
@@ -469,11 +583,13 @@ class GuestClient:
         if self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
 
-    async def _open(self, op: str, args: dict[str, Any] | None = None, data: bytes = b"") -> _Stream:
+    async def _open(self, op: str, args: dict[str, Any] | None = None, data: bytes = b"", *,
+                    limits: Limits | None, deadline: float | None) -> _Stream:
+        """Start a request whose answers are capped by ``limits``; sending it must finish by ``deadline``."""
         self._check_open()
         stream_id = self._next_id
         self._next_id = self._next_id + 1 if self._next_id < 0xFFFFFFF0 else 1
-        stream = _Stream(self, stream_id)
+        stream = _Stream(self, stream_id, op, limits)
         self._streams[stream_id] = stream
         meta: dict[str, Any] = {"op": op}
         if args:
@@ -481,7 +597,11 @@ class GuestClient:
         if self.instance is not None:
             meta[INSTANCE_KEY] = self.instance
         try:
-            await self._send(Kind.REQUEST, stream_id, meta, data)
+            async with asyncio.timeout_at(deadline):
+                await self._send(Kind.REQUEST, stream_id, meta, data)
+        except TimeoutError:
+            self._forget(stream)
+            raise GuestTimeout(f"the guest took no {op} request for {self._budget(deadline)} s") from None
         except (ValueError, TypeError) as exc:  # too large, or not JSON: the caller's input
             self._forget(stream)
             raise GuestError("bad_request", f"cannot send {op} request: {exc}") from None
@@ -491,26 +611,69 @@ class GuestClient:
         return stream
 
     async def _abandon(self, stream: _Stream) -> None:
-        """The caller gave up (cancelled, timed out, broke out of a stream): tell the guest."""
+        """The caller gave up (cancelled, timed out, broke out of a stream, past a cap): tell the guest."""
         if stream.done and stream.failure is None:
             self._forget(stream)
             return
         self._forget(stream)
         stream.done = True
         if self._closed is None:
-            with contextlib.suppress(ChannelClosed, OSError):
-                await asyncio.shield(self._send(Kind.CANCEL, stream.id))
+            # Best effort: a guest that stopped reading its port must not hold the caller here either.
+            with contextlib.suppress(ChannelClosed, OSError, TimeoutError):
+                async with asyncio.timeout(self.deadlines.probe):
+                    await asyncio.shield(self._send(Kind.CANCEL, stream.id))
+
+    def _deadline(self, seconds: float | None) -> float | None:
+        return None if seconds is None else loop_time() + seconds
+
+    def _budget(self, deadline: float | None) -> str:
+        return "?" if deadline is None else f"{max(0.0, deadline - loop_time()):.3g}"
+
+    async def _next(self, stream: _Stream, deadline: float | None, *, probe: bool = False) -> Frame:
+        """The stream's next frame by ``deadline``, else GuestTimeout. With ``probe`` (a command that may
+        rightly stay silent), every ``probe_interval`` without a frame the guest must answer health."""
+        while True:
+            until = deadline
+            if probe:
+                check = loop_time() + self.deadlines.probe_interval
+                until = check if deadline is None else min(deadline, check)
+            try:
+                return await stream.next(until)
+            except TimeoutError:
+                if not probe or (deadline is not None and loop_time() >= deadline):
+                    raise GuestTimeout(f"the guest did not answer {stream.op} by its deadline") from None
+            try:
+                await self.health(timeout=self.deadlines.probe)
+            except GuestTimeout:
+                raise GuestTimeout(f"the guest stopped answering during {stream.op}: nothing for "
+                                   f"{self.deadlines.probe_interval} s, then no health within "
+                                   f"{self.deadlines.probe} s") from None
 
     async def _call(self, op: str, args: dict[str, Any] | None = None, data: bytes = b"",
                     timeout: float | None = None) -> Frame:  # noqa: ASYNC109
-        stream = await self._open(op, args, data)
+        """A request answered by one RESULT (no DATA), by ``timeout`` (default: the op's deadline)."""
+        if timeout is None:
+            timeout = self.deadlines.long_call if op in _LONG_OPS else self.deadlines.call
+        deadline = loop_time() + timeout
+        stream = await self._open(op, args, data, limits={}, deadline=deadline)
         try:
-            async with asyncio.timeout(timeout):
-                return await stream.result()
-        except TimeoutError:
-            raise GuestError("timeout", f"guest did not answer {op} within {timeout} s") from None
+            while True:
+                try:
+                    frame = await self._next(stream, deadline)
+                except GuestTimeout:
+                    raise GuestTimeout(f"guest did not answer {op} within {timeout:g} s") from None
+                if frame.kind == Kind.RESULT:
+                    return frame
         finally:
             await self._abandon(stream)
+
+    async def _result(self, stream: _Stream, seconds: float) -> Frame:
+        """Skip to the stream's RESULT, within ``seconds``."""
+        deadline = loop_time() + seconds
+        while True:
+            frame = await self._next(stream, deadline)
+            if frame.kind == Kind.RESULT:
+                return frame
 
     # -- operations ------------------------------------------------------------------------------
 
@@ -532,7 +695,7 @@ class GuestClient:
             except GuestError as exc:
                 if isinstance(exc, ChannelClosed) or time.monotonic() >= deadline:
                     raise
-                if exc.code not in ("timeout", "protocol_error", "malformed_frame"):
+                if exc.code not in ("guest_timeout", "protocol_error", "malformed_frame"):
                     raise
 
     async def exec(
@@ -558,23 +721,25 @@ class GuestClient:
             "timeout": timeout, "max_output": max_output, "stdin": stdin is not None,
         }
         started = time.monotonic()
-        stream = await self._open("exec", args)
+        # The guest enforces ``timeout``; this deadline only catches a guest that stopped answering.
+        deadline = self._deadline(None if timeout is None else timeout + self.deadlines.exec_grace)
+        stream = await self._open("exec", args, limits={"stdout": max_output, "stderr": max_output},
+                                  deadline=self._deadline(self.deadlines.call))
         buffers = {"stdout": bytearray(), "stderr": bytearray()}
         callbacks = {"stdout": on_stdout, "stderr": on_stderr}
         uploader: asyncio.Task[None] | None = None
-        # The guest enforces ``timeout``; this deadline only catches a guest that stopped answering.
-        deadline = None if timeout is None else loop_time() + timeout + EXEC_TIMEOUT_GRACE
         try:
             if stdin is not None:
                 uploader = asyncio.get_running_loop().create_task(stream.upload(stdin))
             while True:
                 try:
-                    async with asyncio.timeout_at(deadline):
-                        frame = await stream.next()
-                except TimeoutError:
+                    frame = await self._next(stream, deadline, probe=True)
+                except GuestTimeout as exc:
+                    if deadline is None or loop_time() < deadline:
+                        raise
                     message = (f"the guest did not finish the command within its timeout "
-                               f"({timeout} s) + {EXEC_TIMEOUT_GRACE} s")
-                    raise GuestError("timeout", message) from None
+                               f"({timeout} s) + {self.deadlines.exec_grace} s")
+                    raise GuestTimeout(message) from exc
                 if frame.kind == Kind.DATA:
                     ch = frame.meta.get("ch")
                     if ch not in buffers:
@@ -615,18 +780,33 @@ class GuestClient:
         return [ProcessInfo.from_meta(p) for p in meta.get("processes", [])]
 
     async def wait_process(self, pid: int, timeout: float | None = None) -> ProcessInfo:  # noqa: ASYNC109
-        return ProcessInfo.from_meta((await self._call("proc_wait", {"pid": pid, "timeout": timeout})).meta)
+        """Wait for the process to end, at most ``timeout`` seconds (enforced by the guest); a guest that
+        stops answering fails the wait with ``guest_timeout`` (health is probed while it waits)."""
+        deadline = self._deadline(None if timeout is None else timeout + self.deadlines.exec_grace)
+        stream = await self._open("proc_wait", {"pid": pid, "timeout": timeout}, limits={},
+                                  deadline=self._deadline(self.deadlines.call))
+        try:
+            while True:
+                frame = await self._next(stream, deadline, probe=True)
+                if frame.kind == Kind.RESULT:
+                    return ProcessInfo.from_meta(frame.meta)
+        finally:
+            await self._abandon(stream)
 
     async def kill_process(self, pid: int, signal: int = 15) -> ProcessInfo:
         return ProcessInfo.from_meta((await self._call("proc_kill", {"pid": pid, "signal": signal})).meta)
 
     async def process_output(self, pid: int, *, stdout_from: int = 0, stderr_from: int = 0) -> ProcessOutput:
+        """What the guest kept of the process's output (at most PROCESS_OUTPUT_KEPT bytes per stream)."""
+        deadline = loop_time() + self.deadlines.call
         stream = await self._open("proc_output", {"pid": pid, "stdout_from": stdout_from,
-                                                   "stderr_from": stderr_from})
+                                                   "stderr_from": stderr_from},
+                                  limits={"stdout": PROCESS_OUTPUT_KEPT, "stderr": PROCESS_OUTPUT_KEPT},
+                                  deadline=deadline)
         out = {"stdout": bytearray(), "stderr": bytearray()}
         try:
             while True:
-                frame = await stream.next()
+                frame = await self._next(stream, deadline)
                 if frame.kind == Kind.DATA and frame.meta.get("ch") in out:
                     out[frame.meta["ch"]] += frame.data
                 elif frame.kind == Kind.RESULT:
@@ -647,28 +827,44 @@ class GuestClient:
                        user: str | int | None = None) -> PtyHandle:
         args = {"cmd": cmd if cmd is None or isinstance(cmd, str) else list(cmd), "rows": rows, "cols": cols,
                 "env": env, "cwd": cwd, "user": user}
-        stream = await self._open("pty_open", args)
+        deadline = loop_time() + self.deadlines.idle
+        stream = await self._open("pty_open", args, limits=None, deadline=deadline)
         try:
             while True:
-                frame = await stream.next()
+                frame = await self._next(stream, deadline)
                 if frame.kind == Kind.EVENT and frame.meta.get("started"):
                     return PtyHandle(stream, int(frame.meta["pid"]))
         except BaseException:
             await self._abandon(stream)
             raise
 
-    async def read_file(self, path: str) -> bytes:
+    async def read_file(self, path: str, max_bytes: int = DEFAULT_MAX_READ) -> bytes:
+        """The whole file, if it holds at most ``max_bytes`` (else ``too_large``; stream it with iter_file).
+        The guest is asked for ``max_bytes + 1`` bytes; one that sends more fails with ``protocol_error``."""
+        stream = await self._open("file_read", {"path": path, "length": max_bytes + 1},
+                                  limits={None: max_bytes + 1}, deadline=self._deadline(self.deadlines.idle))
         out = bytearray()
-        async for chunk in self.iter_file(path):
-            out += chunk
-        return bytes(out)
-
-    async def iter_file(self, path: str, chunk: int = CHUNK_SIZE) -> AsyncGenerator[bytes, None]:
-        """The file's bytes as they arrive (guest chunks are at most 64 KiB; ``chunk`` caps them lower)."""
-        stream = await self._open("file_read", {"path": path})
         try:
             while True:
-                frame = await stream.next()
+                frame = await self._next(stream, self._deadline(self.deadlines.idle))
+                if frame.kind == Kind.DATA:
+                    out += frame.data
+                    if len(out) > max_bytes:
+                        raise GuestError("too_large", f"{path} is larger than the {max_bytes} bytes "
+                                                      "read_file collects")
+                elif frame.kind == Kind.RESULT:
+                    return bytes(out)
+        finally:
+            await self._abandon(stream)
+
+    async def iter_file(self, path: str, chunk: int = CHUNK_SIZE) -> AsyncGenerator[bytes, None]:
+        """The file's bytes as they arrive (guest chunks are at most 64 KiB; ``chunk`` caps them lower).
+        Not capped: the caller consumes the stream, within the credit window."""
+        idle = self.deadlines.idle
+        stream = await self._open("file_read", {"path": path}, limits=None, deadline=self._deadline(idle))
+        try:
+            while True:
+                frame = await self._next(stream, self._deadline(idle))
                 if frame.kind == Kind.DATA:
                     data = frame.data
                     for i in range(0, len(data), max(1, chunk)):
@@ -681,19 +877,23 @@ class GuestClient:
     async def write_file(self, path: str, data: bytes | AsyncIterable[bytes],
                          mode: int | None = None) -> FileInfo:
         """Write atomically (temporary file + rename); missing parent directories are created."""
-        stream = await self._open("file_write", {"path": path, "mode": mode})
+        stream = await self._open("file_write", {"path": path, "mode": mode}, limits={},
+                                  deadline=self._deadline(self.deadlines.idle))
         try:
             await stream.upload(data)
-            return FileInfo.from_meta((await stream.result()).meta)
+            return FileInfo.from_meta((await self._result(stream, self.deadlines.long_call)).meta)
         finally:
             await self._abandon(stream)
 
     async def list_dir(self, path: str) -> list[FileInfo]:
-        stream = await self._open("file_list", {"path": path})
+        """The directory's entries (the guest refuses a listing over MAX_LISTING_BYTES with too_large)."""
+        deadline = loop_time() + self.deadlines.call
+        stream = await self._open("file_list", {"path": path}, limits={None: MAX_LISTING_BYTES},
+                                  deadline=deadline)
         raw = bytearray()
         try:
             while True:
-                frame = await stream.next()
+                frame = await self._next(stream, deadline)
                 if frame.kind == Kind.DATA:
                     raw += frame.data
                 elif frame.kind == Kind.RESULT:
@@ -721,10 +921,11 @@ class GuestClient:
 
     async def tar_export(self, path: str) -> AsyncGenerator[bytes, None]:
         """A tar stream (PAX format, uncompressed) of the directory's contents, or of one file."""
-        stream = await self._open("tar_export", {"path": path})
+        idle = self.deadlines.idle
+        stream = await self._open("tar_export", {"path": path}, limits=None, deadline=self._deadline(idle))
         try:
             while True:
-                frame = await stream.next()
+                frame = await self._next(stream, self._deadline(idle))
                 if frame.kind == Kind.DATA:
                     yield frame.data
                 elif frame.kind == Kind.RESULT:
@@ -734,10 +935,11 @@ class GuestClient:
 
     async def tar_import(self, path: str, data: bytes | AsyncIterable[bytes]) -> None:
         """Extract a tar stream (optionally gzip/bzip2/xz compressed) into the directory ``path``."""
-        stream = await self._open("tar_import", {"path": path})
+        stream = await self._open("tar_import", {"path": path}, limits={},
+                                  deadline=self._deadline(self.deadlines.idle))
         try:
             await stream.upload(data)
-            await stream.result()
+            await self._result(stream, self.deadlines.long_call)
         finally:
             await self._abandon(stream)
 

@@ -34,6 +34,7 @@ STATUS: dict[str, int] = {
     "internal": 500,
     "unsupported": 501,
     "timeout": 504,
+    "guest_timeout": 504,
     "no_space": 507,
     # The sandbox or its guest channel is gone (capsa.node.agent, guest operations).
     "sandbox_failed": 409,
