@@ -13,10 +13,15 @@ import socket
 import time
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
+from capsa.guest import files as guest_files
+from capsa.guest.channel import Stream
+from capsa.guest.errors import OpError
+from capsa.guest.procs import RingBuffer
 from capsa.guest.protocol import (
     INITIAL_WINDOW,
     MAX_LISTING_BYTES,
@@ -252,6 +257,47 @@ async def test_data_or_events_on_a_one_frame_answer_fail_the_call_and_the_client
         await guest.send(Kind.RESULT, frame.stream, {"path": "/etc", "name": "etc", "type": "dir", "size": 0,
                                                      "mode": 0o755, "mtime": 0.0})
         assert (await asyncio.wait_for(call, 10)).type == "dir"
+
+
+# -- an honest guest stays within the caps ---------------------------------------------------------
+
+
+class _Recorder:
+    """Stands in for the guest's channel stream: records what an operation sends."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.meta: dict[str, Any] | None = None
+
+    def send_data(self, data: bytes, meta: dict[str, Any] | None = None) -> None:
+        self.data += data
+
+    def result(self, meta: dict[str, Any] | None = None, data: bytes = b"") -> None:
+        self.meta = meta
+
+
+def test_the_guest_refuses_a_listing_larger_than_the_client_accepts(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(guest_files, "MAX_LISTING_BYTES", 4096)
+    for i in range(10):
+        (tmp_path / f"{i:02d}").touch()
+    small = _Recorder()
+    guest_files.op_list(cast(Stream, small), {"path": str(tmp_path)}, b"")
+    assert small.meta == {"count": 10} and 0 < len(small.data) <= 4096
+    for i in range(100):
+        (tmp_path / f"{i:03d}-{'n' * 40}").touch()
+    big = _Recorder()
+    with pytest.raises(OpError) as e:
+        guest_files.op_list(cast(Stream, big), {"path": str(tmp_path)}, b"")
+    assert e.value.code == "too_large" and not big.data and big.meta is None
+    assert GuestError("too_large", "m").status == 413
+
+
+def test_the_guest_keeps_no_more_process_output_than_the_client_accepts() -> None:
+    ring = RingBuffer()
+    ring.append(b"o" * (3 * PROCESS_OUTPUT_KEPT))
+    data, start, end = ring.read(0)
+    assert len(data) == PROCESS_OUTPUT_KEPT and end - start == PROCESS_OUTPUT_KEPT
 
 
 # -- a silent guest ----------------------------------------------------------------------------------
