@@ -714,7 +714,10 @@ class GuestClient:
         """Run a command to completion. A string runs under ``/bin/sh -c``; a sequence is an argv.
 
         Output beyond ``max_output`` bytes per stream is dropped (the guest still drains the pipe)
-        and flagged as truncated. Callbacks see every byte that was kept, as it arrives.
+        and flagged as truncated; a guest that sends more fails the call with ``protocol_error``.
+        Callbacks see every byte that was kept, as it arrives. A guest that stops answering (no frame
+        for ``probe_interval``, then no health) or overruns ``timeout`` + ``exec_grace`` fails the call
+        with ``guest_timeout``.
         """
         args: dict[str, Any] = {
             "cmd": cmd if isinstance(cmd, str) else list(cmd), "env": env, "cwd": cwd, "user": user,
@@ -764,10 +767,11 @@ class GuestClient:
                         oom_killed=meta.get("oom_killed") is True,
                     )
         finally:
-            if uploader is not None and not uploader.done():
-                uploader.cancel()
+            if uploader is not None:
+                if not uploader.done():
+                    uploader.cancel()
                 with contextlib.suppress(asyncio.CancelledError, GuestError):
-                    await uploader
+                    await uploader  # its failure (the guest took no stdin) is the command's to report
             await self._abandon(stream)
 
     async def start_process(self, cmd: str | Sequence[str], *, env: dict[str, str] | None = None,
