@@ -47,7 +47,9 @@ class _StackThread:
                 f"sqlite+aiosqlite:///{self.root}/capsa.db",
                 FakeRuntime(),
                 fake_image(self.root / "image"),
-                capacity=NodeCapacity(10**7, 10**5, 64),
+                # Room for what the fuzzer makes: the fake runtime snapshots, so generated branches of the
+                # live session really start up to 32 guest daemons each (a run peaks around 60).
+                capacity=NodeCapacity(10**7, 10**5, 1000),
                 # A secrets key, so the secrets routes are exercised (without one they answer 503).
                 settings={"session_create_limit": 40,
                           "secret_key": base64.b64encode(os.urandom(32)).decode()},
