@@ -511,8 +511,12 @@ class EgressBroker:
         """The connection's ClientHello, read without consuming it; None if it closed first."""
         loop = asyncio.get_running_loop()
         while True:
-            ready = loop.create_future()
-            loop.add_reader(conn.fileno(), ready.set_result, None)
+            ready: asyncio.Future[None] = loop.create_future()
+            def wake(f: asyncio.Future[None] = ready) -> None:
+                if not f.done():
+                    f.set_result(None)
+
+            loop.add_reader(conn.fileno(), wake)
             try:
                 await asyncio.wait_for(ready, left())
             finally:
@@ -531,14 +535,18 @@ class EgressBroker:
 
     async def _tls_connection(self, sbx: SandboxEgress, conn: socket.socket) -> None:
         writer: asyncio.StreamWriter | None = None
+        owned = False
 
         def close() -> None:
+            # Once a transport owns the socket only the transport may close it: closing the fd under it
+            # would let a new connection reuse the number while the transport still unregisters it.
             if writer is not None:
                 writer.close()
-            conn.close()
+            elif not owned:
+                conn.close()
 
         async def run() -> None:
-            nonlocal writer
+            nonlocal writer, owned
             try:
                 source = str(conn.getpeername()[0])
             except OSError:
@@ -563,6 +571,7 @@ class EgressBroker:
             loop = asyncio.get_running_loop()
             reader = asyncio.StreamReader(limit=_STREAM_LIMIT, loop=loop)
             protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+            owned = True  # from here on the transport (or its failed handshake) closes the socket
             transport, _ = await loop.connect_accepted_socket(
                 lambda: protocol, conn, ssl=ctx, ssl_handshake_timeout=self.limits.head_timeout)
             writer = asyncio.StreamWriter(transport, protocol, reader, loop)
@@ -931,7 +940,12 @@ class EgressBroker:
         elif length or req.method in ("POST", "PUT", "PATCH"):
             headers.append((b"content-length", str(length).encode()))
         pace = Pace(self.limits.min_rate, self.limits.rate_grace)
-        await up.send(h11.Request(method=req.method, target=req.path, headers=headers), pace.remaining)
+        try:
+            head = h11.Request(method=req.method, target=req.path, headers=headers)
+        except h11.LocalProtocolError:
+            # Its message quotes the offending header value, which may hold a secret: never pass it on.
+            raise _Deny(400, "request cannot be framed for the upstream") from None
+        await up.send(head, pace.remaining)
         if client.conn.they_are_waiting_for_100_continue:
             await client.send(h11.InformationalResponse(status_code=100, headers=[]), left=pace.remaining)
         needles = [(ph.encode(), b.secret) for ph, b in sbx.placeholders.items()]

@@ -18,6 +18,7 @@ from capsa.common.ids import new_id
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker, PolicyUpdate
 from capsa.node.egress.dns import Resolver
+from capsa.node.egress.limits import raise_nofile
 from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import AttachedNetwork, EgressService
@@ -55,6 +56,7 @@ class NodeEgress:
         :meth:`cleanup_stale` removes every namespace with the prefix."""
         audit = AuditLog()
         store = InMemorySecretStore(SecretBox(os.urandom(32)))
+        raise_nofile()  # the broker's node-wide connection cap is bounded by the open-file limit
         broker = EgressBroker(secrets=store, sink=audit, resolver=resolver, upstream_ssl=upstream_ssl,
                               allow_networks=allow_networks)
         return cls(EgressService(NetworkManager(pool=pool, netns_prefix=netns_prefix), broker, audit), store,
