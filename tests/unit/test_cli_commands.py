@@ -24,7 +24,9 @@ ADMIN = "csk_adminadmin01_" + "s" * 32
 
 def session_json(sid: str = SID, state: str = "running") -> dict[str, Any]:
     return {"id": sid, "tenant": "t1", "state": state, "template": "base", "created_at": NOW,
-            "expires_at": NOW, "metadata": {"team": "a"}}
+            "updated_at": NOW, "expires_at": NOW, "idle_timeout": None, "last_activity_at": NOW,
+            "metadata": {"team": "a"}, "memory_mib": 256, "vcpus": 1, "node_id": "local",
+            "failure_reason": None, "closed_at": None}
 
 
 def problem(status: int, code: str, detail: str, **extra: Any) -> httpx.Response:

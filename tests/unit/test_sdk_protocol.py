@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 from collections.abc import AsyncIterator, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -219,7 +220,8 @@ async def test_background_process_wait_kill_and_output() -> None:
 async def test_process_wait_times_out() -> None:
     rec = Recorder(lambda r: httpx.Response(200, json={"pid": 1, "running": True, "stdout": ""}))
     s = await connected(rec)
-    proc = AsyncProcess(s.client, s.id, ProcessInfo(pid=1, running=True))
+    info = ProcessInfo(pid=1, running=True, started_at=datetime.fromisoformat(NOW))
+    proc = AsyncProcess(s.client, s.id, info)
     with pytest.raises(TimeoutError):
         await proc.wait(0.05, poll_interval=0.01)
     await s.disconnect()

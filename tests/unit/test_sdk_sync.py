@@ -24,7 +24,9 @@ SID = "ses_bbbbbbbbbbbbbbbbbbbb"
 
 def session_json(state: str = "running") -> dict[str, Any]:
     return {"id": SID, "tenant": "t1", "state": state, "template": "base", "created_at": NOW,
-            "expires_at": NOW, "metadata": {"k": "v"}}
+            "updated_at": NOW, "expires_at": NOW, "idle_timeout": None, "last_activity_at": NOW,
+            "metadata": {"k": "v"}, "memory_mib": 256, "vcpus": 1, "node_id": "local",
+            "failure_reason": None, "closed_at": None}
 
 
 class FakeServer:
@@ -60,7 +62,8 @@ class FakeServer:
                     self.cancelled.set()
                     raise
             if cmd["background"]:
-                return httpx.Response(201, json={"pid": 7, "cmd": ["sleep"], "running": True})
+                return httpx.Response(201, json={"pid": 7, "cmd": ["sleep"], "running": True,
+                                                 "started_at": NOW})
             if r.headers.get("accept") == "application/x-ndjson":
                 lines = [{"type": "stdout", "data": "one\n"}, {"type": "stderr", "data": "warn\n"},
                          {"type": "stdout", "data": "two\n"}, {"type": "result", "exit_code": 5}]

@@ -17,7 +17,6 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from capsa.common.egress_policy import EgressPolicy, PolicyError
 from capsa.common.ids import is_id, new_id
 from capsa.control.egress_schemas import (
     AuditEventOut,
@@ -27,7 +26,7 @@ from capsa.control.egress_schemas import (
     SecretList,
     SecretOut,
 )
-from capsa.control.errors import ApiError, InvalidState, NotFound, ValidationFailed
+from capsa.control.errors import ApiError, NotFound, ValidationFailed
 from capsa.control.nodeclient import NodeClient, NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import SecretSealer
@@ -46,7 +45,6 @@ __all__ = [
     "merge_patch",
     "resolve_policy",
     "store_policy",
-    "update_policy",
 ]
 
 log = logging.getLogger(__name__)
@@ -162,41 +160,6 @@ def merge_patch(target: Any, patch: Any) -> Any:
         else:
             result[key] = merge_patch(result.get(key), value)
     return result
-
-
-async def update_policy(plane: ControlPlane, tenant: str, session_id: str, policy: dict[str, Any] | None,
-                        patch: dict[str, Any] | None = None) -> PolicyOut:
-    """Replace (``policy``) or merge-patch (``patch``) a running session's policy, live on its node."""
-    from capsa.control.sessions import node_call_failed, running_session
-
-    row, client = await running_session(plane, tenant, session_id)
-    async with plane.db() as db:
-        current = await db.get(SessionPolicyRow, session_id, populate_existing=True)
-    if current is None:
-        raise InvalidState(f"session {session_id} was created without a policy and has no network; give the "
-                           "policy when creating the session", code="no_network")
-    if patch is not None:
-        merged = merge_patch(current.policy, patch)
-        try:
-            policy = EgressPolicy.from_data(merged).model_dump(mode="json", exclude_none=True)
-        except PolicyError as exc:
-            raise ValidationFailed(exc.message, [{"field": "body", "message": exc.message}]) from None
-    assert policy is not None
-    document, values = await resolve_policy(plane, tenant, policy)
-    assert row.sandbox_id is not None
-    try:
-        answer = await client.update_policy(row.sandbox_id, document, values)
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
-    now = utcnow()
-    async with plane.db() as db:
-        stored = await db.get(SessionPolicyRow, session_id, populate_existing=True)
-        if stored is not None:
-            stored.policy = document
-            stored.updated_at = now
-            await db.commit()
-    return PolicyOut(session_id=session_id, policy=document, updated_at=now,
-                     ca_reissued=answer.ca_reissued)
 
 
 # -- audit -----------------------------------------------------------------------------------------------

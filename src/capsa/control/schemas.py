@@ -1,4 +1,9 @@
-"""Request and response bodies of the public API (docs/api-contract.md)."""
+"""Request and response bodies of the public API (docs/api-contract.md).
+
+The answers that the SDK parses (sessions, snapshots, command results, processes, files) are declared once,
+in :mod:`capsa.sdk.models`, and imported here; this module adds the requests, with their limits, and the
+list envelopes.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,16 @@ from capsa.common.node_wire import (
     NodeRegister,
 )
 from capsa.control.egress_schemas import PolicyDocument
+from capsa.sdk.models import (
+    CommandResult,
+    FileInfo,
+    ProcessInfo,
+    ProcessOutput,
+    RollingSnapshots,
+    SessionInfo,
+    SessionState,
+    SnapshotInfo,
+)
 
 __all__ = [
     "ApiKeyCreate",
@@ -59,7 +74,6 @@ __all__ = [
     "TimeoutUpdate",
 ]
 
-SessionState = Literal["creating", "running", "paused", "closed", "failed"]
 _NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 _Name = Annotated[str, Field(pattern=_NAME_PATTERN, min_length=1, max_length=128)]
 _Value = Annotated[str, Field(max_length=4096)]
@@ -98,15 +112,6 @@ class Ready(BaseModel):
     status: Literal["ready"]
 
 
-class RollingSnapshots(_Strict):
-    """Snapshots the control plane takes by itself, so the session survives the loss of its sandbox."""
-
-    interval_s: Annotated[int, Field(ge=10, le=86400)] | None = None
-    """Snapshot every this many seconds while the session is active (only if something happened since)."""
-    after_command: bool = False
-    """Snapshot after each command that ran to completion."""
-    keep: Annotated[int, Field(ge=1, le=32)] = 3
-    """How many rolling snapshots are kept (older ones are deleted)."""
 
 
 class SessionCreate(_Strict):
@@ -127,27 +132,9 @@ class SessionCreate(_Strict):
     """Keep the session's snapshots when it closes (they are deleted otherwise)."""
 
 
-class SessionOut(BaseModel):
-    id: str
-    tenant: str
-    state: SessionState
-    template: str
-    created_at: datetime
-    updated_at: datetime
-    expires_at: datetime
-    idle_timeout: int | None
-    last_activity_at: datetime
-    metadata: dict[str, str]
-    memory_mib: int
-    vcpus: int
-    node_id: str | None
-    failure_reason: str | None
-    closed_at: datetime | None
-    on_timeout: Literal["pause", "close"] = "close"
-    rolling_snapshots: RollingSnapshots | None = None
-    keep_snapshots: bool = False
-    pause_reason: str | None = None
-    """Why a paused session was paused (``paused``, ``timeout``, ``idle_timeout``, or a lost sandbox)."""
+class SessionOut(SessionInfo):
+    # The SDK's SessionInfo under the name the API's schema has always used; no field is added here.
+    pass
 
 
 class SessionList(BaseModel):
@@ -177,14 +164,9 @@ class RestoreRequest(_Strict):
     snapshot_id: Annotated[str, Field(pattern=r"^snap_[0-9a-z]{20}$")]
 
 
-class SnapshotOut(BaseModel):
-    id: str
-    session_id: str
-    kind: Literal["manual", "rolling", "pause", "branch"]
-    created_at: datetime
-    size_bytes: int | None
-    parent: str | None
-    node_id: str
+class SnapshotOut(SnapshotInfo):
+    # The SDK's SnapshotInfo under the name the API's schema has always used; no field is added here.
+    pass
 
 
 class SnapshotList(BaseModel):
@@ -202,51 +184,20 @@ class CommandRequest(_Strict):
     background: bool = False
 
 
-class CommandResult(BaseModel):
-    exit_code: int | None
-    signal: int | None
-    stdout: str
-    stderr: str
-    stdout_truncated: bool
-    stderr_truncated: bool
-    timed_out: bool
-    duration_ms: float
 
 
-class ProcessInfo(BaseModel):
-    pid: int
-    cmd: list[str]
-    running: bool
-    exit_code: int | None
-    signal: int | None
-    started_at: datetime
 
 
 class ProcessList(BaseModel):
     items: list[ProcessInfo]
 
 
-class ProcessOutput(BaseModel):
-    stdout: str
-    stderr: str
-    running: bool
-    exit_code: int | None
-    signal: int | None
-    stdout_truncated: bool
-    stderr_truncated: bool
 
 
 class KillRequest(_Strict):
     signal: Annotated[int, Field(ge=1, le=64)] = 15
 
 
-class FileInfo(BaseModel):
-    path: str
-    name: str
-    type: Literal["file", "dir", "symlink", "other"]
-    size: int
-    mode: int
-    mtime: float
 
 
 class FileList(BaseModel):

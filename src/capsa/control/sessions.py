@@ -56,7 +56,7 @@ def _policy(row: SessionRow) -> RollingSnapshots | None:
 
 def to_out(row: SessionRow, metadata: Mapping[str, str]) -> SessionOut:
     return SessionOut(
-        id=row.id, tenant=row.tenant, state=row.state,  # type: ignore[arg-type]
+        id=row.id, tenant=row.tenant, state=row.state,
         template=row.template, created_at=row.created_at, updated_at=row.updated_at,
         expires_at=row.expires_at, idle_timeout=row.idle_timeout, last_activity_at=row.last_activity_at,
         metadata=dict(metadata), memory_mib=row.memory_mib, vcpus=row.vcpus, node_id=row.node_id,

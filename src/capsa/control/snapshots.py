@@ -60,7 +60,7 @@ class SnapshotNotFound(ApiError):
 
 
 def snapshot_out(row: SnapshotRow) -> SnapshotOut:
-    return SnapshotOut(id=row.id, session_id=row.session_id, kind=row.kind,  # type: ignore[arg-type]
+    return SnapshotOut(id=row.id, session_id=row.session_id, kind=row.kind,
                        created_at=row.created_at, size_bytes=row.size_bytes, parent=row.parent,
                        node_id=row.node_id)
 

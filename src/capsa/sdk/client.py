@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal
-from urllib.parse import quote
 
 import httpx
 
@@ -30,8 +29,9 @@ from capsa.sdk.errors import (
 )
 from capsa.sdk.models import ApiKey, SessionInfo, SnapshotInfo, parse, parse_items
 from capsa.sdk.nodes import AsyncNodes
+from capsa.sdk.paths import seg
 
-__all__ = ["AsyncClient", "AsyncKeys", "seg"]
+__all__ = ["AsyncClient", "AsyncKeys"]
 
 # A sentinel meaning "use the client's default timeout" (None already means "no timeout" to httpx).
 _DEFAULT: Literal["default"] = "default"
@@ -45,13 +45,6 @@ def _sdk_version() -> str:
         return version("capsa")
     except PackageNotFoundError:  # running from a source tree that was never installed
         return "0"
-
-
-def seg(value: str) -> str:
-    """Quote one path segment so an id like ``../keys`` can never address another route."""
-    if not value:
-        raise CapsaClientError("an id must not be empty")
-    return quote(value, safe="")
 
 
 def _clean(params: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -12,9 +12,22 @@ import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
-from capsa.sdk.client import AsyncClient, seg
+from pydantic import ValidationError
+
+from capsa.sdk.client import AsyncClient
 from capsa.sdk.errors import CapsaConnectionError, UnexpectedResponse, error_from_problem
-from capsa.sdk.models import CommandResult, ProcessInfo, ProcessOutput, parse, parse_items
+from capsa.sdk.models import (
+    EXEC_EVENT,
+    CommandResult,
+    ExecError,
+    ExecFinished,
+    ExecOutput,
+    ProcessInfo,
+    ProcessOutput,
+    parse,
+    parse_items,
+)
+from capsa.sdk.paths import seg
 
 __all__ = ["AsyncCommands", "AsyncProcess", "OutputCallback"]
 
@@ -37,6 +50,16 @@ async def _emit(callback: OutputCallback | None, data: str) -> None:
     result = callback(data)
     if inspect.isawaitable(result):
         await result
+
+
+def _event(line: str) -> ExecOutput | ExecFinished | ExecError | None:
+    """One stream line; None for an event type this SDK does not know (a newer server may add some)."""
+    try:
+        return EXEC_EVENT.validate_json(line)
+    except ValidationError as exc:
+        if exc.errors()[0]["type"] == "union_tag_invalid":
+            return None
+        raise UnexpectedResponse(f"malformed line in command output stream: {line[:80]!r}") from None
 
 
 class _Collector:
@@ -161,7 +184,7 @@ class AsyncCommands:
                              on_stdout: OutputCallback | None, on_stderr: OutputCallback | None
                              ) -> CommandResult:
         out, err = _Collector(), _Collector()
-        final: dict[str, Any] | None = None
+        final: ExecFinished | None = None
         async with self._client.stream("POST", path, json=body, headers={"Accept": "application/x-ndjson"},
                                        timeout=_read_timeout(timeout)) as response:
             if "ndjson" not in response.headers.get("content-type", ""):
@@ -178,35 +201,24 @@ class AsyncCommands:
             async for line in response.aiter_lines():
                 if not line.strip():
                     continue
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    raise UnexpectedResponse(
-                    f"malformed line in command output stream: {line[:80]!r}") from None
-                if not isinstance(event, dict):
+                event = _event(line)
+                if event is None:
                     continue
-                kind = event.get("type")
-                if kind == "stdout":
-                    data = str(event.get("data", ""))
-                    out.add(data)
-                    await _emit(on_stdout, data)
-                elif kind == "stderr":
-                    data = str(event.get("data", ""))
-                    err.add(data)
-                    await _emit(on_stderr, data)
-                elif kind == "result":
+                if isinstance(event, ExecOutput):
+                    collector, callback = (out, on_stdout) if event.type == "stdout" else (err, on_stderr)
+                    collector.add(event.data)
+                    await _emit(callback, event.data)
+                elif isinstance(event, ExecFinished):
                     final = event
-                elif kind == "error":
-                    raise error_from_problem(0, event)
+                else:
+                    raise error_from_problem(0, event.model_dump())
         if final is None:
             raise CapsaConnectionError("the command output stream ended before the command's result",
                                        url=self._client.config.api_url)
-        fields = {k: v for k, v in final.items() if k not in ("type", "stdout", "stderr")}
-        fields["stdout"] = out.text()
-        fields["stderr"] = err.text()
-        fields["stdout_truncated"] = bool(final.get("stdout_truncated")) or out.truncated
-        fields["stderr_truncated"] = bool(final.get("stderr_truncated")) or err.truncated
-        return parse(CommandResult, fields)
+        status = final.model_dump(exclude={"type", "stdout_truncated", "stderr_truncated"})
+        return CommandResult(**status, stdout=out.text(), stderr=err.text(),
+                             stdout_truncated=final.stdout_truncated or out.truncated,
+                             stderr_truncated=final.stderr_truncated or err.truncated)
 
     async def list(self) -> builtins.list[ProcessInfo]:
         """Background processes of this session (running and finished ones the server still remembers)."""

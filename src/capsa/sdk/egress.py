@@ -15,17 +15,12 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from capsa.sdk.models import parse, parse_items
+from capsa.sdk.paths import seg
 
 if TYPE_CHECKING:
     from capsa.sdk.client import AsyncClient
 
 __all__ = ["AsyncEgress", "AsyncSecrets", "AuditEvent", "PolicyInfo", "SecretInfo"]
-
-
-def _seg(value: str) -> str:
-    from capsa.sdk.client import seg
-
-    return seg(value)
 
 
 class _Model(BaseModel):
@@ -85,7 +80,7 @@ class AsyncSecrets:
 
     async def delete(self, secret: str) -> None:
         """Delete by id or name."""
-        await self._client.request("DELETE", f"/secrets/{_seg(secret)}")
+        await self._client.request("DELETE", f"/secrets/{seg(secret)}")
 
 
 class AsyncEgress:
@@ -96,7 +91,7 @@ class AsyncEgress:
 
     @property
     def _base(self) -> str:
-        return f"/sessions/{_seg(self._session_id)}"
+        return f"/sessions/{seg(self._session_id)}"
 
     async def policy(self) -> PolicyInfo:
         return parse(PolicyInfo, await self._client.json("GET", f"{self._base}/policy"))

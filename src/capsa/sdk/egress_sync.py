@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import builtins
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from capsa.sdk.egress import AsyncEgress, AsyncSecrets, AuditEvent, PolicyInfo, SecretInfo
@@ -42,6 +42,9 @@ class Egress:
 
     def patch_policy(self, patch: Mapping[str, Any]) -> PolicyInfo:
         return self._portal.call(self._inner.patch_policy(patch))
+
+    def iter_audit(self, *, decision: str | None = None, page_size: int = 200) -> Iterator[AuditEvent]:
+        return self._portal.iterate(self._inner.iter_audit(decision=decision, page_size=page_size))
 
     def audit(self, *, decision: str | None = None, limit: int | None = None) -> builtins.list[AuditEvent]:
         return self._portal.call(self._inner.audit(decision=decision, limit=limit))

@@ -11,9 +11,10 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from capsa.sdk.client import AsyncClient, seg
+from capsa.sdk.client import AsyncClient
 from capsa.sdk.errors import NotFound
 from capsa.sdk.models import FileInfo, parse, parse_items
+from capsa.sdk.paths import seg
 
 __all__ = ["AsyncFiles", "UploadSource"]
 

@@ -1,20 +1,33 @@
-"""Typed views of the API's JSON objects. Unknown fields are ignored so newer servers stay compatible."""
+"""The public API's answers, declared once: the SDK parses them and the control plane serves them.
+
+These models are the contract of ``/v1`` (spec/api.openapi.json): ``capsa.control.schemas`` imports them
+instead of declaring the same shapes again. Unknown fields are ignored so newer servers stay compatible, and
+fields whose values may grow (a session's state, a snapshot's kind, a file's type) are plain strings whose
+known values the schema lists, so a value added later does not break an older client.
+"""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from capsa.sdk.errors import UnexpectedResponse
 
 __all__ = [
+    "EXEC_EVENT",
     "ApiKey",
     "CommandResult",
+    "CommandStatus",
+    "ExecError",
+    "ExecEvent",
+    "ExecFinished",
+    "ExecOutput",
     "FileInfo",
     "ProcessInfo",
     "ProcessOutput",
+    "RollingSnapshots",
     "SessionInfo",
     "SessionState",
     "SnapshotInfo",
@@ -23,55 +36,84 @@ __all__ = [
 ]
 
 SessionState = Literal["creating", "running", "paused", "closed", "failed"]
+SnapshotKind = Literal["manual", "rolling", "pause", "branch"]
+FileType = Literal["file", "dir", "symlink", "other"]
+OnTimeout = Literal["pause", "close"]
+
+
+def _known(values: Any) -> Any:
+    """A string field whose schema lists the values of the ``Literal`` ``values`` (an open enum)."""
+    return Field(json_schema_extra={"enum": list(get_args(values))})
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
 
+class _Sent(_Model):
+    """An answer whose defaults only make the client tolerant: the server always sends every field, so the
+    schema lists them all as required."""
+
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
+
+class RollingSnapshots(BaseModel):
+    """Snapshots the control plane takes by itself, so the session survives the loss of its sandbox."""
+
+    # Also the body clients send (SessionCreate.rolling_snapshots): unknown fields are refused.
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    interval_s: Annotated[int, Field(ge=10, le=86400)] | None = None
+    """Snapshot every this many seconds while the session is active (only if something happened since)."""
+    after_command: bool = False
+    """Snapshot after each command that ran to completion."""
+    keep: Annotated[int, Field(ge=1, le=32)] = 3
+    """How many rolling snapshots are kept (older ones are deleted)."""
+
+
 class SessionInfo(_Model):
     id: str
     tenant: str
-    state: str
-    """One of :data:`SessionState`; kept as ``str`` so a state added later does not break old clients."""
+    state: Annotated[str, _known(SessionState)]
+    """One of :data:`SessionState`."""
     template: str
     created_at: datetime
-    updated_at: datetime | None = None
-    expires_at: datetime | None = None
-    idle_timeout: int | None = None
-    last_activity_at: datetime | None = None
-    metadata: dict[str, str] = Field(default_factory=dict)
-    memory_mib: int | None = None
-    vcpus: int | None = None
-    node_id: str | None = None
-    failure_reason: str | None = None
-    closed_at: datetime | None = None
-    on_timeout: str = "close"
+    updated_at: datetime
+    expires_at: datetime
+    idle_timeout: int | None
+    last_activity_at: datetime
+    metadata: dict[str, str]
+    memory_mib: int
+    vcpus: int
+    node_id: str | None
+    """The node the session's sandbox runs on (None while it has none)."""
+    failure_reason: str | None
+    closed_at: datetime | None
+    on_timeout: Annotated[str, _known(OnTimeout)] = "close"
     """``pause`` or ``close``: what happens when the session's TTL or idle timeout passes."""
-    rolling_snapshots: dict[str, Any] | None = None
-    """The rolling snapshot policy (``interval_s``, ``after_command``, ``keep``), if any."""
+    rolling_snapshots: RollingSnapshots | None = None
     keep_snapshots: bool = False
     pause_reason: str | None = None
-    """Why a paused session is paused (``paused``, ``timeout``, a lost sandbox…)."""
+    """Why a paused session was paused (``paused``, ``timeout``, ``idle_timeout``, or a lost sandbox)."""
 
 
 class SnapshotInfo(_Model):
     id: str
     session_id: str
-    kind: str
+    kind: Annotated[str, _known(SnapshotKind)]
     """manual | rolling | pause | branch"""
     created_at: datetime
-    size_bytes: int | None = None
-    parent: str | None = None
-    node_id: str | None = None
+    size_bytes: int | None
+    parent: str | None
+    node_id: str
 
 
-class CommandResult(_Model):
+class CommandStatus(_Sent):
+    """How a command ended: the fields shared by :class:`CommandResult` and the stream's ``result`` event."""
+
     exit_code: int | None = None
     """None when the process was killed by a signal (see ``signal``) or timed out."""
     signal: int | None = None
-    stdout: str = ""
-    stderr: str = ""
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     timed_out: bool = False
@@ -82,16 +124,51 @@ class CommandResult(_Model):
         return self.exit_code == 0 and not self.timed_out
 
 
-class ProcessInfo(_Model):
+class CommandResult(CommandStatus):
+    """The answer of ``POST /sessions/{id}/commands`` (and what a streamed command adds up to)."""
+
+    stdout: str = ""
+    stderr: str = ""
+
+
+class ExecOutput(_Model):
+    """A piece of a streamed command's output, decoded as UTF-8."""
+
+    type: Literal["stdout", "stderr"]
+    data: str
+
+
+class ExecFinished(CommandStatus):
+    """The last event of a stream whose command ran to its end (the output came in the events before)."""
+
+    type: Literal["result"] = "result"
+
+
+class ExecError(_Model):
+    """The last event of a stream whose command could not finish (the HTTP status was sent already)."""
+
+    type: Literal["error"] = "error"
+    code: str
+    detail: str
+
+
+ExecEvent = Annotated[ExecOutput | ExecFinished | ExecError, Field(discriminator="type")]
+"""One line of the NDJSON stream of ``POST /sessions/{id}/commands`` with ``Accept: application/x-ndjson``:
+output events, then exactly one ``result`` or ``error``."""
+EXEC_EVENT: TypeAdapter[ExecOutput | ExecFinished | ExecError] = TypeAdapter(ExecEvent)
+"""Parses (``EXEC_EVENT.validate_json(line)``) and serializes (``dump_json``) one :data:`ExecEvent`."""
+
+
+class ProcessInfo(_Sent):
     pid: int
     cmd: list[str] = Field(default_factory=list)
     running: bool
     exit_code: int | None = None
     signal: int | None = None
-    started_at: datetime | None = None
+    started_at: datetime
 
 
-class ProcessOutput(_Model):
+class ProcessOutput(_Sent):
     stdout: str = ""
     stderr: str = ""
     running: bool
@@ -104,7 +181,7 @@ class ProcessOutput(_Model):
 class FileInfo(_Model):
     path: str
     name: str
-    type: str
+    type: Annotated[str, _known(FileType)]
     """file | dir | symlink | other"""
     size: int
     mode: int

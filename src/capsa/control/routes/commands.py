@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import httpx
 from fastapi import APIRouter, Header, Path
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from capsa.common import node_api
@@ -28,6 +29,7 @@ from capsa.control.schemas import (
 )
 from capsa.control.sessions import SANDBOX_GONE_CODES, lose_sandbox, node_call_failed, running_session
 from capsa.control.store.models import SessionRow
+from capsa.sdk.models import EXEC_EVENT, ExecError, ExecFinished, ExecOutput
 
 __all__ = ["router"]
 
@@ -43,31 +45,33 @@ def _node_request(plane: ControlPlane, body: CommandRequest) -> node_api.ExecReq
                                 timeout=timeout)
 
 
-def _line(event: node_api.ExecEvent) -> str:
-    return node_api.EXEC_EVENT.dump_json(event).decode() + "\n"
+def _line(event: ExecOutput | ExecFinished | ExecError) -> str:
+    return EXEC_EVENT.dump_json(event).decode() + "\n"
 
 
-def _error_line(code: str, detail: str) -> str:
-    return _line(node_api.ExecError(code=code, detail=detail))
-
-
-async def _stream(plane: ControlPlane, row: SessionRow, events: AsyncIterator[node_api.ExecEvent],
+async def _stream(plane: ControlPlane, row: SessionRow, node_events: AsyncIterator[node_api.ExecEvent],
                   stack: AsyncExitStack) -> AsyncIterator[str]:
     failed = False
     try:
-        async for event in events:
-            if isinstance(event, node_api.ExecError) and event.code in SANDBOX_GONE_CODES:
+        async for node_event in node_events:
+            try:
+                event = EXEC_EVENT.validate_python(node_event.model_dump())
+            except ValidationError:
+                yield _line(ExecError(code="internal_error", detail="the node sent a malformed stream event"))
+                failed = True
+                break
+            if isinstance(event, ExecError) and event.code in SANDBOX_GONE_CODES:
                 # The node reports a vanished sandbox in-band once streaming has begun.
                 state = await lose_sandbox(plane, row.id, event.detail or event.code, row.sandbox_id)
-                code = "session_failed" if state == "failed" else "invalid_state"
-                detail = f"session {row.id} lost its sandbox ({state}): {event.detail}"
-                event = node_api.ExecError(code=code, detail=detail)
+                event = ExecError(code="session_failed" if state == "failed" else "invalid_state",
+                                  detail=f"session {row.id} lost its sandbox ({state}): {event.detail}")
                 failed = True
             yield _line(event)
         if not failed:
             await command_finished(plane, row.id)
     except (NodeError, httpx.HTTPError) as exc:
-        yield _error_line("node_unreachable", f"lost the node while streaming: {type(exc).__name__}")
+        yield _line(ExecError(code="node_unreachable",
+                              detail=f"lost the node while streaming: {type(exc).__name__}"))
     finally:
         await stack.aclose()
 

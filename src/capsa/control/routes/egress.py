@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Query
 
-from capsa.control import egress
+from capsa.control import egress, policy_update
 from capsa.control.deps import Caller, Plane, problems
 from capsa.control.egress_schemas import AuditList, PolicyOut, PolicyUpdate
 
@@ -23,7 +23,7 @@ async def get_policy(session_id: str, plane: Plane, caller: Caller) -> PolicyOut
 @router.put("/{session_id}/policy", response_model=PolicyOut)
 async def replace_policy(session_id: str, body: PolicyUpdate, plane: Plane, caller: Caller) -> PolicyOut:
     """Replace the running session's policy; it applies to the next request, without a restart."""
-    return await egress.update_policy(plane, caller.tenant, session_id, body.policy)
+    return await policy_update.update_policy(plane, caller.tenant, session_id, body.policy)
 
 
 @router.patch("/{session_id}/policy", response_model=PolicyOut)
@@ -31,7 +31,7 @@ async def patch_policy(session_id: str, plane: Plane, caller: Caller,
                        body: Annotated[dict[str, Any], Body(
                            media_type="application/merge-patch+json",
                            description="RFC 7396 merge patch of the policy document")]) -> PolicyOut:
-    return await egress.update_policy(plane, caller.tenant, session_id, None, patch=body)
+    return await policy_update.update_policy(plane, caller.tenant, session_id, None, patch=body)
 
 
 @router.get("/{session_id}/audit", response_model=AuditList)

@@ -1,0 +1,54 @@
+"""Changing a running session's egress policy live on its node (``PUT``/``PATCH .../policy``).
+
+Kept apart from :mod:`capsa.control.egress` (policies, secrets, audit), which session creation uses, so that
+neither that module nor :mod:`capsa.control.sessions` has to import the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from capsa.common.egress_policy import EgressPolicy, PolicyError
+from capsa.control.egress import merge_patch, resolve_policy
+from capsa.control.egress_schemas import PolicyOut
+from capsa.control.errors import InvalidState, ValidationFailed
+from capsa.control.nodeclient import NodeError
+from capsa.control.plane import ControlPlane
+from capsa.control.sessions import node_call_failed, running_session
+from capsa.control.store.egress_models import SessionPolicyRow
+from capsa.control.store.models import utcnow
+
+__all__ = ["update_policy"]
+
+
+async def update_policy(plane: ControlPlane, tenant: str, session_id: str, policy: dict[str, Any] | None,
+                        patch: dict[str, Any] | None = None) -> PolicyOut:
+    """Replace (``policy``) or merge-patch (``patch``) a running session's policy, live on its node."""
+    row, client = await running_session(plane, tenant, session_id)
+    async with plane.db() as db:
+        current = await db.get(SessionPolicyRow, session_id, populate_existing=True)
+    if current is None:
+        raise InvalidState(f"session {session_id} was created without a policy and has no network; give the "
+                           "policy when creating the session", code="no_network")
+    if patch is not None:
+        merged = merge_patch(current.policy, patch)
+        try:
+            policy = EgressPolicy.from_data(merged).model_dump(mode="json", exclude_none=True)
+        except PolicyError as exc:
+            raise ValidationFailed(exc.message, [{"field": "body", "message": exc.message}]) from None
+    assert policy is not None
+    document, values = await resolve_policy(plane, tenant, policy)
+    assert row.sandbox_id is not None
+    try:
+        answer = await client.update_policy(row.sandbox_id, document, values)
+    except NodeError as exc:
+        raise await node_call_failed(plane, row, exc) from exc
+    now = utcnow()
+    async with plane.db() as db:
+        stored = await db.get(SessionPolicyRow, session_id, populate_existing=True)
+        if stored is not None:
+            stored.policy = document
+            stored.updated_at = now
+            await db.commit()
+    return PolicyOut(session_id=session_id, policy=document, updated_at=now,
+                     ca_reissued=answer.ca_reissued)
