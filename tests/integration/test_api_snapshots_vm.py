@@ -394,7 +394,8 @@ async def test_sdk_async_sync_and_cli(stack: Stack) -> None:
     url, key = stack.control.url, stack.key
     s = await AsyncSession.create(timeout=900, metadata={"via": "sdk"}, rolling_snapshots={"keep": 2},
                                   api_url=url, api_key=key)
-    assert s.info.rolling_snapshots == {"interval_s": None, "after_command": False, "keep": 2}
+    assert s.info.rolling_snapshots is not None
+    assert s.info.rolling_snapshots.model_dump() == {"interval_s": None, "after_command": False, "keep": 2}
     await s.files.write("/root/sdk", "first\n")
     snap = await s.snapshots.create()
     assert snap.kind == "manual" and [x.id for x in await s.snapshots.list()] == [snap.id]

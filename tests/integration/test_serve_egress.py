@@ -1,4 +1,5 @@
-"""Egress through a real ``capsa serve`` (its own NodeEgress, SnapshotRuntime, key file) and the CLI/SDK:
+"""Egress through a real ``capsa serve`` (its own NodeEgress, QemuRuntime on the storage pool, key file) and
+the CLI/SDK:
 a secret stored with ``capsa secrets create`` reaches a session with a policy only as a placeholder, the
 sandbox CA is in the guest's system bundle, requests and DNS queries show up in ``capsa audit``, and closing
 the session leaves no namespace behind. The node resolves with the host's resolver and refuses private

@@ -257,6 +257,10 @@ class FakeRuntime:
     # -- snapshots (SnapshotCapable) -------------------------------------------------------------------
 
     @property
+    def can_snapshot(self) -> bool:
+        return self.confine  # snapshots read a confined guest's private dirs
+
+    @property
     def templates_dir(self) -> Path:
         return self._templates_dir
 

@@ -21,6 +21,7 @@ from capsa.sdk import (
     AsyncEgress,
     AsyncFiles,
     AsyncKeys,
+    AsyncNodes,
     AsyncProcess,
     AsyncSecrets,
     AsyncSession,
@@ -30,6 +31,7 @@ from capsa.sdk import (
     Egress,
     Files,
     Keys,
+    Nodes,
     Process,
     Secrets,
     Session,
@@ -142,6 +144,7 @@ PAIRS: list[tuple[type, type, dict[str, Any]]] = [
     (Egress, AsyncEgress, {}),
     (Secrets, AsyncSecrets, {}),
     (Keys, AsyncKeys, {}),
+    (Nodes, AsyncNodes, {}),
     (Client, AsyncClient, {"renames": {"close": "aclose"}, "async_only": _CLIENT_PLUMBING,
                            "async_attributes": frozenset({"config"})}),
 ]

@@ -49,7 +49,7 @@ _GUEST_GONE = frozenset({"channel_closed", "internal_error", "guest_unavailable"
 
 def snapshots_for(runtime: Runtime, source: SandboxSource) -> Snapshots | None:
     """The snapshots part for ``runtime`` if it can snapshot, else None."""
-    if not isinstance(runtime, SnapshotCapable):
+    if not isinstance(runtime, SnapshotCapable) or not runtime.can_snapshot:
         return None
     snaps = cast(SnapshottingRuntime, runtime)
     if isinstance(source, TemplateSource):

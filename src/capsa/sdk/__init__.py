@@ -40,6 +40,7 @@ from capsa.sdk.models import (
     SessionInfo,
     SnapshotInfo,
 )
+from capsa.sdk.nodes import AsyncNodes, EnrolToken, NodeInfo, Nodes
 from capsa.sdk.session import AsyncSession
 from capsa.sdk.snapshots import AsyncSnapshots
 from capsa.sdk.sync import Client, Commands, Files, Keys, Process, Session, Snapshots
@@ -52,6 +53,7 @@ __all__ = [
     "AsyncEgress",
     "AsyncFiles",
     "AsyncKeys",
+    "AsyncNodes",
     "AsyncProcess",
     "AsyncSecrets",
     "AsyncSession",
@@ -67,6 +69,7 @@ __all__ = [
     "CommandResult",
     "Commands",
     "Egress",
+    "EnrolToken",
     "FieldError",
     "FileInfo",
     "Files",
@@ -75,7 +78,9 @@ __all__ = [
     "InvalidState",
     "Keys",
     "NoCapacity",
+    "NodeInfo",
     "NodeUnreachable",
+    "Nodes",
     "NotFound",
     "NotReady",
     "OutputCallback",

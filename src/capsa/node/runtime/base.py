@@ -175,6 +175,12 @@ class SnapshotCapable(Protocol):
     """
 
     @property
+    def can_snapshot(self) -> bool:
+        """False when this instance has no snapshot storage (e.g. QEMU on plain work dirs): its snapshot
+        operations then refuse with ``snapshot_unsupported``, and a node gets no snapshots part."""
+        ...
+
+    @property
     def templates_dir(self) -> Path:
         """Where template snapshots live (on the same storage as sandboxes, so restores are reflinks)."""
         ...
