@@ -36,6 +36,9 @@ STATUS: dict[str, int] = {
     "timeout": 504,
     "guest_timeout": 504,
     "no_space": 507,
+    # The guest client's own verdicts on what the guest sent (capsa.node.guest_client).
+    "too_large": 413,
+    "protocol_error": 502,
     # The sandbox or its guest channel is gone (capsa.node.agent, guest operations).
     "sandbox_failed": 409,
     "guest_unavailable": 503,
