@@ -240,3 +240,26 @@ async def test_register_twice_and_unknown(world: World) -> None:
     with pytest.raises(ValueError):
         broker.register("sbx_h", "not-an-ip", POLICY)
     await broker.close()
+
+
+async def test_connect_tunnel_with_tls_and_injection(world: World) -> None:
+    """CONNECT, then TLS inside the tunnel: the leaf is issued (off the loop) before the 200, so the
+    ClientHello that follows at once is not lost."""
+    broker = world.broker()
+    sbx = broker.register("sbx_t", "127.0.0.1", POLICY)
+    await broker.listen("sbx_t", "127.0.0.1", ports=ANY_PORTS)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", sbx.bound["proxy"][1])
+        writer.write(b"CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+        ctx = ssl.create_default_context(cadata=sbx.ca.cert_pem.decode())
+        await asyncio.wait_for(writer.start_tls(ctx, server_hostname="api.test"), 5)
+        ph = sbx.placeholder_for("sec_1")
+        writer.write(f"GET /x HTTP/1.1\r\nHost: api.test\r\nAuthorization: Bearer {ph}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        data = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert data.startswith(b"HTTP/1.1 200") and b"auth=Bearer [REDACTED]" in data
+        assert sbx.ca.issued == 1
+    finally:
+        await broker.close()

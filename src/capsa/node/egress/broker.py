@@ -64,6 +64,8 @@ _HOP_BY_HOP = {
 }
 DNS_QUERIES_PER_SECOND = 100
 _STREAM_LIMIT = 64 * 1024
+_SMALL_BODY = 256 * 1024
+"""A bound destination's response up to this declared length is redacted whole and keeps a length."""
 
 
 def _until(deadline: float) -> Callable[[], float]:
@@ -482,7 +484,8 @@ class EgressBroker:
         if ctx is None or leaf is None:
             return None
         try:
-            await sbx.ca.context_for(leaf)
+            # Nothing may be awaited before start_tls: a ClientHello read into the stream would be lost.
+            # (_connect issued the leaf before answering the CONNECT.)
             await asyncio.wait_for(client.writer.start_tls(ctx), self.limits.head_timeout)
         except (ssl.SSLError, OSError, TimeoutError, ConnectionError):
             return None
@@ -723,6 +726,9 @@ class EgressBroker:
                                            headers=[(b"content-length", b"0"), (b"connection", b"close")]),
                               left=_until(time.monotonic() + self.limits.head_timeout))
             return None
+        leaf = self._tls_leaf(sbx, host)
+        if leaf is not None:
+            await sbx.ca.context_for(leaf)  # before the 200: the client's ClientHello follows it at once
         await client.send(h11.Response(status_code=200, headers=[]),
                           left=_until(time.monotonic() + self.limits.head_timeout))
         if client.conn.trailing_data[0]:
@@ -1006,6 +1012,9 @@ class EgressBroker:
             redactor = StreamRedactor(patterns)
             if no_body and len(lengths) == 1:
                 headers.append((b"content-length", lengths[0]))
+            elif len(lengths) == 1 and int(lengths[0]) <= _SMALL_BODY:
+                return await self._small_redacted(sbx, client, up, req, response, headers, patterns,
+                                                  int(lengths[0]))
             # Otherwise no length: redaction may change it, h11 frames the body as chunked.
         elif len(lengths) == 1:
             headers.append((b"content-length", lengths[0]))
@@ -1051,6 +1060,48 @@ class EgressBroker:
         else:
             up.close()
         return response.status_code, size
+
+    async def _small_redacted(self, sbx: SandboxEgress, client: _Client, up: _Upstream, req: _Request,
+                              response: h11.Response, headers: list[tuple[bytes, bytes]],
+                              patterns: SecretPatterns, length: int) -> tuple[int, int]:
+        """A small bound-host body (declared length up to _SMALL_BODY), read whole (its bytes charged to the
+        budget), redacted, and sent with its new exact length, as clients of most APIs expect."""
+        assert req.rule is not None and sbx.budget is not None
+        rule = req.rule.domain
+        try:
+            await sbx.budget.reserve(length, self.limits.head_timeout)
+        except TimeoutError:
+            raise _Deny(503, "egress buffer budget exhausted", rule=rule) from None
+        try:
+            pace = Pace(self.limits.min_rate, self.limits.rate_grace)
+            body = bytearray()
+            while True:
+                ev = await up.next_event(pace.remaining)
+                if isinstance(ev, h11.Data):
+                    body += ev.data
+                    pace.add(len(ev.data))
+                elif isinstance(ev, h11.EndOfMessage):
+                    break
+                else:
+                    raise _Deny(502, "upstream response ended early", rule=rule)
+            out = patterns.redact(bytes(body))
+            try:
+                patterns.check_leak(out)
+            except SecretLeak:
+                raise _Deny(502, "response holds part of a secret", rule=rule) from None
+            events: list[h11.Event] = [h11.Response(
+                status_code=response.status_code, reason=response.reason,
+                headers=[*headers, (b"content-length", str(len(out)).encode())])]
+            if out:
+                events.append(h11.Data(data=out))
+            await client.send(*events, h11.EndOfMessage(), left=pace.remaining)
+        finally:
+            sbx.budget.release(length)
+        if up.conn.our_state is h11.DONE and up.conn.their_state is h11.DONE:
+            up.conn.start_next_cycle()
+        else:
+            up.close()
+        return response.status_code, len(body)
 
     async def _deny(self, client: _Client, deny: _Deny) -> None:
         body = f"capsa egress: {deny.reason}\n".encode()
