@@ -10,35 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from capsa.common.errors import CapsaError
 from capsa.common.ids import is_id
+from capsa.node.capacity import NodeCapacity, default_capacity
 from capsa.node.runtime.base import Sandbox, SandboxState
 
 __all__ = ["NodeCapacity", "SandboxRecord", "SandboxTable", "default_capacity"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class NodeCapacity:
-    memory_mib: int
-    vcpus: int
-    max_sandboxes: int
-
-    def as_dict(self) -> dict[str, int]:
-        return {"memory_mib": self.memory_mib, "vcpus": self.vcpus, "max_sandboxes": self.max_sandboxes}
-
-
-def default_capacity() -> NodeCapacity:
-    """Three quarters of host RAM, 4 vCPUs per host CPU (guests mostly idle), at most 64 sandboxes."""
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return NodeCapacity(memory_mib=int(pages * 3 / 4) >> 20, vcpus=4 * (os.cpu_count() or 1),
-                        max_sandboxes=64)
 
 
 @dataclass

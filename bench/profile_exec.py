@@ -1,0 +1,183 @@
+"""Where a command's time goes: `true` through the guest channel, split into channel and guest spawn.
+
+    .venv/bin/python bench/profile_exec.py [--n 30] [--restores 3] [--accel auto]
+                                           [--out bench/results/profile_exec.json]
+
+Boots one VM with the node's driver (capsa.node.runtime.qemu) in a temporary state directory and measures,
+all wall-clock in this process unless said otherwise:
+- ``health``: a channel round trip with nothing spawned;
+- ``exec ["true"]`` and ``exec "true"`` (through /bin/sh -c): the whole round trip;
+- the guest daemon's own view of the same commands, from the exec result: ``spawn_ms`` (from before the
+  spawn until the command is placed in its cgroup and released) and ``duration`` (spawn to exit), when the
+  daemon reports them (older daemons do not: those rows are left out);
+- after a snapshot of that VM and a restore from it (``--restores`` times): the 1st through 10th
+  ``true``, to compare the first command of a restored sandbox with its tenth.
+The breakdown row "channel + host" is the round trip minus the guest-side duration. The machine is shared:
+the load average is recorded with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from capsa.common.settings import Settings
+from capsa.images import ensure_image
+from capsa.node.guest_client import GuestClient
+from capsa.node.runtime.base import VMSpec
+from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
+from capsa.node.storage import StoragePool, StorageSettings
+from harness import host_facts, write_results
+
+__all__ = ["main"]
+
+AFTER_RESTORE = 10
+
+
+def quantiles(values: list[float]) -> dict[str, float]:
+    """n, min, p50, p90, max, mean (nearest-rank p90)."""
+    ordered = sorted(values)
+    p90 = ordered[min(len(ordered) - 1, max(0, -(-90 * len(ordered) // 100) - 1))]
+    return {"n": len(ordered), "min": ordered[0], "p50": statistics.median(ordered), "p90": p90,
+            "max": ordered[-1], "mean": statistics.fmean(ordered)}
+
+
+async def _timed_true(sandbox: QemuSandbox, cmd: str | list[str]) -> tuple[float, dict[str, Any]]:
+    """One ``true`` through the channel: the round trip in ms and the daemon's result fields."""
+    client: GuestClient = await sandbox._usable_client()
+    t0 = time.perf_counter()
+    # The raw RESULT frame (the public ExecResult keeps only the fields every caller needs).
+    frame = await client._call("exec", {"cmd": cmd})
+    elapsed = (time.perf_counter() - t0) * 1000
+    if frame.meta.get("exit_code") != 0:
+        raise RuntimeError(f"true failed in the guest: {frame.meta}")
+    return elapsed, dict(frame.meta)
+
+
+async def _series(sandbox: QemuSandbox, cmd: str | list[str], n: int) -> dict[str, Any]:
+    rtts: list[float] = []
+    spawns: list[float] = []
+    durations: list[float] = []
+    for _ in range(n):
+        rtt, meta = await _timed_true(sandbox, cmd)
+        rtts.append(rtt)
+        if isinstance(meta.get("spawn_ms"), int | float):
+            spawns.append(float(meta["spawn_ms"]))
+        if isinstance(meta.get("duration"), int | float):
+            durations.append(float(meta["duration"]) * 1000)
+    out: dict[str, Any] = {"round_trip_ms": quantiles(rtts)}
+    if spawns:
+        out["guest_spawn_ms"] = quantiles(spawns)
+    if durations:
+        out["guest_duration_ms"] = quantiles(durations)
+        out["channel_and_host_ms"] = quantiles([r - d for r, d in zip(rtts, durations, strict=True)])
+    return out
+
+
+async def bench(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
+    image = ensure_image()
+    # Snapshots need the node's storage pool (a btrfs loop file here, for reflinked RAM and disks).
+    pool = StoragePool.open(state_dir, StorageSettings(loop_size_mib=8 * 1024))
+    runtime = QemuRuntime(Settings(state_dir=state_dir), args.accel, storage=PoolStorage(pool))
+    spec = VMSpec(image=image, memory_mib=args.memory)
+    results: dict[str, Any] = {"host": host_facts(),
+                               "image": {"digest": image.digest, "kernel": image.kernel_release}}
+    try:
+        sandbox = await runtime.boot(spec)
+        results["accelerator"] = sandbox.accelerator.value
+        guest = sandbox.guest
+        for _ in range(5):  # warm-up: guest page cache, translation cache, Python's first calls
+            await guest.exec(["true"])
+        healths = []
+        for _ in range(args.n):
+            t0 = time.perf_counter()
+            await guest.health()
+            healths.append((time.perf_counter() - t0) * 1000)
+        results["health_ms"] = quantiles(healths)
+        results["true_argv"] = await _series(sandbox, ["true"], args.n)
+        results["true_shell"] = await _series(sandbox, "true", args.n)
+
+        snap = await runtime.snapshot(sandbox, resume=True)
+        await runtime.destroy(sandbox)
+        per_index: list[list[float]] = [[] for _ in range(AFTER_RESTORE)]
+        restores: list[float] = []
+        for _ in range(args.restores):
+            t0 = time.perf_counter()
+            restored = await runtime.restore(snap, spec)
+            restores.append((time.perf_counter() - t0) * 1000)
+            for i in range(AFTER_RESTORE):
+                rtt, _meta = await _timed_true(restored, ["true"])
+                per_index[i].append(rtt)
+            await runtime.destroy(restored)
+        runtime.delete_snapshot(snap)
+        results["restore_ms"] = quantiles(restores)
+        results["after_restore_true_ms"] = {str(i + 1): quantiles(v) for i, v in enumerate(per_index)}
+        results["host"]["loadavg_at_end"] = list(os.getloadavg())
+    finally:
+        await runtime.close()
+        pool.destroy()
+    return results
+
+
+def print_table(results: dict[str, Any]) -> None:
+    table = Table(title=f"exec profile (accelerator: {results['accelerator']})")
+    for col in ("measure", "n", "p50", "p90", "min", "max"):
+        table.add_column(col, justify="left" if col == "measure" else "right")
+
+    def row(label: str, s: dict[str, float] | None) -> None:
+        if s:
+            table.add_row(label, str(s["n"]), f"{s['p50']:.1f}", f"{s['p90']:.1f}", f"{s['min']:.1f}",
+                          f"{s['max']:.1f}")
+
+    row("health round trip (channel only), ms", results["health_ms"])
+    for key, label in (("true_argv", 'exec ["true"]'), ("true_shell", 'exec "true" (sh -c)')):
+        series = results[key]
+        row(f"{label}: round trip, ms", series["round_trip_ms"])
+        row(f"{label}: guest spawn, ms", series.get("guest_spawn_ms"))
+        row(f"{label}: guest spawn to exit, ms", series.get("guest_duration_ms"))
+        row(f"{label}: channel + host, ms", series.get("channel_and_host_ms"))
+    row("restore from snapshot to daemon answering, ms", results["restore_ms"])
+    after = results["after_restore_true_ms"]
+    for i in ("1", "2", "10"):
+        row(f'after restore: exec ["true"] #{i}, ms', after[i])
+    Console().print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=30, help="commands per series")
+    parser.add_argument("--restores", type=int, default=3)
+    parser.add_argument("--memory", type=int, default=256, help="guest memory in MiB")
+    parser.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"])
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parent / "results" / "profile_exec.json")
+    args = parser.parse_args()
+    if args.n < 1 or args.restores < 1:
+        parser.error("--n and --restores must be at least 1")
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("qemu").setLevel(logging.CRITICAL)
+    state_dir = Path(tempfile.mkdtemp(prefix="cprofile-", dir="/var/tmp"))
+    os.chmod(state_dir, 0o711)  # QEMU runs as an unprivileged uid and must reach its folder
+    try:
+        results = asyncio.run(bench(args, state_dir))
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    results["parameters"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    write_results(args.out, results)
+    print_table(results)
+    print(f"results written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
