@@ -22,6 +22,7 @@ from capsa.node.storage import (
     reflink,
     sparse_copy,
 )
+from capsa.node.storage.filecopy import SourceCheck, UnsafeSource, open_source
 from capsa.node.storage.mounts import filesystem_of, mounts
 
 pytestmark = [
@@ -276,3 +277,90 @@ def test_remove_refuses_symlinks_out_of_the_pool(btrfs_pool: StoragePool, tmp_pa
     with pytest.raises(StorageError, match="refusing"):
         btrfs_pool.remove_sandbox("sbx_link")
     assert (victim / "precious").read_text() == "keep"
+
+
+# -- modes and hostile sources (issue 9, findings 0 and 1) ------------------------------------------------
+
+
+def test_loop_file_and_pool_directories_are_root_only(btrfs_pool: StoragePool, tmp_path: Path) -> None:
+    image = btrfs_pool.loop_image
+    assert image is not None
+    st = image.stat()
+    assert (st.st_uid, oct(st.st_mode & 0o7777)) == (0, "0o600")
+    assert oct((tmp_path / "state" / "storage").stat().st_mode & 0o7777) == "0o711"
+    areas = (btrfs_pool.templates_dir, btrfs_pool.sandboxes_dir, btrfs_pool.snapshots_dir)
+    for path in (btrfs_pool.root, *areas):
+        assert (path.stat().st_uid, oct(path.stat().st_mode & 0o7777)) == (0, "0o711"), path
+    # A sandbox directory stays root's: its VM user may own files in it, never the entries.
+    sdir = btrfs_pool.sandbox_dir("sbx_modes", create=True)
+    assert (sdir.stat().st_uid, oct(sdir.stat().st_mode & 0o7777)) == (0, "0o711")
+
+
+def test_an_image_left_world_readable_is_closed_on_the_next_open(tmp_path: Path) -> None:
+    settings = StorageSettings(loop_size_mib=512, require_cow=True)
+    pool = StoragePool.open(tmp_path / "state", settings)
+    try:
+        assert pool.loop_image is not None
+        pool.unmount()
+        pool.loop_image.chmod(0o644)  # as an older node made it
+        again = StoragePool.open(tmp_path / "state", settings)
+        assert oct(pool.loop_image.stat().st_mode & 0o7777) == "0o600"
+        assert again.root == pool.root
+    finally:
+        pool.destroy()
+
+
+def test_clone_refuses_a_symlink_planted_in_place_of_the_source(btrfs_pool: StoragePool) -> None:
+    secret = btrfs_pool.root / "secret.key"
+    secret.write_bytes(b"host secret")
+    sdir = btrfs_pool.sandbox_dir("sbx_link", create=True)
+    (sdir / "disk.img").symlink_to(secret)
+    with pytest.raises(UnsafeSource, match="symbolic link"):
+        btrfs_pool.clone(sdir / "disk.img", btrfs_pool.snapshots_dir / "disk.img")
+    assert list(btrfs_pool.snapshots_dir.iterdir()) == []  # no copy, no temp file
+
+
+def test_clone_checks_owner_type_and_filesystem_on_the_open_file(btrfs_pool: StoragePool,
+                                                                 tmp_path: Path) -> None:
+    sdir = btrfs_pool.sandbox_dir("sbx_checks", create=True)
+    disk = sdir / "disk.img"
+    disk.write_bytes(b"guest disk")
+    vm_uid = 1_879_048_200
+    # Root's file where the VM user's should be (e.g. a hard link to a host file): refused.
+    with pytest.raises(UnsafeSource, match="owned by uid 0"):
+        btrfs_pool.clone(disk, btrfs_pool.snapshots_dir / "a.img", source_owner=vm_uid)
+    os.chown(disk, vm_uid, vm_uid)
+    assert btrfs_pool.clone(disk, btrfs_pool.snapshots_dir / "a.img", source_owner=vm_uid) is True
+    copy = btrfs_pool.snapshots_dir / "a.img"
+    assert copy.read_bytes() == b"guest disk" and copy.stat().st_uid == 0
+    assert oct(copy.stat().st_mode & 0o7777) == "0o600"
+    # chown: the copy belongs to the next VM user before it appears under its name.
+    btrfs_pool.clone(disk, btrfs_pool.snapshots_dir / "b.img", source_owner=vm_uid,
+                     chown=(vm_uid + 1, vm_uid + 1))
+    assert (btrfs_pool.snapshots_dir / "b.img").stat().st_uid == vm_uid + 1
+    # A FIFO never blocks the node and is refused.
+    fifo = sdir / "memory.ram"
+    os.mkfifo(fifo)
+    with pytest.raises(UnsafeSource, match="not a regular file"):
+        btrfs_pool.clone(fifo, btrfs_pool.snapshots_dir / "c.ram")
+    # A file on another filesystem (the host's) is not a pool file.
+    outside = tmp_path / "outside.img"
+    outside.write_bytes(b"host file")
+    with pytest.raises(UnsafeSource, match="expected filesystem"):
+        btrfs_pool.clone(outside, btrfs_pool.snapshots_dir / "d.img")
+    leftovers = sorted(p.name for p in btrfs_pool.snapshots_dir.iterdir())
+    assert leftovers == ["a.img", "b.img"], leftovers
+
+
+def test_open_source_refuses_what_copy_file_must_not_read(tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.write_bytes(b"x")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(UnsafeSource):
+        copy_file(link, tmp_path / "out", cow=False)
+    with pytest.raises(UnsafeSource):
+        open_source(tmp_path)  # a directory
+    fd, st = open_source(target, SourceCheck(owner=0, device=target.stat().st_dev))
+    os.close(fd)
+    assert st.st_size == 1

@@ -1,4 +1,5 @@
-"""Checking, at start-up, that a node's state directory is one its VMs can use.
+"""Checking, at start-up, that a node's state directory is one its VMs can use (and that no one else can
+list or write it).
 
 QEMU runs as an unprivileged per-VM uid (when the node runs as root) and opens its disk, RAM file and sockets
 inside the state directory, so every directory from ``/`` down to it must be searchable by other users. A
@@ -29,8 +30,17 @@ def prepare_state_dir(state_dir: Path, *, vm_uids: bool | None = None) -> Path:
         state_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise StateDirError(f"cannot use state directory {state_dir}: {exc.strerror}") from exc
+    _restrict(state_dir)
     check_state_dir(state_dir, vm_uids=vm_uids)
     return state_dir
+
+
+def _restrict(state_dir: Path) -> None:
+    """No one else may list or write the state directory: it stays searchable (QEMU, as another uid,
+    opens its own files in it by name) but loses group and other read and write."""
+    st = state_dir.stat()
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o066:
+        state_dir.chmod(stat.S_IMODE(st.st_mode) & ~0o066)
 
 
 def check_state_dir(state_dir: Path, *, vm_uids: bool | None = None) -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import event, text
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.ext.asyncio import AsyncSession as DbSession
 
@@ -19,8 +20,29 @@ _MIGRATIONS = Path(__file__).with_name("migrations")
 _PG_MIGRATION_LOCK = 0x63617073
 
 
+def _private_sqlite_file(url: str) -> None:
+    """Create the SQLite file 0600 (or make an existing one 0600) before SQLite opens it: it holds sealed
+    tokens, every session's environment, policies and the audit log. SQLite gives its -journal, -wal and
+    -shm files the mode of the database file."""
+    database = make_url(url).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    path = Path(database)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for suffix in ("-journal", "-wal", "-shm"):
+        side = path.with_name(path.name + suffix)
+        if side.exists() and not side.is_symlink():
+            side.chmod(0o600)
+
+
 def create_engine(url: str) -> AsyncEngine:
     if url.startswith("sqlite"):
+        _private_sqlite_file(url)
         # Several replicas (or processes) may share one SQLite file: WAL lets readers proceed during a
         # write and the busy timeout makes writers queue instead of failing at once.
         engine = create_async_engine(url, connect_args={"timeout": 30})

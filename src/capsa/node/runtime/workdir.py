@@ -3,9 +3,9 @@
 Layout (the directory itself belongs to the node, so a compromised QEMU cannot rewrite its pidfile)::
 
     <id>/            root, 0711
-      qemu.pid       "<pid> <start time in clock ticks>" written by the node
-      console.log    the guest serial console (bounded, rotated to console.log.1)
-      disk.img       private copy of the image's rootfs, owned by the VM user
+      qemu.pid       "<pid> <start time in clock ticks>" written by the node, 0600
+      console.log    the guest serial console (bounded, rotated to console.log.1), 0600 root
+      disk.img       private copy of the image's rootfs, owned by the VM user, 0600
       run/           owned by the VM user, 0700: qmp.sock, agent.sock (created by QEMU)
 """
 
@@ -31,6 +31,7 @@ __all__ = [
     "pick_vm_uid",
     "process_start_time",
     "read_pidfile",
+    "vm_uids_in_use",
 ]
 
 # sun_path is 108 bytes including the terminating NUL.
@@ -93,7 +94,9 @@ class VmDir:
     def write_pid(self, pid: int) -> None:
         start = process_start_time(pid)
         tmp = self.pidfile.with_suffix(".tmp")
-        tmp.write_text(f"{pid} {start if start is not None else 0}\n")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{pid} {start if start is not None else 0}\n")
         tmp.replace(self.pidfile)
 
     def remove(self) -> None:
@@ -171,13 +174,21 @@ def _is_zombie(pid: int) -> bool:
     return stat[stat.rfind(")") + 2:].startswith("Z")
 
 
-def pick_vm_uid(state_vms: Path) -> int:
-    """A uid from the VM range not owning any existing VM directory's run/ folder."""
+def vm_uids_in_use(state_vms: Path) -> set[int]:
+    """The owners of every VM directory's run/ folder (VMs of this or a previous node process)."""
     used = set()
     if state_vms.is_dir():
         for child in state_vms.iterdir():
             with contextlib.suppress(OSError):
                 used.add((child / "run").stat().st_uid)
+    return used
+
+
+def pick_vm_uid(state_vms: Path) -> int:
+    """A uid from the VM range not owning any existing VM directory's run/ folder (one-off use; a
+    runtime allocates through an :class:`~capsa.node.runtime.ids.IdAllocator` so that two VMs it starts
+    at the same moment cannot get the same uid)."""
+    used = vm_uids_in_use(state_vms)
     for _ in range(1000):
         uid = VM_UID_BASE + secrets.randbelow(VM_UID_COUNT)
         if uid not in used:

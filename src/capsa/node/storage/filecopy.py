@@ -6,6 +6,12 @@ because guest disks and RAM files are mostly sparse and inflating them would cos
 
 Every copy is written to a temporary name next to the destination and renamed into place, so a failure
 (full disk, interrupted process) never leaves a half-written file under the final name.
+
+The node copies as root, and some sources (a running VM's disk and RAM file) belong to a VM user whose
+QEMU may be compromised. A source is therefore opened with ``O_NOFOLLOW`` and checked on the open
+descriptor (:class:`SourceCheck`): a regular file, owned by whom the caller expects, on the expected
+filesystem. A symlink, a device, a FIFO or another user's file planted under the source's name is refused
+with ``unsafe_source`` and nothing is read from it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import errno
 import fcntl
 import os
 import secrets
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from capsa.common.errors import CapsaError
@@ -22,7 +30,10 @@ from capsa.common.errors import CapsaError
 __all__ = [
     "CopyError",
     "ReflinkUnsupported",
+    "SourceCheck",
+    "UnsafeSource",
     "copy_file",
+    "open_source",
     "probe_reflink",
     "reflink",
     "sparse_copy",
@@ -46,18 +57,54 @@ class ReflinkUnsupported(CopyError):
     code = "reflink_unsupported"
 
 
+class UnsafeSource(CopyError):
+    """The source is a symlink, not a regular file, or not owned by whom it should be."""
+
+    code = "unsafe_source"
+
+
+@dataclass(frozen=True)
+class SourceCheck:
+    """What a copy source must be, checked on its open descriptor (never on the path)."""
+
+    owner: int | None = None
+    """The uid the file must belong to (None: any)."""
+    device: int | None = None
+    """The ``st_dev`` it must live on (None: any), e.g. the storage pool's filesystem."""
+
+
 def _temp_name(dst: Path) -> Path:
     return dst.with_name(f".{dst.name}.tmp-{secrets.token_hex(4)}")
 
 
-def _check_source(src: Path) -> os.stat_result:
+def open_source(src: Path, check: SourceCheck | None = None) -> tuple[int, os.stat_result]:
+    """Open ``src`` read-only without following a symlink in its last component and check what was
+    opened; returns the descriptor (the caller closes it) and its ``fstat``."""
     try:
-        st = src.stat()
+        # O_NONBLOCK: opening a FIFO planted under the name must not block the node.
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except FileNotFoundError:
         raise CopyError(f"cannot copy {src}: no such file") from None
-    if not src.is_file():
-        raise CopyError(f"cannot copy {src}: not a regular file")
-    return st
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeSource(f"refusing to copy {src}: it is a symbolic link") from None
+        raise CopyError(f"cannot open {src}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeSource(f"refusing to copy {src}: not a regular file")
+        if check is not None and check.owner is not None and st.st_uid != check.owner:
+            raise UnsafeSource(f"refusing to copy {src}: owned by uid {st.st_uid}, expected {check.owner}")
+        if check is not None and check.device is not None and st.st_dev != check.device:
+            raise UnsafeSource(f"refusing to copy {src}: not on the expected filesystem")
+        if st.st_nlink != 1 and check is not None and check.owner not in (None, 0):
+            # A hard link to a file elsewhere would pass the owner check only for the VM's own files,
+            # but a VM file linked into two places is never something the node made.
+            raise UnsafeSource(f"refusing to copy {src}: it has {st.st_nlink} links")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 def _check_destination(dst: Path, overwrite: bool) -> None:
@@ -67,29 +114,44 @@ def _check_destination(dst: Path, overwrite: bool) -> None:
         raise CopyError(f"cannot copy to {dst}: file exists")
 
 
-def reflink(src: Path, dst: Path, *, overwrite: bool = False, mode: int = 0o600) -> None:
-    """Make ``dst`` share all of ``src``'s extents. Raises :class:`ReflinkUnsupported` when impossible."""
-    _check_source(src)
+def _create_temp(tmp: Path, mode: int, chown: tuple[int, int] | None) -> int:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)  # whatever the umask
+        if chown is not None:
+            os.fchown(fd, chown[0], chown[1])
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def reflink(src: Path, dst: Path, *, overwrite: bool = False, mode: int = 0o600,
+            check: SourceCheck | None = None, chown: tuple[int, int] | None = None) -> None:
+    """Make ``dst`` share all of ``src``'s extents. Raises :class:`ReflinkUnsupported` when impossible.
+    ``check``: what the source must be (:func:`open_source`); ``chown``: the new file's (uid, gid)."""
     _check_destination(dst, overwrite)
+    fin, _ = open_source(src, check)
     tmp = _temp_name(dst)
     try:
-        with open(src, "rb") as fsrc:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-            try:
-                fcntl.ioctl(fd, _FICLONE, fsrc.fileno())
-            except OSError as exc:
-                if exc.errno in _NO_CLONE_ERRNOS:
-                    raise ReflinkUnsupported(
-                        f"cannot reflink {src} to {dst}: {os.strerror(exc.errno or 0)}"
-                    ) from None
-                raise CopyError(f"reflink of {src} to {dst} failed: {exc}") from exc
-            finally:
-                os.close(fd)
+        fd = _create_temp(tmp, mode, chown)
+        try:
+            fcntl.ioctl(fd, _FICLONE, fin)
+        except OSError as exc:
+            if exc.errno in _NO_CLONE_ERRNOS:
+                raise ReflinkUnsupported(
+                    f"cannot reflink {src} to {dst}: {os.strerror(exc.errno or 0)}"
+                ) from None
+            raise CopyError(f"reflink of {src} to {dst} failed: {exc}") from exc
+        finally:
+            os.close(fd)
         os.replace(tmp, dst)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
+    finally:
+        os.close(fin)
 
 
 def _copy_range(fin: int, fout: int, offset: int, length: int) -> None:
@@ -137,15 +199,16 @@ def _data_segments(fd: int, size: int) -> list[tuple[int, int]]:
     return segments
 
 
-def sparse_copy(src: Path, dst: Path, *, overwrite: bool = False, mode: int = 0o600) -> None:
-    """Copy ``src`` to ``dst`` byte for byte, keeping holes as holes."""
-    st = _check_source(src)
+def sparse_copy(src: Path, dst: Path, *, overwrite: bool = False, mode: int = 0o600,
+                check: SourceCheck | None = None, chown: tuple[int, int] | None = None) -> None:
+    """Copy ``src`` to ``dst`` byte for byte, keeping holes as holes (``check``, ``chown``: as
+    :func:`reflink`)."""
     _check_destination(dst, overwrite)
+    fin, st = open_source(src, check)
     tmp = _temp_name(dst)
     try:
-        fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            fout = _create_temp(tmp, mode, chown)
             try:
                 for offset, length in _data_segments(fin, st.st_size):
                     _copy_range(fin, fout, offset, length)
@@ -165,18 +228,20 @@ def sparse_copy(src: Path, dst: Path, *, overwrite: bool = False, mode: int = 0o
         raise
 
 
-def copy_file(src: Path, dst: Path, *, cow: bool = True, overwrite: bool = False, mode: int = 0o600) -> bool:
-    """Reflink ``src`` to ``dst`` when ``cow`` and possible, else make a sparse copy.
+def copy_file(src: Path, dst: Path, *, cow: bool = True, overwrite: bool = False, mode: int = 0o600,
+              check: SourceCheck | None = None, chown: tuple[int, int] | None = None) -> bool:
+    """Reflink ``src`` to ``dst`` when ``cow`` and possible, else make a sparse copy (``check``,
+    ``chown``: as :func:`reflink`).
 
     Returns True when the result shares extents with the source.
     """
     if cow:
         try:
-            reflink(src, dst, overwrite=overwrite, mode=mode)
+            reflink(src, dst, overwrite=overwrite, mode=mode, check=check, chown=chown)
             return True
         except ReflinkUnsupported:
             pass
-    sparse_copy(src, dst, overwrite=overwrite, mode=mode)
+    sparse_copy(src, dst, overwrite=overwrite, mode=mode, check=check, chown=chown)
     return False
 
 

@@ -96,8 +96,13 @@ def create_btrfs_image(image: Path, size_mib: int) -> None:
     if image.exists():
         raise MountError(f"refusing to format {image}: it already exists")
     try:
-        with open(image, "xb") as f:
-            f.truncate(size_mib * 1024 * 1024)
+        # 0600: the image holds every sandbox's disk, RAM and snapshots.
+        fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size_mib * 1024 * 1024)
+        finally:
+            os.close(fd)
         _run(["mkfs.btrfs", "-q", str(image)], f"mkfs.btrfs {image}")
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

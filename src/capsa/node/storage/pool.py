@@ -10,6 +10,14 @@ Layout under the pool root::
     templates/<name>/      template snapshots (disk + memory + device state + manifest)
     sandboxes/<sbx id>/    a running sandbox's private disk and RAM file
     snapshots/<snap id>/   session snapshots
+
+Modes (the node runs as root; QEMU runs as a per-VM uid that may be compromised): the loop file and
+every file the node makes are 0600 root; directories are root-owned 0711 (searchable, not listable), so
+a VM uid can open its own disk and RAM file by name but cannot list, create, rename or remove anything,
+including the entries of its own sandbox directory. Only the files inside ``sandboxes/<sbx id>/`` belong
+to that sandbox's VM user. Copies read their source through
+:func:`~capsa.node.storage.filecopy.open_source` (no symlinks, regular files on the pool's filesystem,
+of the expected owner).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +37,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from capsa.common.errors import CapsaError
 from capsa.common.settings import Settings
-from capsa.node.storage.filecopy import copy_file, probe_reflink
+from capsa.node.storage.filecopy import SourceCheck, copy_file, probe_reflink
 from capsa.node.storage.mounts import (
     MountError,
     create_btrfs_image,
@@ -81,6 +90,17 @@ def _locked(lock_path: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def _restrict_image(image: Path) -> None:
+    fd = os.open(image, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StorageError(f"{image} is not a regular file")
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 def _check_name(kind: str, name: str) -> str:
     if not _NAME_RE.match(name):
         raise StorageError(f"invalid {kind} name {name!r}", code="invalid_name", status=422)
@@ -97,6 +117,8 @@ class StoragePool:
         self.fstype = fstype
         self.loop_image = loop_image
         self.warning = warning
+        self.device = os.stat(root).st_dev
+        """The pool filesystem's ``st_dev``: every clone source must be on it."""
 
     # -- opening and closing -------------------------------------------------------------------------
 
@@ -127,6 +149,7 @@ class StoragePool:
         # 0711 down to the sandbox directories: unprivileged QEMU processes must reach their own disk and
         # RAM files (in directories they own) without being able to list anyone else's.
         storage_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+        os.chmod(storage_dir, 0o711)
         image = storage_dir / "pool.btrfs"
         mount_point = storage_dir / "pool"
         with _locked(storage_dir / ".lock"):
@@ -137,6 +160,7 @@ class StoragePool:
                         f"{mount_point} is already mounted with {mounted.fstype}, expected the btrfs pool"
                     )
                 os.chmod(mount_point, 0o711)
+                _restrict_image(image)
                 return cls._finish(mount_point.resolve(), cfg, loop_image=image)
             mount_point.mkdir(exist_ok=True, mode=0o711)
             created = False
@@ -144,6 +168,9 @@ class StoragePool:
                 if not image.exists():
                     create_btrfs_image(image, cfg.loop_size_mib)
                     created = True
+                # Every tenant's disks, RAM and snapshots are in there: root's alone (also an image
+                # left 0644 by an older node).
+                _restrict_image(image)
                 mount_loop(image, mount_point)
             except MountError as exc:
                 if created:
@@ -167,6 +194,7 @@ class StoragePool:
                 reason: str | None = None) -> StoragePool:
         for area in _AREAS:
             (root / area).mkdir(exist_ok=True, mode=0o711)
+            os.chmod(root / area, 0o711)
         fs = filesystem_of(root)
         cow = probe_reflink(root)
         warning: str | None = None
@@ -218,14 +246,16 @@ class StoragePool:
     def template_dir(self, name: str) -> Path:
         return self.templates_dir / _check_name("template", name)
 
-    def sandbox_dir(self, sandbox_id: str, *, create: bool = False,
-                    owner: tuple[int, int] | None = None) -> Path:
-        """The directory for one sandbox's files; ``owner`` (uid, gid) is the VM user that must write it."""
+    def sandbox_dir(self, sandbox_id: str, *, create: bool = False) -> Path:
+        """The directory for one sandbox's files: root's, 0711, so its VM user reaches the files in it that
+        it owns but can never replace one with a link to a file of the host's (the node clones them)."""
         path = self.sandboxes_dir / _check_name("sandbox", sandbox_id)
         if create:
-            path.mkdir(mode=0o700, exist_ok=True)
-            if owner is not None:
-                os.chown(path, owner[0], owner[1])
+            path.mkdir(mode=0o711, exist_ok=True)
+            st = path.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                raise StorageError(f"{path} is not a directory of the node's", code="unsafe_path")
+            os.chmod(path, 0o711)
         return path
 
     def snapshot_dir(self, snapshot_id: str) -> Path:
@@ -246,9 +276,15 @@ class StoragePool:
 
     # -- copies and cleanup --------------------------------------------------------------------------
 
-    def clone(self, src: Path, dst: Path, *, overwrite: bool = False) -> bool:
-        """Reflink (or, without CoW, sparse-copy) ``src`` to ``dst``. Returns True if extents are shared."""
-        return copy_file(src, dst, cow=self.cow, overwrite=overwrite)
+    def clone(self, src: Path, dst: Path, *, overwrite: bool = False, source_owner: int | None = None,
+              chown: tuple[int, int] | None = None) -> bool:
+        """Reflink (or, without CoW, sparse-copy) ``src`` to ``dst``. Returns True if extents are shared.
+
+        ``src`` must be a regular file (not a symlink) on the pool's filesystem, owned by ``source_owner``
+        when given (else :class:`~capsa.node.storage.filecopy.UnsafeSource`); ``chown``: the copy's
+        (uid, gid), set before it appears under its name."""
+        return copy_file(src, dst, cow=self.cow, overwrite=overwrite, chown=chown,
+                         check=SourceCheck(owner=source_owner, device=self.device))
 
     def _remove(self, path: Path) -> bool:
         if not path.exists():

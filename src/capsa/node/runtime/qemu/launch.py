@@ -21,6 +21,7 @@ from typing import cast
 from capsa.node.guest_client import ChannelClosed, GuestClient, GuestError
 from capsa.node.runtime.base import Accelerator, BootError, GuestImage, TapNetwork, VMSpec
 from capsa.node.runtime.hostinfo import tsc_khz
+from capsa.node.runtime.qemu.agent_socket import WrongPeer, connect_agent
 from capsa.node.runtime.qemu.cmdline import QemuConfig, build_argv
 from capsa.node.runtime.qemu.network import configure_guest_network, open_tap
 from capsa.node.runtime.qemu.process import QemuProcess, QemuProcessError
@@ -159,7 +160,10 @@ async def connect_guest(process: QemuProcess, vmdir: VmDir, deadline: float) -> 
             if remaining <= 0:
                 raise TimeoutError("the guest daemon did not answer before the boot deadline")
             try:
-                client = await GuestClient.connect_unix(str(vmdir.agent_socket))
+                client = await connect_agent(vmdir.agent_socket, pid=process.pid,
+                                             uid=process.user[0] if process.user else None)
+            except WrongPeer:
+                raise
             except OSError:
                 await asyncio.sleep(0.05)
                 continue

@@ -1,22 +1,39 @@
-"""One QEMU process: spawning it unprivileged, its console and stderr, QMP, and stopping it for sure."""
+"""One QEMU process: spawning it unprivileged, its console and stderr, QMP, and stopping it for sure.
+
+How QEMU is started (the node is root; every step execs the next, so the pid stays QEMU's)::
+
+    unshare --net -- setpriv --reuid=U --regid=U --groups=…|--clear-groups --no-new-privs \
+        -- prlimit --core=0:0 -- qemu-system-x86_64 …
+
+``unshare --net`` gives QEMU a network namespace of its own holding only a loopback that is down: after
+an escape from the guest the VM uid reaches no host address (control plane on loopback, internal
+services, cloud metadata); a sandbox's NIC is a tap descriptor opened by the node in the sandbox's
+namespace and inherited. The namespace is anonymous and disappears with QEMU. ``setpriv`` then drops to
+the VM user (it must come after ``unshare``, which needs root). A node that is not root cannot make a
+namespace this way; it uses an unprivileged user namespace (``unshare --user --map-current-user --net``)
+when the kernel allows one, else QEMU shares the node's namespace and a warning says so once.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import os
 import shutil
 import signal
+import subprocess
 from collections import deque
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 
 from qemu.qmp import QMPClient
 
 from capsa.node.runtime.workdir import VmDir
 
-__all__ = ["DEFAULT_CONSOLE_LIMIT", "QemuProcess", "QemuProcessError"]
+__all__ = ["DEFAULT_CONSOLE_LIMIT", "QemuProcess", "QemuProcessError", "isolation_prefix"]
 
 _log = logging.getLogger(__name__)
 
@@ -34,7 +51,7 @@ class _BoundedLog:
     def __init__(self, path: Path, limit: int) -> None:
         self.path = path
         self.limit = max(limit, 4096)
-        self._fh = open(path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the VM
+        self._fh = self._open()
         self._size = 0
         self.tail: deque[bytes] = deque()
         self._tail_size = 0
@@ -49,16 +66,61 @@ class _BoundedLog:
         if self._size + len(data) > self.limit:
             self._fh.close()
             os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-            self._fh = open(self.path, "ab", buffering=0)  # noqa: SIM115
+            self._fh = self._open()
             self._size = 0
         self._fh.write(data[: self.limit])
         self._size += min(len(data), self.limit)
+
+    def _open(self) -> io.FileIO:
+        # 0600: the guest console may print anything the guest knows.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)
+        return io.FileIO(fd, "ab", closefd=True)
 
     def text_tail(self, limit: int = 4000) -> str:
         return b"".join(self.tail)[-limit:].decode(errors="replace")
 
     def close(self) -> None:
         self._fh.close()
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise QemuProcessError(f"{name} (util-linux) is not installed: QEMU cannot be started isolated")
+    return path
+
+
+@cache
+def _unprivileged_netns() -> bool:
+    """Whether this (non-root) process can give QEMU a network namespace through a user namespace."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return False
+    probe = subprocess.run([unshare, "--user", "--map-current-user", "--net", "--", "true"],
+                           capture_output=True, check=False)
+    if probe.returncode != 0:
+        _log.warning("QEMU will share the node's network namespace: this user cannot create one (%s)",
+                     probe.stderr.decode(errors="replace").strip())
+    return probe.returncode == 0
+
+
+def isolation_prefix(user: tuple[int, int] | None, groups: Sequence[int] = ()) -> list[str]:
+    """The commands QEMU's argv runs under: a network namespace of its own, then (as root) the VM user
+    ``user`` with exactly the supplementary ``groups``. Each execs the next."""
+    if os.geteuid() != 0:
+        if user is not None:
+            raise QemuProcessError("only root can run QEMU as a VM user")
+        if not _unprivileged_netns():
+            return []
+        return [_tool("unshare"), "--user", "--map-current-user", "--net", "--"]
+    prefix = [_tool("unshare"), "--net", "--"]
+    if user is not None:
+        uid, gid = user
+        who = [f"--reuid={uid}", f"--regid={gid}"]
+        who.append(f"--groups={','.join(str(g) for g in groups)}" if groups else "--clear-groups")
+        prefix += [_tool("setpriv"), *who, "--no-new-privs", "--"]
+    return prefix
 
 
 class QemuProcess:
@@ -87,9 +149,6 @@ class QemuProcess:
         return self._proc.returncode if self._proc is not None else None
 
     async def start(self) -> None:
-        kwargs: dict[str, object] = {}
-        if self.user is not None:
-            kwargs.update(user=self.user[0], group=self.user[1], extra_groups=self.extra_groups)
         self._console = _BoundedLog(self.vmdir.console_log, self.console_limit)
         argv = self.argv
         prlimit = shutil.which("prlimit")
@@ -98,6 +157,11 @@ class QemuProcess:
             # util-linux's prlimit lowers the soft and hard limits of itself, then execs QEMU (same pid);
             # setting it from outside needs CAP_SYS_RESOURCE, which a node in a container may lack.
             argv = [prlimit, "--core=0:0", "--", *argv]
+        try:
+            argv = [*isolation_prefix(self.user, self.extra_groups), *argv]
+        except QemuProcessError:
+            self._console.close()
+            raise
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -109,7 +173,6 @@ class QemuProcess:
                 process_group=0,
                 close_fds=True,
                 pass_fds=self.pass_fds,
-                **kwargs,  # type: ignore[arg-type]
             )
         except OSError as exc:
             self._console.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -46,6 +47,7 @@ from capsa.node.runtime.hostinfo import (
     qemu_binary,
     qemu_version,
 )
+from capsa.node.runtime.ids import IdAllocator
 from capsa.node.runtime.qemu.cmdline import machine_fingerprint
 from capsa.node.runtime.qemu.launch import LaunchRequest, check_image, launch
 from capsa.node.runtime.qemu.sandbox import QemuSandbox
@@ -54,14 +56,15 @@ from capsa.node.runtime.snapshot.manifest import Snapshot, SnapshotError
 from capsa.node.runtime.snapshot.mechanics import check_branch_count, save_snapshot
 from capsa.node.runtime.workdir import (
     VM_UID_BASE,
+    VM_UID_COUNT,
     VmDir,
     find_qemu_pids,
     kill_and_wait,
-    pick_vm_uid,
     read_pidfile,
+    vm_uids_in_use,
 )
 from capsa.node.storage.disks import DiskError
-from capsa.node.storage.filecopy import CopyError
+from capsa.node.storage.filecopy import CopyError, UnsafeSource
 from capsa.node.storage.pool import StoragePool
 
 __all__ = ["QemuRuntime"]
@@ -107,6 +110,8 @@ class QemuRuntime:
         self._sandboxes: dict[str, QemuSandbox] = {}
         self._booting: set[str] = set()
         self._closed = False
+        # No two live VMs share a uid: allocated at launch, released when the VM is gone.
+        self.vm_uids = IdAllocator(VM_UID_BASE, VM_UID_COUNT, "VM uid")
 
     # -- accelerator -------------------------------------------------------------------------------
 
@@ -178,14 +183,18 @@ class QemuRuntime:
         check_image(spec.image)
         owner: tuple[int, int] | None = None
         if self.drop_privileges:
-            uid = pick_vm_uid(self.vms_dir)
+            uid = self.vm_uids.allocate(taken=await asyncio.to_thread(vm_uids_in_use, self.vms_dir))
             owner = (uid, uid)
         try:
             vmdir.create(owner)
-        except FileExistsError:
-            raise BootError(f"sandbox {sid} already exists ({vmdir.root})") from None
-        except OSError as exc:
-            raise BootError(f"cannot create {vmdir.root}: {exc}") from exc
+        except BaseException as exc:
+            if owner is not None:
+                self.vm_uids.release(owner[0])
+            if isinstance(exc, FileExistsError):
+                raise BootError(f"sandbox {sid} already exists ({vmdir.root})") from None
+            if isinstance(exc, OSError):
+                raise BootError(f"cannot create {vmdir.root}: {exc}") from exc
+            raise
         try:
             try:
                 files = await asyncio.to_thread(prepare, vmdir, owner)
@@ -201,6 +210,8 @@ class QemuRuntime:
             sandbox = await launch(request, started=started)
         except BaseException:
             await asyncio.to_thread(self.storage.release, sid)
+            if owner is not None:
+                self.vm_uids.release(owner[0])
             raise
         self._sandboxes[sid] = sandbox
         return sandbox
@@ -360,6 +371,10 @@ class QemuRuntime:
         elif dest is None:
             dest = pool.snapshot_dir(new_id("snap"))
         spec, files = sandbox.spec, sandbox.files
+        # The disk and RAM file belong to the VM user, whose QEMU may be compromised: clone only regular
+        # files of that user on the pool's filesystem, never a link planted in their place.
+        owner = sandbox.vm_uid if sandbox.vm_uid is not None else os.geteuid()
+        clone = functools.partial(pool.clone, source_owner=owner)
         async with sandbox.exclusive() as state:
             if state is not SandboxState.RUNNING:
                 raise SnapshotError(f"sandbox {sandbox.id} is {state.value}, cannot snapshot it",
@@ -372,7 +387,7 @@ class QemuRuntime:
                 async with asyncio.timeout(self.snapshot_timeout):
                     manifest = await save_snapshot(
                         sandbox.process.monitor, dest, disk=files.disk,
-                        ram=files.ram if files.shared_ram else None, clone=pool.clone,
+                        ram=files.ram if files.shared_ram else None, clone=clone,
                         memory_mib=spec.memory_mib, vcpus=spec.vcpus, accel=sandbox.accelerator.value,
                         image_digest=spec.image.digest, qemu_version=version,
                         machine=self._machine(spec, sandbox.accelerator), parent=sandbox.parent,
@@ -382,6 +397,10 @@ class QemuRuntime:
             except TimeoutError:
                 raise SnapshotError(f"snapshot of {sandbox.id} did not finish within "
                                     f"{self.snapshot_timeout:.0f}s", code="snapshot_timeout") from None
+            except UnsafeSource as exc:
+                _log.error("snapshot of %s refused: %s", sandbox.id, exc.message)
+                raise SnapshotError(f"snapshot of {sandbox.id} refused: {exc.message}",
+                                    code="unsafe_source", status=409) from None
         # The sandbox's state now descends from this snapshot.
         sandbox.parent = manifest.id
         if resume:
@@ -438,6 +457,8 @@ class QemuRuntime:
             del self._sandboxes[sandbox.id]
         if how is not None:
             await asyncio.to_thread(self.storage.release, sandbox.id)
+            if sandbox.vm_uid is not None:
+                self.vm_uids.release(sandbox.vm_uid)  # its QEMU has exited: no process holds the uid
             _log.info("sandbox %s destroyed (%s)", sandbox.id, how)
 
     def list(self) -> builtins.list[QemuSandbox]:

@@ -13,6 +13,7 @@ from typing import Any, cast
 
 from capsa.node.guest_client import ChannelClosed, GuestClient
 from capsa.node.runtime.base import Accelerator, FailureCallback, SandboxFailed, SandboxState, VMSpec
+from capsa.node.runtime.qemu.agent_socket import connect_agent
 from capsa.node.runtime.qemu.process import QemuProcess
 from capsa.node.runtime.qemu.storage import VmFiles
 from capsa.node.runtime.workdir import VmDir
@@ -161,7 +162,8 @@ class QemuSandbox:
             async with self._reconnect_lock:
                 if self._client.closed:
                     _log.warning("guest channel of %s was lost while the VM runs; reconnecting", self._id)
-                    client = await GuestClient.connect_unix(str(self._vmdir.agent_socket))
+                    client = await connect_agent(self._vmdir.agent_socket, pid=self.process.pid,
+                                                 uid=self.vm_uid)
                     try:
                         await client.wait_ready(timeout=15, interval=1.0)
                     except BaseException:

@@ -16,14 +16,16 @@ matters more than the ~0.1 s per clone it costs.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
-import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from capsa.node.runtime.base import RamMode, VMSpec
+from capsa.node.runtime.ids import IdAllocator
 from capsa.node.runtime.snapshot.manifest import RAM_FILE, Snapshot, SnapshotError
 from capsa.node.runtime.snapshot.mechanics import (
     RestorePlan,
@@ -36,9 +38,12 @@ from capsa.node.storage.disks import private_disk
 from capsa.node.storage.filecopy import CopyError, copy_file
 from capsa.node.storage.pool import StoragePool
 
-__all__ = ["PoolStorage", "VmFiles", "VmStorage", "WorkdirStorage"]
+__all__ = ["RAM_GID_BASE", "RAM_GID_COUNT", "PoolStorage", "VmFiles", "VmStorage", "WorkdirStorage"]
 
-_SNAPSHOT_GID_COUNT = 1_000_000
+# Groups of frozen RAM files that branches map privately: a range of their own right below the VM uids,
+# so no VM's own uid/gid can ever be one of them.
+RAM_GID_COUNT = 1_000_000
+RAM_GID_BASE = VM_UID_BASE - RAM_GID_COUNT
 _IMAGE_PREFIX = "image-"
 
 
@@ -118,6 +123,9 @@ class PoolStorage:
         self._pool = pool
         self.image_copies = image_copies
         self._grant_lock = threading.Lock()
+        self.ram_gids = IdAllocator(RAM_GID_BASE, RAM_GID_COUNT, "branch RAM group")
+        # Frozen RAM file -> the sandboxes mapping it privately; the last one gone revokes the group.
+        self._ram_users: dict[Path, set[str]] = {}
 
     @property
     def pool(self) -> StoragePool:
@@ -125,7 +133,7 @@ class PoolStorage:
 
     def boot_files(self, sandbox_id: str, spec: VMSpec, vmdir: VmDir,
                    owner: tuple[int, int] | None) -> VmFiles:
-        pool_dir = self._pool.sandbox_dir(sandbox_id, create=True, owner=owner)
+        pool_dir = self._pool.sandbox_dir(sandbox_id, create=True)
         try:
             rootfs = self._pool_rootfs(spec)
             disk = private_disk(rootfs, pool_dir / "disk.img", size_mib=spec.disk_size_mib, owner=owner)
@@ -139,21 +147,24 @@ class PoolStorage:
 
     def restore_files(self, sandbox_id: str, snapshot: Snapshot, spec: VMSpec, mode: RamMode,
                       owner: tuple[int, int] | None) -> VmFiles:
-        pool_dir = self._pool.sandbox_dir(sandbox_id, create=True, owner=owner)
+        pool_dir = self._pool.sandbox_dir(sandbox_id, create=True)
         try:
-            plan = plan_restore(snapshot.path, pool_dir, clone=self._pool.clone, mode=mode, owner=owner,
+            # A snapshot's files are the node's own: anything else under their names was planted.
+            clone = functools.partial(self._pool.clone, source_owner=os.geteuid())
+            plan = plan_restore(snapshot.path, pool_dir, clone=clone, mode=mode, owner=owner,
                                 memory_mib=spec.memory_mib, vcpus=spec.vcpus, image_digest=spec.image.digest)
             groups: tuple[int, ...] = ()
             if mode is RamMode.PRIVATE and owner is not None:
-                with self._grant_lock:  # concurrent branches must agree on one group for the file
-                    groups = self._grant_private_ram(snapshot)
+                groups = self._grant_private_ram(snapshot, sandbox_id)
         except BaseException:
+            self._revoke_private_ram(sandbox_id)
             self._pool.remove_sandbox(sandbox_id)
             raise
         return VmFiles(disk=plan.disk, disk_cow=self._pool.cow, ram=plan.ram, shared_ram=plan.shared_ram,
                        qemu_args=tuple(plan.extra_args), groups=groups, restore=plan)
 
     def release(self, sandbox_id: str) -> None:
+        self._revoke_private_ram(sandbox_id)
         self._pool.remove_sandbox(sandbox_id)
 
     def prune(self, keep: set[str]) -> list[str]:
@@ -181,17 +192,61 @@ class PoolStorage:
         for old in copies[max(0, self.image_copies - 1):]:
             self._pool.remove_template(old.name)
 
-    @staticmethod
-    def _grant_private_ram(snap: Snapshot) -> tuple[int, ...]:
-        """Let VM uids open the frozen RAM file (they map it privately): a group only they join."""
+    def _ram_gids_on_disk(self) -> set[int]:
+        """Groups of frozen RAM files in the pool (granted by this or a previous node process)."""
+        found: set[int] = set()
+        for area in (self._pool.snapshots_dir, self._pool.templates_dir):
+            for ram in area.glob(f"*/{RAM_FILE}"):
+                with contextlib.suppress(OSError):
+                    gid = ram.lstat().st_gid
+                    if self.ram_gids.owns(gid):
+                        found.add(gid)
+        return found
+
+    def _grant_private_ram(self, snap: Snapshot, sandbox_id: str) -> tuple[int, ...]:
+        """Let the VM of ``sandbox_id`` open the frozen RAM file (it maps it privately) through a group
+        that only the VMs branched from this file join; no other snapshot's branches share it."""
         if snap.manifest.ram is None:
             return ()
         ram = snap.path / RAM_FILE
-        gid = ram.stat().st_gid
-        if gid == 0:
-            # A range of its own, below the VM uids, so no VM's own uid/gid can ever be this group.
-            gid = VM_UID_BASE - 1 - secrets.randbelow(_SNAPSHOT_GID_COUNT)
-            os.chown(ram, 0, gid)
-        os.chmod(ram, 0o660)
+        with self._grant_lock:  # concurrent branches must agree on one group for the file
+            fd = os.open(ram, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if st.st_uid != 0:
+                    raise SnapshotError(f"{ram} is not owned by the node (uid {st.st_uid})",
+                                        code="snapshot_corrupt")
+                gid = st.st_gid
+                users = self._ram_users.setdefault(ram, set())
+                if not self.ram_gids.owns(gid) or (not users and gid in self.ram_gids):
+                    gid = self.ram_gids.allocate(taken=self._ram_gids_on_disk())
+                elif gid not in self.ram_gids:
+                    self.ram_gids.claim(gid)  # granted by a previous node process
+                os.fchown(fd, 0, gid)
+                os.fchmod(fd, 0o660)
+            finally:
+                os.close(fd)
+            users.add(sandbox_id)
         os.chmod(snap.path, 0o711)
         return (gid,)
+
+    def _revoke_private_ram(self, sandbox_id: str) -> None:
+        """Drop ``sandbox_id`` from the users of a frozen RAM file; the last one takes the group back
+        (the file is root's alone again and the group is free for another branch set)."""
+        with self._grant_lock:
+            for ram, users in list(self._ram_users.items()):
+                if sandbox_id not in users:
+                    continue
+                users.discard(sandbox_id)
+                if users:
+                    continue
+                del self._ram_users[ram]
+                with contextlib.suppress(FileNotFoundError):
+                    fd = os.open(ram, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    try:
+                        gid = os.fstat(fd).st_gid
+                        os.fchmod(fd, 0o600)
+                        os.fchown(fd, 0, 0)
+                    finally:
+                        os.close(fd)
+                    self.ram_gids.release(gid)

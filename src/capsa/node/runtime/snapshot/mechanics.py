@@ -91,7 +91,9 @@ class GuestRefresher(Protocol):
 
 
 CloneFn = Callable[[Path, Path], bool]
-"""Copy ``src`` to a new file ``dst`` (reflink when possible); True when extents are shared."""
+"""Copy ``src`` to a new file ``dst`` (reflink when possible); True when extents are shared. The node
+clones as root from files a VM user may own, so it must refuse a source that is a symlink or not the
+file it expects (``StoragePool.clone`` with ``source_owner``)."""
 
 
 def _qemu_escape(value: str) -> str:
@@ -368,7 +370,7 @@ def plan_restore(
         clone(snapshot_dir / manifest.disk.path, disk)
         created.append(disk)
         if owner is not None:
-            os.chown(disk, *owner)
+            os.chown(disk, *owner, follow_symlinks=False)
         ram: Path | None
         if mode is RamMode.COPY:
             ram = sandbox_dir / RAM_FILE
@@ -376,7 +378,7 @@ def plan_restore(
                 clone(snapshot_dir / manifest.ram.path, ram)
                 created.append(ram)
                 if owner is not None:
-                    os.chown(ram, *owner)
+                    os.chown(ram, *owner, follow_symlinks=False)
             else:
                 create_ram_file(ram, manifest.memory_mib, owner=owner)
                 created.append(ram)
