@@ -72,7 +72,9 @@ async def test_enrol_register_heartbeat_leave(stack: ApiStack) -> None:
             "capacity": {"memory_mib": 8192, "vcpus": 4, "max_sandboxes": 2}, "templates": ["base"]})
         assert moved.status_code == 200, moved.text
         assert moved.json()["url"] == "http://127.0.0.1:10" and moved.json()["egress"] is True
-        assert moved.json()["capacity"] == {"memory_mib": 8192, "vcpus": 4, "max_sandboxes": 2}
+        # The node's own registration cannot raise its capacity above what it enrolled with.
+        assert moved.json()["capacity"] == {"memory_mib": 4096, "vcpus": 4, "max_sandboxes": 2}
+        assert moved.json()["capacity_limit"] == {"memory_mib": 4096, "vcpus": 8, "max_sandboxes": 4}
         left = await client.post(f"/v1/nodes/{node_id}/leave")
         assert left.status_code == 200, left.text
         assert left.json()["healthy"] is False and left.json()["left_at"] is not None

@@ -168,6 +168,8 @@ class AuditPage(_Answer):
     items: list[AuditEvent]
     last_seq: int
     lost: int
+    dropped: dict[str, int] = Field(default_factory=dict)
+    """Events per session id that left the node's buffer before any reader collected them (this epoch)."""
 
 
 # -- commands and processes ------------------------------------------------------------------------------

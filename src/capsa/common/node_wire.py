@@ -22,6 +22,8 @@ __all__ = [
 ]
 
 _Url = Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^(https?|unix)://")]
+"""Where the node's API listens; the control plane also wants https://, unix:// or http:// on loopback
+(capsa.control.node_urls)."""
 _ApiToken = Annotated[str, Field(min_length=16, max_length=256, pattern=r"^[\x21-\x7e]+$")]
 """The token the control plane presents when it calls the node's API."""
 _Templates = Annotated[list[Annotated[str, Field(min_length=1, max_length=128)]], Field(max_length=256)]
@@ -78,6 +80,9 @@ class NodeOut(BaseModel):
     name: str | None = None
     url: str
     capacity: dict[str, int]
+    """What placement uses: the node's report, bounded by ``capacity_limit``."""
+    capacity_limit: dict[str, int] | None = None
+    """What the node enrolled with or an admin set (``PATCH /v1/nodes/{id}``); reports never exceed it."""
     used: dict[str, int]
     templates: list[str]
     egress: bool = False

@@ -42,7 +42,7 @@ Admin = Annotated[Principal, Depends(_admin)]
 
 _DESCRIPTIONS = {
     401: "Missing, wrong or revoked API key (`unauthorized`)",
-    403: "Admin key required (`forbidden`)",
+    403: "Admin key required (`forbidden`), or the tenant's quota is used up (`quota_exceeded`)",
     404: "Not found (`not_found`, `template_not_found`)",
     409: "Invalid state (`invalid_state`, `session_failed`)",
     413: "Payload too large (`payload_too_large`)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -31,7 +32,13 @@ from capsa.control.nodeclient import NodeClient, NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import SecretSealer
 from capsa.control.store.db import DbSession
-from capsa.control.store.egress_models import AuditEventRow, SecretRow, SessionPolicyRow
+from capsa.control.store.egress_models import (
+    AuditCursorRow,
+    AuditDroppedRow,
+    AuditEventRow,
+    SecretRow,
+    SessionPolicyRow,
+)
 from capsa.control.store.models import NodeRow, SessionRow, utcnow
 
 __all__ = [
@@ -165,52 +172,83 @@ def merge_patch(target: Any, patch: Any) -> Any:
 # -- audit -----------------------------------------------------------------------------------------------
 
 async def _cursor(db: DbSession, node_id: str) -> tuple[str | None, int]:
-    last = (await db.execute(select(AuditEventRow.node_epoch).where(AuditEventRow.node_id == node_id)
-                             .order_by(AuditEventRow.id.desc()).limit(1))).scalar()
-    if last is None:
-        return None, 0
-    seq = await db.scalar(select(func.max(AuditEventRow.node_seq))
-                          .where(AuditEventRow.node_id == node_id, AuditEventRow.node_epoch == last))
-    return last, int(seq or 0)
+    row = await db.get(AuditCursorRow, node_id, populate_existing=True)
+    return (row.node_epoch, row.node_seq) if row is not None else (None, 0)
+
+
+def _insert(plane: ControlPlane) -> Any:
+    return pg_insert if plane.engine.dialect.name == "postgresql" else sqlite_insert
 
 
 def _insert_ignoring_duplicates(plane: ControlPlane, rows: list[dict[str, Any]]) -> Any:
     # Two replicas may collect the same page at once; the (node, epoch, seq) key keeps one copy.
-    insert = pg_insert if plane.engine.dialect.name == "postgresql" else sqlite_insert
-    return insert(AuditEventRow).values(rows).on_conflict_do_nothing()
+    return _insert(plane)(AuditEventRow).values(rows).on_conflict_do_nothing()
 
 
-async def collect_audit(plane: ControlPlane, node: NodeRow, client: NodeClient | None = None) -> int:
-    """Copy the node's new audit events into the audit table; returns how many were new to us."""
+def _set_cursor(plane: ControlPlane, node_id: str, epoch: str, seq: int) -> Any:
+    # A replica writing a lower seq than another's makes the next collection read a page again: harmless,
+    # the events' unique key drops the copies.
+    stmt = _insert(plane)(AuditCursorRow).values(node_id=node_id, node_epoch=epoch, node_seq=seq)
+    return stmt.on_conflict_do_update(index_elements=["node_id"],
+                                      set_={"node_epoch": epoch, "node_seq": seq})
+
+
+def _record_dropped(plane: ControlPlane, rows: list[dict[str, Any]]) -> Any:
+    # Counts are cumulative per node process: keeping the larger figure is right whichever replica is late.
+    stmt = _insert(plane)(AuditDroppedRow).values(rows)
+    larger = func.greatest if plane.engine.dialect.name == "postgresql" else func.max
+    return stmt.on_conflict_do_update(index_elements=["session_id", "node_id", "node_epoch"],
+                                      set_={"count": larger(AuditDroppedRow.count, stmt.excluded.count)})
+
+
+async def collect_audit(plane: ControlPlane, node: NodeRow, client: NodeClient | None = None,
+                        max_pages: int | None = None) -> int:
+    """Copy the node's new audit events into the audit table; returns how many were new to us.
+
+    At most ``max_pages`` pages (``audit_pages_per_collection``) per call: the rest waits for the next one.
+    Events are filed only for sessions placed on this node: a node (or a leaked node credential) cannot
+    write rows into another node's sessions' trails; what it names otherwise is skipped, and the cursor
+    still moves past it.
+    """
     client = client or plane.node_client(node)
+    pages = max_pages if max_pages is not None else plane.settings.audit_pages_per_collection
     added = 0
-    while True:
+    for number in range(pages):
         async with plane.db() as db:
             epoch, after = await _cursor(db, node.id)
         page = await client.audit(after=after, epoch=epoch, limit=_AUDIT_PAGE)
-        if page.lost:
+        if page.lost and number == 0:
             log.warning("node %s dropped %d audit events before they were collected", node.id, page.lost)
         items = page.items
-        if not items:
-            return added
+        named = {i.session_id for i in items if i.session_id} | (set(page.dropped) if number == 0 else set())
         async with plane.db() as db:
-            sids = {i.session_id for i in items if i.session_id}
-            owners = {sid: tenant for sid, tenant in (await db.execute(
-                select(SessionRow.id, SessionRow.tenant).where(SessionRow.id.in_(sids)))).all()}
+            placed = {sid: tenant for sid, tenant in (await db.execute(
+                select(SessionRow.id, SessionRow.tenant).where(
+                    SessionRow.id.in_(named), SessionRow.node_id == node.id))).all()} if named else {}
+            now = time.time()
             rows: list[dict[str, Any]] = [{
-                **i.model_dump(exclude={"seq"}), "tenant": "", "node_id": node.id, "node_epoch": page.epoch,
-                "node_seq": i.seq,
-            } for i in items]
-            for r in rows:
-                # A sandbox no session owns (should not happen): kept under no tenant, so no API user sees
-                # it, and so the cursor still moves past it.
-                r["tenant"] = owners.get(r["session_id"], "")
-                r["session_id"] = r["session_id"] or ""
-            await db.execute(_insert_ignoring_duplicates(plane, rows))
+                **i.model_dump(exclude={"seq"}), "tenant": placed[i.session_id], "node_id": node.id,
+                "node_epoch": page.epoch, "node_seq": i.seq,
+                # The node's clock, but never in the future: retention by age must be able to reach it.
+                "time": min(i.time, now),
+            } for i in items if i.session_id in placed]
+            if len(rows) < len(items):
+                log.warning("node %s reported %d audit events of sessions not placed on it; ignored",
+                            node.id, len(items) - len(rows))
+            if rows:
+                await db.execute(_insert_ignoring_duplicates(plane, rows))
+            dropped = [{"session_id": sid, "node_id": node.id, "node_epoch": page.epoch,
+                        "count": min(max(0, n), 1 << 62)}
+                       for sid, n in sorted(page.dropped.items()) if number == 0 and sid in placed]
+            if dropped:
+                await db.execute(_record_dropped(plane, dropped))
+            seq = items[-1].seq if items else page.last_seq
+            await db.execute(_set_cursor(plane, node.id, page.epoch, seq))
             await db.commit()
             added += len(rows)
         if len(items) < _AUDIT_PAGE:
-            return added
+            break
+    return added
 
 
 async def collect_audit_quietly(plane: ControlPlane, node: NodeRow) -> None:
@@ -253,6 +291,8 @@ async def list_audit(plane: ControlPlane, tenant: str, session_id: str, limit: i
         query = query.where(AuditEventRow.id > _decode(cursor))
     async with plane.db() as db:
         rows = list((await db.execute(query.order_by(AuditEventRow.id).limit(limit + 1))).scalars())
+        dropped = await db.scalar(select(func.coalesce(func.sum(AuditDroppedRow.count), 0))
+                                  .where(AuditDroppedRow.session_id == session_id))
     page, more = rows[:limit], len(rows) > limit
     items = [AuditEventOut(
         id=r.id, session_id=r.session_id, sandbox_id=r.sandbox_id, time=datetime.fromtimestamp(r.time, UTC),
@@ -260,4 +300,5 @@ async def list_audit(plane: ControlPlane, tenant: str, session_id: str, limit: i
         destination=r.destination, resolved_ip=r.resolved_ip, method=r.method, path=r.path, status=r.status,
         bytes_out=r.bytes_out, bytes_in=r.bytes_in, rule=r.rule, reason=r.reason, secret_ids=r.secret_ids,
         count=r.count) for r in page]
-    return AuditList(items=items, next_cursor=_encode(page[-1].id) if more and page else None)
+    return AuditList(items=items, next_cursor=_encode(page[-1].id) if more and page else None,
+                     dropped=int(dropped or 0))

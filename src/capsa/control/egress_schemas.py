@@ -107,9 +107,13 @@ class AuditEventOut(BaseModel):
     secret_ids: list[str]
     """Secrets injected into this request (ids, never values)."""
     count: int
-    """For ``net`` events: packets dropped since the previous event of the class."""
+    """For ``net`` events: packets dropped since the previous event of the class; for denials: how many
+    identical denials (same destination, rule and reason) this event stands for."""
 
 
 class AuditList(BaseModel):
     items: list[AuditEventOut]
     next_cursor: str | None
+    dropped: int = 0
+    """Events of this session its node discarded before the control plane collected them (the sandbox
+    filled its share of the node's audit buffer); they are missing from ``items``."""

@@ -15,8 +15,10 @@ from capsa.control import egress
 from capsa.control.errors import EnrolTokenInvalid, NotFound, Unauthorized
 from capsa.control.lifecycle import ACTIVE_STATES
 from capsa.control.node_secrets import hash_secret, new_credential, new_enrol_token, secret_matches
+from capsa.control.node_urls import check_node_url
 from capsa.control.plane import ControlPlane
 from capsa.control.schemas import (
+    Capacity,
     HeartbeatOut,
     NodeEnrol,
     NodeEnrolled,
@@ -25,6 +27,7 @@ from capsa.control.schemas import (
     NodeRegister,
     NodeToken,
     NodeTokenCreate,
+    NodeUpdate,
 )
 from capsa.control.sessions import finish_session, lose_sandbox
 from capsa.control.store.db import DbSession
@@ -40,7 +43,10 @@ __all__ = [
     "list_nodes",
     "node_out",
     "register_node",
+    "update_node",
 ]
+
+_CAPACITY_KEYS = ("memory_mib", "vcpus", "max_sandboxes")
 
 
 def node_out(row: NodeRow, heartbeat_timeout: float) -> NodeOut:
@@ -49,6 +55,7 @@ def node_out(row: NodeRow, heartbeat_timeout: float) -> NodeOut:
     return NodeOut(
         id=row.id, name=row.name, url=row.url,
         capacity={"memory_mib": row.memory_mib, "vcpus": row.vcpus, "max_sandboxes": row.max_sandboxes},
+        capacity_limit=dict(row.capacity_limit) if row.capacity_limit else None,
         used=dict(row.used or {}), templates=list(row.templates or []), egress=bool(row.egress),
         registered_at=row.registered_at, last_heartbeat_at=row.last_heartbeat_at, left_at=row.left_at,
         healthy=healthy,
@@ -70,6 +77,23 @@ async def _drop_sandboxes(plane: ControlPlane, sessions: list[tuple[str, bool]],
             await finish_session(plane, session_id, "closed", "timeout")
         else:
             await lose_sandbox(plane, session_id, reason)
+
+
+def _set_capacity(row: NodeRow, reported: Capacity | None = None, limit: Capacity | None = None) -> None:
+    """Record what the node reports and/or a new limit; the capacity placement uses is the smaller.
+
+    A node's own report (heartbeat, re-registration) never raises its capacity above the limit it
+    enrolled with: a leaked node credential cannot make one node attract every new session. Only an
+    admin (``PATCH /v1/nodes/{id}``, or registering the node by hand) sets the limit.
+    """
+    current = {"memory_mib": row.memory_mib, "vcpus": row.vcpus, "max_sandboxes": row.max_sandboxes}
+    if reported is not None:
+        row.capacity_reported = reported.model_dump()
+    if limit is not None:
+        row.capacity_limit = limit.model_dump()
+    have = dict(row.capacity_reported or row.capacity_limit or current)
+    bound = dict(row.capacity_limit or have)
+    row.memory_mib, row.vcpus, row.max_sandboxes = (min(int(have[k]), int(bound[k])) for k in _CAPACITY_KEYS)
 
 
 async def _load_out(plane: ControlPlane, node_id: str) -> NodeOut:
@@ -95,6 +119,7 @@ async def enrol_node(plane: ControlPlane, enrol_token: str | None, req: NodeEnro
     transaction that creates the node, so of two replicas racing for one token exactly one succeeds."""
     if not enrol_token:
         raise EnrolTokenInvalid()
+    check_node_url(req.url, allow_insecure=plane.settings.allow_insecure_node_urls)
     sealer = plane.node_sealer()
     node_id, credential, now = new_id("node"), new_credential(), utcnow()
     async with plane.db() as db:
@@ -106,24 +131,29 @@ async def enrol_node(plane: ControlPlane, enrol_token: str | None, req: NodeEnro
         if claimed.rowcount != 1:  # type: ignore[attr-defined]  # CursorResult of an UPDATE
             await db.rollback()
             raise EnrolTokenInvalid()
-        db.add(NodeRow(
+        row = NodeRow(
             id=node_id, name=req.name, url=req.url, token_sealed=sealer.seal(node_id, req.api_token),
-            credential_hash=hash_secret(credential), memory_mib=req.capacity.memory_mib,
-            vcpus=req.capacity.vcpus, max_sandboxes=req.capacity.max_sandboxes, templates=list(req.templates),
-            egress=req.egress, used={}, registered_at=now, last_heartbeat_at=now, left_at=None))
+            credential_hash=hash_secret(credential), templates=list(req.templates),
+            egress=req.egress, used={}, registered_at=now, last_heartbeat_at=now, left_at=None)
+        _set_capacity(row, req.capacity, limit=req.capacity)  # the enrolled capacity is the limit
+        db.add(row)
         await db.commit()
     return NodeEnrolled(id=node_id, credential=credential)
 
 
 async def register_node(plane: ControlPlane, node_id: str, req: NodeRegister, *,
-                        credential: str | None = None, name: str | None = None) -> NodeOut:
+                        credential: str | None = None, name: str | None = None,
+                        set_limit: bool = True) -> NodeOut:
     """Add or re-add a node: the in-process admin path, also behind ``/register`` for an enrolled node.
 
     A (re-)registering node has just started and removed every old VM, so sessions that were running there
     lose their sandbox now (paused at their latest snapshot, or failed) rather than pointing at nothing.
     ``credential``: set (hashed) as the node's credential; None keeps the one it has (an in-process node
-    that never calls the HTTP API may have none).
+    that never calls the HTTP API may have none). ``set_limit``: the registration comes from an admin (or
+    the in-process node) and its capacity becomes the node's limit; False (a node re-registering with its
+    own credential): the capacity stays bounded by the limit it has.
     """
+    check_node_url(req.url, allow_insecure=plane.settings.allow_insecure_node_urls)
     sealer = plane.node_sealer()
     now = utcnow()
     async with plane.db() as db:
@@ -137,8 +167,8 @@ async def register_node(plane: ControlPlane, node_id: str, req: NodeRegister, *,
         if credential is not None:
             row.credential_hash = hash_secret(credential)
         row.templates, row.egress = list(req.templates), req.egress
-        row.memory_mib, row.vcpus = req.capacity.memory_mib, req.capacity.vcpus
-        row.max_sandboxes = req.capacity.max_sandboxes
+        fresh = row.capacity_limit is None
+        _set_capacity(row, req.capacity, limit=req.capacity if set_limit or fresh else None)
         row.registered_at = row.last_heartbeat_at = now
         row.left_at = None
         stale = await _sessions_on(db, node_id)
@@ -162,8 +192,7 @@ async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> He
         row.last_heartbeat_at = utcnow()
         row.used = dict(req.used)
         if req.capacity is not None:
-            row.memory_mib, row.vcpus = req.capacity.memory_mib, req.capacity.vcpus
-            row.max_sandboxes = req.capacity.max_sandboxes
+            _set_capacity(row, req.capacity)
         if req.templates is not None:
             row.templates = list(req.templates)
         failed: list[tuple[str, str | None]] = []
@@ -186,6 +215,18 @@ async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> He
     # Keep the audit copy fresh: events wait in the node's memory only until the next heartbeat.
     await egress.collect_audit_quietly(plane, row)
     return out
+
+
+async def update_node(plane: ControlPlane, node_id: str, req: NodeUpdate) -> NodeOut:
+    """An admin changes what a node may take: ``capacity_limit`` bounds what the node reports."""
+    async with plane.db() as db:
+        row = await db.get(NodeRow, node_id, populate_existing=True)
+        if row is None:
+            raise NotFound(f"node {node_id} not found")
+        if req.capacity_limit is not None:
+            _set_capacity(row, limit=req.capacity_limit)
+        await db.commit()
+    return await _load_out(plane, node_id)
 
 
 async def leave_node(plane: ControlPlane, node_id: str) -> NodeOut:

@@ -14,8 +14,9 @@ from capsa.control.store.models import RateCounterRow
 __all__ = ["hit", "prune"]
 
 
-async def hit(db: DbSession, key_id: str, bucket: str, limit: int, window: int) -> None:
-    """Count one request; raise :class:`RateLimited` (with Retry-After) when the window is full."""
+async def hit(db: DbSession, key_id: str, bucket: str, limit: int, window: int, cost: int = 1) -> None:
+    """Count one request (``cost`` units: a branch into n sessions counts n); raise :class:`RateLimited`
+    (with Retry-After) when the window is full."""
     now = time.time()
     start = int(now // window) * window
     for _ in range(3):
@@ -24,15 +25,15 @@ async def hit(db: DbSession, key_id: str, bucket: str, limit: int, window: int) 
             update(RateCounterRow)
             .where(RateCounterRow.key_id == key_id, RateCounterRow.bucket == bucket,
                    RateCounterRow.window_start == start)
-            .values(count=RateCounterRow.count + 1)
+            .values(count=RateCounterRow.count + cost)
             .returning(RateCounterRow.count)
         )
         count = result.scalar_one_or_none()
         if count is None:
             try:
                 async with db.begin_nested():
-                    db.add(RateCounterRow(key_id=key_id, bucket=bucket, window_start=start, count=1))
-                count = 1
+                    db.add(RateCounterRow(key_id=key_id, bucket=bucket, window_start=start, count=cost))
+                count = cost
             except IntegrityError:
                 continue  # another request created the row first: increment it instead
         await db.commit()

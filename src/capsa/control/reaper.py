@@ -1,4 +1,5 @@
-"""The reaper: closes sessions past their TTL or idle timeout and fails sessions on silent nodes.
+"""The reaper: closes sessions past their TTL or idle timeout, fails sessions on silent nodes, and purges
+audit events past their retention.
 
 It reads everything from the database on every pass, so it picks up where it left off after a restart and
 several replicas can run it at once (state changes are conditional updates; exactly one replica wins each).
@@ -14,6 +15,7 @@ from datetime import timedelta
 from sqlalchemy import select
 
 from capsa.control import ratelimit
+from capsa.control.audit_retention import purge_audit
 from capsa.control.nodes import fail_silent_nodes
 from capsa.control.plane import ControlPlane
 from capsa.control.sessions import fail_session, finish_session, purge_snapshots, sessions_to_expire
@@ -47,6 +49,7 @@ async def reap_once(plane: ControlPlane) -> dict[str, list[str]]:
     async with plane.db() as db:
         await ratelimit.prune(db, time.time() - 2 * plane.settings.rate_window_seconds)
     await purge_snapshots(plane)
+    await purge_audit(plane)
     return {"closed": closed, "failed": failed, "paused": paused}
 
 

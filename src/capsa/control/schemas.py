@@ -57,6 +57,7 @@ __all__ = [
     "NodeRegister",
     "NodeToken",
     "NodeTokenCreate",
+    "NodeUpdate",
     "ProblemDetail",
     "ProcessInfo",
     "ProcessList",
@@ -246,6 +247,14 @@ class NodeCreate(_Strict):
     def registration(self) -> NodeRegister:
         return NodeRegister(url=self.url, api_token=self.token, capacity=self.capacity,
                             templates=self.templates, egress=self.egress)
+
+
+class NodeUpdate(_Strict):
+    """An admin changing a node."""
+
+    capacity_limit: Capacity | None = None
+    """The most the node may report (memory, vCPUs, sandboxes); its reports are bounded by it, so raising
+    what a node takes needs an admin."""
 
 
 class NodeTokenCreate(_Strict):

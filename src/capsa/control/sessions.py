@@ -19,6 +19,7 @@ from capsa.control.lifecycle import transition
 from capsa.control.nodeclient import NodeClient, NodeError
 from capsa.control.placement import choose_node
 from capsa.control.plane import ControlPlane
+from capsa.control.quotas import check_quota, lock_tenant
 from capsa.control.schemas import RollingSnapshots, SessionCreate, SessionList, SessionOut
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import NodeRow, SessionMetadataRow, SessionRow, SnapshotRow, utcnow
@@ -137,6 +138,7 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
     if req.policy is not None:
         policy, secret_values = await egress.resolve_policy(plane, principal.tenant, req.policy)
     async with plane.db() as db:
+        await lock_tenant(db, principal.tenant)
         node = await choose_node(db, req.template, req.memory_mib, req.vcpus,
                                  plane.settings.node_heartbeat_timeout, egress=policy is not None)
         row = SessionRow(
@@ -155,6 +157,7 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
         db.add_all(SessionMetadataRow(session_id=session_id, key=k, value=v) for k, v in req.metadata.items())
         if policy is not None:
             egress.store_policy(db, session_id, policy)
+        await check_quota(db, plane.settings, principal.tenant)
         await db.commit()
     client = plane.node_client(node)
     try:

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["ControlSettings"]
+__all__ = ["ControlSettings", "TenantQuota"]
+
+
+class TenantQuota(BaseModel):
+    """What one tenant's sessions may hold at once (sessions ``creating`` or ``running``); 0: no limit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_sessions: Annotated[int, Field(ge=0)] = 100
+    max_vcpus: Annotated[int, Field(ge=0)] = 256
+    max_memory_mib: Annotated[int, Field(ge=0)] = 256 * 1024
 
 
 class ControlSettings(BaseSettings):
@@ -40,3 +51,24 @@ class ControlSettings(BaseSettings):
     """A file holding that key (``capsa serve`` creates one, mode 0600, in its state directory)."""
     rolling_snapshot_interval: float = 2.0
     """Seconds between passes that take due rolling snapshots; 0 disables them in this replica."""
+
+    tenant_quota: TenantQuota = Field(default_factory=TenantQuota)
+    """Every tenant's quota (``CAPSA_TENANT_QUOTA='{"max_sessions": 20}'``), enforced at create, branch and
+    resume with ``quota_exceeded`` (403)."""
+    tenant_quotas: dict[str, TenantQuota] = Field(default_factory=dict)
+    """Per-tenant overrides of ``tenant_quota`` (``CAPSA_TENANT_QUOTAS='{"acme": {"max_vcpus": 512}}'``)."""
+
+    allow_insecure_node_urls: bool = False
+    """Accept plain ``http://`` node URLs off loopback (``CAPSA_ALLOW_INSECURE_NODE_URLS=1``, labs and
+    tests only): the node's API token and every session's secrets would cross the network in clear."""
+
+    audit_retention_days: Annotated[float, Field(ge=0)] = 30.0
+    """Audit events older than this are purged by the reaper; 0 keeps them forever."""
+    audit_max_events_per_tenant: Annotated[int, Field(ge=0)] = 1_000_000
+    """A tenant's newest audit events kept; older ones are purged by the reaper; 0: no count limit."""
+    audit_pages_per_collection: Annotated[int, Field(ge=1)] = 5
+    """Audit pages (1000 events each) one heartbeat or audit read copies from a node; the rest waits for
+    the next one, so a flooding node cannot hold a request or the database for long."""
+
+    def quota_for(self, tenant: str) -> TenantQuota:
+        return self.tenant_quotas.get(tenant, self.tenant_quota)

@@ -23,6 +23,7 @@ from capsa.control.lifecycle import transition
 from capsa.control.nodeclient import NodeClient, NodeError
 from capsa.control.placement import choose_snapshot_node
 from capsa.control.plane import ControlPlane
+from capsa.control.quotas import check_quota, lock_tenant
 from capsa.control.schemas import BranchOut, SessionOut, SnapshotList, SnapshotOut
 from capsa.control.sessions import (
     fail_session,
@@ -215,6 +216,7 @@ async def resume_session(plane: ControlPlane, tenant: str, session_id: str,
     """A new sandbox for a paused session, from its latest snapshot (or ``snapshot_id``)."""
     sandbox_id = new_id("sbx")
     async with plane.db() as db:
+        await lock_tenant(db, tenant)
         row = await _load(db, tenant, session_id)
         if row.state != "paused":
             raise _state_error(row, "paused")
@@ -224,6 +226,7 @@ async def resume_session(plane: ControlPlane, tenant: str, session_id: str,
         if not await transition(db, session_id, "creating", sources=("paused",), node_id=node.id,
                                 sandbox_id=sandbox_id):
             raise _state_error(await _load(db, tenant, session_id), "paused")
+        await check_quota(db, plane.settings, tenant)  # the session holds a sandbox again
         await db.commit()
         pause_reason = row.pause_reason
     client = plane.node_client(node)
@@ -316,6 +319,9 @@ async def branch_session(plane: ControlPlane, tenant: str, session_id: str, n: i
         row = await _load(db, tenant, session_id)
         if row.state not in ("running", "paused"):
             raise _state_error(row, "running or paused")
+        # Before the snapshot: a branch the quota refuses must not cost one.
+        await check_quota(db, plane.settings, tenant, sessions=n, vcpus=n * row.vcpus,
+                          memory_mib=n * row.memory_mib)
     if row.state == "running":
         snap_id = (await take_snapshot(plane, tenant, session_id, kind="branch")).id
     async with plane.db() as db:
@@ -324,6 +330,7 @@ async def branch_session(plane: ControlPlane, tenant: str, session_id: str, n: i
             if latest is None:
                 raise InvalidState(f"session {session_id} has no snapshot to branch from")
             snap_id = latest.id
+        await lock_tenant(db, tenant)
         snap = await db.get(SnapshotRow, snap_id)
         assert snap is not None
         node = await choose_snapshot_node(db, snap.node_id, row.memory_mib, row.vcpus,
@@ -346,6 +353,7 @@ async def branch_session(plane: ControlPlane, tenant: str, session_id: str, n: i
         await db.flush()
         for child_id, _ in children:
             db.add_all(SessionMetadataRow(session_id=child_id, key=k, value=v) for k, v in metadata.items())
+        await check_quota(db, plane.settings, tenant)
         await db.commit()
     client = plane.node_client(node)
     try:

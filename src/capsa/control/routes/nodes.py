@@ -23,6 +23,7 @@ from capsa.control.schemas import (
     NodeRegister,
     NodeToken,
     NodeTokenCreate,
+    NodeUpdate,
 )
 
 __all__ = ["router"]
@@ -33,18 +34,20 @@ _enrol_bearer = HTTPBearer(auto_error=False, description="A one-time node enrolm
 _NodeAuth = Annotated[HTTPAuthorizationCredentials | None, Depends(_node_bearer)]
 
 
-async def _node_or_admin(node_id: str, plane: Plane, credentials: _NodeAuth) -> None:
+async def _node_or_admin(node_id: str, plane: Plane, credentials: _NodeAuth) -> bool:
+    """True: an admin key; False: the node's own credential."""
     token = credentials.credentials if credentials else None
     if token and token.startswith("csk_"):
         async with plane.db() as db:
             require_admin(await authenticate(db, token))
-    elif token:
+        return True
+    if token:
         await nodes.check_node_credential(plane, node_id, token)
-    else:
-        raise Unauthorized()
+        return False
+    raise Unauthorized()
 
 
-_Node = Annotated[None, Depends(_node_or_admin)]
+_Node = Annotated[bool, Depends(_node_or_admin)]
 
 
 @router.post("", status_code=201, response_model=NodeOut)
@@ -75,10 +78,18 @@ async def enrol_node(body: NodeEnrol, plane: Plane,
 
 
 @router.post("/{node_id}/register", response_model=NodeOut, responses=problems(503))
-async def register_node(node_id: str, body: NodeRegister, plane: Plane, _node: _Node) -> NodeOut:
+async def register_node(node_id: str, body: NodeRegister, plane: Plane, admin: _Node) -> NodeOut:
     """A restarted node announces its new address, API token and capacity; sessions that ran there lose
-    their sandbox (paused at their latest snapshot, or failed)."""
-    return await nodes.register_node(plane, node_id, body)
+    their sandbox (paused at their latest snapshot, or failed). With the node's credential the capacity
+    is bounded by its ``capacity_limit``; with an admin key it becomes the limit."""
+    return await nodes.register_node(plane, node_id, body, set_limit=admin)
+
+
+@router.patch("/{node_id}", response_model=NodeOut)
+async def update_node(node_id: str, body: NodeUpdate, plane: Plane, _admin: Admin) -> NodeOut:
+    """Set a node's ``capacity_limit``: the most its own reports may claim (a leaked node credential
+    cannot make the node attract every new session)."""
+    return await nodes.update_node(plane, node_id, body)
 
 
 @router.post("/{node_id}/heartbeat", response_model=HeartbeatOut)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from capsa.control import snapshots
-from capsa.control.deps import PROBLEMS, Caller, Plane
+from capsa.control import ratelimit, snapshots
+from capsa.control.auth import Principal
+from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.schemas import (
     BranchOut,
     BranchRequest,
@@ -21,21 +22,32 @@ __all__ = ["router"]
 router = APIRouter(prefix="/sessions/{session_id}", tags=["snapshots"], responses=PROBLEMS)
 
 
+async def _count_start(plane: Plane, caller: Principal, sandboxes: int = 1) -> None:
+    """Resume, restore and branch start sandboxes as create does: the same per-key rate limit."""
+    async with plane.db() as db:
+        await ratelimit.hit(db, caller.key_id, "sessions", plane.settings.session_create_limit,
+                            plane.settings.rate_window_seconds, cost=sandboxes)
+
+
 @router.post("/pause", response_model=SessionOut)
 async def pause_session(session_id: str, plane: Plane, caller: Caller) -> SessionOut:
     """Snapshot the session and destroy its sandbox (state ``paused``)."""
     return await snapshots.pause_session(plane, caller.tenant, session_id)
 
 
-@router.post("/resume", response_model=SessionOut)
+@router.post("/resume", response_model=SessionOut, responses=problems(403))
 async def resume_session(session_id: str, plane: Plane, caller: Caller) -> SessionOut:
-    """Start a new sandbox from the paused session's latest snapshot (state ``running``)."""
+    """Start a new sandbox from the paused session's latest snapshot (state ``running``); within the
+    tenant's quota (``quota_exceeded``)."""
+    await _count_start(plane, caller)
     return await snapshots.resume_session(plane, caller.tenant, session_id)
 
 
-@router.post("/branch", status_code=201, response_model=BranchOut)
+@router.post("/branch", status_code=201, response_model=BranchOut, responses=problems(403))
 async def branch_session(session_id: str, body: BranchRequest, plane: Plane, caller: Caller) -> BranchOut:
-    """``n`` new sessions from this session's current state (a running session is snapshotted first)."""
+    """``n`` new sessions from this session's current state (a running session is snapshotted first);
+    they count ``n`` against the rate limit and must fit the tenant's quota (``quota_exceeded``)."""
+    await _count_start(plane, caller, body.n)
     return await snapshots.branch_session(plane, caller.tenant, session_id, body.n)
 
 
@@ -54,4 +66,5 @@ async def take_snapshot(session_id: str, plane: Plane, caller: Caller,
 @router.post("/restore", response_model=SessionOut)
 async def restore_session(session_id: str, body: RestoreRequest, plane: Plane, caller: Caller) -> SessionOut:
     """Roll the session back to one of its snapshots (a new sandbox replaces the current one)."""
+    await _count_start(plane, caller)
     return await snapshots.restore_session(plane, caller.tenant, session_id, body.snapshot_id)

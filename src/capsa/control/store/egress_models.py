@@ -21,7 +21,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from capsa.control.store.models import Base, UTCDateTime
 
-__all__ = ["AuditEventRow", "SecretRow", "SessionPolicyRow"]
+__all__ = ["AuditCursorRow", "AuditDroppedRow", "AuditEventRow", "SecretRow", "SessionPolicyRow"]
 
 
 class SecretRow(Base):
@@ -56,6 +56,8 @@ class AuditEventRow(Base):
     __table_args__ = (
         UniqueConstraint("node_id", "node_epoch", "node_seq", name="uq_audit_events_node_seq"),
         Index("ix_audit_events_session", "session_id", "id"),
+        Index("ix_audit_events_tenant", "tenant", "id"),
+        Index("ix_audit_events_time", "time"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
@@ -81,3 +83,24 @@ class AuditEventRow(Base):
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     secret_ids: Mapped[list[str]] = mapped_column(JSON, default=list)
     count: Mapped[int] = mapped_column(Integer, default=1)
+
+
+class AuditCursorRow(Base):
+    """How far the node's audit log (of one node process, ``node_epoch``) has been copied (migration 0005)."""
+
+    __tablename__ = "audit_cursors"
+
+    node_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    node_epoch: Mapped[str] = mapped_column(String(64))
+    node_seq: Mapped[int] = mapped_column(BigInteger)
+
+
+class AuditDroppedRow(Base):
+    """Events of a session that a node process dropped before they were collected (cumulative)."""
+
+    __tablename__ = "audit_dropped"
+
+    session_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    node_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    node_epoch: Mapped[str] = mapped_column(String(64), primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)

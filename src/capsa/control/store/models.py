@@ -87,6 +87,12 @@ class NodeRow(Base):
     """The node can run sessions with an egress policy."""
     left_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     """Set when the node said it was stopping; cleared when it registers again."""
+    # Migration 0005. ``memory_mib``/``vcpus``/``max_sandboxes`` above are the effective capacity: what the
+    # node reported, bounded by the limit.
+    capacity_limit: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)
+    """What the node enrolled with or an admin set; a node's own reports never raise its capacity above."""
+    capacity_reported: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)
+    """What the node last said it has."""
 
 
 class NodeEnrolTokenRow(Base):

@@ -30,4 +30,5 @@ async def audit(agent: Agent, after: Annotated[int, Query(ge=0)] = 0,
         return AuditPage(epoch="none", items=[], last_seq=0, lost=0)
     page = agent.egress.audit.read(after, epoch, limit)
     items = [AuditEvent.model_validate({"seq": seq, **ev.model_dump()}) for seq, ev in page.events]
-    return AuditPage(epoch=page.epoch, last_seq=page.last_seq, lost=page.lost, items=items)
+    return AuditPage(epoch=page.epoch, last_seq=page.last_seq, lost=page.lost, dropped=page.dropped,
+                     items=items)
