@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import pathlib
 import platform
 import pwd
 import signal
@@ -130,6 +131,55 @@ async def test_exec_timeout_kills_the_process_group(guest_client: GuestClient) -
     r = await guest_client.exec(f"sh -c 'sleep 300; : {marker}' & sh -c 'sleep 300; : {marker}'; echo never",
                                 timeout=0.5)
     assert r.timed_out and r.signal == signal.SIGKILL and r.exit_code is None and b"never" not in r.stdout
+    assert await wait_gone(marker) == []
+
+
+async def test_the_command_becomes_the_spawned_process_with_its_argv_intact(
+        guest_client: GuestClient) -> None:
+    # The daemon spawns through a held shell shim that execs the program in place: the reported pid is the
+    # program's own, it is a session leader, and argv (options-like words included) reaches it verbatim.
+    r = await guest_client.exec(["cat", "/proc/self/stat"])
+    fields = r.stdout.decode().rsplit(")", 1)[1].split()
+    comm = r.stdout.decode().split("(", 1)[1].rsplit(")", 1)[0]
+    pid = int(r.stdout.split()[0])
+    assert (comm, pid, int(fields[2]), int(fields[3])) == ("cat", r.pid, r.pid, r.pid)  # pgrp, session
+    r = await guest_client.exec(["sh", "-c", 'echo "$0|$1|$2|$$"', "-x", "--", "-n"])
+    assert r.stdout.decode() == f"-x|--|-n|{r.pid}\n"
+    r = await guest_client.exec("echo $0; exit 5")
+    assert (r.stdout, r.exit_code) == (b"/bin/sh\n", 5)
+    # A shell command line keeps the shell's own diagnostics: line numbers, and syntax errors before
+    # anything runs.
+    r = await guest_client.exec("true\ncapsa-no-such-program-xyz")
+    assert r.exit_code == 127 and b": 2: " in r.stderr and b"capsa-no-such-program-xyz" in r.stderr
+    r = await guest_client.exec("echo ran; if")
+    assert r.exit_code == 2 and r.stdout == b"" and b"Syntax error" in r.stderr
+
+
+async def test_program_lookup_errors_match_exec(guest_client: GuestClient,
+                                                tmp_path: pathlib.Path) -> None:
+    folder = str(tmp_path)
+    (tmp_path / "prog").write_text('#!/bin/sh\necho ran "$@"\n')
+    os.chmod(os.path.join(folder, "prog"), 0o644)
+    with pytest.raises(GuestError) as e:
+        await guest_client.exec(["./prog"], cwd=folder)
+    assert e.value.code == "permission_denied" and "./prog" in e.value.message
+    with pytest.raises(GuestError) as e:
+        await guest_client.exec([folder])  # a directory
+    assert e.value.code == "permission_denied"
+    with pytest.raises(GuestError) as e:
+        await guest_client.exec(["capsa-no-such-program-anywhere"])
+    assert e.value.code == "not_found" and "capsa-no-such-program-anywhere" in e.value.message
+    os.chmod(os.path.join(folder, "prog"), 0o755)
+    r = await guest_client.exec(["./prog", "a"], cwd=folder)
+    assert r.stdout == b"ran a\n"
+    r = await guest_client.exec(["prog", "b"], cwd="/", env={"PATH": folder})  # PATH of the command's env
+    assert r.stdout == b"ran b\n"
+
+
+async def test_exec_timeout_kills_grandchildren(guest_client: GuestClient) -> None:
+    marker = f"capsa-grandchild-{uuid.uuid4().hex}"
+    r = await guest_client.exec(f"sh -c 'sh -c \"sleep 300; : {marker}\" & wait'; echo never", timeout=0.5)
+    assert r.timed_out and r.signal == signal.SIGKILL and b"never" not in r.stdout
     assert await wait_gone(marker) == []
 
 

@@ -16,14 +16,17 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from capsa.guest.cgroups import enter_work, forget_command, kill_command, oom_kills
+from capsa.guest.cgroups import enter_work, forget_command, kill_command, oom_kills, place_command
 from capsa.guest.channel import ChannelGone, Stream
 from capsa.guest.errors import OpError, from_os_error
 from capsa.guest.protocol import PROCESS_OUTPUT_KEPT, Kind
 
 __all__ = [
     "DEFAULT_MAX_OUTPUT",
+    "HOLD",
+    "HOLD_PREFIX",
     "RING_SIZE",
+    "SHELL",
     "CommandSpec",
     "ProcessTable",
     "RingBuffer",
@@ -60,6 +63,8 @@ class CommandSpec:
     uid: int | None
     gid: int | None
     groups: list[int] | None
+    script: str | None = None
+    """The shell command line when ``cmd`` was a string (``argv`` is then ``/bin/sh -c script``)."""
 
 
 def _str_map(value: object, what: str) -> dict[str, str]:
@@ -125,7 +130,8 @@ def parse_command(args: dict[str, Any]) -> CommandSpec:
             if key in os.environ:
                 env[key] = os.environ[key]
     env.update(extra_env)
-    return CommandSpec(argv, display, env, cwd, uid, gid, groups)
+    return CommandSpec(argv, display, env, cwd, uid, gid, groups,
+                       script=cmd if isinstance(cmd, str) else None)
 
 
 _LIVE: set[subprocess.Popen[bytes]] = set()
@@ -147,30 +153,89 @@ def reaped(proc: subprocess.Popen[bytes]) -> None:
     forget_command(proc.pid)
 
 
+SHELL = "/bin/sh"
+# The first program of an argv command: stop until the daemon has placed it (its cgroup, its OOM score), then
+# become the command itself, same pid. Two shell builtins, so none of the user's code runs before placement.
+HOLD = 'kill -STOP $$; exec "$@"'
+# A shell command line gets the stop in front, on its first line: no second exec, same $0, same line
+# numbers. A syntax error on that line stops the shell before anything runs (then it is never held).
+HOLD_PREFIX = "kill -STOP $$; "
+
+
+def _check_program(spec: CommandSpec) -> None:
+    """The errors exec would give for the command's program (the shim's exec cannot report them)."""
+    name = spec.argv[0]
+    denied = False
+    for folder in [""] if "/" in name else os.get_exec_path(spec.env):
+        path = os.path.join(spec.cwd, folder, name)
+        if os.path.isfile(path):
+            if os.access(path, os.X_OK):
+                return
+            denied = True
+        elif os.path.exists(path):
+            denied = True
+    if denied:
+        raise OpError("permission_denied", f"cannot execute {name}")
+    raise OpError("not_found", f"command not found: {name}")
+
+
+def _release(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for the held command to stop, place it, let it go on to exec the user's program."""
+    try:
+        # WNOWAIT: a shim that died instead (it should not) stays for Popen to reap with its status.
+        info = os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        return
+    if info is None or info.si_code != os.CLD_STOPPED:
+        return
+    place_command(proc.pid)
+    os.kill(proc.pid, signal.SIGCONT)
+
+
 def spawn(spec: CommandSpec, *, stdin: int, stdout: int, stderr: int,
           preexec: Any = None) -> subprocess.Popen[bytes]:
-    # A new session makes the command a process group leader, so timeout/kill can take its
-    # descendants too. It also leaves the daemon's cgroup first (see cgroups.py).
-    def prepare() -> None:
-        enter_work()
-        if preexec is not None:
+    """Start the command in a new session (it leads its process group, so timeout/kill take its
+    descendants too) and in a cgroup of its own under ``work`` (see cgroups.py), before any of its code runs.
+
+    Without ``preexec`` no Python runs between fork and exec, so CPython spawns with vfork (fork copies the
+    daemon's page tables, about twice the cost under an emulated MMU). The child first runs the shell shim
+    ``HOLD`` (for a shell command line, the shell itself with ``HOLD_PREFIX``), which stops itself; the
+    daemon moves the stopped process into the command's cgroup and continues it, and it runs the user's
+    code in place. ``preexec`` (terminals: the controlling tty) forks and joins the cgroup from inside the
+    child instead.
+    """
+    if preexec is not None:
+        def prepare() -> None:
+            enter_work()
             preexec()
 
+        argv, preexec_fn = spec.argv, prepare
+    elif spec.script is not None:
+        argv, preexec_fn = [SHELL, "-c", HOLD_PREFIX + spec.script], None
+    else:
+        _check_program(spec)
+        argv, preexec_fn = [SHELL, "-c", HOLD, SHELL, *spec.argv], None
     try:
         proc = subprocess.Popen(
-            spec.argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=spec.cwd, env=spec.env,
+            argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=spec.cwd, env=spec.env,
             start_new_session=True, close_fds=True, user=spec.uid, group=spec.gid,
-            extra_groups=spec.groups, preexec_fn=prepare,
+            extra_groups=spec.groups, preexec_fn=preexec_fn,
         )
-        with _LIVE_LOCK:
-            _LIVE.add(proc)
-        return proc
     except FileNotFoundError:
         raise OpError("not_found", f"command not found: {spec.argv[0]}") from None
     except PermissionError:
         raise OpError("permission_denied", f"cannot execute {spec.argv[0]}") from None
     except OSError as exc:
         raise from_os_error(exc, spec.argv[0]) from None
+    with _LIVE_LOCK:
+        _LIVE.add(proc)
+    if preexec is None:
+        try:
+            _release(proc)
+        except BaseException:
+            killpg(proc.pid)
+            raise
+    return proc
 
 
 def killpg(pid: int, sig: int = signal.SIGKILL) -> None:
@@ -241,6 +306,7 @@ def op_exec(stream: Stream, args: dict[str, Any], data: bytes) -> None:
     started = time.monotonic()
     proc = spawn(spec, stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    spawn_ms = (time.monotonic() - started) * 1000
     _grow_pipes(proc)
     state = {"timed_out": False}
 
@@ -281,7 +347,7 @@ def op_exec(stream: Stream, args: dict[str, Any], data: bytes) -> None:
         timed_out=state["timed_out"],
         stdout_bytes=counts["stdout"], stderr_bytes=counts["stderr"],
         stdout_truncated=counts["stdout"] > max_output, stderr_truncated=counts["stderr"] > max_output,
-        duration=time.monotonic() - started, pid=proc.pid,
+        duration=time.monotonic() - started, pid=proc.pid, spawn_ms=round(spawn_ms, 3),
         # The kernel's own count for this command's cgroup: true when an OOM killer (global or a memory
         # cgroup's) killed any of its processes, whatever the kernel log says.
         oom_killed=bool(killed_by_oom),
