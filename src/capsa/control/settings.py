@@ -16,7 +16,7 @@ class TenantQuota(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_sessions: Annotated[int, Field(ge=0)] = 100
+    max_sessions: Annotated[int, Field(ge=0)] = 500
     max_vcpus: Annotated[int, Field(ge=0)] = 256
     max_memory_mib: Annotated[int, Field(ge=0)] = 256 * 1024
 
