@@ -290,8 +290,14 @@ async def save_snapshot(
     finally:
         if not ok:
             shutil.rmtree(work, ignore_errors=True)
-        if was_running and (resume or not ok):
+        if was_running and ok and resume:
             await monitor.execute("cont")
+        elif was_running and not ok:
+            # Continuing may fail too (QEMU reopens its disk by name after a migration, and a VM whose
+            # disk was swapped under it cannot go on); the error that stopped the snapshot is the one
+            # to report.
+            with contextlib.suppress(Exception):
+                await monitor.execute("cont")
 
 
 def _make_work_dir(dest: Path) -> Path:
