@@ -249,7 +249,9 @@ class TemplateStore:
 
 
 def _write_json(path: Path, body: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    # 0600: a template's spec may name files and env that no VM uid should read (the directory is 0711).
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with open(fd, "w", encoding="utf-8") as f:
         json.dump(body, f, indent=2, sort_keys=True)
         f.write("\n")
         f.flush()
