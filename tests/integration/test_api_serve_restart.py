@@ -1,6 +1,6 @@
-"""Restarting ``capsa serve`` (real process, real VMs): session records survive, sessions whose VMs died
-with the old process are failed or (if already expired) closed, and the new process's reaper closes expired
-sessions and destroys their VMs."""
+"""Restarting ``capsa serve`` (real process, real VMs): session records survive; stopping it fails the
+sessions it ran (they had no snapshot) with the reason, at once rather than at the next start; and the new
+process's reaper closes expired sessions and destroys their VMs."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_restart_keeps_records_and_reaper_still_closes_expired_sessions() -> Non
         finally:
             assert first.stop() == 0, first.stderr.read_text()[-2000:]
         assert wait_no_vm_leftovers(state) == []  # stopping serve destroyed its VMs
-        # Let the short session's TTL pass while nothing is running.
+        # Let the short session's TTL pass while nothing runs: the reaper must leave a failed session failed.
         expires = datetime.fromisoformat(str(short["expires_at"]))
         time.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds() + 1))
 
@@ -60,8 +60,8 @@ def test_restart_keeps_records_and_reaper_still_closes_expired_sessions() -> Non
                     kept_long["metadata"] == {"name": "long"}
                     and kept_long["created_at"] == long["created_at"]
                 )
-                assert kept_long["state"] == "failed" and "restarted" in str(kept_long["failure_reason"])
-                assert kept_short["state"] == "closed" and kept_short["failure_reason"] == "timeout"
+                for kept in (kept_long, kept_short):  # both were running when the node stopped
+                    assert kept["state"] == "failed" and "node stopped" in str(kept["failure_reason"]), kept
                 listed = {s["id"] for s in c.get("/v1/sessions").json()["items"]}
                 assert {long["id"], short["id"]} <= listed
 

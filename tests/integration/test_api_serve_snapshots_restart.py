@@ -79,7 +79,7 @@ def test_sessions_with_snapshots_survive_a_serve_restart() -> None:
                 # The node re-registers just after the API comes up; its lost sandboxes are handled then.
                 info = _until("the rolling session to be paused",
                               lambda: (s := state_of(rolling))["state"] == "paused" and s)
-                assert "restarted" in info["pause_reason"]
+                assert "node stopped" in info["pause_reason"]
                 assert snapshot_ids <= _snapshot_files(state)  # the snapshots outlived the process
                 assert _until("the plain session to fail", lambda: state_of(plain)["state"] == "failed")
                 assert state_of(paused)["state"] == "paused"
