@@ -32,8 +32,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.images import ensure_image
+from capsa.images.build import image_from_manifest, load_manifest
 from capsa.node.guest_client import GuestClient
 from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
@@ -85,8 +87,17 @@ async def _series(sandbox: QemuSandbox, cmd: str | list[str], n: int) -> dict[st
     return out
 
 
+def _image(image_dir: Path) -> GuestImage:
+    """A cached image by its folder (to compare an older build's guest code in the same run)."""
+    manifest = load_manifest(image_dir)
+    image = image_from_manifest(image_dir, manifest) if manifest is not None else None
+    if image is None:
+        raise SystemExit(f"no usable image in {image_dir}")
+    return image
+
+
 async def bench(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
-    image = ensure_image()
+    image = _image(args.image_dir) if args.image_dir else ensure_image()
     # Snapshots need the node's storage pool (a btrfs loop file here, for reflinked RAM and disks).
     pool = StoragePool.open(state_dir, StorageSettings(loop_size_mib=8 * 1024))
     runtime = QemuRuntime(Settings(state_dir=state_dir), args.accel, storage=PoolStorage(pool))
@@ -141,6 +152,8 @@ def print_table(results: dict[str, Any]) -> None:
                           f"{s['max']:.1f}")
 
     row("health round trip (channel only), ms", results["health_ms"])
+    load = results["host"]["loadavg_at_start"][0]
+    table.caption = f"image {results['image']['digest'][:12]}, load average at start {load:.2f}"
     for key, label in (("true_argv", 'exec ["true"]'), ("true_shell", 'exec "true" (sh -c)')):
         series = results[key]
         row(f"{label}: round trip, ms", series["round_trip_ms"])
@@ -159,6 +172,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=30, help="commands per series")
     parser.add_argument("--restores", type=int, default=3)
     parser.add_argument("--memory", type=int, default=256, help="guest memory in MiB")
+    parser.add_argument("--image-dir", type=Path, default=None,
+                        help="a cached image folder instead of the current build (before/after runs)")
     parser.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"])
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).resolve().parent / "results" / "profile_exec.json")

@@ -234,6 +234,11 @@ def spawn(spec: CommandSpec, *, stdin: int, stdout: int, stderr: int,
             _release(proc)
         except BaseException:
             killpg(proc.pid)
+            proc.wait()
+            reaped(proc)
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
             raise
     return proc
 
