@@ -19,6 +19,7 @@ __all__ = [
     "NDJSON",
     "AuditEvent",
     "AuditPage",
+    "BranchEgress",
     "BranchRequest",
     "ExecError",
     "ExecEvent",
@@ -74,6 +75,11 @@ _Env = Annotated[dict[Annotated[str, Field(max_length=128)], Annotated[str, Fiel
 _Secrets = Annotated[dict[Annotated[str, Field(pattern=r"^sec_[0-9a-z]{20}$")],
                           Annotated[SecretStr, Field(min_length=1, max_length=65536)]],
                      Field(max_length=64)]
+_Placeholders = Annotated[dict[Annotated[str, Field(pattern=r"^sec_[0-9a-z]{20}$")],
+                               Annotated[str, Field(pattern=r"^capsa_ph_[A-Za-z0-9_-]{16,128}$")]],
+                          Field(max_length=64)]
+"""secret id -> the session's placeholder for it (what its guest holds), recorded by the control plane."""
+_SessionId = Annotated[str, Field(max_length=64)]
 _Labels = Annotated[dict[Annotated[str, Field(min_length=1, max_length=64)],
                          Annotated[str, Field(max_length=256)]], Field(max_length=32)]
 
@@ -108,6 +114,8 @@ class SandboxCreate(_Request):
     """Egress policy document (capsa.common.egress_policy); none: the sandbox gets no NIC at all."""
     secrets: _Secrets = Field(default_factory=dict)
     """Values of the secrets the policy binds, by id. Write-only: never returned, never logged."""
+    placeholders: _Placeholders = Field(default_factory=dict)
+    """The session's placeholders by secret id; a binding without one gets a random placeholder."""
 
 
 class SandboxInfo(_Answer):
@@ -134,6 +142,8 @@ class SandboxList(_Answer):
 class PolicyUpdate(_Request):
     policy: dict[str, Any]
     secrets: _Secrets = Field(default_factory=dict)
+    placeholders: _Placeholders = Field(default_factory=dict)
+    """For new bindings (kept bindings keep the placeholder they have)."""
 
 
 class PolicyUpdated(_Answer):
@@ -294,12 +304,31 @@ class RestoreRequest(_Request):
     id: _SandboxId
     """The new sandbox's id."""
     env: _Env = Field(default_factory=dict)
+    session_id: _SessionId | None = None
+    """Recorded in the sandbox's egress audit events."""
+    policy: dict[str, Any] | None = None
+    """The session's egress policy: required for a snapshot with a NIC (``policy_required``), refused for
+    one without (``no_network``). Egress is attached again on a new namespace and tap."""
+    secrets: _Secrets = Field(default_factory=dict)
+    placeholders: _Placeholders = Field(default_factory=dict)
+    """The session's placeholders: those its guest already holds keep working."""
+
+
+class BranchEgress(_Request):
+    """One branch's egress: its own session (audit identity) under its own copy of the policy."""
+
+    session_id: _SessionId | None = None
+    policy: dict[str, Any]
+    secrets: _Secrets = Field(default_factory=dict)
+    placeholders: _Placeholders = Field(default_factory=dict)
 
 
 class BranchRequest(_Request):
     # The count is checked by the agent (invalid_branch_count), so 0 or 10 000 ids get that code.
     ids: Annotated[list[str], Field(max_length=100_000)]
     env: _Env = Field(default_factory=dict)
+    egress: Annotated[list[BranchEgress], Field(max_length=100_000)] | None = None
+    """One per id, in order, for a snapshot with a NIC (each branch gets its own namespace, tap and CA)."""
 
 
 class SnapshotInfo(_Answer):

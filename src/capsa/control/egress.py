@@ -19,6 +19,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from capsa.common.ids import is_id, new_id
+from capsa.common.placeholders import new_placeholder
 from capsa.control.egress_schemas import (
     AuditEventOut,
     AuditList,
@@ -28,7 +29,7 @@ from capsa.control.egress_schemas import (
     SecretOut,
 )
 from capsa.control.errors import ApiError, NotFound, ValidationFailed
-from capsa.control.nodeclient import NodeClient, NodeError
+from capsa.control.nodeclient import EgressArgs, NodeClient, NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import SecretSealer
 from capsa.control.store.db import DbSession
@@ -42,6 +43,7 @@ from capsa.control.store.egress_models import (
 from capsa.control.store.models import NodeRow, SessionRow, utcnow
 
 __all__ = [
+    "assign_placeholders",
     "collect_audit",
     "collect_audit_quietly",
     "create_secret",
@@ -51,6 +53,7 @@ __all__ = [
     "list_secrets",
     "merge_patch",
     "resolve_policy",
+    "session_egress",
     "store_policy",
 ]
 
@@ -137,8 +140,46 @@ async def resolve_policy(plane: ControlPlane, tenant: str, policy: Mapping[str, 
     return document, values
 
 
-def store_policy(db: DbSession, session_id: str, policy: dict[str, Any]) -> None:
-    db.add(SessionPolicyRow(session_id=session_id, policy=policy, updated_at=utcnow()))
+def assign_placeholders(policy: Mapping[str, Any], previous: Mapping[str, str] | None = None
+                        ) -> dict[str, str]:
+    """The session's placeholders for ``policy`` (secret id -> placeholder): a secret it had one for
+    keeps it (``previous``), a new one gets a random placeholder. The control plane's record is what every
+    start of the session's sandboxes sends (create, resume, restore, branch), so a guest restored from a
+    snapshot keeps using the placeholders it holds; a branch starts with a copy of its parent's."""
+    previous = previous or {}
+    out: dict[str, str] = {}
+    for binding in policy.get("secrets", []):
+        secret_id = str(binding["secret"])
+        if secret_id not in out:
+            out[secret_id] = previous.get(secret_id) or new_placeholder()
+    return out
+
+
+def store_policy(db: DbSession, session_id: str, policy: dict[str, Any],
+                 placeholders: dict[str, str] | None = None) -> None:
+    db.add(SessionPolicyRow(session_id=session_id, policy=policy, updated_at=utcnow(),
+                            placeholders=placeholders if placeholders is not None
+                            else assign_placeholders(policy)))
+
+
+async def session_egress(plane: ControlPlane, tenant: str, session_id: str) -> EgressArgs | None:
+    """What a new sandbox of the session is started with: its current policy, the values of the secrets
+    it binds and its placeholders; None for a session without a policy. A session recorded before
+    placeholders were (migration 0006) gets them now, and keeps them."""
+    async with plane.db() as db:
+        row = await db.get(SessionPolicyRow, session_id, populate_existing=True)
+        if row is None:
+            return None
+        policy, recorded = dict(row.policy), dict(row.placeholders or {})
+    document, values = await resolve_policy(plane, tenant, policy)
+    placeholders = assign_placeholders(document, recorded)
+    if placeholders != recorded:
+        async with plane.db() as db:
+            stored = await db.get(SessionPolicyRow, session_id, populate_existing=True)
+            if stored is not None:
+                stored.placeholders = placeholders
+                await db.commit()
+    return EgressArgs(document, values, placeholders, session_id)
 
 
 async def _session(db: DbSession, tenant: str, session_id: str) -> SessionRow:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
@@ -40,10 +41,26 @@ from capsa.common.node_api import (
     SnapshotInfo,
 )
 
-__all__ = ["NodeClient", "NodeClientPool", "NodeError"]
+__all__ = ["EgressArgs", "NodeClient", "NodeClientPool", "NodeError"]
 
 _PREFIX = "/node/v1"
 _M = TypeVar("_M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class EgressArgs:
+    """A session's egress as a sandbox start sends it to the node: the policy (secret references by id),
+    the values of the secrets it binds and the session's placeholders (secret id -> placeholder)."""
+
+    policy: Mapping[str, Any]
+    secrets: Mapping[str, str]
+    placeholders: Mapping[str, str]
+    session_id: str
+
+    def body(self) -> dict[str, Any]:
+        # A plain dict, not the pydantic request: the secrets' values must go over the wire, not their mask.
+        return {"session_id": self.session_id, "policy": dict(self.policy), "secrets": dict(self.secrets),
+                "placeholders": dict(self.placeholders)}
 
 
 class NodeError(CapsaError):
@@ -126,14 +143,11 @@ class NodeClient:
 
     # -- sandboxes -------------------------------------------------------------------------------------
     async def create_sandbox(self, sandbox_id: str, template: str, memory_mib: int, vcpus: int,
-                             env: Mapping[str, str], *, session_id: str | None = None,
-                             policy: Mapping[str, Any] | None = None,
-                             secrets: Mapping[str, str] | None = None) -> SandboxInfo:
-        # A plain dict, not SandboxCreate: the secrets' values must go over the wire, not their mask.
+                             env: Mapping[str, str], *, egress: EgressArgs | None = None) -> SandboxInfo:
         body: dict[str, Any] = {"id": sandbox_id, "template": template, "memory_mib": memory_mib,
                                 "vcpus": vcpus, "env": dict(env)}
-        if policy is not None:
-            body.update(session_id=session_id, policy=dict(policy), secrets=dict(secrets or {}))
+        if egress is not None:
+            body.update(egress.body())
         return await self._call(SandboxInfo, "POST", "/sandboxes", json=body, timeout=None)
 
     async def destroy_sandbox(self, sandbox_id: str) -> None:
@@ -143,10 +157,11 @@ class NodeClient:
         return (await self._call(SandboxList, "GET", "/sandboxes")).items
 
     # -- egress ----------------------------------------------------------------------------------------
-    async def update_policy(self, sandbox_id: str, policy: Mapping[str, Any],
-                            secrets: Mapping[str, str]) -> PolicyUpdated:
+    async def update_policy(self, sandbox_id: str, policy: Mapping[str, Any], secrets: Mapping[str, str],
+                            placeholders: Mapping[str, str] | None = None) -> PolicyUpdated:
         return await self._call(PolicyUpdated, "PUT", f"/sandboxes/{sandbox_id}/policy",
-                                json={"policy": dict(policy), "secrets": dict(secrets)})
+                                json={"policy": dict(policy), "secrets": dict(secrets),
+                                      "placeholders": dict(placeholders or {})})
 
     async def audit(self, *, after: int, epoch: str | None, limit: int) -> AuditPage:
         params: dict[str, str | int] = {"after": after, "limit": limit}
@@ -167,17 +182,25 @@ class NodeClient:
         return await self._call(SnapshotInfo, "POST", f"/sandboxes/{sandbox_id}/pause",
                                 json=body.model_dump(mode="json"), timeout=None)
 
-    async def restore_snapshot(self, snapshot_id: str, sandbox_id: str,
-                               env: Mapping[str, str]) -> SandboxInfo:
-        body = RestoreRequest(id=sandbox_id, env=dict(env))
-        return await self._call(SandboxInfo, "POST", f"/snapshots/{snapshot_id}/restore",
-                                json=body.model_dump(mode="json"), timeout=None)
+    async def restore_snapshot(self, snapshot_id: str, sandbox_id: str, env: Mapping[str, str], *,
+                               egress: EgressArgs | None = None) -> SandboxInfo:
+        """``egress``: the session's (required for a snapshot of a sandbox with a policy)."""
+        body: dict[str, Any] = RestoreRequest(id=sandbox_id, env=dict(env)).model_dump(mode="json",
+                                                                                      exclude_none=True)
+        if egress is not None:
+            body.update(egress.body())
+        return await self._call(SandboxInfo, "POST", f"/snapshots/{snapshot_id}/restore", json=body,
+                                timeout=None)
 
-    async def branch_snapshot(self, snapshot_id: str, sandbox_ids: list[str],
-                              env: Mapping[str, str]) -> list[SandboxInfo]:
-        body = BranchRequest(ids=sandbox_ids, env=dict(env))
-        return (await self._call(SandboxList, "POST", f"/snapshots/{snapshot_id}/branch",
-                                 json=body.model_dump(mode="json"), timeout=None)).items
+    async def branch_snapshot(self, snapshot_id: str, sandbox_ids: list[str], env: Mapping[str, str], *,
+                              egress: list[EgressArgs] | None = None) -> list[SandboxInfo]:
+        """``egress``: one per id (each branch's session and copy of the policy)."""
+        body: dict[str, Any] = BranchRequest(ids=sandbox_ids, env=dict(env)).model_dump(mode="json",
+                                                                                       exclude_none=True)
+        if egress is not None:
+            body["egress"] = [e.body() for e in egress]
+        return (await self._call(SandboxList, "POST", f"/snapshots/{snapshot_id}/branch", json=body,
+                                 timeout=None)).items
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await self._request("DELETE", f"/snapshots/{snapshot_id}")

@@ -16,7 +16,7 @@ from capsa.control import egress
 from capsa.control.auth import Principal
 from capsa.control.errors import ApiError, InvalidState, NotFound, SessionFailed, ValidationFailed
 from capsa.control.lifecycle import transition
-from capsa.control.nodeclient import NodeClient, NodeError
+from capsa.control.nodeclient import EgressArgs, NodeClient, NodeError
 from capsa.control.placement import choose_node
 from capsa.control.plane import ControlPlane
 from capsa.control.quotas import check_quota, lock_tenant
@@ -135,8 +135,10 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
     session_id, sandbox_id = new_id("ses"), new_id("sbx")
     policy: dict[str, Any] | None = None
     secret_values: dict[str, str] = {}
+    placeholders: dict[str, str] = {}
     if req.policy is not None:
         policy, secret_values = await egress.resolve_policy(plane, principal.tenant, req.policy)
+        placeholders = egress.assign_placeholders(policy)
     async with plane.db() as db:
         await lock_tenant(db, principal.tenant)
         node = await choose_node(db, req.template, req.memory_mib, req.vcpus,
@@ -156,13 +158,13 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
         await db.flush()  # the metadata rows reference the session row
         db.add_all(SessionMetadataRow(session_id=session_id, key=k, value=v) for k, v in req.metadata.items())
         if policy is not None:
-            egress.store_policy(db, session_id, policy)
+            egress.store_policy(db, session_id, policy, placeholders)
         await check_quota(db, plane.settings, principal.tenant)
         await db.commit()
     client = plane.node_client(node)
     try:
-        await client.create_sandbox(sandbox_id, req.template, req.memory_mib, req.vcpus, req.env,
-                                    session_id=session_id, policy=policy, secrets=secret_values)
+        args = (EgressArgs(policy, secret_values, placeholders, session_id) if policy is not None else None)
+        await client.create_sandbox(sandbox_id, req.template, req.memory_mib, req.vcpus, req.env, egress=args)
     except BaseException as exc:
         # Nothing may stay half-created: the node cleans up a failed boot itself, and we ask it again in
         # case the failure was on the way back (or this request was cancelled while it booted).

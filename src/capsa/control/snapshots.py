@@ -11,6 +11,7 @@ failure moves it back (``paused``, or ``running`` on its old sandbox for a resto
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from datetime import timedelta
 
@@ -18,6 +19,7 @@ from sqlalchemy import select
 
 from capsa.common.ids import is_id, new_id
 from capsa.common.node_api import SnapshotInfo
+from capsa.control import egress
 from capsa.control.errors import ApiError, InvalidState, NotFound, SessionFailed
 from capsa.control.lifecycle import transition
 from capsa.control.nodeclient import NodeClient, NodeError
@@ -231,7 +233,9 @@ async def resume_session(plane: ControlPlane, tenant: str, session_id: str,
         pause_reason = row.pause_reason
     client = plane.node_client(node)
     try:
-        await client.restore_snapshot(snap.id, sandbox_id, row.env or {})
+        # The session's egress as recorded now (a policy changed while paused applies from here on).
+        args = await egress.session_egress(plane, tenant, session_id)
+        await client.restore_snapshot(snap.id, sandbox_id, row.env or {}, egress=args)
     except BaseException as exc:
         async with plane.db() as db:
             await transition(db, session_id, "paused", sources=("creating",), sandbox_id=None,
@@ -296,7 +300,8 @@ async def restore_session(plane: ControlPlane, tenant: str, session_id: str, sna
         old_node = await db.get(NodeRow, old_node_id) if old_node_id else None
     client = plane.node_client(node)
     try:
-        await client.restore_snapshot(snap.id, sandbox_id, row.env or {})
+        args = await egress.session_egress(plane, tenant, session_id)
+        await client.restore_snapshot(snap.id, sandbox_id, row.env or {}, egress=args)
     except BaseException as exc:
         # Back to the sandbox it had: a failed restore changes nothing.
         async with plane.db() as db:
@@ -322,6 +327,8 @@ async def branch_session(plane: ControlPlane, tenant: str, session_id: str, n: i
         # Before the snapshot: a branch the quota refuses must not cost one.
         await check_quota(db, plane.settings, tenant, sessions=n, vcpus=n * row.vcpus,
                           memory_mib=n * row.memory_mib)
+    # Each branch starts under a copy of the parent's policy and placeholders (those in its memory).
+    parent_egress = await egress.session_egress(plane, tenant, session_id)
     if row.state == "running":
         snap_id = (await take_snapshot(plane, tenant, session_id, kind="branch")).id
     async with plane.db() as db:
@@ -353,11 +360,17 @@ async def branch_session(plane: ControlPlane, tenant: str, session_id: str, n: i
         await db.flush()
         for child_id, _ in children:
             db.add_all(SessionMetadataRow(session_id=child_id, key=k, value=v) for k, v in metadata.items())
+            if parent_egress is not None:
+                egress.store_policy(db, child_id, dict(parent_egress.policy),
+                                    dict(parent_egress.placeholders))
         await check_quota(db, plane.settings, tenant)
         await db.commit()
     client = plane.node_client(node)
+    branch_egress = None if parent_egress is None else [
+        dataclasses.replace(parent_egress, session_id=child_id) for child_id, _ in children]
     try:
-        await client.branch_snapshot(snap_id, [sbx for _, sbx in children], row.env or {})
+        await client.branch_snapshot(snap_id, [sbx for _, sbx in children], row.env or {},
+                                     egress=branch_egress)
     except BaseException as exc:
         reason = f"{exc.code}: {exc.message}" if isinstance(exc, NodeError) else type(exc).__name__
         for child_id, _ in children:

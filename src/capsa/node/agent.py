@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, Iterator, Mapping, Sequence
@@ -28,11 +29,15 @@ from typing import Any, Literal, cast
 
 from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
-from capsa.node.egress.node_egress import CA_PATH, NodeEgress, install_ca_script
+from capsa.node.egress.node_egress import EgressRequest, NodeEgress
+from capsa.node.egress.trust_store import TrustStore
 from capsa.node.guest_client import DEFAULT_MAX_OUTPUT, ExecResult, FileInfo, ProcessInfo, ProcessOutput
-from capsa.node.runtime.base import GuestImage, Runtime, Sandbox, SandboxState, SnapshotCapable
+from capsa.node.net.sandbox_net import SandboxNet
+from capsa.node.runtime.base import GuestImage, Runtime, SandboxState, SnapshotCapable
+from capsa.node.runtime.snapshot.manifest import Snapshot
+from capsa.node.sandbox_egress import EgressHook
 from capsa.node.sandboxes import NodeCapacity, SandboxRecord, SandboxTable, default_capacity
-from capsa.node.snapshots import Snapshots, SnapshottingRuntime, check_branch_count
+from capsa.node.snapshots import Snapshots, SnapshottingRuntime, check_branch_count, nic_mac_of
 from capsa.node.sources import ColdBootSource, MadeSandbox, SandboxRequest, SandboxSource, TemplateSource
 from capsa.node.templates import BASE, Template
 from capsa.node.warm_pool import PoolMetrics
@@ -45,6 +50,11 @@ ExecChunk = tuple[Literal["stdout", "stderr"], bytes]
 """A piece of a running command's output (:meth:`NodeAgent.exec_stream`)."""
 # Guest failures that mean the channel, not the request, failed.
 _GUEST_GONE = frozenset({"channel_closed", "internal_error", "guest_unavailable"})
+
+
+def _with_mac(network: SandboxNet | None, mac: str | None) -> SandboxNet | None:
+    """The sandbox's new network with the NIC's MAC from its snapshot (the guest kept that device)."""
+    return dataclasses.replace(network, mac=mac) if network is not None and mac is not None else network
 
 
 def snapshots_for(runtime: Runtime, source: SandboxSource) -> Snapshots | None:
@@ -64,8 +74,11 @@ class NodeAgent:
     def __init__(self, runtime: Runtime, image: GuestImage, *, node_id: str = "local",
                  capacity: NodeCapacity | None = None, egress: NodeEgress | None = None,
                  source: SandboxSource | None = None,
-                 snapshots: Snapshots | Literal["auto"] | None = "auto") -> None:
+                 snapshots: Snapshots | Literal["auto"] | None = "auto",
+                 trust: TrustStore | None = None) -> None:
         self.runtime = runtime
+        self.trust = trust or (source.trust if isinstance(source, TemplateSource) else TrustStore())
+        """Where the egress CA goes in a guest (Debian's bundle; tests of host-process guests move it)."""
         self.image = image
         self.egress = egress
         self.node_id = node_id
@@ -121,34 +134,39 @@ class NodeAgent:
     # -- sandboxes -----------------------------------------------------------------------------------------
     async def create(self, sandbox_id: str, template: str, memory_mib: int, vcpus: int,
                      env: Mapping[str, str], *, policy: EgressPolicy | None = None,
-                     secrets: Mapping[str, str] | None = None,
-                     session_id: str | None = None) -> SandboxRecord:
+                     secrets: Mapping[str, str] | None = None, session_id: str | None = None,
+                     placeholders: Mapping[str, str] | None = None) -> SandboxRecord:
         """Make a sandbox from the source. Without ``policy`` it has no NIC at all; with one it gets its own
         namespace behind the egress broker, the broker's CA in its trust store and the placeholders in
-        ``env``."""
-        if policy is not None and self.egress is None:
-            raise CapsaError("this node has no egress service: sessions with a policy cannot run here",
-                             code="egress_unavailable", status=503)
+        ``env`` (``placeholders``: secret id -> the session's placeholder; missing ones are made up)."""
+        request = (EgressRequest(policy, secrets or {}, placeholders or {}, session_id)
+                   if policy is not None else None)
+        egress = self._egress(request)
         started = time.perf_counter()
         with self._table.reserve([sandbox_id], memory_mib, vcpus):
-            if policy is None or self.egress is None:
+            if request is None or egress is None:
                 made = await self.source.make(SandboxRequest(sandbox_id, template, memory_mib, vcpus))
                 egress_env: dict[str, str] | None = None
             else:
-                attached = await self.egress.attach(sandbox_id, policy, secrets or {}, session_id=session_id)
+                hook = EgressHook(egress, self.trust, sandbox_id, request)
                 try:
-                    ca_pem = attached.ca_pem
                     made = await self.source.make(SandboxRequest(
-                        sandbox_id, template, memory_mib, vcpus, network=attached.net,
-                        prepare=lambda sandbox: self._install_ca(sandbox, ca_pem)))
+                        sandbox_id, template, memory_mib, vcpus, attach=hook.attach, prepare=hook.prepare))
                 except BaseException:
-                    await asyncio.shield(self.egress.detach(sandbox_id))
+                    await asyncio.shield(egress.detach(sandbox_id))
                     raise
-                egress_env = dict(attached.env)
+                egress_env = hook.env
         record = SandboxRecord(sandbox_id, template, memory_mib, vcpus,
                                {**made.env, **env, **(egress_env or {})}, made.sandbox,
-                               networked=egress_env is not None, egress_env=egress_env or {})
+                               networked=egress_env is not None, egress_env=egress_env or {},
+                               nic_mac=made.nic_mac)
         return await self._adopt(record, made, started)
+
+    def _egress(self, request: EgressRequest | None) -> NodeEgress | None:
+        if request is not None and self.egress is None:
+            raise CapsaError("this node has no egress service: sessions with a policy cannot run here",
+                             code="egress_unavailable", status=503)
+        return self.egress
 
     async def _adopt(self, record: SandboxRecord, made: MadeSandbox, started: float) -> SandboxRecord:
         elapsed = time.perf_counter() - started
@@ -161,32 +179,26 @@ class NodeAgent:
                              code="sandbox_not_found", status=404)
         return record
 
-    @staticmethod
-    async def _install_ca(sandbox: Sandbox, ca_pem: bytes) -> None:
-        await sandbox.guest.write_file(CA_PATH, ca_pem, mode=0o644)
-        result = await sandbox.guest.exec(install_ca_script(), timeout=60)
-        if result.exit_code != 0:
-            raise CapsaError(f"could not install the egress CA in the guest: {result.stderr[-300:]!r}",
-                             code="egress_setup_failed", status=500)
-
     async def update_policy(self, sandbox_id: str, policy: EgressPolicy,
-                            secrets: Mapping[str, str] | None = None) -> bool:
+                            secrets: Mapping[str, str] | None = None,
+                            placeholders: Mapping[str, str] | None = None) -> bool:
         """Replace a running sandbox's policy; returns whether its CA was re-issued (and re-installed).
 
-        Placeholders of bindings that stay keep their value; the session env changes for new commands."""
+        Placeholders of bindings that stay keep their value, new ones take ``placeholders`` (secret id ->
+        placeholder) or are made up; the session env changes for new commands."""
         record = self.get(sandbox_id)
         if not record.networked or self.egress is None:
             raise CapsaError(f"sandbox {sandbox_id} was started without a policy and has no network; "
                              "a policy can only be given when the session is created", code="no_network",
                              status=409)
-        update = self.egress.update_policy(sandbox_id, policy, secrets or {})
+        update = self.egress.update_policy(sandbox_id, policy, secrets or {}, placeholders)
         if update.ca_reissued:
-            await self._install_ca(record.sandbox, update.ca_pem)
-        placeholders = self.egress.placeholder_env(sandbox_id)
+            await self.trust.install(record.sandbox.guest, update.ca_pem)
+        placeholder_env = self.egress.placeholder_env(sandbox_id)
         proxy = {k: v for k, v in record.egress_env.items() if k.lower() in ("http_proxy", "https_proxy")}
         for key in record.egress_env:
             record.env.pop(key, None)
-        record.egress_env = {**proxy, **placeholders}
+        record.egress_env = {**proxy, **placeholder_env}
         record.env.update(record.egress_env)
         return update.ca_reissued
 
@@ -223,56 +235,115 @@ class NodeAgent:
         return self.snapshots
 
     def _snapshottable(self, sandbox_id: str) -> tuple[Snapshots, SandboxRecord]:
-        snapshots = self._snapshots()
-        record = self.get(sandbox_id)
-        if record.networked:
-            raise CapsaError(f"sandbox {sandbox_id} cannot be snapshotted (it was booted with a network "
-                             "device, which templates and snapshots do not carry yet)",
-                             code="snapshot_unsupported", status=409)
-        return snapshots, record
+        return self._snapshots(), self.get(sandbox_id)
 
     async def snapshot(self, sandbox_id: str, *, retain: bool = False,
                        labels: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """Snapshot a running sandbox; it keeps running."""
+        """Snapshot a running sandbox; it keeps running. A sandbox with a NIC is snapshotted with it (its
+        MAC is in the manifest's labels): it can only be restored with a policy, onto a new network."""
         snapshots, record = self._snapshottable(sandbox_id)
         return await snapshots.take(sandbox_id, record.sandbox, template=record.template, retain=retain,
-                                    labels=labels)
+                                    labels=labels, nic_mac=record.nic_mac)
 
     async def pause(self, sandbox_id: str, *, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """Snapshot (retained) and destroy the sandbox."""
+        """Snapshot (retained) and destroy the sandbox (and its network)."""
         snapshots, record = self._snapshottable(sandbox_id)
         info = await snapshots.take(sandbox_id, record.sandbox, template=record.template, retain=True,
-                                    labels=labels, resume=False)
+                                    labels=labels, resume=False, nic_mac=record.nic_mac)
         await self.destroy(sandbox_id)
         return info
 
-    async def restore(self, snapshot_id: str, sandbox_id: str, env: Mapping[str, str]) -> SandboxRecord:
-        """A new sandbox from a snapshot (resume of a paused session, or rollback)."""
+    @staticmethod
+    def _check_network(snap: Snapshot, egress: EgressRequest | None) -> str | None:
+        """The MAC of the snapshot's NIC; a snapshot with one needs a policy, one without takes none."""
+        mac = nic_mac_of(snap)
+        if mac is not None and egress is None:
+            raise CapsaError(f"snapshot {snap.id} has a network device: restoring it needs the session's "
+                             "egress policy", code="policy_required", status=422)
+        if mac is None and egress is not None:
+            raise CapsaError(f"snapshot {snap.id} has no network device; a policy can only be given when "
+                             "the session is created", code="no_network", status=409)
+        return mac
+
+    async def restore(self, snapshot_id: str, sandbox_id: str, env: Mapping[str, str], *,
+                      egress: EgressRequest | None = None) -> SandboxRecord:
+        """A new sandbox from a snapshot (resume of a paused session, or rollback). A snapshot with a NIC
+        gets egress attached again from ``egress`` (the session's policy, secrets and placeholders) on a
+        new namespace and tap; the guest's address, route and DNS are set for them on restore and its
+        trust store gets the new CA before the sandbox counts as made."""
         snapshots = self._snapshots()
+        node_egress = self._egress(egress)
         started = time.perf_counter()
         snap = await asyncio.to_thread(snapshots.open, snapshot_id)
+        mac = self._check_network(snap, egress)
         m = snap.manifest
         with self._table.reserve([sandbox_id], m.memory_mib, m.vcpus):
-            sandbox = await snapshots.restore(snap, sandbox_id)
+            hook = None
+            if egress is not None and node_egress is not None and mac is not None:
+                hook = EgressHook(node_egress, self.trust, sandbox_id, egress)
+            try:
+                network = await hook.attach(None) if hook is not None else None
+                sandbox = await snapshots.restore(snap, sandbox_id, network=_with_mac(network, mac))
+                if hook is not None:
+                    try:
+                        await hook.prepare(sandbox)
+                    except BaseException:
+                        await asyncio.shield(self.runtime.destroy(sandbox))
+                        raise
+            except BaseException:
+                if hook is not None and node_egress is not None:
+                    await asyncio.shield(node_egress.detach(sandbox_id))
+                raise
+        egress_env = hook.env if hook is not None else {}
         record = SandboxRecord(sandbox_id, snapshots.template_of(snap, BASE), m.memory_mib, m.vcpus,
-                               dict(env), sandbox)
-        return await self._adopt(record, MadeSandbox(sandbox, "restore", snap.id), started)
+                               {**env, **egress_env}, sandbox, networked=hook is not None,
+                               egress_env=egress_env, nic_mac=mac)
+        return await self._adopt(record, MadeSandbox(sandbox, "restore", snap.id, nic_mac=mac), started)
 
-    async def branch(self, snapshot_id: str, sandbox_ids: Sequence[str],
-                     env: Mapping[str, str]) -> builtins.list[SandboxRecord]:
-        """One new sandbox per id from one snapshot, all or nothing."""
+    async def branch(self, snapshot_id: str, sandbox_ids: Sequence[str], env: Mapping[str, str], *,
+                     egress: Sequence[EgressRequest] | None = None) -> builtins.list[SandboxRecord]:
+        """One new sandbox per id from one snapshot, all or nothing. A snapshot with a NIC needs one
+        ``egress`` per id: each branch gets its own namespace, tap, CA and audit identity (its session)."""
         snapshots = self._snapshots()
         started = time.perf_counter()
         check_branch_count(len(sandbox_ids))
+        if egress is not None and len(egress) != len(sandbox_ids):
+            raise CapsaError("one egress request per branch", code="bad_request", status=400)
+        node_egress = self._egress(egress[0] if egress else None)
         snap = await asyncio.to_thread(snapshots.open, snapshot_id)
+        mac = self._check_network(snap, egress[0] if egress else None)
         m = snap.manifest
         with self._table.reserve(list(sandbox_ids), m.memory_mib, m.vcpus):
-            made = await snapshots.branch(snap, sandbox_ids)
+            hooks: builtins.list[EgressHook] = []
+            try:
+                if egress is not None and node_egress is not None and mac is not None:
+                    for sid, request in zip(sandbox_ids, egress, strict=True):
+                        hooks.append(EgressHook(node_egress, self.trust, sid, request))
+                        await hooks[-1].attach(None)
+                networks = ([_with_mac(h.attached.net if h.attached else None, mac) for h in hooks]
+                            if hooks else None)
+                made = await snapshots.branch(snap, sandbox_ids, networks=networks)
+                if hooks:
+                    done = await asyncio.gather(*(h.prepare(sb) for h, sb in zip(hooks, made, strict=True)),
+                                                return_exceptions=True)
+                    failed = [r for r in done if isinstance(r, BaseException)]
+                    if failed:
+                        await asyncio.gather(*(asyncio.shield(self.runtime.destroy(sb)) for sb in made),
+                                             return_exceptions=True)
+                        raise failed[0]
+            except BaseException:
+                if node_egress is not None:
+                    for hook in hooks:
+                        await asyncio.shield(node_egress.detach(hook.sandbox_id))
+                raise
         template = snapshots.template_of(snap, BASE)
         records = []
-        for sid, sandbox in zip(sandbox_ids, made, strict=True):
-            record = SandboxRecord(sid, template, m.memory_mib, m.vcpus, dict(env), sandbox)
-            records.append(await self._adopt(record, MadeSandbox(sandbox, "restore", snap.id), started))
+        for i, (sid, sandbox) in enumerate(zip(sandbox_ids, made, strict=True)):
+            egress_env = hooks[i].env if hooks else {}
+            record = SandboxRecord(sid, template, m.memory_mib, m.vcpus, {**env, **egress_env}, sandbox,
+                                   networked=bool(hooks), egress_env=egress_env, nic_mac=mac)
+            records.append(await self._adopt(record, MadeSandbox(sandbox, "restore", snap.id, nic_mac=mac),
+                                             started))
         return records
 
     def list_snapshots(self, sandbox_id: str | None = None) -> builtins.list[dict[str, Any]]:

@@ -42,6 +42,8 @@ class SandboxRecord:
     snapshot: str | None = None
     """The snapshot (template's or session's) it was restored from; None for a cold boot."""
     create_ms: float | None = None
+    nic_mac: str | None = None
+    """The MAC of its NIC (networked sandboxes): recorded in its snapshots."""
 
     def as_dict(self) -> dict[str, object]:
         return {"id": self.id, "template": self.template, "memory_mib": self.memory_mib, "vcpus": self.vcpus,

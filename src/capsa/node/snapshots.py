@@ -6,9 +6,9 @@ a :class:`~capsa.node.runtime.base.Runtime` that is also
 agent keeps the sandbox records and the capacity.
 
 Snapshots of a sandbox carry their origin and retention in their manifest labels, so they survive a node
-restart: ``capsa.sandbox`` (the agent's sandbox id), ``capsa.retain`` ("1" or "0") and
-``capsa.template_name``. Destroying a sandbox deletes its snapshots that are not retained
-(:meth:`Snapshots.drop_unretained`); pause snapshots are always retained.
+restart: ``capsa.sandbox`` (the agent's sandbox id), ``capsa.retain`` ("1" or "0"),
+``capsa.template_name`` and, for a sandbox with a NIC, ``capsa.nic_mac``. Destroying a sandbox deletes its
+snapshots that are not retained (:meth:`Snapshots.drop_unretained`); pause snapshots are always retained.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from capsa.node.runtime.snapshot.manifest import Snapshot
 from capsa.node.warm_pool import IdentityBinder, bind_sandbox
 
 __all__ = [
+    "LABEL_NIC",
     "LABEL_RETAIN",
     "LABEL_SANDBOX",
     "LABEL_TEMPLATE",
@@ -35,6 +36,7 @@ __all__ = [
     "SnapshottingRuntime",
     "check_branch_count",
     "hostname_for",
+    "nic_mac_of",
     "snapshot_info",
 ]
 
@@ -43,6 +45,9 @@ log = logging.getLogger(__name__)
 LABEL_SANDBOX = "capsa.sandbox"
 LABEL_RETAIN = "capsa.retain"
 LABEL_TEMPLATE = "capsa.template_name"
+LABEL_NIC = "capsa.nic_mac"
+"""The MAC of the sandbox's NIC when it had one (a sandbox with an egress policy): restoring the snapshot
+needs a network, given that MAC (the guest kept the device)."""
 MAX_BRANCHES = 64
 _USER_LABEL_MAX = 32
 
@@ -65,6 +70,11 @@ def snapshot_info(snap: Snapshot) -> dict[str, Any]:
             "parent": m.parent, "memory_mib": m.memory_mib, "vcpus": m.vcpus, "image_digest": m.image_digest,
             "size_bytes": size,
             "labels": {k: v for k, v in labels.items() if not k.startswith("capsa.")}}
+
+
+def nic_mac_of(snap: Snapshot) -> str | None:
+    """The MAC of the snapshot's NIC, None when the sandbox had none."""
+    return snap.manifest.labels.get(LABEL_NIC) or None
 
 
 def _check_labels(labels: Mapping[str, str] | None) -> dict[str, str]:
@@ -92,10 +102,14 @@ class Snapshots:
         self.bind = bind
 
     async def take(self, sandbox_id: str, sandbox: Sandbox, *, template: str, retain: bool,
-                   labels: Mapping[str, str] | None, resume: bool = True) -> dict[str, Any]:
-        """Snapshot a running sandbox; ``resume=False`` leaves it stopped (pause: the caller destroys it)."""
+                   labels: Mapping[str, str] | None, resume: bool = True,
+                   nic_mac: str | None = None) -> dict[str, Any]:
+        """Snapshot a running sandbox; ``resume=False`` leaves it stopped (pause: the caller destroys it).
+        ``nic_mac``: the sandbox's NIC (recorded, so a restore gives the device a network again)."""
         all_labels = {**_check_labels(labels), LABEL_SANDBOX: sandbox_id,
                       LABEL_RETAIN: "1" if retain else "0", LABEL_TEMPLATE: template}
+        if nic_mac is not None:
+            all_labels[LABEL_NIC] = nic_mac
         snap = await self.runtime.snapshot(sandbox, new_id("snap"), resume=resume, labels=all_labels)
         return snapshot_info(snap)
 
@@ -135,9 +149,11 @@ class Snapshots:
         return VMSpec(image=self.image_for(m.image_digest), memory_mib=m.memory_mib, vcpus=m.vcpus,
                       network=network, labels=dict(labels))
 
-    async def restore(self, snap: Snapshot, sandbox_id: str, *, ram_mode: RamMode | None = None) -> Sandbox:
-        """A new sandbox from ``snap``, bound to its identity (hostname from ``sandbox_id``)."""
-        sandbox = await self.runtime.restore(snap, self.spec_for(snap, {"sandbox": sandbox_id}),
+    async def restore(self, snap: Snapshot, sandbox_id: str, *, ram_mode: RamMode | None = None,
+                      network: object | None = None) -> Sandbox:
+        """A new sandbox from ``snap``, bound to its identity (hostname from ``sandbox_id``); ``network``:
+        the NIC's new tap (the runtime sets the guest's address for it)."""
+        sandbox = await self.runtime.restore(snap, self.spec_for(snap, {"sandbox": sandbox_id}, network),
                                              sandbox_id=sandbox_id, ram_mode=ram_mode or self.ram_mode)
         try:
             await self.bind(sandbox, hostname_for(sandbox_id))
@@ -146,12 +162,16 @@ class Snapshots:
             raise
         return sandbox
 
-    async def branch(self, snap: Snapshot, sandbox_ids: Sequence[str]) -> builtins.list[Sandbox]:
-        """One new sandbox per id from ``snap``, restored concurrently with private RAM. All or nothing."""
+    async def branch(self, snap: Snapshot, sandbox_ids: Sequence[str], *,
+                     networks: Sequence[object | None] | None = None) -> builtins.list[Sandbox]:
+        """One new sandbox per id from ``snap``, restored concurrently with private RAM. All or nothing.
+        ``networks``: one per id, for a snapshot with a NIC."""
         check_branch_count(len(sandbox_ids))
+        nets = list(networks) if networks is not None else [None] * len(sandbox_ids)
         results = await asyncio.gather(
-            *(self.runtime.restore(snap, self.spec_for(snap, {"sandbox": sid}), sandbox_id=sid,
-                                   ram_mode=RamMode.PRIVATE) for sid in sandbox_ids),
+            *(self.runtime.restore(snap, self.spec_for(snap, {"sandbox": sid}, net), sandbox_id=sid,
+                                   ram_mode=RamMode.PRIVATE)
+              for sid, net in zip(sandbox_ids, nets, strict=True)),
             return_exceptions=True)
         made = [r for r in results if not isinstance(r, BaseException)]
         errors = [r for r in results if isinstance(r, BaseException)]

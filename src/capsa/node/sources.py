@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from capsa.common.errors import CapsaError
 from capsa.common.image import GuestImage
 from capsa.node.egress.node_egress import NodeEgress
+from capsa.node.egress.trust_store import TrustStore
 from capsa.node.net.sandbox_net import SandboxNet
 from capsa.node.runtime.base import RamMode, Runtime, Sandbox, VMSpec
 from capsa.node.snapshots import SnapshottingRuntime, hostname_for
@@ -48,6 +49,9 @@ NET_TEMPLATE = "base-net"
 NET_TEMPLATE_MAC = "02:ca:00:00:00:01"
 
 Prepare = Callable[[Sandbox], Awaitable[None]]
+Attach = Callable[[SandboxNet | None], Awaitable[SandboxNet]]
+"""Attaches the sandbox's egress and returns its network: onto a pooled VM's network when given one
+(which the sandbox then owns, also if this fails), else onto a new namespace and tap."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,9 @@ class SandboxRequest:
     template: str
     memory_mib: int
     vcpus: int
-    network: SandboxNet | None = None
-    """The sandbox's tap (from egress); None: no NIC."""
+    attach: Attach | None = None
+    """How the sandbox gets its NIC's network (egress); None: no NIC. The source calls it exactly once
+    before it returns (also when it fails after that, the caller detaches)."""
     prepare: Prepare | None = None
     """Run on the new sandbox before it counts as made (e.g. install the egress CA); if it fails, the
     sandbox is destroyed."""
@@ -71,6 +76,8 @@ class MadeSandbox:
     snapshot: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     """The template's own env (the request's goes over it)."""
+    nic_mac: str | None = None
+    """The MAC of its NIC, if it has one (a snapshot of it must be restored with the same)."""
 
 
 class SandboxSource(Protocol):
@@ -131,15 +138,25 @@ class ColdBootSource:
         return None
 
     async def make(self, request: SandboxRequest) -> MadeSandbox:
-        image = self.images.get(request.template)
+        image = self._image(request.template)
+        network = await request.attach(None) if request.attach is not None else None
+        return await self.boot(request, network, image)
+
+    def _image(self, template: str) -> GuestImage:
+        image = self.images.get(template)
         if image is None:
-            raise CapsaError(f"template {request.template!r} not on this node", code="template_not_found",
-                             status=404)
-        spec = VMSpec(image=image, memory_mib=request.memory_mib, vcpus=request.vcpus,
-                      network=request.network,
+            raise CapsaError(f"template {template!r} not on this node", code="template_not_found", status=404)
+        return image
+
+    async def boot(self, request: SandboxRequest, network: SandboxNet | None,
+                   image: GuestImage | None = None) -> MadeSandbox:
+        """Cold-boot ``request`` on ``network`` (already attached)."""
+        spec = VMSpec(image=image or self._image(request.template), memory_mib=request.memory_mib,
+                      vcpus=request.vcpus, network=network,
                       labels={"sandbox": request.sandbox_id, "template": request.template})
         sandbox = await self.runtime.boot(spec, sandbox_id=request.sandbox_id)
-        return MadeSandbox(await _prepared(self.runtime, sandbox, request.prepare), "boot")
+        return MadeSandbox(await _prepared(self.runtime, sandbox, request.prepare), "boot",
+                           nic_mac=network.mac if network is not None else None)
 
 
 class TemplateSource:
@@ -148,10 +165,14 @@ class TemplateSource:
     def __init__(self, runtime: SnapshottingRuntime, image: GuestImage, *, egress: NodeEgress | None = None,
                  pool_size: int = 1, pool_sizes: Mapping[str, int] | None = None,
                  ram_mode: RamMode = RamMode.COPY, base_memory_mib: int = 256, base_vcpus: int = 1,
-                 bind: IdentityBinder = bind_sandbox, metrics: PoolMetrics | None = None) -> None:
+                 bind: IdentityBinder = bind_sandbox, metrics: PoolMetrics | None = None,
+                 trust: TrustStore | None = None) -> None:
         self.runtime = runtime
         self.image = image
         self.egress = egress
+        self.trust = trust or TrustStore()
+        self._pool_nets: dict[str, tuple[SandboxNet, str]] = {}
+        """pooled VM id -> its network (a namespace and tap without a broker) and its template snapshot"""
         self.ram_mode = ram_mode
         self.bind = bind
         self.store = TemplateStore(runtime, image, base_memory_mib=base_memory_mib, base_vcpus=base_vcpus)
@@ -172,6 +193,9 @@ class TemplateSource:
             await asyncio.to_thread(remove_stale_work, self.store.root)
             base = await self.store.ensure_base(self.store.base_memory_mib, self.store.base_vcpus)
             self.warm.watch(base.key)
+            if self.egress is not None:
+                # Networked sessions of base come from base-net's pool (built by its first refill).
+                self.warm.watch((NET_TEMPLATE, base.memory_mib, base.vcpus))
             for t in await asyncio.to_thread(self.store.all):
                 if t.name not in (BASE, NET_TEMPLATE) and await asyncio.to_thread(self.store.is_current, t):
                     self.warm.watch(t.key)
@@ -229,29 +253,54 @@ class TemplateSource:
                       network=network, labels=dict(labels))
 
     async def _pool_restore(self, key: PoolKey) -> Sandbox:
-        template = await self.store.resolve(*key)
-        sandbox = await self.runtime.restore(template.snapshot,
-                                             self._spec(template, {"template": key[0], "pooled": "1"}),
-                                             ram_mode=self.ram_mode)
+        if key[0] == NET_TEMPLATE:
+            sandbox = await self._pool_restore_networked(key)
+        else:
+            template = await self.store.resolve(*key)
+            sandbox = await self.runtime.restore(template.snapshot,
+                                                 self._spec(template, {"template": key[0], "pooled": "1"}),
+                                                 ram_mode=self.ram_mode)
         try:
             # A restored guest starts with cold caches (under TCG: no translated code; its RAM pages are
             # faulted in from the snapshot on first touch), so its first command is slow. Spend that on
             # a throwaway command while it waits in the pool, not on the user's first one.
             await sandbox.guest.exec(["sh", "-c", "true"], timeout=60)
         except BaseException:
-            await asyncio.shield(self.runtime.destroy(sandbox))
+            await asyncio.shield(self._pool_destroy(sandbox))
             raise
         return sandbox
 
+    async def _pool_restore_networked(self, key: PoolKey) -> Sandbox:
+        """base-net restored onto a network of its own (firewalled, no broker until a session binds it:
+        the guest's address, route and DNS are set for it now, so a bind only attaches the broker)."""
+        if self.egress is None:
+            raise CapsaError("this node has no egress service", code="egress_unavailable", status=503)
+        template = await self.net_template(key[1], key[2])
+        net = await self.egress.pool_network()
+        try:
+            spec = self._spec(template, {"template": NET_TEMPLATE, "pooled": "1"},
+                              network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC))
+            sandbox = await self.runtime.restore(template.snapshot, spec, ram_mode=RamMode.COPY)
+        except BaseException:
+            await asyncio.shield(self.egress.release_network(net))
+            raise
+        self._pool_nets[sandbox.id] = (net, template.snapshot.id)
+        return sandbox
+
     async def _pool_destroy(self, sandbox: Sandbox) -> None:
-        await self.runtime.destroy(sandbox)
+        try:
+            await self.runtime.destroy(sandbox)
+        finally:
+            pooled = self._pool_nets.pop(sandbox.id, None)
+            if pooled is not None and self.egress is not None:
+                await self.egress.release_network(pooled[0])
 
     async def make(self, request: SandboxRequest) -> MadeSandbox:
         if request.template == NET_TEMPLATE:
             # Its NIC needs a tap: it only serves sessions of ``base`` with a policy.
             raise CapsaError(f"template {request.template!r} is internal to the node",
                              code="template_not_found", status=404)
-        if request.network is not None:
+        if request.attach is not None:
             return await self._make_networked(request)
         tpl = await self.store.resolve(request.template, request.memory_mib, request.vcpus)
         try:
@@ -273,23 +322,39 @@ class TemplateSource:
         return MadeSandbox(sandbox, source, tpl.snapshot.id, dict((tpl.spec or {}).get("env") or {}))
 
     async def _make_networked(self, request: SandboxRequest) -> MadeSandbox:
-        """``base`` restored from ``base-net`` onto the request's tap; any other template, or a failed
-        restore, cold-boots."""
-        if request.template != BASE or self.egress is None or request.network is None:
+        """``base`` bound from base-net's warm pool (egress attached onto the pooled VM's network) or
+        restored from base-net onto the request's new tap; any other template, or a failed restore,
+        cold-boots."""
+        if request.template != BASE or self.egress is None or request.attach is None:
             return await self.cold.make(request)
+        key: PoolKey = (NET_TEMPLATE, request.memory_mib, request.vcpus)
+        network: SandboxNet | None = None
         try:
-            tpl = await self.net_template(request.memory_mib, request.vcpus)
-            spec = self._spec(tpl, {"sandbox": request.sandbox_id, "template": BASE},
-                              network=dataclasses.replace(request.network, mac=NET_TEMPLATE_MAC))
-            sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
-                                                 ram_mode=RamMode.COPY)
+            sandbox = self.warm.take(key)
+            if sandbox is not None:
+                net, snapshot_id = self._pool_nets.pop(sandbox.id)
+                source = "pool"
+                try:
+                    network = await request.attach(net)
+                except BaseException:
+                    await asyncio.shield(self.runtime.destroy(sandbox))
+                    raise
+            else:
+                source = "restore"
+                tpl = await self.net_template(request.memory_mib, request.vcpus)
+                snapshot_id = tpl.snapshot.id
+                network = await request.attach(None)
+                spec = self._spec(tpl, {"sandbox": request.sandbox_id, "template": BASE},
+                                  network=dataclasses.replace(network, mac=NET_TEMPLATE_MAC))
+                sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
+                                                     ram_mode=RamMode.COPY)
             try:
                 await self.bind(sandbox, hostname_for(request.sandbox_id))
             except BaseException:
                 await asyncio.shield(self.runtime.destroy(sandbox))
                 raise
             sandbox = await _prepared(self.runtime, sandbox, request.prepare)
-            return MadeSandbox(sandbox, "restore", tpl.snapshot.id)
+            return MadeSandbox(sandbox, source, snapshot_id, nic_mac=NET_TEMPLATE_MAC)
         except CapsaError as exc:
             # The request's own faults (bad ids or secrets, a full node) would fail a cold boot too.
             if exc.status in (400, 404, 422, 503) or exc.code == "already_exists":
@@ -299,7 +364,11 @@ class TemplateSource:
         except Exception as exc:
             log.warning("restoring %s from %s failed, cold-booting it: %s", request.sandbox_id, NET_TEMPLATE,
                         exc)
-        return await self.cold.make(request)
+        finally:
+            self.warm.watch(key)
+        if network is None:
+            network = await request.attach(None)
+        return await self.cold.boot(request, network, self.image)
 
     async def net_template(self, memory_mib: int, vcpus: int) -> Template:
         """``base`` with a NIC (MAC :data:`NET_TEMPLATE_MAC`), cold-booted and snapshotted on first use."""
@@ -316,4 +385,14 @@ class TemplateSource:
                               network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC),
                               labels={"template": NET_TEMPLATE})
                 sandbox = await self.runtime.boot(spec)
+                try:
+                    # The image's own CA bundle, kept so that installing a sandbox CA is a file write.
+                    result = await sandbox.guest.exec(self.trust.prepare_script(), timeout=60)
+                    if result.exit_code != 0:
+                        raise CapsaError("could not prepare the trust store of base-net: "
+                                         f"{result.stderr[-300:]!r}", code="template_build_failed",
+                                         status=500)
+                except BaseException:
+                    await asyncio.shield(self.runtime.destroy(sandbox))
+                    raise
                 return await store.store(NET_TEMPLATE, sandbox, spec=None)

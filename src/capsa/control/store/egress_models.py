@@ -47,6 +47,8 @@ class SessionPolicyRow(Base):
                                             primary_key=True)
     policy: Mapped[dict[str, Any]] = mapped_column(JSON)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    placeholders: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+    """secret id -> the placeholder the session's guest holds for it (sent with every sandbox start)."""
 
 
 class AuditEventRow(Base):

@@ -18,7 +18,8 @@ router = APIRouter(tags=["egress"])
 @router.put("/sandboxes/{sandbox_id}/policy", response_model=PolicyUpdated)
 async def update_policy(agent: Agent, sandbox_id: str, body: PolicyUpdate) -> PolicyUpdated:
     reissued = await agent.update_policy(sandbox_id, EgressPolicy.from_data(body.policy),
-                                         {k: v.get_secret_value() for k, v in body.secrets.items()})
+                                         {k: v.get_secret_value() for k, v in body.secrets.items()},
+                                         body.placeholders)
     return PolicyUpdated(ca_reissued=reissued)
 
 

@@ -22,7 +22,7 @@ def sandbox_info(record: SandboxRecord) -> SandboxInfo:
 async def create_sandbox(agent: Agent, body: SandboxCreate) -> SandboxInfo:
     policy = EgressPolicy.from_data(body.policy) if body.policy is not None else None
     record = await agent.create(body.id, body.template, body.memory_mib, body.vcpus, body.env, policy=policy,
-                                session_id=body.session_id,
+                                session_id=body.session_id, placeholders=body.placeholders,
                                 secrets={k: v.get_secret_value() for k, v in body.secrets.items()})
     return sandbox_info(record)
 

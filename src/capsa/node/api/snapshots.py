@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from collections.abc import Mapping
+from typing import Any
 
+from fastapi import APIRouter, Response
+from pydantic import SecretStr
+
+from capsa.common.egress_policy import EgressPolicy
 from capsa.common.node_api import (
     BranchRequest,
     PauseRequest,
@@ -16,6 +21,7 @@ from capsa.common.node_api import (
 )
 from capsa.node.api.deps import Agent
 from capsa.node.api.sandboxes import sandbox_info
+from capsa.node.egress.node_egress import EgressRequest
 
 __all__ = ["router"]
 
@@ -38,14 +44,28 @@ async def pause(agent: Agent, sandbox_id: str, body: PauseRequest) -> SnapshotIn
     return SnapshotInfo.model_validate(await agent.pause(sandbox_id, labels=body.labels))
 
 
+def _egress(policy: dict[str, Any] | None, secrets: Mapping[str, SecretStr], placeholders: Mapping[str, str],
+            session_id: str | None) -> EgressRequest | None:
+    if policy is None:
+        return None
+    values = {k: v.get_secret_value() for k, v in secrets.items()}
+    return EgressRequest(EgressPolicy.from_data(policy), values, dict(placeholders), session_id)
+
+
 @router.post("/snapshots/{snapshot_id}/restore", status_code=201, response_model=SandboxInfo)
 async def restore(agent: Agent, snapshot_id: str, body: RestoreRequest) -> SandboxInfo:
-    return sandbox_info(await agent.restore(snapshot_id, body.id, body.env))
+    egress = _egress(body.policy, body.secrets, body.placeholders, body.session_id)
+    return sandbox_info(await agent.restore(snapshot_id, body.id, body.env, egress=egress))
 
 
 @router.post("/snapshots/{snapshot_id}/branch", status_code=201, response_model=SandboxList)
 async def branch(agent: Agent, snapshot_id: str, body: BranchRequest) -> SandboxList:
-    return SandboxList(items=[sandbox_info(r) for r in await agent.branch(snapshot_id, body.ids, body.env)])
+    egress = None
+    if body.egress is not None:
+        egress = [r for r in (_egress(e.policy, e.secrets, e.placeholders, e.session_id) for e in body.egress)
+                  if r is not None]
+    records = await agent.branch(snapshot_id, body.ids, body.env, egress=egress)
+    return SandboxList(items=[sandbox_info(r) for r in records])
 
 
 @router.get("/snapshots", response_model=SnapshotList)

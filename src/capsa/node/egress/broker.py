@@ -25,7 +25,7 @@ import socket
 import ssl
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import unquote, urlsplit
@@ -42,7 +42,7 @@ from capsa.node.egress.dns import DnsAnswer, DnsServerProtocol, ResolveError, Re
 from capsa.node.egress.limits import BrokerLimits, ByteBudget, Pace
 from capsa.node.egress.policy import DomainRule, EgressPolicy, SecretBinding
 from capsa.node.egress.redaction import SecretLeak, SecretPatterns, StreamRedactor
-from capsa.node.egress.secrets import SecretStore, new_placeholder
+from capsa.node.egress.secrets import SecretStore, is_placeholder, new_placeholder
 from capsa.node.net.nsexec import open_listener
 from capsa.node.net.sandbox_net import ServicePorts
 
@@ -167,6 +167,23 @@ class SandboxEgress:
 
 
 _is_ip_literal = is_ip_literal
+
+
+def _assign(policy: EgressPolicy, current: Mapping[str, SecretBinding],
+            given: Mapping[str, str]) -> dict[str, SecretBinding]:
+    """placeholder -> binding for ``policy``: a binding keeps the placeholder its secret has in
+    ``current``, else takes the one ``given`` for its secret, else a new one. A secret bound twice gets
+    one placeholder per binding (the given one goes to the first)."""
+    out: dict[str, SecretBinding] = {}
+    for binding in policy.secrets:
+        old = next((ph for ph, b in current.items() if b.secret == binding.secret and ph not in out), None)
+        wanted = given.get(binding.secret)
+        if old is None and wanted is not None and wanted not in out:
+            if not is_placeholder(wanted):
+                raise BrokerError(f"not a placeholder for {binding.secret}", code="bad_request", status=422)
+            old = wanted
+        out[old or new_placeholder()] = binding
+    return out
 
 
 def _scrub(sbx: SandboxEgress, path: str) -> str:
@@ -304,15 +321,18 @@ class EgressBroker:
     # -- sandbox lifecycle -------------------------------------------------------------------------
 
     def register(self, sandbox_id: str, guest_ip: str, policy: EgressPolicy, *,
-                 session_id: str | None = None) -> SandboxEgress:
+                 session_id: str | None = None,
+                 placeholders: Mapping[str, str] | None = None) -> SandboxEgress:
+        """``placeholders`` (secret id -> placeholder) are the session's own, recorded by the control plane
+        (a restored or branched sandbox gets the ones its guest already holds); a binding without one gets
+        a new random placeholder."""
         if sandbox_id in self._sandboxes:
             raise BrokerError(f"sandbox {sandbox_id} is already registered", code="conflict", status=409)
         ipaddress.ip_address(guest_ip)
         sbx = SandboxEgress(sandbox_id, session_id, guest_ip, policy,
                             SandboxCA(sandbox_id, [r.domain for r in policy.domains]))
         sbx.budget = ByteBudget(self.limits.buffer_bytes_per_sandbox, parent=self.budget)
-        for binding in policy.secrets:
-            sbx.placeholders[new_placeholder()] = binding
+        sbx.placeholders = _assign(policy, {}, placeholders or {})
         self._sandboxes[sandbox_id] = sbx
         self._tls_contexts[sandbox_id] = self._make_sni_context(sbx)
         return sbx
@@ -323,15 +343,13 @@ class EgressBroker:
         except KeyError:
             raise BrokerError(f"unknown sandbox {sandbox_id}", code="not_found", status=404) from None
 
-    def update_policy(self, sandbox_id: str, policy: EgressPolicy) -> PolicyUpdate:
+    def update_policy(self, sandbox_id: str, policy: EgressPolicy,
+                      placeholders: Mapping[str, str] | None = None) -> PolicyUpdate:
         """Replace a running sandbox's policy. Placeholders of bindings that remain keep their value;
-        new bindings get new placeholders (see ``placeholder_env``); removed ones stop working."""
+        new bindings get the given placeholder or a new one (see ``placeholder_env``); removed ones stop
+        working."""
         sbx = self.get(sandbox_id)
-        kept: dict[str, SecretBinding] = {}
-        for binding in policy.secrets:
-            old = next((ph for ph, b in sbx.placeholders.items()
-                        if b.secret == binding.secret and ph not in kept), None)
-            kept[old or new_placeholder()] = binding
+        kept = _assign(policy, sbx.placeholders, placeholders or {})
         reissue = any(not sbx.ca.covers(r.domain[2:] if r.is_wildcard else r.domain) for r in policy.domains)
         sbx.policy = policy
         sbx.placeholders = kept

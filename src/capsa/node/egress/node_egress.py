@@ -12,6 +12,7 @@ import contextlib
 import os
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
@@ -22,31 +23,30 @@ from capsa.node.egress.limits import raise_nofile
 from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import AttachedNetwork, EgressService
+from capsa.node.egress.trust_store import CA_BUNDLE, CA_PATH
 from capsa.node.net.sandbox_net import NETNS_PREFIX, NetworkManager, SandboxNet
 
-__all__ = ["CA_BUNDLE", "CA_PATH", "NodeEgress", "install_ca_script"]
-
-CA_PATH = "/usr/local/share/ca-certificates/capsa-egress.crt"
-CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+__all__ = ["CA_BUNDLE", "CA_PATH", "EgressRequest", "NodeEgress"]
 
 
-def install_ca_script() -> list[str]:
-    """The guest command that puts the file at CA_PATH into the system bundle (replacing an earlier one).
+@dataclass(frozen=True)
+class EgressRequest:
+    """What a sandbox with a policy is attached with: the control plane's record of its session."""
 
-    The bundle is rebuilt from a copy of the image's own bundle plus our CA, not with update-ca-certificates:
-    that rehashes every certificate and takes seconds under TCG, and a re-issued CA must replace, not join,
-    the previous one.
-    """
-    script = (f'b={CA_BUNDLE}; [ -f "$b.capsa-base" ] || cp "$b" "$b.capsa-base" 2>/dev/null '
-              f'|| : > "$b.capsa-base"; cat "$b.capsa-base" {CA_PATH} > "$b.capsa-tmp" '
-              '&& mv "$b.capsa-tmp" "$b"')
-    return ["sh", "-c", script]
+    policy: EgressPolicy
+    secrets: Mapping[str, str] = field(default_factory=dict)
+    """Values of the secrets the policy binds, by id."""
+    placeholders: Mapping[str, str] = field(default_factory=dict)
+    """secret id -> the session's placeholder (what its guest holds); missing ones are made up."""
+    session_id: str | None = None
+    """The audit identity of the sandbox's events."""
 
 
 class NodeEgress:
     def __init__(self, service: EgressService, store: InMemorySecretStore, audit: AuditLog) -> None:
         self.service, self.store, self.audit = service, store, audit
         self._uses: dict[str, set[str]] = {}  # sandbox id -> secret ids its policy binds
+        self._pool_nets: dict[str, SandboxNet] = {}  # networks of pooled VMs no sandbox has taken yet
 
     @classmethod
     def create(cls, *, pool: str = "10.231.0.0/16", netns_prefix: str = NETNS_PREFIX,
@@ -69,7 +69,8 @@ class NodeEgress:
 
     async def cleanup_stale(self) -> list[str]:
         """Remove namespaces (and their taps and rules) a previous process of this agent left behind."""
-        return await self.service.manager.cleanup_stale(keep=set(self.service._attached))
+        keep = {net.sandbox_id for net, _ in self.service._attached.values()} | set(self._pool_nets)
+        return await self.service.manager.cleanup_stale(keep=keep)
 
     def _store_secrets(self, sandbox_id: str, policy: EgressPolicy, values: Mapping[str, str]) -> None:
         wanted = {b.secret for b in policy.secrets}
@@ -88,20 +89,33 @@ class NodeEgress:
                 self.store.delete(secret_id)
 
     async def attach(self, sandbox_id: str, policy: EgressPolicy, values: Mapping[str, str], *,
-                     session_id: str | None) -> AttachedNetwork:
-        self._store_secrets(sandbox_id, policy, values)
+                     session_id: str | None, placeholders: Mapping[str, str] | None = None,
+                     net: SandboxNet | None = None) -> AttachedNetwork:
+        """Give the sandbox its broker registration, listeners, CA and placeholders (``placeholders``:
+        secret id -> the session's placeholder; missing ones are made up) on a new namespace and tap, or
+        on ``net``, a pooled VM's network from :meth:`pool_network`, which the sandbox then owns."""
+        if net is not None:
+            self._pool_nets.pop(net.sandbox_id, None)
         try:
-            return await self.service.attach(sandbox_id, policy, session_id=session_id)
+            self._store_secrets(sandbox_id, policy, values)
+        except BaseException:
+            if net is not None:
+                await asyncio.shield(self.service.manager.destroy(net))
+            raise
+        try:
+            return await self.service.attach(sandbox_id, policy, session_id=session_id,
+                                             placeholders=placeholders, net=net)
         except BaseException:
             self._uses.pop(sandbox_id, None)
             self._drop_unused()
             raise
 
-    def update_policy(self, sandbox_id: str, policy: EgressPolicy, values: Mapping[str, str]) -> PolicyUpdate:
+    def update_policy(self, sandbox_id: str, policy: EgressPolicy, values: Mapping[str, str],
+                      placeholders: Mapping[str, str] | None = None) -> PolicyUpdate:
         previous = self._uses.get(sandbox_id, set())
         self._store_secrets(sandbox_id, policy, values)
         try:
-            update = self.service.update_policy(sandbox_id, policy)
+            update = self.service.update_policy(sandbox_id, policy, placeholders)
         except BaseException:
             self._uses[sandbox_id] = previous
             raise
@@ -130,10 +144,27 @@ class NodeEgress:
         finally:
             await asyncio.shield(manager.destroy(net))
 
+    async def pool_network(self) -> SandboxNet:
+        """A namespace, tap and firewall (no broker: nothing leaves it) for a VM waiting in the warm pool;
+        a sandbox takes it over in :meth:`attach`, or :meth:`release_network` removes it."""
+        net = await self.service.manager.create(new_id("sbx"))
+        self._pool_nets[net.sandbox_id] = net
+        return net
+
+    async def release_network(self, net: SandboxNet) -> None:
+        """Remove a pooled VM's network that no sandbox took (idempotent)."""
+        self._pool_nets.pop(net.sandbox_id, None)
+        await self.service.manager.destroy(net)
+
+    def pool_networks(self) -> list[SandboxNet]:
+        return list(self._pool_nets.values())
+
     def holds_secret(self, secret_id: str) -> bool:
         return secret_id in self.store.ids()
 
     async def close(self) -> None:
+        for net in list(self._pool_nets.values()):
+            await self.release_network(net)
         await self.service.close()
         await self.service.broker.close()
         self._uses.clear()

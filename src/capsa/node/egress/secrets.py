@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import os
-import secrets as _random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,17 +17,19 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from capsa.common.errors import CapsaError
+from capsa.common.placeholders import PLACEHOLDER_PREFIX, is_placeholder, new_placeholder
 
 __all__ = [
+    "PLACEHOLDER_PREFIX",
     "InMemorySecretStore",
     "SecretBox",
     "SecretError",
     "SecretStore",
+    "is_placeholder",
     "new_placeholder",
 ]
 
 _VERSION = b"\x01"
-PLACEHOLDER_PREFIX = "capsa_ph_"
 
 
 class SecretError(CapsaError):
@@ -115,7 +116,3 @@ class InMemorySecretStore:
     def __repr__(self) -> str:  # never print values, not even encrypted ones
         return f"InMemorySecretStore({len(self._blobs)} secrets)"
 
-
-def new_placeholder() -> str:
-    """A random opaque token (~190 bits) that means nothing outside the broker."""
-    return PLACEHOLDER_PREFIX + _random.token_urlsafe(24)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from capsa.node.egress.audit import AuditSink
@@ -45,13 +46,18 @@ class EgressService:
         self._poller: asyncio.Task[None] | None = None
 
     async def attach(self, sandbox_id: str, policy: EgressPolicy | None, *,
-                     session_id: str | None = None) -> AttachedNetwork:
-        net = await self.manager.create(sandbox_id)
+                     session_id: str | None = None, placeholders: Mapping[str, str] | None = None,
+                     net: SandboxNet | None = None) -> AttachedNetwork:
+        """``net``: a namespace and tap made earlier (a pooled VM's, :meth:`NetworkManager.create`) that
+        the sandbox takes over, instead of new ones; from here on it is the sandbox's (also on failure)."""
+        if net is None:
+            net = await self.manager.create(sandbox_id)
         try:
             env: dict[str, str] = {}
             ca_pem = b""
             if policy is not None:
-                sbx = self.broker.register(sandbox_id, net.guest_ip, policy, session_id=session_id)
+                sbx = self.broker.register(sandbox_id, net.guest_ip, policy, session_id=session_id,
+                                           placeholders=placeholders)
                 await self.broker.listen(sandbox_id, net.gateway_ip, netns=net.netns, ports=net.ports)
                 ca_pem = sbx.ca.cert_pem
                 env = {"HTTP_PROXY": net.proxy_url, "HTTPS_PROXY": net.proxy_url,
@@ -65,8 +71,9 @@ class EgressService:
             self._poller = asyncio.create_task(self._poll_forever())
         return AttachedNetwork(net, ca_pem, env, policy is not None)
 
-    def update_policy(self, sandbox_id: str, policy: EgressPolicy) -> PolicyUpdate:
-        return self.broker.update_policy(sandbox_id, policy)
+    def update_policy(self, sandbox_id: str, policy: EgressPolicy,
+                      placeholders: Mapping[str, str] | None = None) -> PolicyUpdate:
+        return self.broker.update_policy(sandbox_id, policy, placeholders)
 
     async def detach(self, sandbox_id: str) -> None:
         """Close listeners, forget CA and placeholders, remove namespace/tap/rules. Idempotent."""

@@ -1,0 +1,85 @@
+"""Putting a sandbox's egress CA into the guest's trust store.
+
+The guest's TLS libraries (OpenSSL, GnuTLS, Python's ssl, curl) read one bundle file,
+``/etc/ssl/certs/ca-certificates.crt``. The node keeps a copy of the image's own bundle beside it
+(``<bundle>.capsa-base``, made once when a networked template is built: :meth:`TrustStore.prepare_script`)
+and installs a CA by writing the bundle as that copy plus the CA: two file reads/writes over the guest
+channel and no process in the guest. A guest without the copy (a cold boot) gets it from a shell script
+instead (:meth:`TrustStore.install_script`). Either way a re-issued CA replaces, not joins, the previous one.
+Not ``update-ca-certificates``: it rehashes every certificate and takes seconds under TCG.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from capsa.common.errors import CapsaError
+
+__all__ = ["CA_BUNDLE", "CA_PATH", "TrustGuest", "TrustStore"]
+
+CA_PATH = "/usr/local/share/ca-certificates/capsa-egress.crt"
+CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+_MAX_BUNDLE = 16 << 20
+
+
+class _Result(Protocol):
+    @property
+    def exit_code(self) -> int | None: ...
+    @property
+    def stderr(self) -> bytes: ...
+
+
+class TrustGuest(Protocol):
+    """The guest calls a CA install needs (:class:`capsa.node.guest_client.GuestClient` has them)."""
+
+    async def read_file(self, path: str, max_bytes: int = ...) -> bytes: ...
+
+    async def write_file(self, path: str, data: bytes, mode: int | None = None) -> object: ...
+
+    async def exec(self, cmd: list[str], *, timeout: float | None = None) -> _Result: ...  # noqa: ASYNC109
+
+
+@dataclass(frozen=True)
+class TrustStore:
+    """Where the guest's trust store is (the defaults are Debian's; tests point it elsewhere)."""
+
+    bundle: str = CA_BUNDLE
+    ca_file: str = CA_PATH
+
+    @property
+    def base(self) -> str:
+        """The image's own bundle, kept so a CA can be added to it by a file write."""
+        return self.bundle + ".capsa-base"
+
+    def prepare_script(self) -> list[str]:
+        """Keep a copy of the image's bundle (once): run in a template's guest before it is snapshotted."""
+        return ["sh", "-c", f'b={self.bundle}; mkdir -p "$(dirname "$b")" && {{ [ -f "{self.base}" ] || '
+                            f'cp "$b" "{self.base}" 2>/dev/null || : > "{self.base}"; }}']
+
+    def install_script(self) -> list[str]:
+        """The guest command that puts the file at :attr:`ca_file` into the bundle (slow path)."""
+        b = self.bundle
+        return ["sh", "-c", f'b={b}; mkdir -p "$(dirname "$b")" && {{ [ -f "{self.base}" ] || '
+                            f'cp "$b" "{self.base}" 2>/dev/null || : > "{self.base}"; }} && '
+                            f'cat "{self.base}" {self.ca_file} > "$b.capsa-tmp" && mv "$b.capsa-tmp" "$b"']
+
+    async def install(self, guest: TrustGuest, ca_pem: bytes) -> bool:
+        """Make the guest trust ``ca_pem`` (and no CA installed before it). Returns whether it took the
+        fast path (file writes only, no process in the guest)."""
+        try:
+            base = await guest.read_file(self.base, max_bytes=_MAX_BUNDLE)
+        except CapsaError as exc:
+            if exc.code != "not_found":
+                raise
+            await guest.write_file(self.ca_file, ca_pem, mode=0o644)
+            result = await guest.exec(self.install_script(), timeout=60)
+            if result.exit_code != 0:
+                raise CapsaError(f"could not install the egress CA in the guest: {result.stderr[-300:]!r}",
+                                 code="egress_setup_failed", status=500) from None
+            return False
+        if base and not base.endswith(b"\n"):
+            base += b"\n"
+        await guest.write_file(self.bundle, base + ca_pem, mode=0o644)
+        await guest.write_file(self.ca_file, ca_pem, mode=0o644)
+        return True
