@@ -26,6 +26,7 @@ from capsa.control.settings import ControlSettings
 from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.api import create_node_app
 from capsa.node.egress.node_egress import NodeEgress
+from capsa.node.egress.trust_store import TrustStore
 from capsa.node.runtime.base import Runtime, SnapshotCapable
 from capsa.node.snapshots import Snapshots, SnapshottingRuntime
 from capsa.node.sources import ColdBootSource
@@ -81,6 +82,8 @@ class ApiStack:
     capacity: NodeCapacity = field(default_factory=lambda: NodeCapacity(8192, 32, 16))
     node_id: str = "node-test"
     egress: NodeEgress | None = None
+    trust: TrustStore | None = None
+    """Where the node puts the egress CA in a guest (host-process guests: somewhere in their /tmp)."""
     snapshots: bool = True
     """Give the agent its snapshots part (when the runtime can snapshot); False: a node without."""
     admin_key: str = ""
@@ -115,7 +118,7 @@ class ApiStack:
             bind = self.runtime.bind_identity if isinstance(self.runtime, FakeRuntime) else bind_sandbox
             snapshots = Snapshots(cast(SnapshottingRuntime, self.runtime), source.image_for, bind=bind)
         self.agent = NodeAgent(self.runtime, self.image, node_id=self.node_id, capacity=self.capacity,
-                               egress=self.egress, source=source, snapshots=snapshots)
+                               egress=self.egress, source=source, snapshots=snapshots, trust=self.trust)
         await self.agent.start()
         self._node = await serve_app(
             create_node_app(self.agent, self.node_token), uds=str(self._tmp / "node.sock"), lifespan="off"
