@@ -4,7 +4,7 @@ A :class:`NodeAgent` with the template source and egress builds ``base-net`` (``
 fixed MAC, booted once on a throwaway tap) and restores a sandbox with a policy from it onto that
 sandbox's own tap: the create source is ``restore``, the guest has this sandbox's address, the allowed
 HTTPS call goes through the broker with the secret injected, a direct IP is refused, and destroying it
-removes namespace, tap and rules. When the restore fails, the sandbox cold-boots (source ``boot``) on the
+removes namespace, tap and rules; its snapshot carries the NIC (restoring it needs the policy). When the restore fails, the sandbox cold-boots (source ``boot``) on the
 same tap instead and nothing of the failed attempt is left.
 
 Every address involved lives in namespaces this test creates (tests.support.outside's outside
@@ -160,10 +160,12 @@ async def test_policy_sessions_are_restored_from_the_networked_template(
                     await agent.create("sbx_" + secrets.token_hex(10), NET_TEMPLATE, 256, 1, {})
                 assert internal.value.code == "template_not_found"
 
-                # Snapshots of networked sandboxes are still refused.
+                # A networked sandbox's snapshot carries its NIC: restoring it takes the session's policy.
+                snap = await agent.snapshot(sid)
                 with pytest.raises(CapsaError) as refused:
-                    await agent.snapshot(sid)
-                assert refused.value.code == "snapshot_unsupported"
+                    await agent.restore(snap["id"], "sbx_" + secrets.token_hex(10), {})
+                assert refused.value.code == "policy_required"
+                agent.delete_snapshot(snap["id"])
 
                 await agent.destroy(sid)
                 assert egress.network(sid) is None

@@ -59,8 +59,8 @@ async def node(tmp_path: Path) -> AsyncIterator[tuple[NodeAgent, NodeEgress, str
     egress = NodeEgress.create(pool=f"10.233.{100 + secrets.randbelow(100)}.0/24", netns_prefix=prefix)
     runtime = FakeRuntime()
     image = fake_image(tmp_path / "img")
-    source = TemplateSource(runtime, image, egress=egress, pool_size=1, bind=runtime.bind_identity,
-                            trust=TRUST)
+    source = TemplateSource(runtime, image, egress=egress, pool_size=1, pool_sizes={NET_TEMPLATE: 1},
+                            bind=runtime.bind_identity, trust=TRUST)
     agent = NodeAgent(runtime, image, capacity=NodeCapacity(8192, 32, 16), egress=egress, source=source)
     await agent.start()
     await agent.wait_ready()

@@ -193,8 +193,9 @@ class TemplateSource:
             await asyncio.to_thread(remove_stale_work, self.store.root)
             base = await self.store.ensure_base(self.store.base_memory_mib, self.store.base_vcpus)
             self.warm.watch(base.key)
-            if self.egress is not None:
-                # Networked sessions of base come from base-net's pool (built by its first refill).
+            if self.egress is not None and NET_TEMPLATE in self.warm.sizes:
+                # Asked for by name: base-net's pool fills from the start (its first refill builds it).
+                # Otherwise it starts filling after the first networked session (a restore on demand).
                 self.warm.watch((NET_TEMPLATE, base.memory_mib, base.vcpus))
             for t in await asyncio.to_thread(self.store.all):
                 if t.name not in (BASE, NET_TEMPLATE) and await asyncio.to_thread(self.store.is_current, t):
