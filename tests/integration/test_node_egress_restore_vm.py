@@ -3,9 +3,10 @@
 A :class:`NodeAgent` with the template source and egress builds ``base-net`` (``base`` plus a NIC with a
 fixed MAC, booted once on a throwaway tap) and restores a sandbox with a policy from it onto that
 sandbox's own tap: the create source is ``restore``, the guest has this sandbox's address, the allowed
-HTTPS call goes through the broker with the secret injected, a direct IP is refused, and destroying it
-removes namespace, tap and rules; its snapshot carries the NIC (restoring it needs the policy). When the restore fails, the sandbox cold-boots (source ``boot``) on the
-same tap instead and nothing of the failed attempt is left.
+HTTPS call goes through the broker with the secret injected, a direct IP is refused, its snapshot carries
+the NIC (restoring it needs the policy), and destroying it removes namespace, tap and rules. When the
+restore fails, the sandbox cold-boots (source ``boot``) on the same tap instead and nothing of the failed
+attempt is left.
 
 Every address involved lives in namespaces this test creates (tests.support.outside's outside
 world). At most one sandbox VM runs at a time, to spare the 2 cores.
