@@ -95,6 +95,7 @@ async def test_networked_sandbox_from_the_pool_pauses_resumes_and_branches(
     assert record.source == "pool" and record.networked and record.nic_mac == NET_TEMPLATE_MAC
     net = egress.network(sid)
     assert net is not None and net.sandbox_id == pooled[0].sandbox_id
+    assert egress.service._attached[sid][1].sandbox_id == sid  # its drop events are the session's
     assert record.env["API_KEY"] == placeholder and record.env["MINE"] == "1"
     assert record.env["HTTPS_PROXY"] == net.proxy_url
     broker = egress.service.broker

@@ -29,8 +29,11 @@ class DropAuditor:
     """Remembers the last counter values of one sandbox and audits the increases."""
 
     def __init__(self, manager: NetworkManager, net: SandboxNet, sink: AuditSink,
-                 session_id: str | None = None) -> None:
+                 session_id: str | None = None, sandbox_id: str | None = None) -> None:
+        """``sandbox_id``: the sandbox the events are of, when it took over a network made for another id
+        (a pooled VM's); default the network's own."""
         self.manager, self.net, self.sink, self.session_id = manager, net, sink, session_id
+        self.sandbox_id = sandbox_id or net.sandbox_id
         self._last: dict[str, int] = {}
 
     async def poll(self) -> list[EgressEvent]:
@@ -39,7 +42,7 @@ class DropAuditor:
         for name, value in sorted(counters.items()):
             delta = value - self._last.get(name, 0)
             if delta > 0:
-                event = EgressEvent(kind="net", session_id=self.session_id, sandbox_id=self.net.sandbox_id,
+                event = EgressEvent(kind="net", session_id=self.session_id, sandbox_id=self.sandbox_id,
                                     source=self.net.guest_ip, destination=name, decision="deny",
                                     rule=f"nftables:{name}", reason=_REASONS.get(name, name), count=delta)
                 emit_safely(self.sink, event)

@@ -66,7 +66,7 @@ class EgressService:
             await self.broker.unregister(sandbox_id)
             await self.manager.destroy(net)
             raise
-        self._attached[sandbox_id] = (net, DropAuditor(self.manager, net, self.sink, session_id))
+        self._attached[sandbox_id] = (net, DropAuditor(self.manager, net, self.sink, session_id, sandbox_id))
         if self._poller is None or self._poller.done():
             self._poller = asyncio.create_task(self._poll_forever())
         return AttachedNetwork(net, ca_pem, env, policy is not None)
