@@ -188,3 +188,28 @@ async def test_a_placeholder_must_look_like_one(node: tuple[NodeAgent, NodeEgres
 
 async def _chunks(data: bytes) -> AsyncIterator[bytes]:
     yield data
+
+
+async def test_hundred_networked_create_pause_resume_close_cycles_leave_nothing(
+        node: tuple[NodeAgent, NodeEgress, str]) -> None:
+    agent, egress, prefix = node
+    request = EgressRequest(_policy(), {SECRET: "v"}, {SECRET: new_placeholder()}, "ses_cycle")
+    sources: list[str] = []
+    cycles = 0
+    for _ in range(100):
+        sid = new_id("sbx")
+        record = await agent.create(sid, "base", 256, 1, {}, policy=request.policy, secrets=request.secrets,
+                                    session_id="ses_cycle", placeholders=request.placeholders)
+        sources.append(record.source)
+        snap = await agent.pause(sid)
+        resumed = new_id("sbx")
+        await agent.restore(snap["id"], resumed, {}, egress=request)
+        await agent.destroy(resumed)
+        agent.delete_snapshot(snap["id"])
+        cycles += 1
+        # Nothing of the session is left; only the warm pool's own idle network may exist.
+        pool_netns = {n.netns for n in egress.pool_networks()}
+        assert {n for n in _netns() if n.startswith(prefix)} <= pool_netns and len(pool_netns) <= 1
+        assert not egress.holds_secret(SECRET) and egress.service._attached == {}
+    assert cycles == 100 and "pool" in sources
+    assert agent.list() == [] and agent.used()["sandboxes"] == 0 and agent.list_snapshots() == []
