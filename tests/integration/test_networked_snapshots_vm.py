@@ -11,19 +11,25 @@ tests.support.outside's outside world (every address in namespaces this test cre
   the audit trail continues under the same session;
 - branch into 3: each branch has its own namespace, tap, CA and audit identity, the parent's placeholder
   (in the branch's env, copied from its memory) works in each for the bound host only;
-- nothing is left on the host afterwards (namespaces, taps, VMs, pool files).
+- nothing is left on the host afterwards (namespaces, taps, VMs, pool files);
+- through the API, a session with rolling snapshots whose VM is killed resumes with its files and network.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import secrets
+import signal
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from capsa.common.image import GuestImage
@@ -39,9 +45,18 @@ from capsa.node.egress.service import EgressService
 from capsa.node.net.sandbox_net import NetworkManager
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
 from capsa.node.sources import NET_TEMPLATE, NET_TEMPLATE_MAC, TemplateSource
-from capsa.node.storage import StoragePool, StorageSettings
+from capsa.node.storage import StoragePool
+from tests.support.api_stack import ApiStack
 from tests.support.leftovers import netns_with, wait_no_vm_leftovers
-from tests.support.outside import OTHER_ID, OTHER_SECRET, SECRET, SECRET_ID, outside_world, world_policy
+from tests.support.outside import (
+    OTHER_ID,
+    OTHER_SECRET,
+    SECRET,
+    SECRET_ID,
+    World,
+    outside_world,
+    world_policy,
+)
 
 pytestmark = [
     pytest.mark.vm,
@@ -112,85 +127,176 @@ async def _pool_ready(agent: NodeAgent, template: str, within: float = 900) -> N
     raise AssertionError(f"the {template} pool did not fill: {agent.pool_status()}")
 
 
+def _egress(world: World, octet: int, prefix: str) -> NodeEgress:
+    audit = AuditLog()
+    store = InMemorySecretStore(SecretBox(os.urandom(32)))
+    broker = EgressBroker(secrets=store, sink=audit, resolver=DnsResolver(world.ip),
+                          upstream_ssl=ssl.create_default_context(cafile=str(world.ca_file)),
+                          allow_networks=[world.net])
+    manager = NetworkManager(pool=f"10.231.{octet}.0/24", netns_prefix=prefix)
+    return NodeEgress(EgressService(manager, broker, audit, poll_interval=0.5), store, audit)
+
+
 async def test_networked_session_from_the_pool_pauses_resumes_and_branches(
-        state_dir: Path, guest_image: GuestImage) -> None:
+        state_dir: Path, pool: StoragePool, guest_image: GuestImage) -> None:
     octet = 200 + secrets.randbelow(50)
-    pool = StoragePool.open(state_dir, StorageSettings(loop_size_mib=4096, require_cow=True))
     prefix = f"cns{secrets.token_hex(3)}-"
-    try:
-        async with outside_world(octet) as world:
-            audit = AuditLog()
-            store = InMemorySecretStore(SecretBox(os.urandom(32)))
-            broker = EgressBroker(secrets=store, sink=audit, resolver=DnsResolver(world.ip),
-                                  upstream_ssl=ssl.create_default_context(cafile=str(world.ca_file)),
-                                  allow_networks=[world.net])
-            manager = NetworkManager(pool=f"10.231.{octet}.0/24", netns_prefix=prefix)
-            egress = NodeEgress(EgressService(manager, broker, audit, poll_interval=0.5), store, audit)
-            settings = Settings(state_dir=state_dir, cache_dir=Settings().cache_dir)
-            runtime = QemuRuntime(settings, storage=PoolStorage(pool))
-            source = TemplateSource(runtime, guest_image, egress=egress,
-                                    pool_sizes={"base": 0, NET_TEMPLATE: 1})
-            agent = NodeAgent(runtime, guest_image, egress=egress, source=source)
-            await agent.start()
-            try:
-                await agent.wait_ready()
-                await _pool_ready(agent, NET_TEMPLATE)
-                values = {SECRET_ID: SECRET, OTHER_ID: OTHER_SECRET}
-                placeholders = {SECRET_ID: new_placeholder()}
-                request = EgressRequest(world_policy(), values, placeholders, "ses_parent")
+    async with outside_world(octet) as world:
+        egress = _egress(world, octet, prefix)
+        audit, broker, manager = egress.audit, egress.service.broker, egress.service.manager
+        settings = Settings(state_dir=state_dir, cache_dir=Settings().cache_dir)
+        runtime = QemuRuntime(settings, storage=PoolStorage(pool))
+        source = TemplateSource(runtime, guest_image, egress=egress,
+                                pool_sizes={"base": 0, NET_TEMPLATE: 1})
+        agent = NodeAgent(runtime, guest_image, egress=egress, source=source)
+        await agent.start()
+        try:
+            await agent.wait_ready()
+            await _pool_ready(agent, NET_TEMPLATE)
+            values = {SECRET_ID: SECRET, OTHER_ID: OTHER_SECRET}
+            placeholders = {SECRET_ID: new_placeholder()}
+            request = EgressRequest(world_policy(), values, placeholders, "ses_parent")
 
-                # From the warm pool: egress attached to the pooled VM's network at bind time.
-                sid = "sbx_" + secrets.token_hex(10)
-                started = time.perf_counter()
-                record = await agent.create(sid, "base", 256, 1, {}, policy=request.policy, secrets=values,
-                                            session_id="ses_parent", placeholders=placeholders)
-                first = await agent.exec(sid, ["true"])
-                create_and_first = time.perf_counter() - started
-                assert first.exit_code == 0
-                assert record.source == "pool" and record.env["API_KEY"] == placeholders[SECRET_ID]
-                print(f"\nnetworked create from the pool: {record.create_ms:.0f} ms; "
-                      f"create + first command: {create_and_first * 1000:.0f} ms")
-                _check(await _probe(record, world.ip), egress, sid)
+            # From the warm pool: egress attached to the pooled VM's network at bind time.
+            sid = "sbx_" + secrets.token_hex(10)
+            started = time.perf_counter()
+            record = await agent.create(sid, "base", 256, 1, {}, policy=request.policy, secrets=values,
+                                        session_id="ses_parent", placeholders=placeholders)
+            first = await agent.exec(sid, ["true"])
+            create_and_first = time.perf_counter() - started
+            assert first.exit_code == 0
+            assert record.source == "pool" and record.env["API_KEY"] == placeholders[SECRET_ID]
+            print(f"\nnetworked create from the pool: {record.create_ms:.0f} ms; "
+                  f"create + first command: {create_and_first * 1000:.0f} ms")
+            _check(await _probe(record, world.ip), egress, sid)
 
-                # Pause -> resume onto a new namespace and tap, from the session's record.
-                snap = await agent.pause(sid)
-                assert egress.network(sid) is None and not netns_with(prefix + sid)
-                resumed_id = "sbx_" + secrets.token_hex(10)
-                t0 = time.perf_counter()
-                resumed = await agent.restore(snap["id"], resumed_id, {}, egress=request)
-                print(f"networked resume: {(time.perf_counter() - t0) * 1000:.0f} ms")
-                assert resumed.env["API_KEY"] == placeholders[SECRET_ID]
-                _check(await _probe(resumed, world.ip), egress, resumed_id)
-                events = [ev for _, ev in audit.read(0, audit.epoch, 100_000).events]
-                injected = [e for e in events if e.kind == "http" and e.secret_ids == [SECRET_ID]]
-                # The trail continues under the same session, across both sandboxes.
-                assert {e.sandbox_id for e in injected} == {sid, resumed_id}
-                assert {e.session_id for e in injected} == {"ses_parent"}
+            # Pause -> resume onto a new namespace and tap, from the session's record.
+            snap = await agent.pause(sid)
+            assert egress.network(sid) is None and not netns_with(prefix + sid)
+            resumed_id = "sbx_" + secrets.token_hex(10)
+            t0 = time.perf_counter()
+            resumed = await agent.restore(snap["id"], resumed_id, {}, egress=request)
+            print(f"networked resume: {(time.perf_counter() - t0) * 1000:.0f} ms")
+            assert resumed.env["API_KEY"] == placeholders[SECRET_ID]
+            _check(await _probe(resumed, world.ip), egress, resumed_id)
+            events = [ev for _, ev in audit.read(0, audit.epoch, 100_000).events]
+            injected = [e for e in events if e.kind == "http" and e.secret_ids == [SECRET_ID]]
+            # The trail continues under the same session, across both sandboxes.
+            assert {e.sandbox_id for e in injected} == {sid, resumed_id}
+            assert {e.session_id for e in injected} == {"ses_parent"}
 
-                # Branch into 3, each with its own network, CA and audit identity.
-                parent = await agent.pause(resumed_id)
-                ids = ["sbx_" + secrets.token_hex(10) for _ in range(3)]
-                requests = [EgressRequest(world_policy(), values, placeholders, f"ses_child{i}")
-                            for i in range(3)]
-                children = await agent.branch(parent["id"], ids, {}, egress=requests)
-                nets = [egress.network(i) for i in ids]
-                assert len({n.netns for n in nets if n is not None}) == 3
-                assert len({broker.get(i).ca.cert_pem for i in ids}) == 3
-                for child in children:
-                    assert child.env["API_KEY"] == placeholders[SECRET_ID]
-                    _check(await _probe(child, world.ip), egress, child.id)
-                events = [ev for _, ev in audit.read(0, audit.epoch, 100_000).events]
-                for i, child_id in enumerate(ids):
-                    mine = [e for e in events if e.kind == "http" and e.sandbox_id == child_id
-                            and e.secret_ids == [SECRET_ID]]
-                    assert mine and {e.session_id for e in mine} == {f"ses_child{i}"}
-                for child_id in ids:
-                    await agent.destroy(child_id)
-                for n in nets:
-                    assert n is not None and await manager.leftovers(n) == []
-            finally:
-                await agent.close()
-            assert netns_with(prefix) == []
-            assert wait_no_vm_leftovers(state_dir) == []
-    finally:
-        pool.destroy()
+            # Branch into 3, each with its own network, CA and audit identity.
+            parent = await agent.pause(resumed_id)
+            ids = ["sbx_" + secrets.token_hex(10) for _ in range(3)]
+            requests = [EgressRequest(world_policy(), values, placeholders, f"ses_child{i}")
+                        for i in range(3)]
+            children = await agent.branch(parent["id"], ids, {}, egress=requests)
+            nets = [egress.network(i) for i in ids]
+            assert len({n.netns for n in nets if n is not None}) == 3
+            assert len({broker.get(i).ca.cert_pem for i in ids}) == 3
+            for child in children:
+                assert child.env["API_KEY"] == placeholders[SECRET_ID]
+                _check(await _probe(child, world.ip), egress, child.id)
+            events = [ev for _, ev in audit.read(0, audit.epoch, 100_000).events]
+            for i, child_id in enumerate(ids):
+                mine = [e for e in events if e.kind == "http" and e.sandbox_id == child_id
+                        and e.secret_ids == [SECRET_ID]]
+                assert mine and {e.session_id for e in mine} == {f"ses_child{i}"}
+            for child_id in ids:
+                await agent.destroy(child_id)
+            for n in nets:
+                assert n is not None and await manager.leftovers(n) == []
+        finally:
+            await agent.close()
+        assert netns_with(prefix) == []
+        assert wait_no_vm_leftovers(state_dir) == []
+
+
+ALLOWED = r'''
+import json, os, ssl, urllib.request
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                     urllib.request.HTTPSHandler(context=ssl.create_default_context()))
+req = urllib.request.Request("https://api.allowed.test/leak-header",
+                             headers={"Authorization": "Bearer " + os.environ["API_KEY"]})
+with opener.open(req, timeout=60) as r:
+    print(json.dumps({"status": r.status, "body": r.read().decode(), "key": os.environ["API_KEY"]}))
+'''
+
+
+async def _run(api: httpx.AsyncClient, sid: str, cmd: list[str]) -> dict[str, Any]:
+    response = await api.post(f"/v1/sessions/{sid}/commands", json={"cmd": cmd, "timeout": 300}, timeout=400)
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()
+    assert result["exit_code"] == 0, result
+    return result
+
+
+async def _until(check: Callable[[], Awaitable[bool]], what: str, within: float = 120) -> None:
+    deadline = time.monotonic() + within
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.3)
+
+
+async def test_rolling_snapshot_networked_session_survives_its_vm_through_the_api(
+        state_dir: Path, pool: StoragePool, guest_image: GuestImage) -> None:
+    """Through the API: a session with a policy, a bound secret and rolling snapshots loses its VM (SIGKILL);
+    the control plane pauses it at its latest snapshot; resume brings back its files and its network, the
+    same placeholder still gets the secret injected, and the audit trail continues under the session."""
+    octet = 200 + secrets.randbelow(50)
+    prefix = f"cnq{secrets.token_hex(3)}-"
+    async with outside_world(octet) as world:
+        egress = _egress(world, octet, prefix)
+        runtime = QemuRuntime(Settings(state_dir=state_dir, cache_dir=Settings().cache_dir),
+                              storage=PoolStorage(pool))
+        key = base64.b64encode(os.urandom(32)).decode()
+        stack = ApiStack(f"sqlite+aiosqlite:///{state_dir}/capsa.db", runtime, guest_image,  # type: ignore[arg-type]
+                         settings={"secret_key": key, "reaper_interval": 0.3,
+                                   "rolling_snapshot_interval": 0.3},
+                         egress=egress)
+        async with stack:
+            assert stack.agent is not None
+            async with stack.client(await stack.tenant_key("acme")) as api:
+                made = await api.post("/v1/secrets", json={"name": "upstream", "value": SECRET})
+                assert made.status_code == 201, made.text
+                policy = {"domains": [{"domain": "api.allowed.test"}],
+                          "secrets": [{"secret": "upstream", "domain": "api.allowed.test", "env": "API_KEY"}]}
+                created = await api.post("/v1/sessions", json={
+                    "policy": policy, "rolling_snapshots": {"after_command": True, "keep": 2}})
+                assert created.status_code == 201, created.text
+                sid = created.json()["id"]
+                first = json.loads((await _run(api, sid, ["python3", "-c", ALLOWED]))["stdout"])
+                assert first["status"] == 200 and SECRET not in first["key"]
+                await _run(api, sid, ["sh", "-c", "echo networked > /root/state"])
+
+                async def rolled() -> bool:
+                    items = (await api.get(f"/v1/sessions/{sid}/snapshots")).json()["items"]
+                    return len([s for s in items if s["kind"] == "rolling"]) >= 2
+
+                await _until(rolled, "rolling snapshots after both commands")
+                (record,) = stack.agent.list()
+                pid = record.sandbox.process.pid  # type: ignore[attr-defined]
+                os.kill(pid, signal.SIGKILL)
+
+                async def noticed() -> bool:
+                    return record.id in stack.agent.failed_sandboxes()
+
+                await _until(noticed, "the node to notice the dead VM", 30)
+                await stack.heartbeat()
+                info = (await api.get(f"/v1/sessions/{sid}")).json()
+                assert info["state"] == "paused", info
+                resumed = await api.post(f"/v1/sessions/{sid}/resume")
+                assert resumed.status_code == 200, resumed.text
+                assert (await _run(api, sid, ["cat", "/root/state"]))["stdout"] == "networked\n"
+                again = json.loads((await _run(api, sid, ["python3", "-c", ALLOWED]))["stdout"])
+                assert again["status"] == 200 and again["key"] == first["key"]
+                assert json.loads(again["body"])["headers"]["authorization"] == "Bearer [REDACTED]"
+                (now,) = stack.agent.list()
+                assert now.id != record.id and egress.network(now.id) is not None
+                page = await api.get(f"/v1/sessions/{sid}/audit", params={"limit": 500})
+                injected = [e for e in page.json()["items"] if e["kind"] == "http" and e["secret_ids"]]
+                assert {e["sandbox_id"] for e in injected} == {record.id, now.id}
+                assert (await api.post(f"/v1/sessions/{sid}/close")).status_code == 200
+        assert netns_with(prefix) == [] and egress.store.ids() == []
+    assert wait_no_vm_leftovers(state_dir) == []
