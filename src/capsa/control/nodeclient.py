@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -39,6 +40,8 @@ from capsa.common.node_api import (
     SnapshotCreate,
     SnapshotInfo,
 )
+from capsa.common.port_tunnel import PortTunnel, open_tunnel
+from capsa.common.websocket import SocketStream
 
 __all__ = ["NodeClient", "NodeClientPool", "NodeError"]
 
@@ -85,6 +88,8 @@ class NodeClient:
 
     def __init__(self, url: str, token: str, *, timeout: float = 120.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._url = url
+        self._token = token
         if url.startswith("unix://"):
             transport = transport or httpx.AsyncHTTPTransport(uds=url.removeprefix("unix://"))
             base = "http://node"
@@ -215,6 +220,29 @@ class NodeClient:
     async def kill_process(self, sandbox_id: str, pid: int, signal: int) -> ProcessInfo:
         return await self._call(ProcessInfo, "POST", f"/sandboxes/{sandbox_id}/processes/{pid}/kill",
                                 json=KillRequest(signal=signal).model_dump(mode="json"))
+
+    # -- ports ---------------------------------------------------------------------------------------
+    async def open_port(self, sandbox_id: str, port: int) -> PortTunnel:
+        """A raw TCP connection to ``port`` inside the sandbox (the node's port tunnel, a WebSocket on the
+        node's own socket: httpx cannot hand over an upgraded connection). Refusals raise NodeError with the
+        node's code (``port_unreachable``, ``sandbox_not_found`` ...)."""
+        target = f"{_PREFIX}/sandboxes/{sandbox_id}/ports/{port}/tunnel"
+        try:
+            if self._url.startswith("unix://"):
+                stream = await SocketStream.connect_unix(self._url.removeprefix("unix://"))
+                host = "node"
+            else:
+                parts = urlsplit(self._url)
+                tls = parts.scheme == "https"
+                stream = await SocketStream.connect(parts.hostname or "localhost",
+                                                    parts.port or (443 if tls else 80), tls=tls)
+                host = parts.netloc
+            auth = [("Authorization", f"Bearer {self._token}")]
+            return await open_tunnel(stream, host, target, headers=auth)
+        except CapsaError as exc:
+            raise NodeError(exc.code, exc.status, exc.message) from None
+        except (OSError, TimeoutError, ConnectionError) as exc:
+            raise NodeError("node_unreachable", 503, f"node unreachable: {exc}") from None
 
     # -- files -----------------------------------------------------------------------------------------
     @asynccontextmanager

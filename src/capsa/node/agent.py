@@ -29,7 +29,14 @@ from typing import Any, Literal, cast
 from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.node.egress.node_egress import CA_PATH, NodeEgress, install_ca_script
-from capsa.node.guest_client import DEFAULT_MAX_OUTPUT, ExecResult, FileInfo, ProcessInfo, ProcessOutput
+from capsa.node.guest_client import (
+    DEFAULT_MAX_OUTPUT,
+    ExecResult,
+    FileInfo,
+    ProcessInfo,
+    ProcessOutput,
+    TcpTunnel,
+)
 from capsa.node.runtime.base import GuestImage, Runtime, Sandbox, SandboxState, SnapshotCapable
 from capsa.node.sandboxes import NodeCapacity, SandboxRecord, SandboxTable, default_capacity
 from capsa.node.snapshots import Snapshots, SnapshottingRuntime, check_branch_count
@@ -452,6 +459,13 @@ class NodeAgent:
         record = self.get(sandbox_id)
         with self._guest_call(record):
             await record.sandbox.guest.tar_import(path, data)
+
+    async def open_port(self, sandbox_id: str, port: int) -> TcpTunnel:
+        """A TCP connection to ``127.0.0.1:port`` inside the sandbox, over the guest channel
+        (``port_unreachable`` when nothing listens there)."""
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.tcp_open(port)
 
     async def _first_then_rest(self, record: SandboxRecord,
                                chunks: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:

@@ -1,0 +1,245 @@
+"""The port proxy end to end: HTTP and WebSocket through the API to an app listening inside a (fake) sandbox,
+over the guest channel, with the API key and with port tokens; tenant isolation, revocation, ``expose``.
+
+The app (tests/support/port_app.py) runs inside the fake guest as a background command; a fake guest shares
+the host's network namespace, so its port is picked free on the host loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from capsa.common.port_tunnel import open_tunnel
+from capsa.common.websocket import SocketStream, WebSocketClient, WebSocketRejected
+from tests.support import port_app
+from tests.support.api_stack import ApiStack
+from tests.support.problems import assert_problem
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def start_app(client: httpx.AsyncClient, session_id: str, port: int) -> None:
+    """Copy the app into the sandbox, start it in the background and wait until the proxy reaches it."""
+    put = await client.put(f"/v1/sessions/{session_id}/files/content", params={"path": "/tmp/port_app.py"},
+                           content=port_app.SOURCE.encode())
+    assert put.status_code == 200, put.text
+    started = await client.post(f"/v1/sessions/{session_id}/commands",
+                                json={"cmd": f"exec python3 /tmp/port_app.py {port}", "background": True})
+    assert started.status_code == 201, started.text
+    deadline = time.monotonic() + 20
+    while True:
+        response = await client.get(f"/v1/sessions/{session_id}/ports/{port}/hello")
+        if response.status_code == 200:
+            return
+        assert_problem(response, 502, "port_unreachable")
+        assert time.monotonic() < deadline, "the app in the sandbox did not come up"
+        await asyncio.sleep(0.1)
+
+
+async def new_session(client: httpx.AsyncClient, **body: Any) -> str:
+    response = await client.post("/v1/sessions", json=body)
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+async def ws_connect(stack: ApiStack, target: str, headers: list[tuple[str, str]]) -> WebSocketClient:
+    url = urlsplit(stack.url)
+    stream = await SocketStream.connect(url.hostname or "127.0.0.1", url.port or 80)
+    return await WebSocketClient.connect(stream, url.netloc, target, headers=headers)
+
+
+async def chunks(parts: list[bytes], pause: float = 0.0) -> AsyncIterator[bytes]:
+    for part in parts:
+        if pause:
+            await asyncio.sleep(pause)
+        yield part
+
+
+async def test_http_through_the_proxy_with_the_key_streams_both_ways(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    port = free_port()
+    async with stack.client(key) as client:
+        sid = await new_session(client)
+        assert_problem(await client.get(f"/v1/sessions/{sid}/ports/{port}/hello"), 502, "port_unreachable")
+        await start_app(client, sid, port)
+        base = f"/v1/sessions/{sid}/ports/{port}"
+
+        hello = await client.get(f"{base}/hello", params={"a": "1", "b": "two"})
+        assert hello.status_code == 200 and hello.text == "hello from the sandbox"
+        seen = json.loads(hello.headers["x-seen"])
+        # The app sees its own path and query, not the API key, and where the proxy put it.
+        assert seen == {"path": "/hello", "query": "a=1&b=two", "host": f"localhost:{port}",
+                        "authorization": None, "port_token": None, "prefix": base}
+        assert (await client.get(f"{base}/nope")).status_code == 404  # the app's own 404, passed through
+
+        # A 24 MiB download, streamed, with the app's Content-Length.
+        n = 24 * 1024 * 1024
+        digest = hashlib.sha256()
+        got = 0
+        async with client.stream("GET", f"{base}/bytes", params={"n": n}) as response:
+            assert response.status_code == 200 and response.headers["content-length"] == str(n)
+            async for piece in response.aiter_bytes():
+                digest.update(piece)
+                got += len(piece)
+        assert got == n
+        assert digest.hexdigest() == hashlib.sha256((b"0123456789" * (n // 10 + 1))[:n]).hexdigest()
+
+        # The response is relayed as it comes: the first chunk arrives long before the app finishes.
+        started = time.monotonic()
+        async with client.stream("GET", f"{base}/slow") as response:
+            pieces = response.aiter_raw()
+            first = await anext(pieces)
+            first_at = time.monotonic() - started
+            rest = b"".join([p async for p in pieces])
+        assert first == b"first" and rest == b"second"
+        assert first_at < 1.2, first_at
+
+        # Uploads: a chunked streamed body (8 MiB in pieces) and a Content-Length one come back whole.
+        parts = [bytes([i]) * (1024 * 1024) for i in range(8)]
+        echo = await client.post(f"{base}/echo", content=chunks(parts))
+        body = b"".join(parts)
+        assert echo.status_code == 200 and echo.content == body
+        assert echo.headers["x-sha256"] == hashlib.sha256(body).hexdigest()
+        put = await client.put(f"{base}/echo", content=b"x" * 100_000)
+        assert put.status_code == 200 and put.content == b"x" * 100_000
+        head = await client.head(f"{base}/hello")
+        assert head.status_code == 501 or head.status_code == 200  # http.server has no do_HEAD: 501
+
+
+async def test_websocket_echo_through_the_proxy_with_key_and_token_not_without(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    port = free_port()
+    async with stack.client(key) as client:
+        sid = await new_session(client)
+        await start_app(client, sid, port)
+        made = await client.post(f"/v1/sessions/{sid}/ports/{port}/tokens")
+        assert made.status_code == 201, made.text
+        token = made.json()["token"]
+    target = f"/v1/sessions/{sid}/ports/{port}/ws"
+    for headers, query in (([("Authorization", f"Bearer {key}")], ""), ([], f"?token={token}"),
+                           ([("X-Capsa-Port-Token", token)], "")):
+        ws = await ws_connect(stack, target + query, headers)
+        await ws.send("hello over websocket")
+        assert await ws.receive() == "hello over websocket"
+        big = bytes(range(256)) * 4096  # 1 MiB binary message
+        await ws.send(big)
+        assert await ws.receive() == big
+        await ws.close()
+    # Without credentials, or with a wrong token, the upgrade is refused (closed before accept: HTTP 403).
+    for headers, query in (([], ""), ([], "?token=cpt_nope")):
+        with pytest.raises(WebSocketRejected) as refused:
+            await ws_connect(stack, target + query, headers)
+        assert refused.value.status == 403
+
+
+async def test_port_tokens_open_the_port_until_revoked_and_die_with_the_session(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    other = await stack.tenant_key("globex")
+    port = free_port()
+    async with stack.client(key) as client:
+        sid = await new_session(client)
+        await start_app(client, sid, port)
+        made = await client.post(f"/v1/sessions/{sid}/ports/{port}/tokens")
+        assert made.status_code == 201, made.text
+        token = made.json()
+        assert token["token"].startswith("cpt_") and token["port"] == port and token["session_id"] == sid
+        assert token["url"].endswith(f"/v1/sessions/{sid}/ports/{port}/?token={token['token']}")
+        second = (await client.post(f"/v1/sessions/{sid}/ports/{port}/tokens")).json()
+        other_port = (await client.post(f"/v1/sessions/{sid}/ports/{port + 1}/tokens")).json()
+    hello = f"/v1/sessions/{sid}/ports/{port}/hello"
+    async with stack.client(None) as anon:
+        # No credentials at all: 401; a token in the query or in the header: the app answers.
+        assert_problem(await anon.get(hello), 401, "unauthorized")
+        by_query = await anon.get(hello, params={"token": token["token"], "x": "y"})
+        assert by_query.status_code == 200 and by_query.text == "hello from the sandbox"
+        seen = json.loads(by_query.headers["x-seen"])
+        assert seen["query"] == "x=y" and seen["port_token"] is None  # the token does not reach the app
+        by_header = await anon.get(hello, headers={"X-Capsa-Port-Token": token["token"]})
+        assert by_header.status_code == 200
+        # The token URL as a browser would open it.
+        assert (await anon.get(token["url"])).status_code == 404  # the app has no "/" page: its own 404
+        # A token of another port, an unknown token and a garbage one: 404, as for a missing session.
+        assert_problem(await anon.get(hello, params={"token": other_port["token"]}), 404, "not_found")
+        assert_problem(await anon.get(hello, params={"token": "cpt_" + "a" * 43}), 404, "not_found")
+        assert_problem(await anon.get(hello, params={"token": "nonsense"}), 404, "not_found")
+        # An Authorization header that is not a capsa key belongs to the app: passed on with a token.
+        app_auth = await anon.get(hello, params={"token": token["token"]},
+                                  headers={"Authorization": "Basic eDp5"})
+        assert json.loads(app_auth.headers["x-seen"])["authorization"] == "Basic eDp5"
+    # Another tenant: its key and its attempts on the tokens' routes see no session.
+    async with stack.client(other) as intruder:
+        assert_problem(await intruder.get(hello), 404, "not_found")
+        assert_problem(await intruder.post(f"/v1/sessions/{sid}/ports/{port}/tokens"), 404, "not_found")
+        assert_problem(await intruder.delete(f"/v1/sessions/{sid}/ports/{port}/tokens/{token['id']}"),
+                       404, "not_found")
+    async with stack.client(key) as client:
+        revoked = await client.delete(f"/v1/sessions/{sid}/ports/{port}/tokens/{token['id']}")
+        assert revoked.status_code == 204
+        assert_problem(await client.delete(f"/v1/sessions/{sid}/ports/{port}/tokens/{token['id']}"),
+                       404, "not_found")
+    async with stack.client(None) as anon:
+        assert_problem(await anon.get(hello, params={"token": token["token"]}), 404, "not_found")
+        assert (await anon.get(hello, params={"token": second["token"]})).status_code == 200
+    async with stack.client(key) as client:
+        assert (await client.post(f"/v1/sessions/{sid}/close")).status_code == 200
+        assert_problem(await client.post(f"/v1/sessions/{sid}/ports/{port}/tokens"), 409, "invalid_state")
+    async with stack.client(None) as anon:
+        assert_problem(await anon.get(hello, params={"token": second["token"]}), 404, "not_found")
+
+
+async def test_expose_list_refuses_other_ports(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    port = free_port()
+    async with stack.client(key) as client:
+        sid = await new_session(client, expose=[port, port])
+        info = (await client.get(f"/v1/sessions/{sid}")).json()
+        assert info["expose"] == [port]
+        await start_app(client, sid, port)
+        assert (await client.get(f"/v1/sessions/{sid}/ports/{port}/hello")).status_code == 200
+        other = f"/v1/sessions/{sid}/ports/{port + 1}"
+        assert_problem(await client.get(f"{other}/hello"), 403, "port_not_exposed")
+        assert_problem(await client.post(f"{other}/tokens"), 403, "port_not_exposed")
+        assert_problem(await client.post("/v1/sessions", json={"expose": [0]}), 422, "validation_error")
+        plain = await new_session(client)
+        assert (await client.get(f"/v1/sessions/{plain}")).json()["expose"] is None
+
+
+async def test_raw_tunnel_carries_any_tcp_bytes(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    port = free_port()
+    async with stack.client(key) as client:
+        sid = await new_session(client)
+        await start_app(client, sid, port)
+    url = urlsplit(stack.url)
+    stream = await SocketStream.connect(url.hostname or "127.0.0.1", url.port or 80)
+    tunnel = await open_tunnel(stream, url.netloc, f"/v1/sessions/{sid}/tunnels/{port}",
+                               headers=[("Authorization", f"Bearer {key}")])
+    await tunnel.write(b"GET /hello HTTP/1.0\r\nHost: x\r\n\r\n")
+    await tunnel.end()  # half-close: the app reads EOF, its answer still comes back
+    answer = bytearray()
+    while data := await tunnel.read():
+        answer += data
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"hello from the sandbox")
+    await tunnel.aclose()
+    # A closed port: the tunnel says why in its status message.
+    stream = await SocketStream.connect(url.hostname or "127.0.0.1", url.port or 80)
+    with pytest.raises(Exception) as refused:
+        await open_tunnel(stream, url.netloc, f"/v1/sessions/{sid}/tunnels/{free_port()}",
+                          headers=[("Authorization", f"Bearer {key}")])
+    assert getattr(refused.value, "code", None) == "port_unreachable"
