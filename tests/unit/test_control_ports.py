@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -141,11 +144,15 @@ async def test_websocket_echo_through_the_proxy_with_key_and_token_not_without(s
         await ws.send(big)
         assert await ws.receive() == big
         await ws.close()
-    # Without credentials, or with a wrong token, the upgrade is refused (closed before accept: HTTP 403).
-    for headers, query in (([], ""), ([], "?token=cpt_nope")):
+    # Without credentials, or with a wrong token, the upgrade is refused with the API's problem answer.
+    for headers, query, status, code in (([], "", 401, "unauthorized"),
+                                         ([], "?token=cpt_nope", 404, "not_found"),
+                                         ([("Authorization", f"Bearer {key}")], "", 502, "port_unreachable")):
+        where = target if status != 502 else f"/v1/sessions/{sid}/ports/{free_port()}/ws"
         with pytest.raises(WebSocketRejected) as refused:
-            await ws_connect(stack, target + query, headers)
-        assert refused.value.status == 403
+            await ws_connect(stack, where + query, headers)
+        assert refused.value.status == status
+        assert json.loads(refused.value.body)["code"] == code
 
 
 async def test_port_tokens_open_the_port_until_revoked_and_die_with_the_session(stack: ApiStack) -> None:
@@ -243,3 +250,63 @@ async def test_raw_tunnel_carries_any_tcp_bytes(stack: ApiStack) -> None:
         await open_tunnel(stream, url.netloc, f"/v1/sessions/{sid}/tunnels/{free_port()}",
                           headers=[("Authorization", f"Bearer {key}")])
     assert getattr(refused.value, "code", None) == "port_unreachable"
+
+
+async def test_sdk_ports_url_get_host_and_forward(stack: ApiStack) -> None:
+    from capsa.sdk import AsyncSession, NotFound
+
+    key = await stack.tenant_key("acme")
+    port = free_port()
+    session = await AsyncSession.create(api_url=stack.url, api_key=key, expose=[port])
+    try:
+        assert session.info.expose == [port]
+        async with stack.client(key) as client:
+            await start_app(client, session.id, port)
+        assert session.get_host(port) == f"{stack.url}/v1/sessions/{session.id}/ports/{port}/"
+        url = await session.ports.url(port, "/hello")
+        async with httpx.AsyncClient() as browser:  # no key: the URL alone opens the port
+            opened = await browser.get(url)
+            assert opened.status_code == 200 and opened.text == "hello from the sandbox"
+            assert_problem(await browser.get(session.get_host(port) + "hello"), 401, "unauthorized")
+        async with await session.ports.forward(port) as forward:
+            async with httpx.AsyncClient() as local:
+                for _ in range(3):  # one tunnel per connection
+                    answer = await local.get(f"http://{forward.local_address}/hello",
+                                             headers={"Connection": "close"})
+                    assert answer.text == "hello from the sandbox"
+                echo = await local.post(f"http://{forward.local_address}/echo", content=b"z" * 3_000_000)
+                assert echo.content == b"z" * 3_000_000
+            assert forward.connections >= 4
+        with pytest.raises(NotFound):
+            await (await AsyncSession.connect(session.id, api_url=stack.url,
+                                              api_key=await stack.tenant_key("globex"))).ports.url(port)
+    finally:
+        await session.close()
+
+
+async def test_cli_port_forward_listens_locally_until_stopped(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    port = free_port()
+    async with stack.client(key) as client:
+        sid = await new_session(client)
+        await start_app(client, sid, port)
+    env = {**os.environ, "CAPSA_API_URL": stack.url, "CAPSA_API_KEY": key}
+    capsa = str(Path(sys.executable).with_name("capsa"))
+    proc = await asyncio.create_subprocess_exec(
+        capsa, "port-forward", sid, str(port), "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout is not None
+        raw = b""
+        while not raw.rstrip().endswith(b"}"):
+            line = await asyncio.wait_for(proc.stdout.readline(), 30)
+            assert line, (await proc.stderr.read()).decode() if proc.stderr else "no output"
+            raw += line
+        shown = json.loads(raw)
+        assert shown["port"] == port and shown["local_port"] > 0
+        async with httpx.AsyncClient() as local:
+            answer = await local.get(f"http://{shown['local_address']}/hello")
+        assert answer.status_code == 200 and answer.text == "hello from the sandbox"
+    finally:
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 20) == 0

@@ -12,8 +12,8 @@
 Authentication: the API key (``Authorization: Bearer``) as everywhere, or a port token (``?token=`` or
 ``X-Capsa-Port-Token``). The proxy answers ``port_not_exposed`` (403) for ports outside the session's
 ``expose`` list and ``port_unreachable`` (502) when nothing listens on the port. Before a WebSocket is
-accepted, failures close it with code 1008 (policy: not authorized, not found, not exposed) or 1011, and
-a reason naming the problem code.
+accepted, failures answer the upgrade with the problem+json error and its HTTP status (401, 404, 403,
+502 ...).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.port_access import PortAccess, authorize, create_token, revoke_token
 from capsa.control.port_proxy import proxy_http, proxy_websocket, relay_tunnel
+from capsa.control.problems import problem_response
 from capsa.control.schemas import PortToken
 from capsa.control.sessions import node_call_failed
 
@@ -91,6 +92,13 @@ for _method in _METHODS:  # one operation per method, so each has its own stable
 
 
 async def _refuse(websocket: WebSocket, exc: CapsaError) -> None:
+    """Answer the upgrade with the problem+json error (or, on a server without denial responses, a close
+    whose reason names it)."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(problem_response(
+            exc.status, exc.code, exc.message, title=getattr(exc, "title", None),
+            headers=getattr(exc, "headers", None)))
+        return
     code = 1011 if exc.status >= 500 else 1008
     await websocket.close(code=code, reason=f"{exc.status} {exc.code}: {exc.message}"[:120])
 
