@@ -179,8 +179,15 @@ async def test_port_tokens_open_the_port_until_revoked_and_die_with_the_session(
         assert seen["query"] == "x=y" and seen["port_token"] is None  # the token does not reach the app
         by_header = await anon.get(hello, headers={"X-Capsa-Port-Token": token["token"]})
         assert by_header.status_code == 200
-        # The token URL as a browser would open it.
-        assert (await anon.get(token["url"])).status_code == 404  # the app has no "/" page: its own 404
+        # The token URL as a browser would open it: the answer sets the token as a cookie for this port's
+        # path, so the next pages and assets of the tab need no token in their URL.
+        opened = await anon.get(token["url"])
+        assert opened.status_code == 404  # the app has no "/" page: its own 404
+        cookie = opened.headers["set-cookie"]
+        assert cookie.startswith(f"capsa_port_token={token['token']}; Path=/v1/sessions/{sid}/ports/{port}/")
+        assert "HttpOnly" in cookie
+        in_tab = await anon.get(hello, headers={"Cookie": f"theme=dark; capsa_port_token={token['token']}"})
+        assert in_tab.status_code == 200 and "set-cookie" not in in_tab.headers
         # A token of another port, an unknown token and a garbage one: 404, as for a missing session.
         assert_problem(await anon.get(hello, params={"token": other_port["token"]}), 404, "not_found")
         assert_problem(await anon.get(hello, params={"token": "cpt_" + "a" * 43}), 404, "not_found")

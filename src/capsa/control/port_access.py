@@ -2,10 +2,11 @@
 
 Tokens (``cpt_…``) are made by ``POST /v1/sessions/{id}/ports/{port}/tokens``, shown once and stored as
 SHA-256; they are deleted when revoked and when the session ends (``sessions.finish_session``). A request
-may carry a token as the ``token`` query parameter or the ``X-Capsa-Port-Token`` header, so a browser tab
-or a tool that cannot send the API key can open the port. A token that is unknown, revoked, or made for
-another session or port answers 404, like another tenant's session. The session's ``expose`` list, when
-it has one, bounds the ports (``port_not_exposed``, 403), checked for keys and tokens alike.
+may carry a token as the ``token`` query parameter, the ``X-Capsa-Port-Token`` header or the
+``capsa_port_token`` cookie (set by the first answer to a URL with a token, for that port's path only), so
+a browser tab or a tool that cannot send the API key can open the port. A token that is unknown,
+revoked, or made for another session or port answers 404, like another tenant's session. The session's
+``expose`` list, when it has one, bounds the ports (``port_not_exposed``, 403), for keys and tokens alike.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ from capsa.control.schemas import PortToken
 from capsa.control.sessions import get_session, running_session
 from capsa.control.store.models import PortTokenRow, SessionRow, utcnow
 
-__all__ = ["TOKEN_HEADER", "TOKEN_QUERY", "PortAccess", "PortNotExposed", "authorize", "check_exposed",
-           "create_token", "port_path", "revoke_token"]
+__all__ = ["TOKEN_COOKIE", "TOKEN_HEADER", "TOKEN_QUERY", "PortAccess", "PortNotExposed", "authorize",
+           "check_exposed", "create_token", "port_path", "revoke_token"]
 
 TOKEN_QUERY = "token"
 TOKEN_HEADER = "x-capsa-port-token"
+TOKEN_COOKIE = "capsa_port_token"
+"""Set (path-scoped to the port) on an answer to a request that brought its token in the URL, so the
+pages and assets a browser tab loads next are let in too."""
 _TOKEN_PREFIX = "cpt_"
 
 
@@ -58,12 +62,15 @@ class PortAccess:
     client: NodeClient
     used_api_key: bool
     """The request authenticated with the API key in Authorization (which must not reach the sandbox)."""
+    query_token: str | None = None
+    """The port token, when it came in the URL (the answer sets it as a cookie)."""
 
 
 async def authorize(plane: ControlPlane, conn: HTTPConnection, session_id: str, port: int) -> PortAccess:
     """The running session whose ``port`` this request may reach, and a client for its node."""
     bearer = bearer_token(conn.headers.get("authorization"))
-    token = conn.query_params.get(TOKEN_QUERY) or conn.headers.get(TOKEN_HEADER)
+    in_query = conn.query_params.get(TOKEN_QUERY)
+    token = in_query or conn.headers.get(TOKEN_HEADER) or conn.cookies.get(TOKEN_COOKIE)
     if bearer is not None and parse_key(bearer) is not None:
         async with plane.db() as db:
             principal = await authenticate(db, bearer)
@@ -75,7 +82,7 @@ async def authorize(plane: ControlPlane, conn: HTTPConnection, session_id: str, 
         raise Unauthorized("an API key or a port token (?token= or X-Capsa-Port-Token) is required")
     row, client = await running_session(plane, tenant, session_id)
     check_exposed(row, port)
-    return PortAccess(row, client, used_key)
+    return PortAccess(row, client, used_key, in_query if in_query and not used_key else None)
 
 
 async def _token_tenant(plane: ControlPlane, token: str, session_id: str, port: int) -> str:

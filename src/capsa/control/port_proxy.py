@@ -30,7 +30,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from capsa.common.port_tunnel import PortTunnel
 from capsa.common.websocket import WebSocketClient, WebSocketRejected
 from capsa.control.errors import ApiError
-from capsa.control.port_access import TOKEN_HEADER, TOKEN_QUERY, PortAccess, port_path
+from capsa.control.port_access import TOKEN_COOKIE, TOKEN_HEADER, TOKEN_QUERY, PortAccess, port_path
 
 __all__ = ["proxy_http", "proxy_websocket", "relay_tunnel"]
 
@@ -65,6 +65,10 @@ def _forward_headers(conn: HTTPConnection, access: PortAccess, port: int, *,
             continue
         if lower == "authorization" and access.used_api_key:
             continue
+        if lower == "cookie":
+            value = _without_token_cookie(value)
+            if not value:
+                continue
         out.append((lower, value))
     out += [("x-forwarded-host", conn.headers.get("host", "")),
             ("x-forwarded-proto", "https" if conn.url.scheme in ("https", "wss") else "http"),
@@ -89,6 +93,21 @@ class _RelayedResponse(Response):
         async for chunk in self._chunks:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _without_token_cookie(header: str) -> str:
+    kept = [part.strip() for part in header.split(";")
+            if part.strip() and part.split("=", 1)[0].strip() != TOKEN_COOKIE]
+    return "; ".join(kept)
+
+
+def _token_cookie(conn: HTTPConnection, access: PortAccess, port: int) -> tuple[bytes, bytes] | None:
+    if access.query_token is None:
+        return None
+    secure = "; Secure" if conn.url.scheme == "https" else ""
+    value = (f"{TOKEN_COOKIE}={access.query_token}; Path={port_path(access.row.id, port)}; HttpOnly; "
+             f"SameSite=Lax{secure}")
+    return b"set-cookie", value.encode("latin-1")
 
 
 async def _events(conn: h11.Connection, tunnel: PortTunnel) -> AsyncIterator[h11.Event]:
@@ -164,6 +183,9 @@ async def proxy_http(request: Request, access: PortAccess, port: int, path: str,
         raise
     response_headers = [(k.lower(), v) for k, v in event.headers
                         if k.decode("latin-1").lower() not in _RESPONSE_DROP]
+    cookie = _token_cookie(request, access, port)
+    if cookie is not None:
+        response_headers.append(cookie)
 
     async def body() -> AsyncIterator[bytes]:
         try:

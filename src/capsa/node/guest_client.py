@@ -471,7 +471,7 @@ class TcpTunnel:
         if not self._stream.done:
             await self._stream.client._send(Kind.END, self._stream.id)
 
-    async def read(self) -> AsyncIterator[bytes]:
+    async def read(self) -> AsyncGenerator[bytes, None]:
         """What the port sends, until it closes its side."""
         while not self.closed:
             frame = await self._stream.next()
