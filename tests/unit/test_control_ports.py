@@ -274,7 +274,10 @@ async def test_sdk_ports_url_get_host_and_forward(stack: ApiStack) -> None:
         async with httpx.AsyncClient() as browser:  # no key: the URL alone opens the port
             opened = await browser.get(url)
             assert opened.status_code == 200 and opened.text == "hello from the sandbox"
-            assert_problem(await browser.get(session.get_host(port) + "hello"), 401, "unauthorized")
+            # ... and, through the cookie it set, the port's other pages.
+            assert (await browser.get(session.get_host(port) + "hello")).status_code == 200
+        async with httpx.AsyncClient() as stranger:
+            assert_problem(await stranger.get(session.get_host(port) + "hello"), 401, "unauthorized")
         async with await session.ports.forward(port) as forward:
             async with httpx.AsyncClient() as local:
                 for _ in range(3):  # one tunnel per connection
