@@ -2,8 +2,8 @@
 
 ``python3 port_app.py PORT`` serves on 127.0.0.1:PORT:
 
-- ``GET /hello`` -> ``hello from the sandbox`` (plus the request's path, query and selected headers as JSON
-  in ``X-Seen``);
+- ``GET|HEAD /hello`` -> ``hello from the sandbox`` (plus the request's path, query and selected headers
+  as JSON in ``X-Seen``);
 - ``GET /bytes?n=N`` -> N bytes (``0123456789`` repeated), Content-Length, written in ~64 KiB pieces;
 - ``GET /slow`` -> chunked: ``first``, then 1.5 s later ``second``;
 - ``POST|PUT /echo`` -> the request body back (Content-Length or chunked request), with its SHA-256 in
@@ -42,7 +42,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(key, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def do_HEAD(self) -> None:
+        if urlsplit(self.path).path == "/hello":
+            self._send(200, b"hello from the sandbox")
+        else:
+            self._send(404, b"no such page")
 
     def do_GET(self) -> None:
         url = urlsplit(self.path)
