@@ -6,6 +6,8 @@
   as JSON in ``X-Seen``);
 - ``GET /bytes?n=N`` -> N bytes (``0123456789`` repeated), Content-Length, written in ~64 KiB pieces;
 - ``GET /slow`` -> chunked: ``first``, then 1.5 s later ``second``;
+- ``POST /duplex`` (chunked request) -> a chunked answer started at once: ``got:<chunk>`` for every request
+  chunk as soon as it arrives (a client can wait for each acknowledgement before sending the next chunk);
 - ``POST|PUT /echo`` -> the request body back (Content-Length or chunked request), with its SHA-256 in
   ``X-Sha256``;
 - ``GET /ws`` with a WebSocket upgrade -> echo of every message (text and binary), close answered.
@@ -97,7 +99,28 @@ class _Handler(BaseHTTPRequestHandler):
                 self.rfile.readline()
         return self.rfile.read(int(self.headers.get("Content-Length", "0")))
 
+    def _duplex(self) -> None:
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.wfile.flush()
+        while True:
+            size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+            if size == 0:
+                self.rfile.readline()
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+                return
+            data = self.rfile.read(size)
+            self.rfile.readline()
+            answer = b"got:" + data
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(answer), answer))
+            self.wfile.flush()
+
     def do_POST(self) -> None:
+        if urlsplit(self.path).path == "/duplex":
+            self._duplex()
+            return
         if urlsplit(self.path).path != "/echo":
             self._send(404, b"no such page")
             return

@@ -127,6 +127,37 @@ async def test_http_through_the_proxy_with_the_key_streams_both_ways(stack: ApiS
         assert after.text == "hello from the sandbox"
 
 
+async def test_request_and_response_bodies_stream_at_once_full_duplex(stack: ApiStack) -> None:
+    """The proxy relays each request chunk as it comes and each answer chunk as it comes: the client sends a
+    chunk only after the app acknowledged the previous one through the response, which would deadlock if
+    the proxy waited for the whole request (or the whole answer)."""
+    key = await stack.tenant_key("acme")
+    port = free_port()
+    async with stack.client(key) as client:
+        sid = await new_session(client)
+        await start_app(client, sid, port)
+    url = urlsplit(stack.url)
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    writer.write((f"POST /v1/sessions/{sid}/ports/{port}/duplex HTTP/1.1\r\nHost: {url.netloc}\r\n"
+                  f"Authorization: Bearer {key}\r\nTransfer-Encoding: chunked\r\n\r\n").encode())
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    received = b""
+    for word in (b"one", b"two", b"three"):
+        writer.write(b"%x\r\n%s\r\n" % (len(word), word))
+        await writer.drain()
+        while b"got:" + word not in received:
+            received += await asyncio.wait_for(reader.read(65536), 20)
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+    while not received.endswith(b"0\r\n\r\n"):
+        more = await asyncio.wait_for(reader.read(65536), 20)
+        assert more, received
+        received += more
+    writer.close()
+
+
 async def test_websocket_echo_through_the_proxy_with_key_and_token_not_without(stack: ApiStack) -> None:
     key = await stack.tenant_key("acme")
     port = free_port()
