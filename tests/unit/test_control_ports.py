@@ -188,6 +188,31 @@ async def test_websocket_echo_through_the_proxy_with_key_and_token_not_without(s
         assert json.loads(refused.value.body)["code"] == code
 
 
+async def test_an_open_websocket_keeps_the_session_from_its_idle_timeout(
+        make_stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from capsa.control import port_access
+
+    monkeypatch.setattr(port_access, "ACTIVITY_INTERVAL", 0.2)
+    stack = await make_stack()
+    key = await stack.tenant_key("acme")
+    port = free_port()
+    async with stack.client(key) as client:
+        sid = await new_session(client, idle_timeout=2)
+        await start_app(client, sid, port)
+        auth = [("Authorization", f"Bearer {key}")]
+        ws = await ws_connect(stack, f"/v1/sessions/{sid}/ports/{port}/ws", auth)
+        for i in range(8):  # 4 s of traffic on one connection, twice the idle timeout, no other request
+            await asyncio.sleep(0.5)
+            await ws.send(f"ping {i}")
+            assert await ws.receive() == f"ping {i}"
+        await ws.close()
+        assert (await client.get(f"/v1/sessions/{sid}")).json()["state"] == "running"
+        deadline = time.monotonic() + 20  # closed, it goes idle: the reaper ends the session
+        while (await client.get(f"/v1/sessions/{sid}")).json()["state"] == "running":
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.3)
+
+
 async def test_port_tokens_open_the_port_until_revoked_and_die_with_the_session(stack: ApiStack) -> None:
     key = await stack.tenant_key("acme")
     other = await stack.tenant_key("globex")

@@ -11,11 +11,14 @@ revoked, or made for another session or port answers 404, like another tenant's 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import secrets
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from starlette.requests import HTTPConnection
 
 from capsa.common.ids import new_id
@@ -28,8 +31,8 @@ from capsa.control.schemas import PortToken
 from capsa.control.sessions import get_session, running_session
 from capsa.control.store.models import PortTokenRow, SessionRow, utcnow
 
-__all__ = ["TOKEN_COOKIE", "TOKEN_HEADER", "TOKEN_QUERY", "PortAccess", "PortNotExposed", "authorize",
-           "check_exposed", "create_token", "port_path", "revoke_token"]
+__all__ = ["ACTIVITY_INTERVAL", "TOKEN_COOKIE", "TOKEN_HEADER", "TOKEN_QUERY", "PortAccess", "PortNotExposed",
+           "authorize", "check_exposed", "create_token", "keep_active", "port_path", "revoke_token"]
 
 TOKEN_QUERY = "token"
 TOKEN_HEADER = "x-capsa-port-token"
@@ -41,6 +44,33 @@ _TOKEN_PREFIX = "cpt_"
 
 class PortNotExposed(ApiError):
     code, status, title = "port_not_exposed", 403, "Port not exposed"
+
+
+ACTIVITY_INTERVAL = 30.0
+"""Seconds between the activity marks of an open WebSocket or tunnel (for the session's idle timeout)."""
+
+
+@contextlib.asynccontextmanager
+async def keep_active(plane: ControlPlane, session_id: str) -> AsyncIterator[None]:
+    """While the block runs (a WebSocket or tunnel into the session), the session counts as active: an
+    open connection must not be cut by the idle timeout only because no new request came."""
+
+    async def mark() -> None:
+        while True:
+            await asyncio.sleep(ACTIVITY_INTERVAL)
+            async with plane.db() as db:
+                await db.execute(update(SessionRow)
+                                 .where(SessionRow.id == session_id, SessionRow.state == "running")
+                                 .values(last_activity_at=utcnow()))
+                await db.commit()
+
+    task = asyncio.create_task(mark())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
 
 def _hash(token: str) -> str:

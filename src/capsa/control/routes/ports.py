@@ -29,7 +29,7 @@ from capsa.common.port_tunnel import OK_MESSAGE, PortTunnel, problem_message
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
-from capsa.control.port_access import PortAccess, authorize, create_token, revoke_token
+from capsa.control.port_access import PortAccess, authorize, create_token, keep_active, revoke_token
 from capsa.control.port_proxy import proxy_http, proxy_websocket, relay_tunnel
 from capsa.control.problems import problem_response
 from capsa.control.schemas import PortToken
@@ -113,7 +113,8 @@ async def proxy_ws(websocket: WebSocket, session_id: str, port: Port, path: str)
     except CapsaError as exc:
         await _refuse(websocket, exc)
         return
-    await proxy_websocket(websocket, access, port, path, tunnel)
+    async with keep_active(plane, session_id):
+        await proxy_websocket(websocket, access, port, path, tunnel)
 
 
 @router.websocket("/tunnels/{port}")
@@ -135,4 +136,5 @@ async def tunnel(websocket: WebSocket, session_id: str, port: Port) -> None:
             await websocket.close()
         return
     await websocket.send_text(OK_MESSAGE)
-    await relay_tunnel(websocket, opened)
+    async with keep_active(plane, session_id):
+        await relay_tunnel(websocket, opened)
