@@ -6,6 +6,7 @@ Failures become :class:`NodeError` with the node's stable error code, or ``node_
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -46,6 +47,7 @@ from capsa.common.websocket import SocketStream
 __all__ = ["NodeClient", "NodeClientPool", "NodeError"]
 
 _PREFIX = "/node/v1"
+_TUNNEL_OPEN_TIMEOUT = 60.0
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -238,10 +240,15 @@ class NodeClient:
                                                     parts.port or (443 if tls else 80), tls=tls)
                 host = parts.netloc
             auth = [("Authorization", f"Bearer {self._token}")]
-            return await open_tunnel(stream, host, target, headers=auth)
+            # The node answers once the guest connected (or refused): its connect timeout plus slack.
+            async with asyncio.timeout(_TUNNEL_OPEN_TIMEOUT):
+                return await open_tunnel(stream, host, target, headers=auth)
         except CapsaError as exc:
             raise NodeError(exc.code, exc.status, exc.message) from None
-        except (OSError, TimeoutError, ConnectionError) as exc:
+        except TimeoutError:
+            raise NodeError("node_unreachable", 503, f"the node did not open the port tunnel within "
+                                                     f"{_TUNNEL_OPEN_TIMEOUT:g} s") from None
+        except (OSError, ConnectionError) as exc:
             raise NodeError("node_unreachable", 503, f"node unreachable: {exc}") from None
 
     # -- files -----------------------------------------------------------------------------------------
