@@ -9,7 +9,7 @@ over the tunnel; messages are relayed both ways and the close code is passed on.
 
 What the app in the sandbox sees: the path after ``/ports/{port}``, the query without ``token``, the
 client's headers less hop-by-hop ones, the API key and the port token, ``Host: localhost:<port>``, and
-``X-Forwarded-Host``/``-Proto``/``-Prefix`` naming where the client reached it.
+``X-Forwarded-For``/``-Host``/``-Proto``/``-Prefix`` naming who reached it and where.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def _forward_headers(conn: HTTPConnection, access: PortAccess, port: int, *,
             if not value:
                 continue
         out.append((lower, value))
-    out += [("x-forwarded-host", conn.headers.get("host", "")),
+    out += [("x-forwarded-for", conn.client.host if conn.client else ""),
+            ("x-forwarded-host", conn.headers.get("host", "")),
             ("x-forwarded-proto", "https" if conn.url.scheme in ("https", "wss") else "http"),
             ("x-forwarded-prefix", port_path(access.row.id, port).rstrip("/"))]
     return out
