@@ -22,6 +22,8 @@ from capsa.sdk import (
     AsyncFiles,
     AsyncKeys,
     AsyncNodes,
+    AsyncPortForward,
+    AsyncPorts,
     AsyncProcess,
     AsyncSecrets,
     AsyncSession,
@@ -32,6 +34,8 @@ from capsa.sdk import (
     Files,
     Keys,
     Nodes,
+    PortForward,
+    Ports,
     Process,
     Secrets,
     Session,
@@ -145,6 +149,9 @@ PAIRS: list[tuple[type, type, dict[str, Any]]] = [
     (Secrets, AsyncSecrets, {}),
     (Keys, AsyncKeys, {}),
     (Nodes, AsyncNodes, {}),
+    # A tunnel's methods are coroutines: blocking code reaches ports through forward() and url().
+    (Ports, AsyncPorts, {"async_only": frozenset({"open_tunnel"})}),
+    (PortForward, AsyncPortForward, {"async_attributes": frozenset({"port", "connections"})}),
     (Client, AsyncClient, {"renames": {"close": "aclose"}, "async_only": _CLIENT_PLUMBING,
                            "async_attributes": frozenset({"config"})}),
 ]

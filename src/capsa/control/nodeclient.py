@@ -6,11 +6,13 @@ Failures become :class:`NodeError` with the node's stable error code, or ``node_
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -40,10 +42,13 @@ from capsa.common.node_api import (
     SnapshotCreate,
     SnapshotInfo,
 )
+from capsa.common.port_tunnel import PortTunnel, open_tunnel
+from capsa.common.websocket import SocketStream
 
 __all__ = ["EgressArgs", "NodeClient", "NodeClientPool", "NodeError"]
 
 _PREFIX = "/node/v1"
+_TUNNEL_OPEN_TIMEOUT = 60.0
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -102,6 +107,8 @@ class NodeClient:
 
     def __init__(self, url: str, token: str, *, timeout: float = 120.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._url = url
+        self._token = token
         if url.startswith("unix://"):
             transport = transport or httpx.AsyncHTTPTransport(uds=url.removeprefix("unix://"))
             base = "http://node"
@@ -238,6 +245,34 @@ class NodeClient:
     async def kill_process(self, sandbox_id: str, pid: int, signal: int) -> ProcessInfo:
         return await self._call(ProcessInfo, "POST", f"/sandboxes/{sandbox_id}/processes/{pid}/kill",
                                 json=KillRequest(signal=signal).model_dump(mode="json"))
+
+    # -- ports ---------------------------------------------------------------------------------------
+    async def open_port(self, sandbox_id: str, port: int) -> PortTunnel:
+        """A raw TCP connection to ``port`` inside the sandbox (the node's port tunnel, a WebSocket on the
+        node's own socket: httpx cannot hand over an upgraded connection). Refusals raise NodeError with the
+        node's code (``port_unreachable``, ``sandbox_not_found`` ...)."""
+        target = f"{_PREFIX}/sandboxes/{sandbox_id}/ports/{port}/tunnel"
+        try:
+            if self._url.startswith("unix://"):
+                stream = await SocketStream.connect_unix(self._url.removeprefix("unix://"))
+                host = "node"
+            else:
+                parts = urlsplit(self._url)
+                tls = parts.scheme == "https"
+                stream = await SocketStream.connect(parts.hostname or "localhost",
+                                                    parts.port or (443 if tls else 80), tls=tls)
+                host = parts.netloc
+            auth = [("Authorization", f"Bearer {self._token}")]
+            # The node answers once the guest connected (or refused): its connect timeout plus slack.
+            async with asyncio.timeout(_TUNNEL_OPEN_TIMEOUT):
+                return await open_tunnel(stream, host, target, headers=auth)
+        except CapsaError as exc:
+            raise NodeError(exc.code, exc.status, exc.message) from None
+        except TimeoutError:
+            raise NodeError("node_unreachable", 503, f"the node did not open the port tunnel within "
+                                                     f"{_TUNNEL_OPEN_TIMEOUT:g} s") from None
+        except (OSError, ConnectionError) as exc:
+            raise NodeError("node_unreachable", 503, f"node unreachable: {exc}") from None
 
     # -- files -----------------------------------------------------------------------------------------
     @asynccontextmanager

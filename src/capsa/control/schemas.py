@@ -25,6 +25,7 @@ from capsa.control.egress_schemas import PolicyDocument
 from capsa.sdk.models import (
     CommandResult,
     FileInfo,
+    PortToken,
     ProcessInfo,
     ProcessOutput,
     RollingSnapshots,
@@ -58,6 +59,7 @@ __all__ = [
     "NodeToken",
     "NodeTokenCreate",
     "NodeUpdate",
+    "PortToken",
     "ProblemDetail",
     "ProcessInfo",
     "ProcessList",
@@ -131,6 +133,8 @@ class SessionCreate(_Strict):
     rolling_snapshots: RollingSnapshots | None = None
     keep_snapshots: bool = False
     """Keep the session's snapshots when it closes (they are deleted otherwise)."""
+    expose: Annotated[list[Annotated[int, Field(ge=1, le=65535)]], Field(max_length=64)] | None = None
+    """The only ports the port proxy may reach (``port_not_exposed``, 403, for others); none: any port."""
 
 
 class SessionOut(SessionInfo):

@@ -22,7 +22,14 @@ from capsa.control.plane import ControlPlane
 from capsa.control.quotas import check_quota, lock_tenant
 from capsa.control.schemas import RollingSnapshots, SessionCreate, SessionList, SessionOut
 from capsa.control.store.db import DbSession
-from capsa.control.store.models import NodeRow, SessionMetadataRow, SessionRow, SnapshotRow, utcnow
+from capsa.control.store.models import (
+    NodeRow,
+    PortTokenRow,
+    SessionMetadataRow,
+    SessionRow,
+    SnapshotRow,
+    utcnow,
+)
 
 __all__ = [
     "SANDBOX_GONE_CODES",
@@ -64,6 +71,7 @@ def to_out(row: SessionRow, metadata: Mapping[str, str]) -> SessionOut:
         failure_reason=row.failure_reason, closed_at=row.closed_at,
         on_timeout="pause" if row.on_timeout == "pause" else "close", rolling_snapshots=_policy(row),
         keep_snapshots=bool(row.keep_snapshots), pause_reason=row.pause_reason,
+        expose=list(row.expose) if row.expose is not None else None,
     )
 
 
@@ -149,6 +157,7 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
             last_activity_at=now, memory_mib=req.memory_mib, vcpus=req.vcpus, node_id=node.id,
             sandbox_id=sandbox_id, timeout_s=req.timeout, on_timeout=req.on_timeout,
             keep_snapshots=req.keep_snapshots, env=dict(req.env) or None,
+            expose=sorted(set(req.expose)) if req.expose is not None else None,
         )
         if req.rolling_snapshots is not None:
             row.snapshot_keep = req.rolling_snapshots.keep
@@ -200,6 +209,8 @@ async def finish_session(plane: ControlPlane, session_id: str, target: str, reas
     async with plane.db() as db:
         fields = {"failure_reason": reason} if reason is not None else {}
         done = await transition(db, session_id, target, **fields)
+        if done:  # the session's port tokens die with it
+            await db.execute(delete(PortTokenRow).where(PortTokenRow.session_id == session_id))
         # Read what to destroy before committing, so the sandbox is gone as soon after the state
         # change becomes visible as possible.
         row = await db.get(SessionRow, session_id, populate_existing=True) if done else None

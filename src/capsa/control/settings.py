@@ -58,6 +58,8 @@ class ControlSettings(BaseSettings):
     tenant_quotas: dict[str, TenantQuota] = Field(default_factory=dict)
     """Per-tenant overrides of ``tenant_quota`` (``CAPSA_TENANT_QUOTAS='{"acme": {"max_vcpus": 512}}'``)."""
 
+    public_url: str | None = None
+    """The base URL clients reach the API at (port token URLs); none: the URL of the request that asks."""
     allow_insecure_node_urls: bool = False
     """Accept plain ``http://`` node URLs off loopback (``CAPSA_ALLOW_INSECURE_NODE_URLS=1``, labs and
     tests only): the node's API token and every session's secrets would cross the network in clear."""

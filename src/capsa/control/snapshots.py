@@ -356,7 +356,7 @@ async def branch_session(plane: ControlPlane, tenant: str, session_id: str, n: i
                 sandbox_id=sandbox_id, timeout_s=row.timeout_s, on_timeout=row.on_timeout,
                 keep_snapshots=row.keep_snapshots, snapshot_interval_s=row.snapshot_interval_s,
                 snapshot_after_command=row.snapshot_after_command, snapshot_keep=row.snapshot_keep,
-                env=row.env))
+                env=row.env, expose=row.expose))
         await db.flush()
         for child_id, _ in children:
             db.add_all(SessionMetadataRow(session_id=child_id, key=k, value=v) for k, v in metadata.items())

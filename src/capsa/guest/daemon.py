@@ -30,6 +30,9 @@ file_remove    path, recursive                              {}
 file_rename    src, dst                                     FileInfo of dst
 tar_export     path                                         DATA (PAX tar stream); {bytes}
 tar_import     path; body = DATA* END (tar, gz/bz2/xz ok)   {members}; unsafe_archive on escapes
+tcp_open       port (on 127.0.0.1), connect_timeout; then   EVENT {connected}; DATA (bytes from the
+               host DATA = bytes, END = half-close,         port); {bytes_in, bytes_out} when the
+               CANCEL = close                               server closes; port_unreachable
 set_clock      unix_ns                                      previous_ns, step_ns
 reseed         body: 16..4096 bytes of entropy (inline)     {bytes}
 set_hostname   name                                         {hostname}
@@ -41,9 +44,9 @@ capsa.guest.protocol); requests addressed to another instance are refused with g
 
 Error codes: bad_request, unknown_op, not_found, permission_denied, is_a_directory,
 not_a_directory, already_exists, directory_not_empty, no_space, no_such_process, not_executable,
-unsafe_archive, unsupported, too_large (a listing over MAX_LISTING_BYTES), cancelled, flow_control,
-too_many_requests, malformed_frame, frame_too_large, unsupported_version, guest_unavailable, io_error,
-internal_error.
+unsafe_archive, port_unreachable, unsupported, too_large (a listing over MAX_LISTING_BYTES), cancelled,
+flow_control, too_many_requests, malformed_frame, frame_too_large, unsupported_version, guest_unavailable,
+io_error, internal_error.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from typing import Any
 
 from capsa.guest import cgroups, files
 from capsa.guest.channel import Connection, Handler
+from capsa.guest.ports import op_tcp_open
 from capsa.guest.procs import ProcessTable, op_exec
 from capsa.guest.protocol import Decoder
 from capsa.guest.system import System
@@ -102,6 +106,7 @@ class Daemon:
             "file_remove": files.op_remove,
             "file_rename": files.op_rename,
             **files.TAR_OPS,
+            "tcp_open": op_tcp_open,
         }
 
     def connection(self, write: Callable[[bytes], None]) -> Connection:

@@ -31,7 +31,14 @@ from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.node.egress.node_egress import EgressRequest, NodeEgress
 from capsa.node.egress.trust_store import TrustStore
-from capsa.node.guest_client import DEFAULT_MAX_OUTPUT, ExecResult, FileInfo, ProcessInfo, ProcessOutput
+from capsa.node.guest_client import (
+    DEFAULT_MAX_OUTPUT,
+    ExecResult,
+    FileInfo,
+    ProcessInfo,
+    ProcessOutput,
+    TcpTunnel,
+)
 from capsa.node.net.sandbox_net import SandboxNet
 from capsa.node.runtime.base import GuestImage, Runtime, SandboxState, SnapshotCapable
 from capsa.node.runtime.snapshot.manifest import Snapshot
@@ -523,6 +530,13 @@ class NodeAgent:
         record = self.get(sandbox_id)
         with self._guest_call(record):
             await record.sandbox.guest.tar_import(path, data)
+
+    async def open_port(self, sandbox_id: str, port: int) -> TcpTunnel:
+        """A TCP connection to ``127.0.0.1:port`` inside the sandbox, over the guest channel
+        (``port_unreachable`` when nothing listens there)."""
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.tcp_open(port)
 
     async def _first_then_rest(self, record: SandboxRecord,
                                chunks: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:

@@ -85,6 +85,7 @@ __all__ = [
     "ProcessInfo",
     "ProcessOutput",
     "PtyHandle",
+    "TcpTunnel",
 ]
 
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
@@ -116,6 +117,7 @@ _STATUS = {
     "guest_timeout": 504,
     "too_large": 413,
     "unsupported": 501,
+    "port_unreachable": 502,
     UNAVAILABLE: 503,
 }
 
@@ -443,6 +445,52 @@ class PtyHandle:
             pass
         self.closed = True
         stream.client._forget(stream)
+
+
+class TcpTunnel:
+    """A TCP connection to a port inside the guest (``tcp_open``), carried on one channel stream.
+
+    ``write`` waits for the guest's credit (so a fast sender is held back by a slow port), ``read`` yields
+    what the port sent, within the client's credit (acknowledged as the caller consumes it), until the
+    server closes its side. ``end`` half-closes (the server reads EOF); ``close`` drops the connection."""
+
+    def __init__(self, stream: _Stream, port: int) -> None:
+        self._stream = stream
+        self.port = port
+        self.closed = False
+        self.bytes_in: int | None = None
+        self.bytes_out: int | None = None
+        """Byte counts the guest reported when the server closed (None until then)."""
+
+    async def write(self, data: bytes) -> None:
+        if data and not await self._stream.send_data(data):
+            raise GuestError("port_unreachable", f"port {self.port} closed the connection")
+
+    async def end(self) -> None:
+        """Half-close: the server reads EOF; what it still sends keeps coming through ``read``."""
+        if not self._stream.done:
+            await self._stream.client._send(Kind.END, self._stream.id)
+
+    async def read(self) -> AsyncGenerator[bytes, None]:
+        """What the port sends, until it closes its side."""
+        while not self.closed:
+            frame = await self._stream.next()
+            if frame.kind == Kind.DATA:
+                if frame.data:
+                    yield frame.data
+            elif frame.kind == Kind.RESULT:
+                self.bytes_in = _opt_int(frame.meta.get("bytes_in"))
+                self.bytes_out = _opt_int(frame.meta.get("bytes_out"))
+                self.closed = True
+                self._stream.client._forget(self._stream)
+                return
+
+    async def close(self) -> None:
+        """Drop the connection (the guest closes the socket); safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        await self._stream.client._abandon(self._stream)
 
 
 _LONG_OPS = frozenset({"file_remove", "file_rename", "poweroff"})
@@ -841,6 +889,22 @@ class GuestClient:
                 frame = await self._next(stream, deadline)
                 if frame.kind == Kind.EVENT and frame.meta.get("started"):
                     return PtyHandle(stream, int(frame.meta["pid"]))
+        except BaseException:
+            await self._abandon(stream)
+            raise
+
+    async def tcp_open(self, port: int, *, connect_timeout: float = 10.0) -> TcpTunnel:
+        """Connect to ``127.0.0.1:port`` inside the guest (``port_unreachable`` if nothing listens there)."""
+        deadline = loop_time() + connect_timeout + self.deadlines.call
+        stream = await self._open("tcp_open", {"port": port, "connect_timeout": connect_timeout},
+                                  limits=None, deadline=deadline)
+        try:
+            while True:
+                frame = await self._next(stream, deadline)
+                if frame.kind == Kind.EVENT and frame.meta.get("connected"):
+                    return TcpTunnel(stream, port)
+                if frame.kind == Kind.RESULT:
+                    raise GuestError("port_unreachable", f"port {port} closed the connection at once")
         except BaseException:
             await self._abandon(stream)
             raise

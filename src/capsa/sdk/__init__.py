@@ -35,12 +35,15 @@ from capsa.sdk.models import (
     ApiKey,
     CommandResult,
     FileInfo,
+    PortToken,
     ProcessInfo,
     ProcessOutput,
     SessionInfo,
     SnapshotInfo,
 )
 from capsa.sdk.nodes import AsyncNodes, EnrolToken, NodeInfo, Nodes
+from capsa.sdk.ports import AsyncPortForward, AsyncPorts
+from capsa.sdk.ports_sync import PortForward, Ports
 from capsa.sdk.session import AsyncSession
 from capsa.sdk.snapshots import AsyncSnapshots
 from capsa.sdk.sync import Client, Commands, Files, Keys, Process, Session, Snapshots
@@ -54,6 +57,8 @@ __all__ = [
     "AsyncFiles",
     "AsyncKeys",
     "AsyncNodes",
+    "AsyncPortForward",
+    "AsyncPorts",
     "AsyncProcess",
     "AsyncSecrets",
     "AsyncSession",
@@ -86,6 +91,9 @@ __all__ = [
     "OutputCallback",
     "PayloadTooLarge",
     "PolicyInfo",
+    "PortForward",
+    "PortToken",
+    "Ports",
     "Process",
     "ProcessInfo",
     "ProcessOutput",

@@ -10,7 +10,7 @@ session (listing sessions, API keys, health) and the request plumbing every othe
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal
@@ -190,8 +190,11 @@ class AsyncClient:
                              vcpus: int | None = None, on_timeout: Literal["pause", "close"] | None = None,
                              rolling_snapshots: Mapping[str, Any] | None = None,
                              keep_snapshots: bool | None = None,
-                             policy: Mapping[str, Any] | None = None) -> SessionInfo:
+                             policy: Mapping[str, Any] | None = None,
+                             expose: Sequence[int] | None = None) -> SessionInfo:
         body: dict[str, Any] = {"template": template}
+        if expose is not None:
+            body["expose"] = list(expose)
         if policy is not None:
             body["policy"] = dict(policy)
         if on_timeout is not None:

@@ -25,6 +25,7 @@ __all__ = [
     "ExecFinished",
     "ExecOutput",
     "FileInfo",
+    "PortToken",
     "ProcessInfo",
     "ProcessOutput",
     "RollingSnapshots",
@@ -95,6 +96,21 @@ class SessionInfo(_Model):
     keep_snapshots: bool = False
     pause_reason: str | None = None
     """Why a paused session was paused (``paused``, ``timeout``, ``idle_timeout``, or a lost sandbox)."""
+    expose: list[int] | None = None
+    """The only ports the port proxy reaches (None: any port)."""
+
+
+class PortToken(_Model):
+    """An access token for one port of one session (``POST /v1/sessions/{id}/ports/{port}/tokens``)."""
+
+    id: str
+    session_id: str
+    port: int
+    token: str
+    """Shown once (stored hashed): pass it as ``?token=`` or the ``X-Capsa-Port-Token`` header."""
+    url: str
+    """The port's proxy URL with the token in its query."""
+    created_at: datetime
 
 
 class SnapshotInfo(_Model):

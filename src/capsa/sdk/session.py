@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, overload
 
@@ -17,6 +17,7 @@ from capsa.sdk.commands import AsyncCommands
 from capsa.sdk.egress import AsyncEgress, AuditEvent, PolicyInfo
 from capsa.sdk.files import AsyncFiles
 from capsa.sdk.models import SessionInfo
+from capsa.sdk.ports import AsyncPorts
 from capsa.sdk.snapshots import AsyncSnapshots
 
 __all__ = ["AsyncSession"]
@@ -55,6 +56,7 @@ class AsyncSession:
         self.files = AsyncFiles(client, info.id)
         self.snapshots = AsyncSnapshots(self)
         self.egress = AsyncEgress(client, info.id)
+        self.ports = AsyncPorts(client, info.id)
 
     @staticmethod
     def _client_for(client: AsyncClient | None, api_url: str | None, api_key: str | None,
@@ -69,7 +71,7 @@ class AsyncSession:
                      metadata: Mapping[str, str] | None = None, memory_mib: int | None = None,
                      vcpus: int | None = None, on_timeout: Literal["pause", "close"] | None = None,
                      rolling_snapshots: Mapping[str, Any] | None = None, keep_snapshots: bool | None = None,
-                     policy: Mapping[str, Any] | None = None,
+                     policy: Mapping[str, Any] | None = None, expose: Sequence[int] | None = None,
                      api_url: str | None = None, api_key: str | None = None,
                      client: AsyncClient | None = None,
                      transport: httpx.AsyncBaseTransport | None = None) -> AsyncSession:
@@ -82,13 +84,15 @@ class AsyncSession:
         ``policy`` is an egress policy (``{"domains": [...], "secrets": [...]}``); without one the session
         has no network at all. Secrets it binds are referred to by name and reach the sandbox only as
         placeholders (see :class:`capsa.sdk.egress.AsyncSecrets`).
+
+        ``expose`` lists the only ports that :attr:`ports` (the API's port proxy) may reach.
         """
         conn, owned = cls._client_for(client, api_url, api_key, transport)
         try:
             info = await conn.create_session(template=template, timeout=timeout, idle_timeout=idle_timeout,
                                              env=env, metadata=metadata, memory_mib=memory_mib, vcpus=vcpus,
                                              on_timeout=on_timeout, rolling_snapshots=rolling_snapshots,
-                                             keep_snapshots=keep_snapshots, policy=policy)
+                                             keep_snapshots=keep_snapshots, policy=policy, expose=expose)
         except BaseException:
             if owned:
                 await conn.aclose()
@@ -143,6 +147,11 @@ class AsyncSession:
     async def set_policy(self, policy: Mapping[str, Any]) -> PolicyInfo:
         """Replace the running session's egress policy (applies without a restart)."""
         return await self.egress.set_policy(policy)
+
+    def get_host(self, port: int) -> str:
+        """The base URL of ``port`` inside the sandbox through the API (needs the key or a port token;
+        ``await s.ports.url(port)`` makes a URL with a fresh token)."""
+        return self.ports.get_host(port)
 
     async def refresh(self) -> SessionInfo:
         self.info = await self._client.get_session(self.id)

@@ -31,6 +31,7 @@ from capsa.sdk.models import (
 )
 from capsa.sdk.nodes import Nodes
 from capsa.sdk.portal import Portal, get_portal
+from capsa.sdk.ports_sync import Ports
 from capsa.sdk.session import AsyncSession
 from capsa.sdk.snapshots import AsyncSnapshots
 
@@ -238,6 +239,7 @@ class Session:
         self.files = Files(inner.files, self._portal)
         self.snapshots = Snapshots(inner.snapshots, self._portal)
         self.egress = Egress(inner.egress, self._portal)
+        self.ports = Ports(inner.ports, self._portal)
 
     @classmethod
     def create(cls, template: str = "base", *, timeout: int | None = None, idle_timeout: int | None = None,
@@ -245,14 +247,14 @@ class Session:
                memory_mib: int | None = None, vcpus: int | None = None,
                on_timeout: Literal["pause", "close"] | None = None,
                rolling_snapshots: Mapping[str, Any] | None = None, keep_snapshots: bool | None = None,
-               policy: Mapping[str, Any] | None = None,
+               policy: Mapping[str, Any] | None = None, expose: Sequence[int] | None = None,
                api_url: str | None = None, api_key: str | None = None, client: Client | None = None,
                transport: httpx.AsyncBaseTransport | None = None) -> Session:
         """See :meth:`capsa.AsyncSession.create`."""
         inner = get_portal().call(AsyncSession.create(
             template, timeout=timeout, idle_timeout=idle_timeout, env=env, metadata=metadata,
             memory_mib=memory_mib, vcpus=vcpus, on_timeout=on_timeout, rolling_snapshots=rolling_snapshots,
-            keep_snapshots=keep_snapshots, policy=policy, api_url=api_url, api_key=api_key,
+            keep_snapshots=keep_snapshots, policy=policy, expose=expose, api_url=api_url, api_key=api_key,
             client=_aio(client), transport=transport))
         return cls(inner)
 
@@ -283,6 +285,9 @@ class Session:
     @property
     def state(self) -> str:
         return self._inner.state
+
+    def get_host(self, port: int) -> str:
+        return self._inner.get_host(port)
 
     def refresh(self) -> SessionInfo:
         return self._portal.call(self._inner.refresh())

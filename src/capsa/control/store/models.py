@@ -21,8 +21,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-__all__ = ["ApiKeyRow", "Base", "NodeEnrolTokenRow", "NodeRow", "RateCounterRow", "SessionMetadataRow",
-           "SessionRow", "SnapshotRow", "UTCDateTime", "utcnow"]
+__all__ = ["ApiKeyRow", "Base", "NodeEnrolTokenRow", "NodeRow", "PortTokenRow", "RateCounterRow",
+           "SessionMetadataRow", "SessionRow", "SnapshotRow", "UTCDateTime", "utcnow"]
 
 
 def utcnow() -> datetime:
@@ -146,6 +146,9 @@ class SessionRow(Base):
     pause_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     env: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
     """The session's environment, given again to every sandbox that resumes it."""
+    # Migration 0006.
+    expose: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
+    """The ports the port proxy may reach; None: any port."""
 
 
 class SessionMetadataRow(Base):
@@ -187,3 +190,17 @@ class SnapshotRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     size_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     parent: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
+class PortTokenRow(Base):
+    """A per-session, per-port access token for the port proxy; only its SHA-256 is stored."""
+
+    __tablename__ = "port_tokens"
+    __table_args__ = (Index("ix_port_tokens_session", "session_id"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    session_id: Mapped[str] = mapped_column(String(32), ForeignKey("sessions.id", ondelete="CASCADE"))
+    port: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -39,6 +39,7 @@ STATUS: dict[str, int] = {
     # The guest client's own verdicts on what the guest sent (capsa.node.guest_client).
     "too_large": 413,
     "protocol_error": 502,
+    "port_unreachable": 502,
     # The sandbox or its guest channel is gone (capsa.node.agent, guest operations).
     "sandbox_failed": 409,
     "guest_unavailable": 503,

@@ -1,0 +1,201 @@
+"""A small asyncio WebSocket client (wsproto) over any byte stream, and the byte streams it runs on.
+
+The control plane uses it to reach a node's port tunnel (over TCP or the node's Unix socket) and to speak
+WebSocket to a server inside a sandbox (over that tunnel); the SDK uses it for the public port tunnel. A
+:class:`ByteStream` is the one seam: a socket (:class:`SocketStream`) or a tunnel
+(:class:`capsa.common.port_tunnel.PortTunnel`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import Sequence
+from typing import Protocol
+
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import (
+    AcceptConnection,
+    BytesMessage,
+    CloseConnection,
+    Event,
+    Ping,
+    RejectConnection,
+    RejectData,
+    Request,
+    TextMessage,
+)
+
+__all__ = ["ByteStream", "SocketStream", "WebSocketClient", "WebSocketRejected"]
+
+READ_SIZE = 256 * 1024
+MAX_MESSAGE = 16 * 1024 * 1024
+"""The largest message a client assembles from fragments (the peer is told 1009 past it)."""
+
+
+class ByteStream(Protocol):
+    """A bidirectional byte stream: ``read`` answers b"" at EOF."""
+
+    async def read(self) -> bytes: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self) -> None:
+        """Half-close: no more writes; reading goes on."""
+
+    async def aclose(self) -> None: ...
+
+
+class SocketStream:
+    """An asyncio stream pair as a :class:`ByteStream`."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+
+    @classmethod
+    async def connect(cls, url_host: str, port: int, *, tls: bool = False,
+                      timeout: float = 10.0) -> SocketStream:  # noqa: ASYNC109
+        context = ssl.create_default_context() if tls else None
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(url_host, port, ssl=context, limit=READ_SIZE)
+        return cls(reader, writer)
+
+    @classmethod
+    async def connect_unix(cls, path: str, *, timeout: float = 10.0) -> SocketStream:  # noqa: ASYNC109
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_unix_connection(path, limit=READ_SIZE)
+        return cls(reader, writer)
+
+    async def read(self) -> bytes:
+        return await self._reader.read(READ_SIZE)
+
+    async def write(self, data: bytes) -> None:
+        self._writer.write(data)
+        await self._writer.drain()
+
+    async def end(self) -> None:
+        if self._writer.can_write_eof():
+            self._writer.write_eof()
+
+    async def aclose(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(OSError, RuntimeError):
+            await self._writer.wait_closed()
+
+
+class WebSocketRejected(Exception):
+    """The server answered the upgrade with an HTTP response instead of 101."""
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        super().__init__(f"websocket upgrade refused with HTTP {status}")
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+
+class WebSocketClient:
+    """The client end of one WebSocket connection. Use :meth:`connect`; one reader at a time."""
+
+    def __init__(self, stream: ByteStream, ws: WSConnection, subprotocol: str | None,
+                 pending: list[Event]) -> None:
+        self._stream = stream
+        self._ws = ws
+        self.subprotocol = subprotocol
+        self._pending = pending
+        self._parts: list[bytes | str] = []
+        self._size = 0
+        self._write_lock = asyncio.Lock()
+        self.close_code: int | None = None
+        self.close_reason: str = ""
+        self._closed = False
+
+    @classmethod
+    async def connect(cls, stream: ByteStream, host: str, target: str, *,
+                      headers: Sequence[tuple[str, str]] = (),
+                      subprotocols: Sequence[str] = ()) -> WebSocketClient:
+        """Upgrade ``stream`` (raises :class:`WebSocketRejected`, or ConnectionError at EOF)."""
+        ws = WSConnection(ConnectionType.CLIENT)
+        extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        await stream.write(ws.send(Request(host=host, target=target, extra_headers=extra,
+                                           subprotocols=list(subprotocols))))
+        rejected: RejectConnection | None = None
+        body = bytearray()
+        while True:
+            data = await stream.read()
+            ws.receive_data(data or None)
+            events = list(ws.events())
+            for i, event in enumerate(events):
+                if isinstance(event, AcceptConnection):
+                    return cls(stream, ws, event.subprotocol, events[i + 1:])
+                if isinstance(event, RejectConnection):
+                    rejected = event
+                    if not event.has_body:
+                        raise WebSocketRejected(event.status_code, list(event.headers), b"")
+                elif isinstance(event, RejectData):
+                    body += event.data
+                    if event.body_finished and rejected is not None:
+                        raise WebSocketRejected(rejected.status_code, list(rejected.headers), bytes(body))
+            if not data:
+                if rejected is not None:
+                    raise WebSocketRejected(rejected.status_code, list(rejected.headers), bytes(body))
+                raise ConnectionError("the server closed the connection during the websocket handshake")
+
+    async def send(self, message: str | bytes) -> None:
+        event = TextMessage(data=message) if isinstance(message, str) else BytesMessage(data=message)
+        async with self._write_lock:
+            await self._stream.write(self._ws.send(event))
+
+    async def receive(self) -> str | bytes | None:
+        """The next whole message; None once the connection is closed (``close_code`` says how)."""
+        while True:
+            while self._pending:
+                event = self._pending.pop(0)
+                message = await self._handle(event)
+                if message is not None:
+                    return message
+            if self._closed:
+                return None
+            data = await self._stream.read()
+            if not data:
+                self._closed = True
+                if self.close_code is None:
+                    self.close_code = 1006
+                return None
+            self._ws.receive_data(data)
+            self._pending.extend(self._ws.events())
+
+    async def _handle(self, event: Event) -> str | bytes | None:
+        if isinstance(event, TextMessage | BytesMessage):
+            self._parts.append(event.data if isinstance(event.data, str) else bytes(event.data))
+            self._size += len(event.data)
+            if self._size > MAX_MESSAGE:
+                await self.close(1009, "message too big")
+                return None
+            if not event.message_finished:
+                return None
+            parts, self._parts, self._size = self._parts, [], 0
+            if isinstance(event, TextMessage):
+                return "".join(str(p) for p in parts)
+            return b"".join(p for p in parts if isinstance(p, bytes))
+        if isinstance(event, Ping):
+            async with self._write_lock:
+                with contextlib.suppress(OSError, ConnectionError):
+                    await self._stream.write(self._ws.send(event.response()))
+        elif isinstance(event, CloseConnection):
+            self.close_code, self.close_reason = event.code, event.reason or ""
+            if not self._closed:
+                self._closed = True
+                with contextlib.suppress(Exception):
+                    async with self._write_lock:
+                        await self._stream.write(self._ws.send(event.response()))
+        return None
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        """Send a close frame (once) and drop the stream."""
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(Exception):
+                async with self._write_lock:
+                    await self._stream.write(self._ws.send(CloseConnection(code=code, reason=reason)))
+        await self._stream.aclose()

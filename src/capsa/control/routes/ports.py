@@ -1,0 +1,140 @@
+"""``/v1/sessions/{id}/ports/{port}/…``: HTTP and WebSocket into a port of the sandbox; port tokens; tunnels.
+
+- ``GET|POST|PUT|PATCH|DELETE|HEAD|OPTIONS /sessions/{id}/ports/{port}/{path}`` and a WebSocket upgrade on
+  the same path reach ``127.0.0.1:{port}`` inside the sandbox (:mod:`capsa.control.port_proxy`), over the
+  guest channel: the sandbox needs no network device.
+- ``POST /sessions/{id}/ports/{port}/tokens`` makes an access token for that port
+  (:mod:`capsa.control.port_access`), ``DELETE …/tokens/{token_id}`` revokes it. These two paths of the
+  app behind the port are therefore not reachable through the proxy with those methods.
+- ``/sessions/{id}/tunnels/{port}`` (WebSocket) is the raw TCP tunnel (:mod:`capsa.common.port_tunnel`)
+  that ``capsa port-forward`` uses.
+
+Authentication: the API key (``Authorization: Bearer``) as everywhere, or a port token (``?token=`` or
+``X-Capsa-Port-Token``). The proxy answers ``port_not_exposed`` (403) for ports outside the session's
+``expose`` list and ``port_unreachable`` (502) when nothing listens on the port. Before a WebSocket is
+accepted, failures answer the upgrade with the problem+json error and its HTTP status (401, 404, 403,
+502 ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request, Response, WebSocket
+from starlette.websockets import WebSocketDisconnect
+
+from capsa.common.errors import CapsaError
+from capsa.common.port_tunnel import OK_MESSAGE, PortTunnel, problem_message
+from capsa.control.deps import PROBLEMS, Caller, Plane, problems
+from capsa.control.nodeclient import NodeError
+from capsa.control.plane import ControlPlane
+from capsa.control.port_access import PortAccess, authorize, create_token, keep_active, revoke_token
+from capsa.control.port_proxy import proxy_http, proxy_websocket, relay_tunnel
+from capsa.control.problems import problem_response
+from capsa.control.schemas import PortToken
+from capsa.control.sessions import node_call_failed
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/sessions/{session_id}", tags=["ports"], responses=PROBLEMS)
+
+Port = Annotated[int, Path(ge=1, le=65535, description="TCP port inside the sandbox")]
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+_PROXY_DOC = {
+    "responses": {
+        "502": {"description": "Nothing listens on the port (`port_unreachable`), or it does not answer "
+                               "HTTP (`port_protocol_error`)",
+                "content": {"application/problem+json": {}}},
+        "403": {"description": "The session does not expose this port (`port_not_exposed`)",
+                "content": {"application/problem+json": {}}},
+    },
+}
+
+
+def _base_url(plane: ControlPlane, request: Request) -> str:
+    return plane.settings.public_url or str(request.base_url)
+
+
+@router.post("/ports/{port}/tokens", status_code=201, response_model=PortToken, responses=problems(403))
+async def create_port_token(session_id: str, port: Port, request: Request, plane: Plane,
+                            caller: Caller) -> PortToken:
+    """An access token for this port of this session: shown once, revocable, gone when the session ends."""
+    return await create_token(plane, caller.tenant, session_id, port, _base_url(plane, request))
+
+
+@router.delete("/ports/{port}/tokens/{token_id}", status_code=204, response_class=Response)
+async def revoke_port_token(session_id: str, port: Port, token_id: str, plane: Plane,
+                            caller: Caller) -> Response:
+    await revoke_token(plane, caller.tenant, session_id, port, token_id)
+    return Response(status_code=204)
+
+
+async def _open(plane: ControlPlane, access: PortAccess, port: int) -> PortTunnel:
+    assert access.row.sandbox_id is not None
+    try:
+        return await access.client.open_port(access.row.sandbox_id, port)
+    except NodeError as exc:
+        raise await node_call_failed(plane, access.row, exc) from exc
+
+
+async def proxy(session_id: str, port: Port, path: str, request: Request, plane: Plane) -> Response:
+    """The app listening on ``port`` in the sandbox answers (request and response bodies streamed)."""
+    access = await authorize(plane, request, session_id, port)
+    tunnel = await _open(plane, access, port)
+    return await proxy_http(request, access, port, path, tunnel)
+
+
+for _method in _METHODS:  # one operation per method, so each has its own stable operation id
+    router.add_api_route("/ports/{port}/{path:path}", proxy, methods=[_method], response_class=Response,
+                         operation_id=f"proxy_port_{_method.lower()}", openapi_extra=_PROXY_DOC,
+                         summary=f"{_method} to a port in the sandbox")
+
+
+async def _refuse(websocket: WebSocket, exc: CapsaError) -> None:
+    """Answer the upgrade with the problem+json error (or, on a server without denial responses, a close
+    whose reason names it)."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(problem_response(
+            exc.status, exc.code, exc.message, title=getattr(exc, "title", None),
+            headers=getattr(exc, "headers", None)))
+        return
+    code = 1011 if exc.status >= 500 else 1008
+    await websocket.close(code=code, reason=f"{exc.status} {exc.code}: {exc.message}"[:120])
+
+
+@router.websocket("/ports/{port}/{path:path}")
+async def proxy_ws(websocket: WebSocket, session_id: str, port: Port, path: str) -> None:
+    plane = websocket.app.state.plane
+    assert isinstance(plane, ControlPlane)
+    try:
+        access = await authorize(plane, websocket, session_id, port)
+        tunnel = await _open(plane, access, port)
+    except CapsaError as exc:
+        await _refuse(websocket, exc)
+        return
+    async with keep_active(plane, session_id):
+        await proxy_websocket(websocket, access, port, path, tunnel)
+
+
+@router.websocket("/tunnels/{port}")
+async def tunnel(websocket: WebSocket, session_id: str, port: Port) -> None:
+    """A raw TCP connection to the port (protocol: capsa.common.port_tunnel)."""
+    plane = websocket.app.state.plane
+    assert isinstance(plane, ControlPlane)
+    try:
+        access = await authorize(plane, websocket, session_id, port)
+    except CapsaError as exc:
+        await _refuse(websocket, exc)
+        return
+    await websocket.accept()
+    try:
+        opened = await _open(plane, access, port)
+    except CapsaError as exc:
+        with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
+            await websocket.send_text(problem_message(exc.status, exc.code, exc.message))
+            await websocket.close()
+        return
+    await websocket.send_text(OK_MESSAGE)
+    async with keep_active(plane, session_id):
+        await relay_tunnel(websocket, opened)

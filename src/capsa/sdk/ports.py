@@ -1,0 +1,179 @@
+"""``session.ports``: reach TCP ports inside the sandbox (HTTP, WebSocket, any TCP through a tunnel).
+
+The API proxies ``/v1/sessions/{id}/ports/{port}/{path}`` to ``127.0.0.1:{port}`` inside the sandbox over
+the guest channel, so the sandbox needs no network. :meth:`AsyncPorts.url` makes a URL carrying a fresh
+access token (for a browser tab, or a tool that cannot send the API key); :meth:`AsyncPorts.forward`
+listens on a local TCP port and carries each connection through the API's raw tunnel
+(``/v1/sessions/{id}/tunnels/{port}``), as ``capsa port-forward`` does.
+
+Tunnels connect to the API's own address with a socket of their own: a client built with a custom
+``transport`` (an in-process app) can make URLs and tokens but not tunnels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from capsa.common.errors import CapsaError
+from capsa.common.port_tunnel import PortTunnel, open_tunnel
+from capsa.common.websocket import SocketStream
+from capsa.sdk.errors import CapsaConnectionError, error_from_problem
+from capsa.sdk.models import PortToken, parse
+from capsa.sdk.paths import seg
+
+if TYPE_CHECKING:
+    from capsa.sdk.client import AsyncClient
+
+__all__ = ["AsyncPortForward", "AsyncPorts"]
+
+
+def _check_port(port: int) -> int:
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"port must be an integer between 1 and 65535, not {port!r}")
+    return port
+
+
+class AsyncPorts:
+    """The ports of one session."""
+
+    def __init__(self, client: AsyncClient, session_id: str) -> None:
+        self._client = client
+        self._session_id = session_id
+
+    def _path(self, port: int) -> str:
+        return f"/sessions/{seg(self._session_id)}/ports/{_check_port(port)}"
+
+    def get_host(self, port: int) -> str:
+        """The base URL of ``port`` through the API (``…/v1/sessions/{id}/ports/{port}/``). Requests to it
+        need the API key, or a token from :meth:`create_token` (``?token=`` or ``X-Capsa-Port-Token``)."""
+        return f"{self._client.config.api_url}/v1{self._path(port)}/"
+
+    async def create_token(self, port: int) -> PortToken:
+        """A new access token for ``port`` (revocable; it dies with the session)."""
+        data = await self._client.json("POST", f"{self._path(port)}/tokens")
+        return parse(PortToken, data)
+
+    async def revoke_token(self, port: int, token_id: str) -> None:
+        await self._client.request("DELETE", f"{self._path(port)}/tokens/{seg(token_id)}")
+
+    async def url(self, port: int, path: str = "/") -> str:
+        """A URL of ``path`` on ``port`` that works without the API key (it carries a fresh token)."""
+        token = await self.create_token(port)
+        return f"{self.get_host(port)}{path.lstrip('/')}?token={token.token}"
+
+    async def open_tunnel(self, port: int) -> PortTunnel:
+        """A raw TCP connection to ``port`` inside the sandbox, through the API (``read``/``write``/``end``/
+        ``aclose``). Raises the API's error (``port_unreachable``, ``not_found`` ...) if it cannot open."""
+        config = self._client.config
+        url = urlsplit(config.api_url)
+        tls = url.scheme == "https"
+        target = f"{url.path.rstrip('/')}/v1/sessions/{seg(self._session_id)}/tunnels/{_check_port(port)}"
+        headers = [("Authorization", f"Bearer {config.api_key}")] if config.api_key else []
+        try:
+            stream = await SocketStream.connect(url.hostname or "127.0.0.1", url.port or (443 if tls else 80),
+                                                tls=tls, timeout=config.timeout)
+        except (OSError, TimeoutError) as exc:
+            raise CapsaConnectionError(f"cannot reach capsa API at {config.api_url}: {exc}",
+                                       url=config.api_url) from None
+        try:
+            return await open_tunnel(stream, url.netloc, target, headers=headers)
+        except CapsaError as exc:
+            raise error_from_problem(exc.status, {"code": exc.code, "detail": exc.message}) from None
+        except (OSError, ConnectionError) as exc:
+            raise CapsaConnectionError(f"the port tunnel to {config.api_url} failed: {exc}",
+                                       url=config.api_url) from None
+
+    async def forward(self, port: int, local_port: int = 0, *, host: str = "127.0.0.1") -> AsyncPortForward:
+        """Listen on ``host:local_port`` (0: any free port) and carry each connection to ``port`` inside
+        the sandbox. Close the returned forward to stop listening."""
+        forward = AsyncPortForward(self, _check_port(port))
+        await forward._start(host, local_port)
+        return forward
+
+
+class AsyncPortForward:
+    """A local TCP listener whose connections go to a port in the sandbox (:meth:`AsyncPorts.forward`)."""
+
+    def __init__(self, ports: AsyncPorts, port: int) -> None:
+        self._ports = ports
+        self.port = port
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.connections = 0
+        """Connections accepted so far."""
+
+    async def _start(self, host: str, local_port: int) -> None:
+        self._server = await asyncio.start_server(self._accept, host, local_port)
+
+    @property
+    def local_port(self) -> int:
+        """The local port listening (useful after ``local_port=0``)."""
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def local_address(self) -> str:
+        assert self._server is not None
+        host = self._server.sockets[0].getsockname()[0]
+        return f"{host}:{self.local_port}"
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self.connections += 1
+        try:
+            try:
+                tunnel = await self._ports.open_tunnel(self.port)
+            except Exception:
+                return  # the local client sees its connection closed: nothing to speak to
+            with contextlib.suppress(OSError, ConnectionError, CapsaError):
+                await _relay(reader, writer, tunnel)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError, RuntimeError):
+                await writer.wait_closed()
+            self._tasks.discard(task)
+
+    async def close(self) -> None:
+        """Stop listening and drop the connections in flight."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+    async def __aenter__(self) -> AsyncPortForward:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tunnel: PortTunnel) -> None:
+    async def up() -> None:
+        while data := await reader.read(256 * 1024):
+            await tunnel.write(data)
+        await tunnel.end()
+
+    async def down() -> None:
+        while data := await tunnel.read():
+            writer.write(data)
+            await writer.drain()
+
+    uploading = asyncio.create_task(up())
+    try:
+        await down()
+    finally:
+        uploading.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await uploading
+        await tunnel.aclose()
