@@ -103,7 +103,9 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
     control_settings = ControlSettings(database_url=database_url or f"sqlite+aiosqlite:///{state_dir}/capsa.db",
                                        secret_key_file=key_file)
     app = create_app(control_settings, on_bootstrap_key=_announce_key)
-    app.state.startup_pending = True  # /v1/ready answers 503 until the local node has registered
+    # /v1/ready answers 503 until the local node is ready (its base template in place: restored from the
+    # template cache or built) and registered.
+    app.state.startup_pending = True
     server = QuietServer(uvicorn.Config(app, host=host, port=port, log_level="info"))
 
     parts = await build_node(settings, image, node_id=LOCAL_NODE_ID)

@@ -29,6 +29,7 @@ from capsa.node.net.sandbox_net import SandboxNet
 from capsa.node.runtime.base import RamMode, Runtime, Sandbox, VMSpec
 from capsa.node.snapshots import SnapshottingRuntime, hostname_for
 from capsa.node.template_build import remove_stale_work
+from capsa.node.template_cache import TemplateCache
 from capsa.node.templates import BASE, Template, TemplateStore, check_template_name
 from capsa.node.warm_pool import IdentityBinder, PoolKey, PoolMetrics, WarmPool, bind_sandbox
 
@@ -148,13 +149,15 @@ class TemplateSource:
     def __init__(self, runtime: SnapshottingRuntime, image: GuestImage, *, egress: NodeEgress | None = None,
                  pool_size: int = 1, pool_sizes: Mapping[str, int] | None = None,
                  ram_mode: RamMode = RamMode.COPY, base_memory_mib: int = 256, base_vcpus: int = 1,
-                 bind: IdentityBinder = bind_sandbox, metrics: PoolMetrics | None = None) -> None:
+                 bind: IdentityBinder = bind_sandbox, metrics: PoolMetrics | None = None,
+                 cache: TemplateCache | None = None) -> None:
         self.runtime = runtime
         self.image = image
         self.egress = egress
         self.ram_mode = ram_mode
         self.bind = bind
-        self.store = TemplateStore(runtime, image, base_memory_mib=base_memory_mib, base_vcpus=base_vcpus)
+        self.store = TemplateStore(runtime, image, base_memory_mib=base_memory_mib, base_vcpus=base_vcpus,
+                                   cache=cache)
         self.metrics = metrics or PoolMetrics()
         self.warm = WarmPool(self._pool_restore, self._pool_destroy, default_size=pool_size,
                              sizes=pool_sizes, metrics=self.metrics)
@@ -181,7 +184,8 @@ class TemplateSource:
             log.exception("building the base template failed; sandboxes will build it on demand")
 
     async def wait_ready(self) -> None:
-        """Wait until the start-up template build is over (tests and benchmarks)."""
+        """Wait until the start-up template build (or import from the cache) is over: from then on a
+        sandbox of ``base`` is a restore, never a cold boot (unless that build failed)."""
         if self._warmup is not None:
             await asyncio.shield(self._warmup)
 
@@ -191,6 +195,7 @@ class TemplateSource:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._warmup
         await self.warm.close()
+        await self.store.close()
 
     # -- templates ---------------------------------------------------------------------------------------
 
@@ -304,16 +309,16 @@ class TemplateSource:
     async def net_template(self, memory_mib: int, vcpus: int) -> Template:
         """``base`` with a NIC (MAC :data:`NET_TEMPLATE_MAC`), cold-booted and snapshotted on first use."""
         assert self.egress is not None
-        store = self.store
-        async with store.lock((NET_TEMPLATE, memory_mib, vcpus)):
-            found = await asyncio.to_thread(store.find, NET_TEMPLATE, memory_mib, vcpus)
-            if found is not None and await asyncio.to_thread(store.is_current, found, NET_TEMPLATE_MAC):
-                return found
+        egress = self.egress
+
+        async def build() -> Template:
             log.info("building template %s (%d MiB, %d vCPU)", NET_TEMPLATE, memory_mib, vcpus)
             # A throwaway namespace and tap (with the sandbox firewall: nothing leaves it) just for the build.
-            async with self.egress.throwaway_network() as net:
+            async with egress.throwaway_network() as net:
                 spec = VMSpec(image=self.image, memory_mib=memory_mib, vcpus=vcpus,
                               network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC),
                               labels={"template": NET_TEMPLATE})
                 sandbox = await self.runtime.boot(spec)
-                return await store.store(NET_TEMPLATE, sandbox, spec=None)
+                return await self.store.store(NET_TEMPLATE, sandbox, spec=None)
+
+        return await self.store.ensure(NET_TEMPLATE, memory_mib, vcpus, build, mac=NET_TEMPLATE_MAC)

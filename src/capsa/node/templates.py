@@ -5,6 +5,10 @@ A template lives in the storage pool as ``templates/tpl-<name>-m<MiB>c<vcpus>/``
 snapshotted; it is rebuilt whenever the image, the QEMU version or the QEMU device layout changes, because
 a snapshot from another layout cannot be restored. Custom templates are built from a :class:`TemplateSpec`
 by :mod:`capsa.node.template_build` and stored the same way. Only template builds ever cold-boot a VM.
+
+With a :class:`~capsa.node.template_cache.TemplateCache` (the node's image cache dir), node-built templates
+(``base``, ``base-net``) are copied there once built and imported from there by a node that lacks them (a
+fresh state directory), keyed by image, QEMU version, device layout and size: no cold boot at all then.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,6 +34,7 @@ from capsa.common.ids import new_id
 from capsa.node.runtime.base import GuestImage, Sandbox, VMSpec
 from capsa.node.runtime.snapshot.manifest import Snapshot, SnapshotError
 from capsa.node.snapshots import SnapshottingRuntime
+from capsa.node.template_cache import TemplateCache
 
 __all__ = [
     "BASE",
@@ -110,12 +115,16 @@ class TemplateStore:
     """Templates on one node's storage pool, and building ``base``."""
 
     def __init__(self, runtime: SnapshottingRuntime, image: GuestImage, *, base_memory_mib: int = 256,
-                 base_vcpus: int = 1) -> None:
+                 base_vcpus: int = 1, cache: TemplateCache | None = None) -> None:
         self.runtime = runtime
         self.image = image
         self.base_memory_mib = base_memory_mib
         self.base_vcpus = base_vcpus
+        self.cache = cache
         self._locks: dict[tuple[str, int, int], asyncio.Lock] = {}
+        self._publishing: set[asyncio.Task[None]] = set()
+        self.imports = 0
+        """Templates imported from the cache (instead of built) by this store."""
 
     @property
     def root(self) -> Path:
@@ -161,9 +170,13 @@ class TemplateStore:
         m = template.snapshot.manifest
         if m.image_digest != self.image.digest and template.name == BASE:
             return False
+        return self._restorable(template.snapshot, mac)
+
+    def _restorable(self, snapshot: Snapshot, mac: str | None) -> bool:
+        m = snapshot.manifest
         network = SimpleNamespace(mac=mac) if mac is not None else None
         spec = VMSpec(image=self.image, memory_mib=m.memory_mib, vcpus=m.vcpus, network=network)
-        return self.runtime.can_restore(template.snapshot, spec)
+        return self.runtime.can_restore(snapshot, spec)
 
     async def resolve(self, name: str, memory_mib: int | None = None, vcpus: int | None = None) -> Template:
         """The template to restore a sandbox from; ``base`` variants are built on first use."""
@@ -187,18 +200,94 @@ class TemplateStore:
         return self._locks.setdefault(key, asyncio.Lock())
 
     async def ensure_base(self, memory_mib: int, vcpus: int, progress: Progress | None = None) -> Template:
-        """The current ``base`` template of this size, cold-booting and snapshotting once if needed."""
-        key = (BASE, memory_mib, vcpus)
-        async with self.lock(key):
-            found = await asyncio.to_thread(self.find, BASE, memory_mib, vcpus)
-            if found is not None and await asyncio.to_thread(self.is_current, found):
-                return found
-            say = progress or (lambda _m: None)
+        """The current ``base`` template of this size: on the pool, else from the cache, else cold-booted
+        and snapshotted once (and then cached)."""
+        say = progress or (lambda _m: None)
+
+        async def build() -> Template:
             say(f"building template base ({memory_mib} MiB, {vcpus} vCPU): cold boot")
             log.info("building the base template (%d MiB, %d vCPU)", memory_mib, vcpus)
             spec = VMSpec(image=self.image, memory_mib=memory_mib, vcpus=vcpus, labels={"template": BASE})
             sandbox = await self.runtime.boot(spec)
             return await self.store(BASE, sandbox, spec=None, progress=say)
+
+        return await self.ensure(BASE, memory_mib, vcpus, build, progress=say)
+
+    async def ensure(self, name: str, memory_mib: int, vcpus: int,
+                     build: Callable[[], Awaitable[Template]], *, mac: str | None = None,
+                     progress: Progress | None = None) -> Template:
+        """The current node-built template ``name`` of this size (``mac``: with a NIC of that MAC): the
+        pool's if it can be restored, else imported from the cache, else ``build()`` (then published to
+        the cache in the background)."""
+        async with self.lock((name, memory_mib, vcpus)):
+            found = await asyncio.to_thread(self.find, name, memory_mib, vcpus)
+            if found is not None and await asyncio.to_thread(self.is_current, found, mac):
+                return found
+            imported = await self._import_cached(name, memory_mib, vcpus, mac, progress)
+            if imported is not None:
+                return imported
+            template = await build()
+            if self.cache is not None:
+                task = asyncio.create_task(self._publish(template), name=f"template-cache-{name}")
+                self._publishing.add(task)
+                task.add_done_callback(self._publishing.discard)
+            return template
+
+    async def _import_cached(self, name: str, memory_mib: int, vcpus: int, mac: str | None,
+                             progress: Progress | None) -> Template | None:
+        cache = self.cache
+        if cache is None:
+            return None
+        try:
+            entries = await asyncio.to_thread(cache.candidates, name, self.image.digest, memory_mib, vcpus)
+        except OSError as exc:
+            log.warning("cannot read the template cache %s: %s", cache.root, exc)
+            return None
+        for entry in entries:
+            manifest = await asyncio.to_thread(cache.manifest, entry)
+            snap_dir = cache.snapshot_dir(entry) if manifest is not None else None
+            if manifest is None or snap_dir is None or manifest.image_digest != self.image.digest:
+                continue
+            if not await asyncio.to_thread(self._restorable, Snapshot(snap_dir, manifest), mac):
+                continue  # another QEMU or layout: not for this node
+            if progress is not None:
+                progress(f"template {name} ({memory_mib} MiB, {vcpus} vCPU): from the cache {entry}")
+            work = self.root / f".build-{secrets.token_hex(6)}"
+            try:
+                await asyncio.to_thread(cache.import_into, entry, work)
+                final = self.root / _dir_name(name, memory_mib, vcpus)
+                await asyncio.to_thread(_swap_in, work, final)
+            except (OSError, CapsaError) as exc:
+                await asyncio.to_thread(shutil.rmtree, work, True)
+                log.warning("importing cached template %s failed: %s", entry, exc)
+                continue
+            template = await asyncio.to_thread(self._load, final)
+            if template is not None and await asyncio.to_thread(self.is_current, template, mac):
+                self.imports += 1
+                log.info("template %s (%d MiB, %d vCPU) imported from the cache", name, memory_mib, vcpus)
+                return template
+            log.warning("cached template %s does not load after its import; building instead", entry)
+        return None
+
+    async def _publish(self, template: Template) -> None:
+        assert self.cache is not None
+        try:
+            entry = await asyncio.to_thread(self.cache.publish, template.name, template.path,
+                                            template.snapshot.manifest)
+            log.info("template %s cached as %s", template.name, entry)
+        except Exception as exc:
+            log.warning("could not cache template %s: %s", template.name, exc)
+
+    async def wait_published(self) -> None:
+        """Until the templates built so far are in the cache (or failed to get there)."""
+        while self._publishing:
+            await asyncio.gather(*list(self._publishing), return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop cache copies in progress (a copy thread already running finishes on its own)."""
+        for task in list(self._publishing):
+            task.cancel()
+        await asyncio.gather(*list(self._publishing), return_exceptions=True)
 
     async def store(self, name: str, sandbox: Sandbox, *, spec: dict[str, Any] | None,
                     progress: Progress | None = None) -> Template:
