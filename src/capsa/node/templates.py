@@ -39,9 +39,11 @@ from capsa.node.template_cache import TemplateCache
 __all__ = [
     "BASE",
     "RECORD_FILE",
+    "WARM_UP_COMMANDS",
     "Template",
     "TemplateStore",
     "check_template_name",
+    "warm_up",
 ]
 
 log = logging.getLogger(__name__)
@@ -206,12 +208,16 @@ class TemplateStore:
 
         async def build() -> Template:
             say(f"building template base ({memory_mib} MiB, {vcpus} vCPU): cold boot")
-            log.info("building the base template (%d MiB, %d vCPU)", memory_mib, vcpus)
-            spec = VMSpec(image=self.image, memory_mib=memory_mib, vcpus=vcpus, labels={"template": BASE})
-            sandbox = await self.runtime.boot(spec)
-            return await self.store(BASE, sandbox, spec=None, progress=say)
+            return await self.build_base(memory_mib, vcpus, progress=say)
 
         return await self.ensure(BASE, memory_mib, vcpus, build, progress=say)
+
+    async def build_base(self, memory_mib: int, vcpus: int, progress: Progress | None = None) -> Template:
+        """Cold-boot the image and store it as ``base`` of this size (no cache, no lock: callers hold it)."""
+        log.info("building the base template (%d MiB, %d vCPU)", memory_mib, vcpus)
+        spec = VMSpec(image=self.image, memory_mib=memory_mib, vcpus=vcpus, labels={"template": BASE})
+        sandbox = await self.runtime.boot(spec)
+        return await self.store(BASE, sandbox, spec=None, progress=progress)
 
     async def ensure(self, name: str, memory_mib: int, vcpus: int,
                      build: Callable[[], Awaitable[Template]], *, mac: str | None = None,
@@ -233,23 +239,33 @@ class TemplateStore:
                 task.add_done_callback(self._publishing.discard)
             return template
 
+    def cached(self, name: str, memory_mib: int, vcpus: int, mac: str | None = None) -> list[Path]:
+        """Entries of the template cache this node could restore ``name`` of this size from, newest
+        first (another QEMU, layout or image does not count)."""
+        cache = self.cache
+        if cache is None:
+            return []
+        try:
+            entries = cache.candidates(name, self.image.digest, memory_mib, vcpus)
+        except OSError as exc:
+            log.warning("cannot read the template cache %s: %s", cache.root, exc)
+            return []
+        usable = []
+        for entry in entries:
+            manifest = cache.manifest(entry)
+            snap_dir = cache.snapshot_dir(entry) if manifest is not None else None
+            if manifest is None or snap_dir is None or manifest.image_digest != self.image.digest:
+                continue
+            if self._restorable(Snapshot(snap_dir, manifest), mac):
+                usable.append(entry)
+        return usable
+
     async def _import_cached(self, name: str, memory_mib: int, vcpus: int, mac: str | None,
                              progress: Progress | None) -> Template | None:
         cache = self.cache
         if cache is None:
             return None
-        try:
-            entries = await asyncio.to_thread(cache.candidates, name, self.image.digest, memory_mib, vcpus)
-        except OSError as exc:
-            log.warning("cannot read the template cache %s: %s", cache.root, exc)
-            return None
-        for entry in entries:
-            manifest = await asyncio.to_thread(cache.manifest, entry)
-            snap_dir = cache.snapshot_dir(entry) if manifest is not None else None
-            if manifest is None or snap_dir is None or manifest.image_digest != self.image.digest:
-                continue
-            if not await asyncio.to_thread(self._restorable, Snapshot(snap_dir, manifest), mac):
-                continue  # another QEMU or layout: not for this node
+        for entry in await asyncio.to_thread(self.cached, name, memory_mib, vcpus, mac):
             if progress is not None:
                 progress(f"template {name} ({memory_mib} MiB, {vcpus} vCPU): from the cache {entry}")
             work = self.root / f".build-{secrets.token_hex(6)}"
@@ -301,6 +317,8 @@ class TemplateStore:
         work = self.root / f".build-{secrets.token_hex(6)}"
         try:
             work.mkdir(mode=0o711)
+            say("warming up the command path")
+            await warm_up(sandbox)
             with contextlib.suppress(Exception):
                 # Written data is in the guest's page cache: flush it into the disk image first.
                 await sandbox.guest.exec(["sync"], timeout=60)
@@ -335,6 +353,22 @@ class TemplateStore:
             _remove_tree(t.path)
             n += 1
         return n
+
+
+WARM_UP_COMMANDS: tuple[str | list[str], ...] = (["true"], "true", ["sh", "-c", "true"],
+                                                 "echo warm >/dev/null")
+"""Run (twice) in a VM before it is snapshotted as a template."""
+
+
+async def warm_up(sandbox: Sandbox, rounds: int = 2) -> None:
+    """Run the user command path a few times so the snapshot holds its results: the shell, ``true`` and
+    libc in the guest's page cache (no virtio-blk reads under TCG after a restore), the daemon's lazily
+    imported modules and first-spawn set-up (the command cgroup tree) done. What a restore cannot keep is
+    QEMU's translation cache; the warm pool runs one more command per VM for that."""
+    for _ in range(rounds):
+        for cmd in WARM_UP_COMMANDS:
+            with contextlib.suppress(Exception):
+                await sandbox.guest.exec(cmd, timeout=60)
 
 
 def _write_json(path: Path, body: dict[str, Any]) -> None:
