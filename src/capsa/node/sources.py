@@ -30,7 +30,7 @@ from capsa.node.runtime.base import RamMode, Runtime, Sandbox, VMSpec
 from capsa.node.snapshots import SnapshottingRuntime, hostname_for
 from capsa.node.template_build import remove_stale_work
 from capsa.node.template_cache import TemplateCache
-from capsa.node.templates import BASE, Template, TemplateStore, check_template_name
+from capsa.node.templates import BASE, Template, TemplateStore, check_template_name, warm_up
 from capsa.node.warm_pool import IdentityBinder, PoolKey, PoolMetrics, WarmPool, bind_sandbox
 
 __all__ = [
@@ -150,14 +150,18 @@ class TemplateSource:
                  pool_size: int = 1, pool_sizes: Mapping[str, int] | None = None,
                  ram_mode: RamMode = RamMode.COPY, base_memory_mib: int = 256, base_vcpus: int = 1,
                  bind: IdentityBinder = bind_sandbox, metrics: PoolMetrics | None = None,
-                 cache: TemplateCache | None = None) -> None:
+                 cache: TemplateCache | None = None, warm_up_rounds: int = 2,
+                 warm_restores: bool = True) -> None:
         self.runtime = runtime
         self.image = image
         self.egress = egress
         self.ram_mode = ram_mode
         self.bind = bind
         self.store = TemplateStore(runtime, image, base_memory_mib=base_memory_mib, base_vcpus=base_vcpus,
-                                   cache=cache)
+                                   cache=cache, warm_up_rounds=warm_up_rounds)
+        self.warm_restores = warm_restores
+        """Run the warm-up commands in a sandbox restored on demand before handing it out, so the user's
+        first command is as fast as later ones (the restore then takes that much longer)."""
         self.metrics = metrics or PoolMetrics()
         self.warm = WarmPool(self._pool_restore, self._pool_destroy, default_size=pool_size,
                              sizes=pool_sizes, metrics=self.metrics)
@@ -241,8 +245,9 @@ class TemplateSource:
         try:
             # A restored guest starts with cold caches (under TCG: no translated code; its RAM pages are
             # faulted in from the snapshot on first touch), so its first command is slow. Spend that on
-            # a throwaway command while it waits in the pool, not on the user's first one.
-            await sandbox.guest.exec(["sh", "-c", "true"], timeout=60)
+            # throwaway commands (the paths user commands take) while it waits in the pool, not on the
+            # user's first one.
+            await warm_up(sandbox, rounds=1, strict=True)
         except BaseException:
             await asyncio.shield(self.runtime.destroy(sandbox))
             raise
@@ -268,6 +273,8 @@ class TemplateSource:
                 sandbox = await self.runtime.restore(tpl.snapshot, self._spec(tpl, labels),
                                                      ram_mode=self.ram_mode)
             try:
+                if source == "restore" and self.warm_restores:
+                    await warm_up(sandbox, rounds=1, strict=True)
                 await self.bind(sandbox, hostname_for(request.sandbox_id))
             except BaseException:
                 await asyncio.shield(self.runtime.destroy(sandbox))

@@ -117,12 +117,14 @@ class TemplateStore:
     """Templates on one node's storage pool, and building ``base``."""
 
     def __init__(self, runtime: SnapshottingRuntime, image: GuestImage, *, base_memory_mib: int = 256,
-                 base_vcpus: int = 1, cache: TemplateCache | None = None) -> None:
+                 base_vcpus: int = 1, cache: TemplateCache | None = None, warm_up_rounds: int = 2) -> None:
         self.runtime = runtime
         self.image = image
         self.base_memory_mib = base_memory_mib
         self.base_vcpus = base_vcpus
         self.cache = cache
+        self.warm_up_rounds = warm_up_rounds
+        """Rounds of :data:`WARM_UP_COMMANDS` run in a VM before its template snapshot (0: none)."""
         self._locks: dict[tuple[str, int, int], asyncio.Lock] = {}
         self._publishing: set[asyncio.Task[None]] = set()
         self.imports = 0
@@ -317,8 +319,9 @@ class TemplateStore:
         work = self.root / f".build-{secrets.token_hex(6)}"
         try:
             work.mkdir(mode=0o711)
-            say("warming up the command path")
-            await warm_up(sandbox)
+            if self.warm_up_rounds:
+                say("warming up the command path")
+                await warm_up(sandbox, self.warm_up_rounds)
             with contextlib.suppress(Exception):
                 # Written data is in the guest's page cache: flush it into the disk image first.
                 await sandbox.guest.exec(["sync"], timeout=60)
@@ -360,13 +363,21 @@ WARM_UP_COMMANDS: tuple[str | list[str], ...] = (["true"], "true", ["sh", "-c", 
 """Run (twice) in a VM before it is snapshotted as a template."""
 
 
-async def warm_up(sandbox: Sandbox, rounds: int = 2) -> None:
-    """Run the user command path a few times so the snapshot holds its results: the shell, ``true`` and
-    libc in the guest's page cache (no virtio-blk reads under TCG after a restore), the daemon's lazily
-    imported modules and first-spawn set-up (the command cgroup tree) done. What a restore cannot keep is
-    QEMU's translation cache; the warm pool runs one more command per VM for that."""
+async def warm_up(sandbox: Sandbox, rounds: int = 2, *, strict: bool = False) -> None:
+    """Run the user command path (:data:`WARM_UP_COMMANDS`) ``rounds`` times.
+
+    Before a template snapshot, so the snapshot holds the results: the shell, ``true`` and libc in the
+    guest's page cache (no virtio-blk reads under TCG after a restore), the daemon's lazily imported
+    modules and first-spawn set-up done. After a restore (``strict``: a failing command raises, the VM is
+    not usable), for what a snapshot cannot keep: QEMU's translation cache and the RAM pages faulted in."""
     for _ in range(rounds):
         for cmd in WARM_UP_COMMANDS:
+            if strict:
+                result = await sandbox.guest.exec(cmd, timeout=60)
+                if result.exit_code != 0:
+                    raise CapsaError(f"warm-up command {cmd!r} exited with {result.exit_code}",
+                                     code="sandbox_failed", status=500)
+                continue
             with contextlib.suppress(Exception):
                 await sandbox.guest.exec(cmd, timeout=60)
 
