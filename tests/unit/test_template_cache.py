@@ -49,7 +49,7 @@ async def test_a_fresh_node_imports_base_from_the_cache_instead_of_booting(tmp_p
     first, store = await _store(tmp_path, cache)
     built = await store.ensure_base(256, 1)
     await store.wait_published()
-    assert first.boots == 1 and store.imports == 0
+    assert first.boots == 1 and store.imports == 0 and store.origins[(BASE, 256, 1)] == "built"
     [entry] = cache.candidates(BASE, store.image.digest, 256, 1)
     assert entry.name == entry_name(BASE, built.snapshot.manifest)
     # The cache is root's and private: 0700 directories, 0600 files.
@@ -60,7 +60,7 @@ async def test_a_fresh_node_imports_base_from_the_cache_instead_of_booting(tmp_p
 
     second, fresh = await _store(tmp_path, cache)
     template = await fresh.ensure_base(256, 1)
-    assert second.boots == 0 and fresh.imports == 1
+    assert second.boots == 0 and fresh.imports == 1 and fresh.origins[(BASE, 256, 1)] == "cache"
     assert template.digest == built.digest and template.snapshot.id == built.snapshot.id
     assert template.path.parent == second.templates_dir
     # In the pool: the node's modes (root 0600 files in 0711 directories), as a built template has.
@@ -123,6 +123,17 @@ async def test_a_damaged_entry_falls_back_to_a_build(tmp_path: Path, damage: str
     await fresh.wait_published()  # the fresh build replaces the damaged entry
     [again] = cache.candidates(BASE, store.image.digest, 256, 1)
     assert not (again / "extra").exists()
+
+
+async def test_closing_the_store_lets_the_cache_copy_finish(tmp_path: Path) -> None:
+    cache = TemplateCache(tmp_path / "cache")
+    _, store = await _store(tmp_path, cache)
+    await store.ensure_base(256, 1)
+    await store.close()  # right after the build: the copy is still running, and completes
+    assert len(cache.candidates(BASE, store.image.digest, 256, 1)) == 1
+    _, fresh = await _store(tmp_path, cache)
+    await fresh.ensure_base(256, 1)
+    assert fresh.imports == 1
 
 
 async def test_publish_is_atomic_and_sweeps_debris(tmp_path: Path) -> None:

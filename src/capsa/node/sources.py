@@ -193,6 +193,12 @@ class TemplateSource:
         if self._warmup is not None:
             await asyncio.shield(self._warmup)
 
+    @property
+    def base_origin(self) -> str | None:
+        """Where the start-up ``base`` came from: ``pool`` (already there), ``cache`` (imported from the
+        template cache), ``built`` (cold-booted), None (not yet, or its build failed)."""
+        return self.store.origins.get((BASE, self.store.base_memory_mib, self.store.base_vcpus))
+
     async def close(self) -> None:
         if self._warmup is not None:
             self._warmup.cancel()

@@ -129,6 +129,8 @@ class TemplateStore:
         self._publishing: set[asyncio.Task[None]] = set()
         self.imports = 0
         """Templates imported from the cache (instead of built) by this store."""
+        self.origins: dict[tuple[str, int, int], str] = {}
+        """Where :meth:`ensure` last found each template: ``pool``, ``cache`` or ``built``."""
 
     @property
     def root(self) -> Path:
@@ -227,14 +229,18 @@ class TemplateStore:
         """The current node-built template ``name`` of this size (``mac``: with a NIC of that MAC): the
         pool's if it can be restored, else imported from the cache, else ``build()`` (then published to
         the cache in the background)."""
-        async with self.lock((name, memory_mib, vcpus)):
+        key = (name, memory_mib, vcpus)
+        async with self.lock(key):
             found = await asyncio.to_thread(self.find, name, memory_mib, vcpus)
             if found is not None and await asyncio.to_thread(self.is_current, found, mac):
+                self.origins.setdefault(key, "pool")
                 return found
             imported = await self._import_cached(name, memory_mib, vcpus, mac, progress)
             if imported is not None:
+                self.origins[key] = "cache"
                 return imported
             template = await build()
+            self.origins[key] = "built"
             if self.cache is not None:
                 task = asyncio.create_task(self._publish(template), name=f"template-cache-{name}")
                 self._publishing.add(task)
@@ -301,11 +307,17 @@ class TemplateStore:
         while self._publishing:
             await asyncio.gather(*list(self._publishing), return_exceptions=True)
 
-    async def close(self) -> None:
-        """Stop cache copies in progress (a copy thread already running finishes on its own)."""
-        for task in list(self._publishing):
+    async def close(self, timeout: float = 120.0) -> None:
+        """Let cache copies in progress finish (a node stopped right after its first build still leaves
+        the cache warm), at most ``timeout`` seconds, then give up on them."""
+        pending = list(self._publishing)
+        if not pending:
+            return
+        _done, late = await asyncio.wait(pending, timeout=timeout)
+        for task in late:
+            log.warning("gave up caching a template: still copying after %.0f s", timeout)
             task.cancel()
-        await asyncio.gather(*list(self._publishing), return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)
 
     async def store(self, name: str, sandbox: Sandbox, *, spec: dict[str, Any] | None,
                     progress: Progress | None = None) -> Template:
