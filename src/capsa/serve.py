@@ -19,7 +19,7 @@ from pathlib import Path
 import uvicorn
 
 from capsa.common.node_wire import HeartbeatOut, NodeHeartbeat, NodeRegister
-from capsa.common.service import QuietServer
+from capsa.common.service import QuietServer, bind_tcp, wait_started
 from capsa.common.settings import Settings
 from capsa.control import nodes
 from capsa.control.app import create_app
@@ -61,31 +61,17 @@ class LocalControlLink:
         return None
 
 
-async def _wait_started(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
-    while not server.started:
-        if task.done():
-            task.result()  # re-raises why it stopped (e.g. the port is taken)
-            raise OSError("server stopped before it started")
-        await asyncio.sleep(0.05)
-
 
 async def run(host: str, port: int, state_dir: Path, database_url: str | None, accel: str) -> None:
     """Serve the HTTP API on ``host:port`` until cancelled, with a local node using ``state_dir``."""
     # Bind first: a taken port must fail before anything else happens, in particular before the
     # database is created and a bootstrap key is generated that would then never be shown again.
-    listener = _bind(host, port)
+    listener = bind_tcp(host, port)
     try:
         await _serve(listener, host, port, state_dir, database_url, accel)
     finally:
         listener.close()
 
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family, backlog=2048)
-    except OSError as exc:
-        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
 
 
 async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path, database_url: str | None,
@@ -114,7 +100,7 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
     server_task: asyncio.Task[None] | None = None
     try:
         server_task = asyncio.create_task(server.serve(sockets=[listener]), name="capsa-api")
-        await _wait_started(server, server_task)
+        await wait_started(server, server_task, name="API server")
         plane: ControlPlane = app.state.plane
         service = NodeService(parts, LocalControlLink(plane, LOCAL_NODE_ID), uds=state_dir / "node.sock")
         await service.start()

@@ -1,17 +1,31 @@
-"""Fixtures of the integration suite: the storage pool for snapshotting runtimes, and a ``capsa serve``
-process per test module. (VM state directories and the plain QEMU runtime are in tests/conftest.py.)"""
+"""Fixtures of the integration suite: the storage pool for snapshotting runtimes, one booted sandbox per
+module, and a ``capsa serve`` process per test module. (VM state directories and the plain QEMU runtime are
+in tests/conftest.py.)"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
+from capsa.common.image import GuestImage
+from capsa.node.runtime.base import VMSpec
+from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
 from capsa.node.storage import StoragePool
 from tests.support.leftovers import wait_no_vm_leftovers
 from tests.support.served import Served, serve_workdir, start_serve
 from tests.support.vm import snapshot_pool
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def sandbox(runtime: QemuRuntime, guest_image: GuestImage) -> AsyncIterator[QemuSandbox]:
+    """One cold-booted 256 MiB sandbox of the plain runtime, shared by the module's tests (which run on the
+    module's event loop: ``pytest.mark.asyncio(loop_scope="module")``)."""
+    sb = await runtime.boot(VMSpec(image=guest_image, memory_mib=256))
+    yield sb
+    await runtime.destroy(sb)
 
 
 @pytest.fixture(scope="module")

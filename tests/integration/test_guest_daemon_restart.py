@@ -7,15 +7,12 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from collections.abc import AsyncIterator
 
 import pytest
-import pytest_asyncio
 
-from capsa.common.image import GuestImage
 from capsa.node.guest_client import GuestError
-from capsa.node.runtime.base import SandboxState, VMSpec
-from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
+from capsa.node.runtime.base import SandboxState
+from capsa.node.runtime.qemu import QemuSandbox
 
 pytestmark = [
     pytest.mark.vm,
@@ -26,13 +23,6 @@ pytestmark = [
 COMMAND_TIMEOUT = 60.0
 # A correctness bound, not a speed benchmark: far below the 60 s the calls would otherwise wait.
 FAIL_WITHIN = 20.0
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def sandbox(runtime: QemuRuntime, guest_image: GuestImage) -> AsyncIterator[QemuSandbox]:
-    sb = await runtime.boot(VMSpec(image=guest_image, memory_mib=256))
-    yield sb
-    await runtime.destroy(sb)
 
 
 async def _instance(sandbox: QemuSandbox) -> tuple[str, int]:

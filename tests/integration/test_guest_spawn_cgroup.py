@@ -5,14 +5,10 @@ it exec), and a timeout kills the whole cgroup, grandchildren that left the sess
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator
 
 import pytest
-import pytest_asyncio
 
-from capsa.common.image import GuestImage
-from capsa.node.runtime.base import VMSpec
-from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
+from capsa.node.runtime.qemu import QemuSandbox
 
 pytestmark = [
     pytest.mark.vm,
@@ -21,13 +17,6 @@ pytestmark = [
 ]
 
 TIMEOUT = 60.0
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def sandbox(runtime: QemuRuntime, guest_image: GuestImage) -> AsyncIterator[QemuSandbox]:
-    sb = await runtime.boot(VMSpec(image=guest_image, memory_mib=256))
-    yield sb
-    await runtime.destroy(sb)
 
 
 async def test_a_command_is_in_its_own_cgroup_from_its_first_instruction(sandbox: QemuSandbox) -> None:

@@ -13,12 +13,13 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Coroutine, Generator
 from typing import Any
 
 import uvicorn
 
-__all__ = ["STOP_SIGNALS", "QuietServer", "run_service"]
+__all__ = ["STOP_SIGNALS", "QuietServer", "bind_tcp", "run_service", "wait_started"]
 
 log = logging.getLogger(__name__)
 
@@ -67,3 +68,22 @@ def run_service(main: Coroutine[Any, Any, None]) -> int:
     A second signal during cleanup is logged and otherwise ignored: cleanup is what leaves the host clean.
     """
     return asyncio.run(_main_with_signals(main))
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, bound before anything else starts (so a taken port fails first);
+    the error names the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+
+
+async def wait_started(server: uvicorn.Server, task: asyncio.Task[None], *, name: str = "server") -> None:
+    """Until ``server`` (running as ``task``) accepts connections; re-raises why it stopped if it did."""
+    while not server.started:
+        if task.done():
+            task.result()  # re-raises why it stopped (e.g. the port is taken)
+            raise OSError(f"{name} stopped before it started")
+        await asyncio.sleep(0.02)

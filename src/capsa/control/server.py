@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
-from capsa.common.service import QuietServer
+from capsa.common.service import QuietServer, bind_tcp
 from capsa.control.app import create_app
 from capsa.control.node_secrets import derive_secret_key
 from capsa.control.secretbox import ensure_key_file
@@ -49,18 +48,11 @@ def control_settings(state_dir: Path, database_url: str | None) -> ControlSettin
     return ControlSettings(**overrides)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family, backlog=2048)
-    except OSError as exc:
-        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
-
 
 async def run_control(host: str, port: int, state_dir: Path, database_url: str | None) -> None:
     """Serve the control plane's API on ``host:port`` until cancelled; prints one line once it answers."""
     # Bind first: a taken port fails before a bootstrap key is generated that would never be shown again.
-    listener = _bind(host, port)
+    listener = bind_tcp(host, port)
     try:
         settings = await asyncio.to_thread(control_settings, state_dir, database_url)
         app = create_app(settings, on_bootstrap_key=announce_key)

@@ -35,13 +35,15 @@ def netns_prefix(state_dir: Path) -> str:
 @dataclass
 class NodeParts:
     agent: NodeAgent
-    storage: StoragePool
+    storage: StoragePool | None = None
+    """The storage pool build_node mounted (None for an agent on a runtime without one)."""
 
     async def close(self) -> None:
         try:
             await self.agent.close()
         finally:
-            await asyncio.to_thread(self.storage.unmount, lazy=True)
+            if self.storage is not None:
+                await asyncio.to_thread(self.storage.unmount, lazy=True)
 
 
 async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> NodeParts:

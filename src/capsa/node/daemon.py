@@ -36,7 +36,7 @@ from capsa.common.node_wire import (
     NodeHeartbeat,
     NodeRegister,
 )
-from capsa.common.service import QuietServer
+from capsa.common.service import QuietServer, wait_started
 from capsa.node.api import create_node_app
 from capsa.node.assembly import NodeParts
 
@@ -159,13 +159,6 @@ class HttpControlLink:
         await self._post(f"/nodes/{node_id}/leave", self._identity.credential, None)
 
 
-async def _wait_started(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
-    while not server.started:
-        if task.done():
-            task.result()  # re-raises why it stopped (e.g. the port is taken)
-            raise OSError("node API server stopped before it started")
-        await asyncio.sleep(0.02)
-
 
 class NodeService:
     """One node's agent served over HTTP and kept registered with the control plane."""
@@ -227,7 +220,7 @@ class NodeService:
         if self._uds is not None:
             self._uds.unlink(missing_ok=True)
         self._server_task = asyncio.create_task(self._server.serve(), name="capsa-node-api")
-        await _wait_started(self._server, self._server_task)
+        await wait_started(self._server, self._server_task, name="node API server")
         if self._uds is not None:
             self._uds.chmod(0o600)
         await self.parts.agent.wait_ready()
