@@ -38,6 +38,7 @@ from capsa.node.template_cache import TemplateCache
 
 __all__ = [
     "BASE",
+    "PUBLISH_WAIT",
     "RECORD_FILE",
     "WARM_UP_COMMANDS",
     "Template",
@@ -55,6 +56,8 @@ _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _DIR_RE = re.compile(r"^tpl-(?P<name>[a-z0-9][a-z0-9_.-]{0,63})-m(?P<mem>[0-9]+)c(?P<cpu>[0-9]+)$")
 
 Progress = Callable[[str], None]
+PUBLISH_WAIT = 120.0
+"""Seconds a closing store waits for template copies into the cache."""
 
 
 def check_template_name(name: str) -> str:
@@ -307,15 +310,15 @@ class TemplateStore:
         while self._publishing:
             await asyncio.gather(*list(self._publishing), return_exceptions=True)
 
-    async def close(self, timeout: float = 120.0) -> None:
+    async def close(self) -> None:
         """Let cache copies in progress finish (a node stopped right after its first build still leaves
-        the cache warm), at most ``timeout`` seconds, then give up on them."""
+        the cache warm), at most :data:`PUBLISH_WAIT` seconds, then give up on them."""
         pending = list(self._publishing)
         if not pending:
             return
-        _done, late = await asyncio.wait(pending, timeout=timeout)
+        _done, late = await asyncio.wait(pending, timeout=PUBLISH_WAIT)
         for task in late:
-            log.warning("gave up caching a template: still copying after %.0f s", timeout)
+            log.warning("gave up caching a template: still copying after %.0f s", PUBLISH_WAIT)
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
 
