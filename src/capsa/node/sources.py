@@ -302,6 +302,8 @@ class TemplateSource:
             sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
                                                  ram_mode=RamMode.COPY)
             try:
+                if self.warm_restores:
+                    await warm_up(sandbox, rounds=1, strict=True)
                 await self.bind(sandbox, hostname_for(request.sandbox_id))
             except BaseException:
                 await asyncio.shield(self.runtime.destroy(sandbox))
