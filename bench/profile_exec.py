@@ -11,7 +11,13 @@ all wall-clock in this process unless said otherwise:
   spawn until the command is placed in its cgroup and released) and ``duration`` (spawn to exit), when the
   daemon reports them (older daemons do not: those rows are left out);
 - after a snapshot of that VM and a restore from it (``--restores`` times): the 1st through 10th
-  ``true``, to compare the first command of a restored sandbox with its tenth.
+  ``true``, to compare the first command of a restored sandbox with its tenth;
+- ``node_paths`` (``--paths N``, 0 to skip): through the node agent with the production
+  ``TemplateSource``, N sandboxes from the warm pool and N restored on demand, each with its 1st through
+  10th ``["true"]`` (agent.exec), for two variants in the same run: ``before`` (no warm-up before the
+  template snapshot, none after a restore on demand) and ``after`` (the defaults); then a node on a fresh
+  state directory with the template cache the ``after`` variant filled: time until ready (the base
+  template imported, no cold boot) and its first create + first ``true``.
 The breakdown row "channel + host" is the round trip minus the guest-side duration. The machine is shared:
 the load average is recorded with the numbers.
 """
@@ -32,14 +38,18 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from capsa.common.ids import new_id
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.images import ensure_image
 from capsa.images.build import image_from_manifest, load_manifest
+from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.guest_client import GuestClient
 from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
+from capsa.node.sources import TemplateSource
 from capsa.node.storage import StoragePool, StorageSettings
+from capsa.node.template_cache import TemplateCache
 from harness import host_facts, write_results
 
 __all__ = ["main"]
@@ -134,11 +144,105 @@ async def bench(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
         runtime.delete_snapshot(snap)
         results["restore_ms"] = quantiles(restores)
         results["after_restore_true_ms"] = {str(i + 1): quantiles(v) for i, v in enumerate(per_index)}
-        results["host"]["loadavg_at_end"] = list(os.getloadavg())
     finally:
         await runtime.close()
         pool.destroy()
+    if args.paths:
+        results["node_paths"] = await node_paths(args, image, state_dir / "paths")
+    results["host"]["loadavg_at_end"] = list(os.getloadavg())
     return results
+
+
+async def _wait_pool(source: TemplateSource) -> None:
+    for _ in range(1200):
+        status = source.pool_status()
+        if status and int(str(status[0]["idle"])) >= 1 and status[0]["restoring"] == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError("the warm pool did not fill in 60 s")
+
+
+async def _agent_series(agent: NodeAgent, source: TemplateSource, n: int, pooled: bool) -> dict[str, Any]:
+    """n creates, each followed by AFTER_RESTORE ``["true"]`` through the agent: create ms and per-index
+    exec ms."""
+    creates: list[float] = []
+    per_index: list[list[float]] = [[] for _ in range(AFTER_RESTORE)]
+    sources: list[str] = []
+    for _ in range(n):
+        if pooled:
+            await _wait_pool(source)
+        sid = new_id("sbx")
+        t0 = time.perf_counter()
+        record = await agent.create(sid, "base", 256, 1, {})
+        creates.append((time.perf_counter() - t0) * 1000)
+        sources.append(record.source)
+        for i in range(AFTER_RESTORE):
+            t1 = time.perf_counter()
+            result = await agent.exec(sid, ["true"])
+            per_index[i].append((time.perf_counter() - t1) * 1000)
+            if result.exit_code != 0:
+                raise RuntimeError(f"true failed: {result}")
+        await agent.destroy(sid)
+    return {"create_ms": quantiles(creates), "sources": {s: sources.count(s) for s in set(sources)},
+            "true_ms": {str(i + 1): quantiles(v) for i, v in enumerate(per_index)}}
+
+
+def _node(state_dir: Path, image: GuestImage, accel: str, **source_args: Any
+          ) -> tuple[StoragePool, TemplateSource, NodeAgent]:
+    state_dir.mkdir(mode=0o711, parents=True)
+    os.chmod(state_dir.parent, 0o711)  # QEMU runs as an unprivileged uid and must reach its folder
+    pool = StoragePool.open(state_dir, StorageSettings(loop_size_mib=8 * 1024))
+    runtime = QemuRuntime(Settings(state_dir=state_dir), accel, storage=PoolStorage(pool))
+    source = TemplateSource(runtime, image, **source_args)
+    agent = NodeAgent(runtime, image, source=source, capacity=NodeCapacity(8192, 16, 16))
+    return pool, source, agent
+
+
+async def node_paths(args: argparse.Namespace, image: GuestImage, base_dir: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    cache = TemplateCache(base_dir / "cache")
+    variants: dict[str, dict[str, Any]] = {
+        "before": {"warm_up_rounds": 0, "warm_restores": False},
+        "after": {"cache": cache},
+    }
+    for name, opts in variants.items():
+        pool, source, agent = _node(base_dir / name, image, args.accel, pool_size=1, **opts)
+        try:
+            t0 = time.perf_counter()
+            await agent.start()
+            await agent.wait_ready()
+            row: dict[str, Any] = {"options": {k: v for k, v in opts.items() if k != "cache"},
+                                   "base_template_build_ms": (time.perf_counter() - t0) * 1000}
+            row["pool"] = await _agent_series(agent, source, args.paths, pooled=True)
+            await source.warm.drain()
+            source.warm.default_size = 0
+            row["restore_on_demand"] = await _agent_series(agent, source, args.paths, pooled=False)
+            await source.store.wait_published()
+            out[name] = row
+        finally:
+            await agent.close()
+            pool.destroy()
+    # A node on an empty state directory, the template cache warm: ready without a cold boot.
+    pool, source, agent = _node(base_dir / "fresh", image, args.accel, pool_size=0, cache=cache)
+    try:
+        t0 = time.perf_counter()
+        await agent.start()
+        await agent.wait_ready()
+        ready = (time.perf_counter() - t0) * 1000
+        sid = new_id("sbx")
+        t1 = time.perf_counter()
+        record = await agent.create(sid, "base", 256, 1, {})
+        created = (time.perf_counter() - t1) * 1000
+        first = await agent.exec(sid, ["true"])
+        first_ms = (time.perf_counter() - t1) * 1000 - created
+        out["fresh_node"] = {"ready_ms": ready, "imports": source.store.imports,
+                             "cold_boots": 0 if source.store.imports else 1, "first_create_ms": created,
+                             "first_true_ms": first_ms, "source": record.source,
+                             "first_exit_code": first.exit_code}
+    finally:
+        await agent.close()
+        pool.destroy()
+    return out
 
 
 def print_table(results: dict[str, Any]) -> None:
@@ -164,13 +268,28 @@ def print_table(results: dict[str, Any]) -> None:
     after = results["after_restore_true_ms"]
     for i in ("1", "2", "10"):
         row(f'after restore: exec ["true"] #{i}, ms', after[i])
+    for variant, paths in results.get("node_paths", {}).items():
+        if variant == "fresh_node":
+            continue
+        for path in ("pool", "restore_on_demand"):
+            series = paths[path]
+            row(f"{variant}: {path} create, ms", series["create_ms"])
+            for i in ("1", "2", "10"):
+                row(f'{variant}: {path} agent.exec ["true"] #{i}, ms', series["true_ms"][i])
     Console().print(table)
+    fresh = results.get("node_paths", {}).get("fresh_node")
+    if fresh:
+        print(f"fresh node, template cache warm: ready in {fresh['ready_ms']:.0f} ms "
+              f"(imports {fresh['imports']}), first create {fresh['first_create_ms']:.0f} ms "
+              f"({fresh['source']}), first true {fresh['first_true_ms']:.0f} ms")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=30, help="commands per series")
     parser.add_argument("--restores", type=int, default=3)
+    parser.add_argument("--paths", type=int, default=5,
+                        help="sandboxes per node path (pool, restore on demand) and variant; 0: skip")
     parser.add_argument("--memory", type=int, default=256, help="guest memory in MiB")
     parser.add_argument("--image-dir", type=Path, default=None,
                         help="a cached image folder instead of the current build (before/after runs)")

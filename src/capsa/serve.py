@@ -27,6 +27,7 @@ from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import ensure_key_file
 from capsa.control.settings import ControlSettings
 from capsa.node.daemon import NodeService
+from capsa.node.sources import TemplateSource
 from capsa.node.statedir import prepare_state_dir
 
 __all__ = ["LOCAL_NODE_ID", "LocalControlLink", "run"]
@@ -89,7 +90,9 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
     control_settings = ControlSettings(database_url=database_url or f"sqlite+aiosqlite:///{state_dir}/capsa.db",
                                        secret_key_file=key_file)
     app = create_app(control_settings, on_bootstrap_key=_announce_key)
-    app.state.startup_pending = True  # /v1/ready answers 503 until the local node has registered
+    # /v1/ready answers 503 until the local node is ready (its base template in place: restored from the
+    # template cache or built) and registered.
+    app.state.startup_pending = True
     server = QuietServer(uvicorn.Config(app, host=host, port=port, log_level="info"))
 
     parts = await build_node(settings, image, node_id=LOCAL_NODE_ID)
@@ -102,6 +105,11 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
         service = NodeService(parts, LocalControlLink(plane, LOCAL_NODE_ID), uds=state_dir / "node.sock")
         await service.start()
         app.state.startup_pending = False
+        source = parts.agent.source
+        if isinstance(source, TemplateSource):
+            origin = {"pool": "in the state dir", "cache": "restored from the template cache",
+                      "built": "built by a cold boot (now cached)"}.get(source.base_origin or "", "not built")
+            print(f"capsa: base template {origin}", file=sys.stderr, flush=True)
         print(f"capsa: serving on http://{host}:{port} (state {state_dir})", file=sys.stderr, flush=True)
         # Shielded: if run() is cancelled (SIGTERM, SIGINT), the finally block below stops everything.
         await asyncio.shield(server_task)

@@ -49,6 +49,28 @@ def test_bootstrap_key_is_printed_only_on_first_start(fresh_state_dir: Path) -> 
         assert third.stop() == 0
 
 
+@pytest.mark.vm
+def test_a_fresh_state_dir_serves_its_first_session_from_the_template_cache(fresh_state_dir: Path) -> None:
+    key = "csk_tplcachetest_" + "t" * 32
+    # The first node builds base (or finds it cached already); stopping lets a fresh copy reach the cache.
+    first = start_serve(fresh_state_dir / "a", fresh_state_dir, env={"CAPSA_BOOTSTRAP_KEY": key})
+    assert "capsa: base template" in first.errors()
+    assert first.stop() == 0
+    # A node on an empty state dir is ready only with base in place, and it comes from the cache.
+    second = start_serve(fresh_state_dir / "b", fresh_state_dir, env={"CAPSA_BOOTSTRAP_KEY": key})
+    try:
+        assert "capsa: base template restored from the template cache" in second.errors(), second.errors()
+        imported = next((second.state_dir / "storage" / "pool" / "templates").glob("tpl-base-m256c1"))
+        for path in [imported, *imported.rglob("*")]:
+            st = path.lstat()
+            assert st.st_uid == 0 and (st.st_mode & 0o777) == (0o711 if path.is_dir() else 0o600), path
+        run = capsa(second, key, "run", "--", "sh", "-c", "echo from-cache")
+        assert (run.returncode, run.stdout) == (0, "from-cache\n"), run.stderr
+    finally:
+        assert second.stop() == 0
+    assert wait_no_vm_leftovers(second.state_dir) == []
+
+
 def test_errors_are_one_line(server: tuple[Served, str]) -> None:
     served, _ = server
     wrong = capsa(served, "csk_wrongwrongwr_" + "w" * 32, "ls")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 
 __all__ = ["image"]
@@ -51,8 +55,16 @@ def image() -> None:
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Image cache directory (default: CAPSA_CACHE_DIR or /var/cache/capsa).")
 @click.option("--json", "as_json", is_flag=True, help="Print the image manifest as JSON on stdout.")
-def build(force: bool, cache_dir: Path | None, as_json: bool) -> None:
-    """Build the guest image from Debian packages, or reuse the cached one."""
+@click.option("--template/--no-template", default=True, show_default=True,
+              help="Also build the base template snapshot into the cache (root only), so a fresh node "
+                   "restores its first sandbox from it instead of cold-booting.")
+@click.option("--memory", "memory_mib", type=click.IntRange(64, 65536), default=256, show_default=True,
+              help="Memory (MiB) of the cached base template.")
+@click.option("--vcpus", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="vCPUs of the cached base template.")
+def build(force: bool, cache_dir: Path | None, as_json: bool, template: bool, memory_mib: int,
+          vcpus: int) -> None:
+    """Build the guest image from Debian packages, or reuse the cached one; then the base template."""
     from capsa.images import BuildEvent, ImageBuildError, ensure_image, load_manifest
     from capsa.images.progress import STEPS
 
@@ -93,6 +105,30 @@ def build(force: bool, cache_dir: Path | None, as_json: bool) -> None:
         if not tasks:
             console.print("[cyan]cached[/]: the image for the current inputs is already built")
         _print_summary(console, manifest, image_dir)
+    if template:
+        _template_cache(console, _settings(cache_dir), img, memory_mib, vcpus, force)
+
+
+def _template_cache(console: Console, settings: Settings, img: GuestImage, memory_mib: int, vcpus: int,
+                    force: bool) -> None:
+    if os.geteuid() != 0:
+        console.print("[yellow]skipped[/] the base template cache: building it boots a VM as its own uid "
+                      "(root only); nodes will build it on first start")
+        return
+    from capsa.node.template_warm import warm_template_cache
+
+    started = time.monotonic()
+    try:
+        with console.status("base template") as status:
+            entry, built = asyncio.run(warm_template_cache(
+                settings, img, memory_mib=memory_mib, vcpus=vcpus, force=force,
+                progress=lambda msg: status.update(f"base template: {msg}")))
+    except Exception as exc:
+        console.print(f"[red]base template build failed:[/] {exc}")
+        sys.exit(1)
+    state = "[green]built[/]" if built else "[cyan]cached[/]"
+    console.print(f"{state}: base template ({memory_mib} MiB, {vcpus} vCPU) in "
+                  f"{time.monotonic() - started:.1f} s, {entry}", soft_wrap=True)
 
 
 @image.command("show")

@@ -15,6 +15,7 @@ from capsa.control.node_secrets import node_sealer
 from capsa.control.nodeclient import NodeClientPool
 from capsa.control.plane import ControlPlane
 from capsa.control.problems import install_problem_handlers
+from capsa.control.ratelimit import RateLimiter
 from capsa.control.reaper import run_reaper
 from capsa.control.rolling import run_rolling
 from capsa.control.routes import commands, files, health, keys, nodes, ports, sessions, snapshots
@@ -41,7 +42,7 @@ def create_app(settings: ControlSettings | None = None,
         engine = create_engine(settings.database_url)
         plane = ControlPlane(settings=settings, engine=engine, db=session_factory(engine),
                              nodes=NodeClientPool(settings.node_request_timeout),
-                             sealer=node_sealer(settings))
+                             sealer=node_sealer(settings), rates=RateLimiter(settings.rate_lease))
         reaper: asyncio.Task[None] | None = None
         rolling: asyncio.Task[None] | None = None
         try:

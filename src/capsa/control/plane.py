@@ -1,6 +1,7 @@
-"""The control plane's process-wide handles: settings, database, node connections.
+"""The control plane's process-wide handles: settings, database, node connections, rate-limit leases.
 
-Nothing here is state another replica would need: the database is the only source of truth.
+Nothing here is state another replica would need: the database is the only source of truth. The rate
+limiter's leases are units this replica already counted in the database and spends from memory.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from capsa.control.errors import ApiError
 from capsa.control.node_secrets import NodeSealer
 from capsa.control.nodeclient import NodeClient, NodeClientPool, NodeError
+from capsa.control.ratelimit import RateLimiter
 from capsa.control.settings import ControlSettings
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import NodeRow
@@ -29,6 +31,8 @@ class ControlPlane:
     """Set when this process generated the bootstrap admin key (shown once, never stored in clear)."""
     sealer: NodeSealer | None = None
     """Encrypts the node API tokens at rest; None when no key is configured (nodes cannot register)."""
+    rates: RateLimiter = field(default_factory=RateLimiter)
+    """This replica's rate-limit leases (:mod:`capsa.control.ratelimit`)."""
 
     def node_sealer(self) -> NodeSealer:
         if self.sealer is None:

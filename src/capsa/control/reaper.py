@@ -34,7 +34,7 @@ _STUCK_CREATING = timedelta(minutes=15)
 async def reap_once(plane: ControlPlane) -> dict[str, list[str]]:
     """One pass; returns what it did (session ids per action)."""
     async with plane.db() as db:
-        due = await sessions_to_expire(db)
+        due = await sessions_to_expire(db, plane.settings.activity_stamp_interval)
         stuck = list((await db.execute(select(SessionRow.id).where(
             SessionRow.state == "creating", SessionRow.updated_at < utcnow() - _STUCK_CREATING))).scalars())
         pausing = set((await db.execute(select(SessionRow.id).where(

@@ -27,11 +27,15 @@ log = logging.getLogger(__name__)
 _LEASE = timedelta(minutes=10)
 
 
-async def command_finished(plane: ControlPlane, session_id: str) -> None:
-    """A command ran to completion: sessions whose policy says ``after_command`` want a snapshot."""
+async def command_finished(plane: ControlPlane, row: SessionRow) -> None:
+    """A command ran to completion in the session ``row`` (as loaded for the command): sessions whose policy
+    says ``after_command`` want a snapshot. Others cost no database call (the policy is fixed when the
+    session is created, so the loaded row tells)."""
+    if row.snapshot_keep is None or not row.snapshot_after_command:
+        return
     async with plane.db() as db:
         await db.execute(update(SessionRow).where(
-            SessionRow.id == session_id, SessionRow.state == "running",
+            SessionRow.id == row.id, SessionRow.state == "running",
             SessionRow.snapshot_keep.is_not(None), SessionRow.snapshot_after_command.is_(True),
         ).values(snapshot_wanted_at=utcnow()))
         await db.commit()

@@ -33,6 +33,7 @@ from capsa.control.store.models import (
 
 __all__ = [
     "SANDBOX_GONE_CODES",
+    "activity_stale",
     "close_session",
     "create_session",
     "extend_session",
@@ -46,6 +47,7 @@ __all__ = [
     "purge_snapshots",
     "running_session",
     "sessions_to_expire",
+    "stamp_interval",
     "to_out",
 ]
 
@@ -317,10 +319,27 @@ async def running_session(plane: ControlPlane, tenant: str, session_id: str) -> 
         node = await node_of(db, row)
         if node is None or not row.sandbox_id:
             raise SessionFailed(f"session {session_id} has no sandbox")
-        await db.execute(update(SessionRow).where(SessionRow.id == session_id)
-                         .values(last_activity_at=utcnow()))
-        await db.commit()
+        now = utcnow()
+        if activity_stale(row, now, plane.settings.activity_stamp_interval):
+            await db.execute(update(SessionRow).where(SessionRow.id == session_id)
+                             .values(last_activity_at=now))
+            await db.commit()
     return row, plane.node_client(node)
+
+
+def stamp_interval(idle_timeout: int | None, interval: float) -> float:
+    """How stale a session's ``last_activity_at`` may be: ``interval`` (the setting), at most a quarter of
+    its idle timeout."""
+    return interval if idle_timeout is None else min(interval, idle_timeout / 4)
+
+
+def activity_stale(row: SessionRow, now: datetime, interval: float) -> bool:
+    """Whether a call now must write the session's activity stamp: it is older than the allowed staleness,
+    or not newer than the latest snapshot (rolling snapshots by interval only follow activity after it)."""
+    last = row.last_activity_at
+    if row.last_snapshot_at is not None and last <= row.last_snapshot_at:
+        return True
+    return (now - last).total_seconds() >= stamp_interval(row.idle_timeout, interval)
 
 
 async def node_call_failed(plane: ControlPlane, row: SessionRow, exc: NodeError) -> ApiError:
@@ -335,8 +354,11 @@ async def node_call_failed(plane: ControlPlane, row: SessionRow, exc: NodeError)
     return ApiError(exc.message, code=exc.code, status=exc.status if 400 <= exc.status < 600 else 502)
 
 
-async def sessions_to_expire(db: DbSession) -> list[tuple[str, str]]:
-    """(session id, reason) of sessions past their hard TTL or idle timeout."""
+async def sessions_to_expire(db: DbSession, stamp_every: float = 0.0) -> list[tuple[str, str]]:
+    """(session id, reason) of sessions past their hard TTL or idle timeout. ``stamp_every``: the
+    ``activity_stamp_interval`` the replicas write activity stamps with; a session counts as idle only
+    once its stamp is older than its idle timeout plus that staleness (:func:`stamp_interval`), so a
+    session in use is never closed as idle."""
     now = utcnow()
     rows = await db.execute(
         select(SessionRow.id, SessionRow.expires_at, SessionRow.idle_timeout, SessionRow.last_activity_at)
@@ -349,7 +371,7 @@ async def sessions_to_expire(db: DbSession) -> list[tuple[str, str]]:
     for sid, expires_at, idle, last in rows.all():
         if expires_at <= now:
             due.append((sid, "timeout"))
-        elif idle is not None and last + timedelta(seconds=idle) <= now:
+        elif idle is not None and last + timedelta(seconds=idle + stamp_interval(idle, stamp_every)) <= now:
             due.append((sid, "idle_timeout"))
     return due
 

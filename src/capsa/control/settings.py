@@ -34,6 +34,15 @@ class ControlSettings(BaseSettings):
     command_limit: int = 600
     """Command executions allowed per API key per rate window."""
     rate_window_seconds: int = 60
+    rate_lease: Annotated[int, Field(ge=1)] = 16
+    """Most rate-limit units a replica claims from the database at once and spends from memory (at most
+    1/20 of the limit): one database write per lease instead of per request; with R replicas a key can be
+    refused up to (R - 1) * (lease - 1) units before its limit, never admitted beyond it."""
+    activity_stamp_interval: Annotated[float, Field(ge=0)] = 5.0
+    """A session's ``last_activity_at`` is written at most once per this many seconds (and at most once
+    per quarter of its idle timeout), not on every command; the reaper allows for that much staleness, so
+    an idle session is closed between its idle timeout and that plus this interval (plus the reaper's
+    own interval). 0: write on every call."""
 
     reaper_interval: float = 2.0
     """Seconds between reaper passes (expired sessions, silent nodes); 0 disables the reaper."""

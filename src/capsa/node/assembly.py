@@ -20,6 +20,7 @@ from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
 from capsa.node.sources import TemplateSource
 from capsa.node.storage.pool import StoragePool
+from capsa.node.template_cache import TemplateCache
 from capsa.node.warm_pool import PoolSettings
 
 __all__ = ["NodeParts", "build_node", "netns_prefix"]
@@ -57,8 +58,9 @@ async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> 
         # (egress_unavailable) and sessions without one run with no network, as always.
         egress = (NodeEgress.create(netns_prefix=netns_prefix(settings.state_dir)) if os.geteuid() == 0
                   else None)
+        # Node-built templates are cached beside the image: a fresh state dir restores from them at once.
         source = TemplateSource(runtime, image, egress=egress, pool_size=pool_cfg.size,
-                                pool_sizes=pool_cfg.sizes)
+                                pool_sizes=pool_cfg.sizes, cache=TemplateCache(settings.cache_dir))
         agent = NodeAgent(runtime, image, node_id=node_id, egress=egress, source=source)
         await agent.start()
     except BaseException:

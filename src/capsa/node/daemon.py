@@ -212,13 +212,18 @@ class NodeService:
                              templates=agent.templates)
 
     async def start(self) -> str:
-        """Serve the node API, register, start heartbeating; returns the node id."""
+        """Serve the node API, wait until the agent is ready (its base template in place, so a create is
+        a restore, not a cold boot), register, start heartbeating; returns the node id.
+
+        The control plane places sessions (and its ``/v1/ready`` counts nodes) only once a node has
+        registered, so registering after the agent is ready is how the node reports readiness."""
         if self._uds is not None:
             self._uds.unlink(missing_ok=True)
         self._server_task = asyncio.create_task(self._server.serve(), name="capsa-node-api")
         await wait_started(self._server, self._server_task, name="node API server")
         if self._uds is not None:
             self._uds.chmod(0o600)
+        await self.parts.agent.wait_ready()
         self.node_id = await self.link.register(self._registration())
         self.parts.agent.node_id = self.node_id
         self._beats = asyncio.create_task(self._heartbeats(), name="capsa-node-heartbeat")

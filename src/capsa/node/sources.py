@@ -30,7 +30,8 @@ from capsa.node.net.sandbox_net import SandboxNet
 from capsa.node.runtime.base import RamMode, Runtime, Sandbox, VMSpec
 from capsa.node.snapshots import SnapshottingRuntime, hostname_for
 from capsa.node.template_build import remove_stale_work
-from capsa.node.templates import BASE, Template, TemplateStore, check_template_name
+from capsa.node.template_cache import TemplateCache
+from capsa.node.templates import BASE, Template, TemplateStore, check_template_name, warm_up
 from capsa.node.warm_pool import IdentityBinder, PoolKey, PoolMetrics, WarmPool, bind_sandbox
 
 __all__ = [
@@ -166,7 +167,8 @@ class TemplateSource:
                  pool_size: int = 1, pool_sizes: Mapping[str, int] | None = None,
                  ram_mode: RamMode = RamMode.COPY, base_memory_mib: int = 256, base_vcpus: int = 1,
                  bind: IdentityBinder = bind_sandbox, metrics: PoolMetrics | None = None,
-                 trust: TrustStore | None = None) -> None:
+                 trust: TrustStore | None = None, cache: TemplateCache | None = None,
+                 warm_up_rounds: int = 2, warm_restores: bool = True) -> None:
         self.runtime = runtime
         self.image = image
         self.egress = egress
@@ -175,7 +177,11 @@ class TemplateSource:
         """pooled VM id -> its network (a namespace and tap without a broker) and its template snapshot"""
         self.ram_mode = ram_mode
         self.bind = bind
-        self.store = TemplateStore(runtime, image, base_memory_mib=base_memory_mib, base_vcpus=base_vcpus)
+        self.store = TemplateStore(runtime, image, base_memory_mib=base_memory_mib, base_vcpus=base_vcpus,
+                                   cache=cache, warm_up_rounds=warm_up_rounds)
+        self.warm_restores = warm_restores
+        """Run the warm-up commands in a sandbox restored on demand before handing it out, so the user's
+        first command is as fast as later ones (the restore then takes that much longer)."""
         self.metrics = metrics or PoolMetrics()
         self.warm = WarmPool(self._pool_restore, self._pool_destroy, default_size=pool_size,
                              sizes=pool_sizes, metrics=self.metrics)
@@ -206,9 +212,16 @@ class TemplateSource:
             log.exception("building the base template failed; sandboxes will build it on demand")
 
     async def wait_ready(self) -> None:
-        """Wait until the start-up template build is over (tests and benchmarks)."""
+        """Wait until the start-up template build (or import from the cache) is over: from then on a
+        sandbox of ``base`` is a restore, never a cold boot (unless that build failed)."""
         if self._warmup is not None:
             await asyncio.shield(self._warmup)
+
+    @property
+    def base_origin(self) -> str | None:
+        """Where the start-up ``base`` came from: ``pool`` (already there), ``cache`` (imported from the
+        template cache), ``built`` (cold-booted), None (not yet, or its build failed)."""
+        return self.store.origins.get((BASE, self.store.base_memory_mib, self.store.base_vcpus))
 
     async def close(self) -> None:
         if self._warmup is not None:
@@ -216,6 +229,7 @@ class TemplateSource:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._warmup
         await self.warm.close()
+        await self.store.close()
 
     # -- templates ---------------------------------------------------------------------------------------
 
@@ -264,8 +278,9 @@ class TemplateSource:
         try:
             # A restored guest starts with cold caches (under TCG: no translated code; its RAM pages are
             # faulted in from the snapshot on first touch), so its first command is slow. Spend that on
-            # a throwaway command while it waits in the pool, not on the user's first one.
-            await sandbox.guest.exec(["sh", "-c", "true"], timeout=60)
+            # throwaway commands (the paths user commands take) while it waits in the pool, not on the
+            # user's first one.
+            await warm_up(sandbox, rounds=1, strict=True)
         except BaseException:
             await asyncio.shield(self._pool_destroy(sandbox))
             raise
@@ -313,6 +328,8 @@ class TemplateSource:
                 sandbox = await self.runtime.restore(tpl.snapshot, self._spec(tpl, labels),
                                                      ram_mode=self.ram_mode)
             try:
+                if source == "restore" and self.warm_restores:
+                    await warm_up(sandbox, rounds=1, strict=True)
                 await self.bind(sandbox, hostname_for(request.sandbox_id))
             except BaseException:
                 await asyncio.shield(self.runtime.destroy(sandbox))
@@ -350,6 +367,8 @@ class TemplateSource:
                 sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
                                                      ram_mode=RamMode.COPY)
             try:
+                if self.warm_restores:
+                    await warm_up(sandbox, rounds=1, strict=True)
                 await self.bind(sandbox, hostname_for(request.sandbox_id))
             except BaseException:
                 await asyncio.shield(self.runtime.destroy(sandbox))
@@ -374,14 +393,12 @@ class TemplateSource:
     async def net_template(self, memory_mib: int, vcpus: int) -> Template:
         """``base`` with a NIC (MAC :data:`NET_TEMPLATE_MAC`), cold-booted and snapshotted on first use."""
         assert self.egress is not None
-        store = self.store
-        async with store.lock((NET_TEMPLATE, memory_mib, vcpus)):
-            found = await asyncio.to_thread(store.find, NET_TEMPLATE, memory_mib, vcpus)
-            if found is not None and await asyncio.to_thread(store.is_current, found, NET_TEMPLATE_MAC):
-                return found
+        egress = self.egress
+
+        async def build() -> Template:
             log.info("building template %s (%d MiB, %d vCPU)", NET_TEMPLATE, memory_mib, vcpus)
             # A throwaway namespace and tap (with the sandbox firewall: nothing leaves it) just for the build.
-            async with self.egress.throwaway_network() as net:
+            async with egress.throwaway_network() as net:
                 spec = VMSpec(image=self.image, memory_mib=memory_mib, vcpus=vcpus,
                               network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC),
                               labels={"template": NET_TEMPLATE})
@@ -396,4 +413,6 @@ class TemplateSource:
                 except BaseException:
                     await asyncio.shield(self.runtime.destroy(sandbox))
                     raise
-                return await store.store(NET_TEMPLATE, sandbox, spec=None)
+                return await self.store.store(NET_TEMPLATE, sandbox, spec=None)
+
+        return await self.store.ensure(NET_TEMPLATE, memory_mib, vcpus, build, mac=NET_TEMPLATE_MAC)

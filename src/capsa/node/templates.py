@@ -5,6 +5,10 @@ A template lives in the storage pool as ``templates/tpl-<name>-m<MiB>c<vcpus>/``
 snapshotted; it is rebuilt whenever the image, the QEMU version or the QEMU device layout changes, because
 a snapshot from another layout cannot be restored. Custom templates are built from a :class:`TemplateSpec`
 by :mod:`capsa.node.template_build` and stored the same way. Only template builds ever cold-boot a VM.
+
+With a :class:`~capsa.node.template_cache.TemplateCache` (the node's image cache dir), node-built templates
+(``base``, ``base-net``) are copied there once built and imported from there by a node that lacks them (a
+fresh state directory), keyed by image, QEMU version, device layout and size: no cold boot at all then.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,13 +34,17 @@ from capsa.common.ids import new_id
 from capsa.node.runtime.base import GuestImage, Sandbox, VMSpec
 from capsa.node.runtime.snapshot.manifest import Snapshot, SnapshotError
 from capsa.node.snapshots import SnapshottingRuntime
+from capsa.node.template_cache import TemplateCache
 
 __all__ = [
     "BASE",
+    "PUBLISH_WAIT",
     "RECORD_FILE",
+    "WARM_UP_COMMANDS",
     "Template",
     "TemplateStore",
     "check_template_name",
+    "warm_up",
 ]
 
 log = logging.getLogger(__name__)
@@ -48,6 +56,8 @@ _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _DIR_RE = re.compile(r"^tpl-(?P<name>[a-z0-9][a-z0-9_.-]{0,63})-m(?P<mem>[0-9]+)c(?P<cpu>[0-9]+)$")
 
 Progress = Callable[[str], None]
+PUBLISH_WAIT = 120.0
+"""Seconds a closing store waits for template copies into the cache."""
 
 
 def check_template_name(name: str) -> str:
@@ -110,12 +120,20 @@ class TemplateStore:
     """Templates on one node's storage pool, and building ``base``."""
 
     def __init__(self, runtime: SnapshottingRuntime, image: GuestImage, *, base_memory_mib: int = 256,
-                 base_vcpus: int = 1) -> None:
+                 base_vcpus: int = 1, cache: TemplateCache | None = None, warm_up_rounds: int = 2) -> None:
         self.runtime = runtime
         self.image = image
         self.base_memory_mib = base_memory_mib
         self.base_vcpus = base_vcpus
+        self.cache = cache
+        self.warm_up_rounds = warm_up_rounds
+        """Rounds of :data:`WARM_UP_COMMANDS` run in a VM before its template snapshot (0: none)."""
         self._locks: dict[tuple[str, int, int], asyncio.Lock] = {}
+        self._publishing: set[asyncio.Task[None]] = set()
+        self.imports = 0
+        """Templates imported from the cache (instead of built) by this store."""
+        self.origins: dict[tuple[str, int, int], str] = {}
+        """Where :meth:`ensure` last found each template: ``pool``, ``cache`` or ``built``."""
 
     @property
     def root(self) -> Path:
@@ -161,9 +179,13 @@ class TemplateStore:
         m = template.snapshot.manifest
         if m.image_digest != self.image.digest and template.name == BASE:
             return False
+        return self._restorable(template.snapshot, mac)
+
+    def _restorable(self, snapshot: Snapshot, mac: str | None) -> bool:
+        m = snapshot.manifest
         network = SimpleNamespace(mac=mac) if mac is not None else None
         spec = VMSpec(image=self.image, memory_mib=m.memory_mib, vcpus=m.vcpus, network=network)
-        return self.runtime.can_restore(template.snapshot, spec)
+        return self.runtime.can_restore(snapshot, spec)
 
     async def resolve(self, name: str, memory_mib: int | None = None, vcpus: int | None = None) -> Template:
         """The template to restore a sandbox from; ``base`` variants are built on first use."""
@@ -187,18 +209,118 @@ class TemplateStore:
         return self._locks.setdefault(key, asyncio.Lock())
 
     async def ensure_base(self, memory_mib: int, vcpus: int, progress: Progress | None = None) -> Template:
-        """The current ``base`` template of this size, cold-booting and snapshotting once if needed."""
-        key = (BASE, memory_mib, vcpus)
-        async with self.lock(key):
-            found = await asyncio.to_thread(self.find, BASE, memory_mib, vcpus)
-            if found is not None and await asyncio.to_thread(self.is_current, found):
-                return found
-            say = progress or (lambda _m: None)
+        """The current ``base`` template of this size: on the pool, else from the cache, else cold-booted
+        and snapshotted once (and then cached)."""
+        say = progress or (lambda _m: None)
+
+        async def build() -> Template:
             say(f"building template base ({memory_mib} MiB, {vcpus} vCPU): cold boot")
-            log.info("building the base template (%d MiB, %d vCPU)", memory_mib, vcpus)
-            spec = VMSpec(image=self.image, memory_mib=memory_mib, vcpus=vcpus, labels={"template": BASE})
-            sandbox = await self.runtime.boot(spec)
-            return await self.store(BASE, sandbox, spec=None, progress=say)
+            return await self.build_base(memory_mib, vcpus, progress=say)
+
+        return await self.ensure(BASE, memory_mib, vcpus, build, progress=say)
+
+    async def build_base(self, memory_mib: int, vcpus: int, progress: Progress | None = None) -> Template:
+        """Cold-boot the image and store it as ``base`` of this size (no cache, no lock: callers hold it)."""
+        log.info("building the base template (%d MiB, %d vCPU)", memory_mib, vcpus)
+        spec = VMSpec(image=self.image, memory_mib=memory_mib, vcpus=vcpus, labels={"template": BASE})
+        sandbox = await self.runtime.boot(spec)
+        return await self.store(BASE, sandbox, spec=None, progress=progress)
+
+    async def ensure(self, name: str, memory_mib: int, vcpus: int,
+                     build: Callable[[], Awaitable[Template]], *, mac: str | None = None,
+                     progress: Progress | None = None) -> Template:
+        """The current node-built template ``name`` of this size (``mac``: with a NIC of that MAC): the
+        pool's if it can be restored, else imported from the cache, else ``build()`` (then published to
+        the cache in the background)."""
+        key = (name, memory_mib, vcpus)
+        async with self.lock(key):
+            found = await asyncio.to_thread(self.find, name, memory_mib, vcpus)
+            if found is not None and await asyncio.to_thread(self.is_current, found, mac):
+                self.origins.setdefault(key, "pool")
+                return found
+            imported = await self._import_cached(name, memory_mib, vcpus, mac, progress)
+            if imported is not None:
+                self.origins[key] = "cache"
+                return imported
+            template = await build()
+            self.origins[key] = "built"
+            if self.cache is not None:
+                task = asyncio.create_task(self._publish(template), name=f"template-cache-{name}")
+                self._publishing.add(task)
+                task.add_done_callback(self._publishing.discard)
+            return template
+
+    def cached(self, name: str, memory_mib: int, vcpus: int, mac: str | None = None) -> list[Path]:
+        """Entries of the template cache this node could restore ``name`` of this size from, newest
+        first (another QEMU, layout or image does not count)."""
+        cache = self.cache
+        if cache is None:
+            return []
+        try:
+            entries = cache.candidates(name, self.image.digest, memory_mib, vcpus)
+        except OSError as exc:
+            log.warning("cannot read the template cache %s: %s", cache.root, exc)
+            return []
+        usable = []
+        for entry in entries:
+            manifest = cache.manifest(entry)
+            snap_dir = cache.snapshot_dir(entry) if manifest is not None else None
+            if manifest is None or snap_dir is None or manifest.image_digest != self.image.digest:
+                continue
+            if self._restorable(Snapshot(snap_dir, manifest), mac):
+                usable.append(entry)
+        return usable
+
+    async def _import_cached(self, name: str, memory_mib: int, vcpus: int, mac: str | None,
+                             progress: Progress | None) -> Template | None:
+        cache = self.cache
+        if cache is None:
+            return None
+        for entry in await asyncio.to_thread(self.cached, name, memory_mib, vcpus, mac):
+            if progress is not None:
+                progress(f"template {name} ({memory_mib} MiB, {vcpus} vCPU): from the cache {entry}")
+            work = self.root / f".build-{secrets.token_hex(6)}"
+            try:
+                await asyncio.to_thread(cache.import_into, entry, work)
+                final = self.root / _dir_name(name, memory_mib, vcpus)
+                await asyncio.to_thread(_swap_in, work, final)
+            except (OSError, CapsaError) as exc:
+                await asyncio.to_thread(shutil.rmtree, work, True)
+                log.warning("importing cached template %s failed: %s", entry, exc)
+                continue
+            template = await asyncio.to_thread(self._load, final)
+            if template is not None and await asyncio.to_thread(self.is_current, template, mac):
+                self.imports += 1
+                log.info("template %s (%d MiB, %d vCPU) imported from the cache", name, memory_mib, vcpus)
+                return template
+            log.warning("cached template %s does not load after its import; building instead", entry)
+        return None
+
+    async def _publish(self, template: Template) -> None:
+        assert self.cache is not None
+        try:
+            entry = await asyncio.to_thread(self.cache.publish, template.name, template.path,
+                                            template.snapshot.manifest)
+            log.info("template %s cached as %s", template.name, entry)
+        except Exception as exc:
+            log.warning("could not cache template %s: %s", template.name, exc)
+
+    async def wait_published(self) -> None:
+        """Until the templates built so far are in the cache (or failed to get there)."""
+        while self._publishing:
+            await asyncio.gather(*list(self._publishing), return_exceptions=True)
+
+    async def close(self) -> None:
+        """Let cache copies in progress finish (a node stopped right after its first build still leaves
+        the cache warm), at most :data:`PUBLISH_WAIT` seconds, then give up on them."""
+        pending = list(self._publishing)
+        if not pending:
+            return
+        _done, late = await asyncio.wait(pending, timeout=PUBLISH_WAIT)
+        for task in late:
+            log.warning("gave up caching a template: still copying after %.0f s", PUBLISH_WAIT)
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     async def store(self, name: str, sandbox: Sandbox, *, spec: dict[str, Any] | None,
                     progress: Progress | None = None) -> Template:
@@ -212,6 +334,9 @@ class TemplateStore:
         work = self.root / f".build-{secrets.token_hex(6)}"
         try:
             work.mkdir(mode=0o711)
+            if self.warm_up_rounds:
+                say("warming up the command path")
+                await warm_up(sandbox, self.warm_up_rounds)
             with contextlib.suppress(Exception):
                 # Written data is in the guest's page cache: flush it into the disk image first.
                 await sandbox.guest.exec(["sync"], timeout=60)
@@ -246,6 +371,30 @@ class TemplateStore:
             _remove_tree(t.path)
             n += 1
         return n
+
+
+WARM_UP_COMMANDS: tuple[str | list[str], ...] = (["true"], "true", ["sh", "-c", "true"],
+                                                 "echo warm >/dev/null")
+"""Run (twice) in a VM before it is snapshotted as a template."""
+
+
+async def warm_up(sandbox: Sandbox, rounds: int = 2, *, strict: bool = False) -> None:
+    """Run the user command path (:data:`WARM_UP_COMMANDS`) ``rounds`` times.
+
+    Before a template snapshot, so the snapshot holds the results: the shell, ``true`` and libc in the
+    guest's page cache (no virtio-blk reads under TCG after a restore), the daemon's lazily imported
+    modules and first-spawn set-up done. After a restore (``strict``: a failing command raises, the VM is
+    not usable), for what a snapshot cannot keep: QEMU's translation cache and the RAM pages faulted in."""
+    for _ in range(rounds):
+        for cmd in WARM_UP_COMMANDS:
+            if strict:
+                result = await sandbox.guest.exec(cmd, timeout=60)
+                if result.exit_code != 0:
+                    raise CapsaError(f"warm-up command {cmd!r} exited with {result.exit_code}",
+                                     code="sandbox_failed", status=500)
+                continue
+            with contextlib.suppress(Exception):
+                await sandbox.guest.exec(cmd, timeout=60)
 
 
 def _write_json(path: Path, body: dict[str, Any]) -> None:

@@ -14,7 +14,6 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from capsa.common import node_api
-from capsa.control import ratelimit
 from capsa.control.deps import PROBLEMS, Caller, Plane
 from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
@@ -68,7 +67,7 @@ async def _stream(plane: ControlPlane, row: SessionRow, node_events: AsyncIterat
                 failed = True
             yield _line(event)
         if not failed:
-            await command_finished(plane, row.id)
+            await command_finished(plane, row)
     except (NodeError, httpx.HTTPError) as exc:
         yield _line(ExecError(code="node_unreachable",
                               detail=f"lost the node while streaming: {type(exc).__name__}"))
@@ -83,9 +82,8 @@ async def _stream(plane: ControlPlane, row: SessionRow, node_events: AsyncIterat
                         201: {"model": ProcessInfo, "description": "background process started"}})
 async def run_command(session_id: str, body: CommandRequest, plane: Plane, caller: Caller,
                       accept: Annotated[str | None, Header()] = None) -> Any:
-    async with plane.db() as db:
-        await ratelimit.hit(db, caller.key_id, "commands", plane.settings.command_limit,
-                            plane.settings.rate_window_seconds)
+    await plane.rates.hit(plane.db, caller.key_id, "commands", plane.settings.command_limit,
+                          plane.settings.rate_window_seconds)
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
     node_request = _node_request(plane, body)
@@ -113,7 +111,7 @@ async def run_command(session_id: str, body: CommandRequest, plane: Plane, calle
         result = await client.exec(row.sandbox_id, node_request)
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
-    await command_finished(plane, row.id)
+    await command_finished(plane, row)
     return CommandResult.model_validate(result.model_dump())
 
 

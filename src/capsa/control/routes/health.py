@@ -27,7 +27,8 @@ async def ready(plane: Plane, request: Request) -> Ready:
     # An embedding process (capsa serve) holds readiness until its local node has (re-)registered:
     # before that, the database may still list the node as healthy from the previous run.
     if getattr(request.app.state, "startup_pending", False):
-        raise ApiError("starting: the local node has not registered yet", code="not_ready", status=503)
+        raise ApiError("starting: the local node is not ready (base template) or registered yet",
+                       code="not_ready", status=503)
     try:
         async with plane.db() as db:
             await db.execute(text("SELECT 1"))

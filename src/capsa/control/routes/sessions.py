@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 
-from capsa.control import ratelimit, sessions
+from capsa.control import sessions
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import ValidationFailed
 from capsa.control.schemas import SessionCreate, SessionList, SessionOut, TimeoutUpdate
@@ -22,9 +22,8 @@ _METADATA_PREFIX = "metadata."
 async def create_session(body: SessionCreate, plane: Plane, caller: Caller) -> SessionOut:
     """Create a session: rate limited per key (``rate_limited``, 429) and within the tenant's quota of
     sessions, vCPUs and memory (``quota_exceeded``, 403)."""
-    async with plane.db() as db:
-        await ratelimit.hit(db, caller.key_id, "sessions", plane.settings.session_create_limit,
-                            plane.settings.rate_window_seconds)
+    await plane.rates.hit(plane.db, caller.key_id, "sessions", plane.settings.session_create_limit,
+                          plane.settings.rate_window_seconds)
     return await sessions.create_session(plane, caller, body)
 
 

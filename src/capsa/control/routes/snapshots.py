@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from capsa.control import ratelimit, snapshots
+from capsa.control import snapshots
 from capsa.control.auth import Principal
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.schemas import (
@@ -24,9 +24,8 @@ router = APIRouter(prefix="/sessions/{session_id}", tags=["snapshots"], response
 
 async def _count_start(plane: Plane, caller: Principal, sandboxes: int = 1) -> None:
     """Resume, restore and branch start sandboxes as create does: the same per-key rate limit."""
-    async with plane.db() as db:
-        await ratelimit.hit(db, caller.key_id, "sessions", plane.settings.session_create_limit,
-                            plane.settings.rate_window_seconds, cost=sandboxes)
+    await plane.rates.hit(plane.db, caller.key_id, "sessions", plane.settings.session_create_limit,
+                          plane.settings.rate_window_seconds, cost=sandboxes)
 
 
 @router.post("/pause", response_model=SessionOut)

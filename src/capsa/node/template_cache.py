@@ -1,0 +1,172 @@
+"""Node-built templates (``base``, ``base-net``) cached next to the guest image, so a fresh node restores its
+first sandbox at once instead of cold-booting one to snapshot.
+
+```
+<cache_dir>/templates/                         root 0700
+  .lock                                        flock: shared while importing, exclusive while publishing
+  .tmp-<random>/                               an export in progress (swept by the next exporter)
+  <name>-<image>-m<MiB>c<vcpus>-<layout>/      0700: a template directory as the node stores it
+    template.json                              0600
+    snap_<id>/                                 0700: manifest.json, state.bin, memory.ram, disk.img (0600)
+```
+
+``<image>`` is a hash of the image digest and ``<layout>`` one of the QEMU version, the device-layout
+fingerprint (:func:`capsa.node.runtime.qemu.cmdline.machine_fingerprint`, which covers the accelerator,
+memory and vCPUs) and the accelerator, all read from the snapshot's manifest. A lookup lists the entries
+for (name, image, size) and lets the runtime pick one it can restore (``can_restore``), so a QEMU upgrade
+or a layout change simply misses (and the next build publishes beside the old entry).
+
+An entry only appears by ``rename`` of a finished work directory, under the exclusive lock; a reader
+holds the shared lock while it copies, so a replacement never pulls files from under it. Everything is
+root's and private: the RAM file is a booted guest's memory (kernel state, CRNG state before the reseed
+every restore does), which no VM uid should read. Imports into the storage pool get the pool's modes:
+directories 0711, files 0600, owned by the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from capsa.node.runtime.snapshot.manifest import MANIFEST_FILE, SnapshotManifest, load_manifest
+from capsa.node.storage.filecopy import SourceCheck, copy_file
+
+__all__ = ["CACHE_SUBDIR", "TemplateCache", "entry_name", "entry_prefix"]
+
+log = logging.getLogger(__name__)
+
+CACHE_SUBDIR = "templates"
+_LOCK = ".lock"
+_TMP_PREFIX = ".tmp-"
+_POOL_DIR_MODE = 0o711
+_FILE_MODE = 0o600
+_CACHE_DIR_MODE = 0o700
+
+
+def _short(value: object) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+RECIPE = 2
+"""How node-built templates are made (base; base-net with its prepared trust store). Bump it when that
+changes, so entries made the old way are never imported."""
+
+
+def entry_prefix(name: str, image_digest: str, memory_mib: int, vcpus: int) -> str:
+    """The part of an entry's name a lookup knows before it has a snapshot."""
+    return f"{name}-r{RECIPE}-{_short(image_digest)}-m{memory_mib}c{vcpus}-"
+
+
+def entry_name(name: str, manifest: SnapshotManifest) -> str:
+    """The cache entry of template ``name`` saved as ``manifest``."""
+    layout = _short([manifest.qemu_version, manifest.machine, manifest.accel])
+    return entry_prefix(name, manifest.image_digest, manifest.memory_mib, manifest.vcpus) + layout
+
+
+def _copy_tree(src: Path, dst: Path, dir_mode: int) -> None:
+    """Copy a template directory (one level of subdirectories, regular files only) into ``dst`` (which
+    must not exist), with ``dir_mode`` directories and 0600 files owned by this process."""
+    check = SourceCheck(owner=os.geteuid())
+    dst.mkdir(mode=dir_mode)
+    os.chmod(dst, dir_mode)  # whatever the umask
+    for entry in sorted(src.iterdir()):
+        if entry.is_symlink():
+            raise OSError(f"refusing to copy {entry}: a symbolic link in a template")
+        if entry.is_dir():
+            _copy_tree(entry, dst / entry.name, dir_mode)
+        else:
+            # The files stay sparse; a reflink where both sides share a CoW filesystem.
+            copy_file(entry, dst / entry.name, mode=_FILE_MODE, check=check)
+
+
+class TemplateCache:
+    """Templates cached under ``<cache_dir>/templates``."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.root = cache_dir / CACHE_SUBDIR
+
+    @contextlib.contextmanager
+    def _locked(self, exclusive: bool) -> Iterator[None]:
+        self.root.mkdir(mode=_CACHE_DIR_MODE, parents=True, exist_ok=True)
+        fd = os.open(self.root / _LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
+    def candidates(self, name: str, image_digest: str, memory_mib: int, vcpus: int) -> list[Path]:
+        """Cached entries for this template, image and size (any QEMU and layout), newest first."""
+        if not self.root.is_dir():
+            return []
+        prefix = entry_prefix(name, image_digest, memory_mib, vcpus)
+        found = [p for p in self.root.iterdir() if p.name.startswith(prefix) and p.is_dir()
+                 and not p.is_symlink()]
+        return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+    @staticmethod
+    def snapshot_dir(entry: Path) -> Path | None:
+        """The snapshot directory inside a cached (or pool) template directory."""
+        subdirs = [p for p in entry.iterdir() if p.is_dir() and (p / MANIFEST_FILE).is_file()]
+        return subdirs[0] if len(subdirs) == 1 else None
+
+    def manifest(self, entry: Path) -> SnapshotManifest | None:
+        snap = self.snapshot_dir(entry)
+        if snap is None:
+            return None
+        try:
+            return load_manifest(snap)
+        except Exception as exc:
+            log.warning("ignoring unreadable cached template %s: %s", entry, exc)
+            return None
+
+    def import_into(self, entry: Path, dest: Path) -> None:
+        """Copy the cached template ``entry`` to ``dest`` (a new directory in the storage pool), with the
+        pool's modes. A failure leaves nothing at ``dest``."""
+        with self._locked(exclusive=False):
+            if not entry.is_dir():
+                raise FileNotFoundError(f"cached template {entry} is gone")
+            try:
+                _copy_tree(entry, dest, _POOL_DIR_MODE)
+            except BaseException:
+                shutil.rmtree(dest, ignore_errors=True)
+                raise
+
+    def publish(self, name: str, template_dir: Path, manifest: SnapshotManifest) -> Path:
+        """Copy a pool template directory into the cache as the entry for ``manifest`` (replacing an older
+        copy of the same key); returns the entry."""
+        final = self.root / entry_name(name, manifest)
+        with self._locked(exclusive=True):
+            # Whoever held the lock before us has finished or died: work dirs left are debris.
+            for stale in self.root.glob(_TMP_PREFIX + "*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            work = self.root / f"{_TMP_PREFIX}{secrets.token_hex(6)}"
+            try:
+                _copy_tree(template_dir, work, _CACHE_DIR_MODE)
+                if final.exists():
+                    old = self.root / f"{_TMP_PREFIX}old-{secrets.token_hex(6)}"
+                    os.rename(final, old)
+                    os.rename(work, final)
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.rename(work, final)
+            except BaseException:
+                shutil.rmtree(work, ignore_errors=True)
+                raise
+        return final
+
+    def discard(self, entry: Path) -> None:
+        """Remove a cached entry (unreadable or not restorable by anyone)."""
+        with self._locked(exclusive=True):
+            if entry.parent == self.root and entry.is_dir():
+                doomed = self.root / f"{_TMP_PREFIX}gone-{secrets.token_hex(6)}"
+                os.rename(entry, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)

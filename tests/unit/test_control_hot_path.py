@@ -1,0 +1,198 @@
+"""The command hot path's database writes: rate limits claimed in leases per replica and activity stamps
+written with bounded staleness (ARCHITECTURE.md, "Control plane"); the limits and the idle timeout still
+hold. On SQLite and PostgreSQL, with the fake runtime."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import event, select
+
+from capsa.control.errors import RateLimited
+from capsa.control.plane import ControlPlane
+from capsa.control.ratelimit import RateLimiter, lease_size
+from capsa.control.store.models import RateCounterRow
+from tests.support.api_stack import ApiStack
+from tests.support.problems import assert_problem
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def create(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
+    response = await client.post("/v1/sessions", json=body)
+    assert response.status_code == 201, response.text
+    session: dict[str, Any] = response.json()
+    return session
+
+
+def plane_of(stack: ApiStack, replica: int = 0) -> ControlPlane:
+    plane: ControlPlane = stack.replicas[replica].app.state.plane
+    return plane
+
+
+@contextmanager
+def counting_writes(plane: ControlPlane) -> Iterator[list[str]]:
+    """The data-changing statements the plane's engine runs meanwhile."""
+    writes: list[str] = []
+
+    def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        verb = statement.lstrip().split(None, 1)[0].upper()
+        if verb in ("INSERT", "UPDATE", "DELETE"):
+            writes.append(statement.split("SET")[0].strip())
+
+    engine = plane.engine.sync_engine
+    event.listen(engine, "before_cursor_execute", on_execute)
+    try:
+        yield writes
+    finally:
+        event.remove(engine, "before_cursor_execute", on_execute)
+
+
+async def run_true(client: httpx.AsyncClient, sid: str) -> httpx.Response:
+    return await client.post(f"/v1/sessions/{sid}/commands", json={"cmd": ["true"]})
+
+
+async def test_commands_do_not_write_the_database_each(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"rate_lease": 16, "command_limit": 600,
+                                                 "rate_window_seconds": 3600, "reaper_interval": 0})
+    key = await stack.tenant_key("acme")
+    plane = plane_of(stack)
+    async with stack.client(key) as c:
+        sid = (await create(c))["id"]
+        claims = plane.rates.claims
+        with counting_writes(plane) as writes:
+            for _ in range(32):
+                assert (await run_true(c, sid)).status_code == 200
+        # 32 commands: two leases of 16 from the rate counter (the first: an UPDATE finding no row for
+        # this window, then its INSERT), no activity stamp (the session is new).
+        assert len(writes) <= 3, writes
+        assert all("rate_counters" in w for w in writes), writes
+        assert plane.rates.claims - claims == 2
+        # The same commands with leases of one and a stamp on every call: the counter above can see writes.
+        stamping: ApiStack = await make_stack(settings={"rate_lease": 1, "activity_stamp_interval": 0,
+                                                        "reaper_interval": 0})
+        key2 = await stamping.tenant_key("acme")
+        async with stamping.client(key2) as c2:
+            sid2 = (await create(c2))["id"]
+            with counting_writes(plane_of(stamping)) as every:
+                for _ in range(4):
+                    assert (await run_true(c2, sid2)).status_code == 200
+            assert len(every) >= 8, every
+            await c2.delete(f"/v1/sessions/{sid2}")
+        await c.delete(f"/v1/sessions/{sid}")
+
+
+async def test_rate_limit_holds_across_replicas_within_the_lease_bound(make_stack: Any) -> None:
+    limit = 100
+    stack: ApiStack = await make_stack(settings={"command_limit": limit, "rate_window_seconds": 3600,
+                                                 "rate_lease": 16, "reaper_interval": 0})
+    lease = lease_size(limit, 16)
+    assert lease == 5
+    b, c_ = await stack.add_replica(), await stack.add_replica()
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as a, stack.client(key, url=b.url) as rb, \
+            stack.client(key, url=c_.url) as rc:
+        sid = (await create(a))["id"]
+        # Replicas b and c each claim a lease and spend one unit of it...
+        for client in (rb, rc):
+            assert (await run_true(client, sid)).status_code == 200
+        # ...so a alone is refused early, by at most what they hold unspent.
+        ok_a = 0
+        while (response := await run_true(a, sid)).status_code == 200:
+            ok_a += 1
+        assert_problem(response, 429, "rate_limited")
+        assert int(response.headers["retry-after"]) >= 1
+        assert ok_a >= limit - 2 - 2 * (lease - 1)
+        # What b and c hold is still theirs; then every replica refuses, having admitted exactly the limit.
+        ok_rest = 0
+        for client in (rb, rc):
+            while (response := await run_true(client, sid)).status_code == 200:
+                ok_rest += 1
+            assert_problem(response, 429, "rate_limited")
+        assert 2 + ok_a + ok_rest == limit
+        for client in (a, rb, rc):
+            assert_problem(await run_true(client, sid), 429, "rate_limited")
+        await a.delete(f"/v1/sessions/{sid}")
+
+
+async def test_concurrent_leases_never_admit_beyond_the_limit(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"reaper_interval": 0})
+    plane = plane_of(stack)
+    replicas = [RateLimiter(lease=4) for _ in range(3)]
+    limit = 80  # lease_size: 4
+
+    async def one(i: int) -> bool:
+        try:
+            await replicas[i % 3].hit(plane.db, "key_x", "commands", limit, 3600)
+        except RateLimited:
+            return False
+        return True
+
+    admitted = sum(await asyncio.gather(*(one(i) for i in range(200))))
+    assert limit - 2 * 3 <= admitted <= limit
+    async with plane.db() as db:
+        count = (await db.execute(select(RateCounterRow.count).where(RateCounterRow.key_id == "key_x"))
+                 ).scalar_one()
+    assert count >= admitted
+    # Far fewer claims (database writes) than admitted requests.
+    assert sum(r.claims for r in replicas) <= admitted // 4 + 2 * 3
+
+
+async def test_leases_lapse_with_their_window(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"reaper_interval": 0})
+    plane = plane_of(stack)
+    limiter = RateLimiter(lease=16)
+    window = 2
+    # Start right after a window boundary so the three calls land in one window.
+    await asyncio.sleep(window - time.time() % window + 0.05)
+    for _ in range(3):
+        await limiter.hit(plane.db, "key_w", "sessions", 3, window)
+    with pytest.raises(RateLimited) as refused:
+        await limiter.hit(plane.db, "key_w", "sessions", 3, window)
+    assert 1 <= int(refused.value.headers["Retry-After"]) <= window
+    claims = limiter.claims
+    with pytest.raises(RateLimited):  # known full: refused without another claim
+        await limiter.hit(plane.db, "key_w", "sessions", 3, window)
+    assert limiter.claims == claims
+    await asyncio.sleep(window - time.time() % window + 0.05)
+    await limiter.hit(plane.db, "key_w", "sessions", 3, window)  # a new window, a new budget
+    with pytest.raises(RateLimited):  # a branch costing more than the window can hold
+        await limiter.hit(plane.db, "key_w", "sessions", 3, window, cost=3)
+
+
+async def test_idle_timeout_with_activity_stamps_written_sparingly(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"activity_stamp_interval": 3600, "reaper_interval": 0.1})
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as c:
+        busy = await create(c, timeout=600, idle_timeout=2)
+        idle = await create(c, timeout=600, idle_timeout=2)
+        started = time.monotonic()
+        stamps: set[str] = set()
+        # Busy: a command every 0.3 s for 4 s (twice its idle timeout). Its stamp is written at most every
+        # idle/4 = 0.5 s, and the reaper allows for that, so it is never taken for idle.
+        while time.monotonic() - started < 4.0:
+            assert (await run_true(c, busy["id"])).status_code == 200
+            stamps.add((await c.get(f"/v1/sessions/{busy['id']}")).json()["last_activity_at"])
+            await asyncio.sleep(0.3)
+        assert (await c.get(f"/v1/sessions/{busy['id']}")).json()["state"] == "running"
+        assert 3 <= len(stamps) <= 10, stamps  # stamped, but not on each of the ~12 commands
+        closed = (await c.get(f"/v1/sessions/{idle['id']}")).json()
+        assert closed["state"] == "closed" and closed["failure_reason"] == "idle_timeout"
+        # Not before its idle timeout, and within the timeout + the staleness + a few reaper passes.
+        lived = (datetime.fromisoformat(closed["closed_at"])
+                 - datetime.fromisoformat(closed["last_activity_at"])).total_seconds()
+        assert 2.0 <= lived <= 2.0 + 0.5 + 1.0, lived
+        # Once the busy one stops, it is closed as idle too.
+        for _ in range(60):
+            state = (await c.get(f"/v1/sessions/{busy['id']}")).json()
+            if state["state"] == "closed":
+                break
+            await asyncio.sleep(0.1)
+        assert state["state"] == "closed" and state["failure_reason"] == "idle_timeout"
