@@ -146,7 +146,7 @@ class SessionRow(Base):
     pause_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     env: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
     """The session's environment, given again to every sandbox that resumes it."""
-    # Migration 0006.
+    # Migration 0007.
     expose: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
     """The ports the port proxy may reach; None: any port."""
 
