@@ -366,14 +366,22 @@ class TemplateSource:
                                   network=dataclasses.replace(network, mac=NET_TEMPLATE_MAC))
                 sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
                                                      ram_mode=RamMode.COPY)
-            try:
-                if self.warm_restores:
+            if self.warm_restores and source == "restore":  # a pooled VM was warmed while it waited
+                try:
                     await warm_up(sandbox, rounds=1, strict=True)
-                await self.bind(sandbox, hostname_for(request.sandbox_id))
-            except BaseException:
+                except BaseException:
+                    await asyncio.shield(self.runtime.destroy(sandbox))
+                    raise
+            # Identity and the CA install are independent guest calls: made at once (the channel
+            # multiplexes them), which shortens the bind.
+            steps = [self.bind(sandbox, hostname_for(request.sandbox_id))]
+            if request.prepare is not None:
+                steps.append(request.prepare(sandbox))
+            done = await asyncio.gather(*steps, return_exceptions=True)
+            failed = [r for r in done if isinstance(r, BaseException)]
+            if failed:
                 await asyncio.shield(self.runtime.destroy(sandbox))
-                raise
-            sandbox = await _prepared(self.runtime, sandbox, request.prepare)
+                raise failed[0]
             return MadeSandbox(sandbox, source, snapshot_id, nic_mac=NET_TEMPLATE_MAC)
         except CapsaError as exc:
             # The request's own faults (bad ids or secrets, a full node) would fail a cold boot too.

@@ -3,15 +3,17 @@
 The guest's TLS libraries (OpenSSL, GnuTLS, Python's ssl, curl) read one bundle file,
 ``/etc/ssl/certs/ca-certificates.crt``. The node keeps a copy of the image's own bundle beside it
 (``<bundle>.capsa-base``, made once when a networked template is built: :meth:`TrustStore.prepare_script`)
-and installs a CA by writing the bundle as that copy plus the CA: two file reads/writes over the guest
-channel and no process in the guest. A guest without the copy (a cold boot) gets it from a shell script
-instead (:meth:`TrustStore.install_script`). Either way a re-issued CA replaces, not joins, the previous one.
+and installs a CA by writing the bundle as that copy plus the CA: a stat and two writes over the guest
+channel, no process in the guest (the copy is read from the first guest of a template and remembered). A
+guest without the copy (a cold boot) gets it from a shell script instead (:meth:`TrustStore.install_script`).
+Either way a re-issued CA replaces, not joins, the previous one.
 Not ``update-ca-certificates``: it rehashes every certificate and takes seconds under TCG.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from capsa.common.errors import CapsaError
@@ -30,8 +32,17 @@ class _Result(Protocol):
     def stderr(self) -> bytes: ...
 
 
+class _Stat(Protocol):
+    @property
+    def size(self) -> int: ...
+    @property
+    def mtime(self) -> float: ...
+
+
 class TrustGuest(Protocol):
     """The guest calls a CA install needs (:class:`capsa.node.guest_client.GuestClient` has them)."""
+
+    async def stat(self, path: str) -> _Stat: ...
 
     async def read_file(self, path: str, max_bytes: int = ...) -> bytes: ...
 
@@ -42,10 +53,15 @@ class TrustGuest(Protocol):
 
 @dataclass(frozen=True)
 class TrustStore:
-    """Where the guest's trust store is (the defaults are Debian's; tests point it elsewhere)."""
+    """Where the guest's trust store is (the defaults are Debian's; tests point it elsewhere).
+
+    The kept copy of the image's bundle is read from a guest once and then remembered by its size and
+    modification time (every clone of a template has the same file), so a CA install on the hot path is a
+    stat and two writes. The copy holds only the image's public root certificates."""
 
     bundle: str = CA_BUNDLE
     ca_file: str = CA_PATH
+    _bases: dict[tuple[int, float], bytes] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def base(self) -> str:
@@ -68,7 +84,15 @@ class TrustStore:
         """Make the guest trust ``ca_pem`` (and no CA installed before it). Returns whether it took the
         fast path (file writes only, no process in the guest)."""
         try:
-            base = await guest.read_file(self.base, max_bytes=_MAX_BUNDLE)
+            info = await guest.stat(self.base)
+            key = (info.size, info.mtime)
+            base = self._bases.get(key)
+            if base is None:
+                base = await guest.read_file(self.base, max_bytes=_MAX_BUNDLE)
+                if len(base) == info.size:
+                    if len(self._bases) >= 8:
+                        self._bases.pop(next(iter(self._bases)))
+                    self._bases[key] = base
         except CapsaError as exc:
             if exc.code != "not_found":
                 raise
@@ -80,6 +104,6 @@ class TrustStore:
             return False
         if base and not base.endswith(b"\n"):
             base += b"\n"
-        await guest.write_file(self.bundle, base + ca_pem, mode=0o644)
-        await guest.write_file(self.ca_file, ca_pem, mode=0o644)
+        await asyncio.gather(guest.write_file(self.bundle, base + ca_pem, mode=0o644),
+                             guest.write_file(self.ca_file, ca_pem, mode=0o644))
         return True
