@@ -763,9 +763,11 @@ class GuestClient:
 
         Output beyond ``max_output`` bytes per stream is dropped (the guest still drains the pipe)
         and flagged as truncated; a guest that sends more fails the call with ``protocol_error``.
-        Callbacks see every byte that was kept, as it arrives. A guest that stops answering (no frame
-        for ``probe_interval``, then no health) or overruns ``timeout`` + ``exec_grace`` fails the call
-        with ``guest_timeout``.
+        Callbacks see every byte that was kept, as it arrives. A guest that overruns ``timeout`` +
+        ``exec_grace`` fails the call with ``guest_timeout``; without a ``timeout``, so does one that stops
+        answering (no frame for ``probe_interval``, then no health). A command with a timeout is never
+        probed: a guest under memory or fork pressure may be too slow to answer health for a while, and the
+        deadline already bounds the wait.
         """
         args: dict[str, Any] = {
             "cmd": cmd if isinstance(cmd, str) else list(cmd), "env": env, "cwd": cwd, "user": user,
@@ -784,7 +786,7 @@ class GuestClient:
                 uploader = asyncio.get_running_loop().create_task(stream.upload(stdin))
             while True:
                 try:
-                    frame = await self._next(stream, deadline, probe=True)
+                    frame = await self._next(stream, deadline, probe=deadline is None)
                 except GuestTimeout as exc:
                     if deadline is None or loop_time() < deadline:
                         raise
@@ -833,13 +835,14 @@ class GuestClient:
 
     async def wait_process(self, pid: int, timeout: float | None = None) -> ProcessInfo:  # noqa: ASYNC109
         """Wait for the process to end, at most ``timeout`` seconds (enforced by the guest); a guest that
-        stops answering fails the wait with ``guest_timeout`` (health is probed while it waits)."""
+        stops answering fails the wait with ``guest_timeout`` (without a timeout, health is probed while it
+        waits; with one, the deadline bounds the wait, as for :meth:`exec`)."""
         deadline = self._deadline(None if timeout is None else timeout + self.deadlines.exec_grace)
         stream = await self._open("proc_wait", {"pid": pid, "timeout": timeout}, limits={},
                                   deadline=self._deadline(self.deadlines.call))
         try:
             while True:
-                frame = await self._next(stream, deadline, probe=True)
+                frame = await self._next(stream, deadline, probe=deadline is None)
                 if frame.kind == Kind.RESULT:
                     return ProcessInfo.from_meta(frame.meta)
         finally:
