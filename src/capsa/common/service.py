@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import signal
 import socket
 from collections.abc import Coroutine, Generator
@@ -19,7 +20,7 @@ from typing import Any
 
 import uvicorn
 
-__all__ = ["STOP_SIGNALS", "QuietServer", "bind_tcp", "run_service", "wait_started"]
+__all__ = ["STOP_SIGNALS", "QuietServer", "RedactTokens", "bind_tcp", "run_service", "wait_started"]
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +28,31 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class QuietServer(uvicorn.Server):
-    """A uvicorn server that leaves the process's signals to :func:`run_service`."""
+    """A uvicorn server that leaves the process's signals to :func:`run_service`, and whose access log never
+    shows a credential carried in a URL (:class:`RedactTokens`)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        access = logging.getLogger("uvicorn.access")
+        if not any(isinstance(f, RedactTokens) for f in access.filters):
+            access.addFilter(RedactTokens())
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+
+_TOKEN_PARAM = re.compile(r"((?:^|[?&])(?:token|access_token)=)[^&#\s]*", re.IGNORECASE)
+
+
+class RedactTokens(logging.Filter):
+    """Blanks ``token=`` / ``access_token=`` query values (port tokens) in uvicorn's access log lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and record.args:
+            record.args = tuple(_TOKEN_PARAM.sub(r"\1[redacted]", a) if isinstance(a, str) else a
+                                for a in record.args)
+        return True
 
 
 async def _main_with_signals(main: Coroutine[Any, Any, None]) -> int:
