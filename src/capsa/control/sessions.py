@@ -274,9 +274,15 @@ async def lose_sandbox(plane: ControlPlane, session_id: str, reason: str,
             db, session_id, "paused", sources=("running",), sandbox_id=None,
             pause_reason=f"sandbox lost ({reason}); resume continues from snapshot {latest}")
         await db.commit()
-    if not paused:
+    if latest is None:
         await fail_session(plane, session_id, reason)
         return "failed"
+    if not paused:
+        # Someone else changed the session first (a second heartbeat or replica handling the same loss,
+        # a close): what they did stands; failing it here would undo a pause that just happened.
+        async with plane.db() as db:
+            now = await db.get(SessionRow, session_id, populate_existing=True)
+            return now.state if now is not None else "failed"
     if node is not None and sandbox_id:
         await _destroy_quietly(plane.node_client(node), sandbox_id)
     log.warning("session %s lost its sandbox (%s); paused at snapshot %s", session_id, reason, latest)
