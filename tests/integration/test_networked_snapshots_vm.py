@@ -252,8 +252,10 @@ async def test_rolling_snapshot_networked_session_survives_its_vm_through_the_ap
                               storage=PoolStorage(pool))
         key = base64.b64encode(os.urandom(32)).decode()
         stack = ApiStack(f"sqlite+aiosqlite:///{state_dir}/capsa.db", runtime, guest_image,  # type: ignore[arg-type]
+                         # No heartbeat loop runs here: a node silent for the default 30 s (template
+                         # builds under TCG) would count as lost and its session be paused.
                          settings={"secret_key": key, "reaper_interval": 0.3,
-                                   "rolling_snapshot_interval": 0.3},
+                                   "rolling_snapshot_interval": 0.3, "node_heartbeat_timeout": 3600},
                          egress=egress)
         async with stack:
             assert stack.agent is not None

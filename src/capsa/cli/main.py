@@ -54,4 +54,10 @@ def cli() -> None:
 
 
 def main() -> None:
+    import sys
+
+    import structlog
+
+    # Log lines go to stderr: stdout carries results (--json, keys, ids) that scripts parse.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     cli()

@@ -162,8 +162,12 @@ class QemuSandbox:
             async with self._reconnect_lock:
                 if self._client.closed:
                     _log.warning("guest channel of %s was lost while the VM runs; reconnecting", self._id)
-                    client = await connect_agent(self._vmdir.agent_socket, pid=self.process.pid,
-                                                 uid=self.vm_uid)
+                    try:
+                        client = await connect_agent(self._vmdir.agent_socket, pid=self.process.pid,
+                                                     uid=self.vm_uid)
+                    except OSError as exc:
+                        # QEMU may have just died (its socket is gone) before its exit was noticed.
+                        raise await self._channel_error(exc) from exc
                     try:
                         await client.wait_ready(timeout=15, interval=1.0)
                     except BaseException:
@@ -178,7 +182,7 @@ class QemuSandbox:
         if self._state is SandboxState.DESTROYED:
             raise SandboxFailed(f"sandbox {self._id} was destroyed", sandbox_id=self._id)
 
-    async def _channel_error(self, exc: ChannelClosed) -> Exception:
+    async def _channel_error(self, exc: Exception) -> Exception:
         """Turn a lost guest channel into SandboxFailed when the VM is gone (waiting briefly, since the
         socket may close a moment before the process exit is noticed)."""
         with contextlib.suppress(asyncio.TimeoutError):
