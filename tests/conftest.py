@@ -5,12 +5,14 @@ suite uses them, else in that suite's conftest.py. Test modules never import fro
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import pytest_asyncio
+from hypothesis import settings as hypothesis_settings
 
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
@@ -20,6 +22,13 @@ from tests.support.vm import searchable_dir
 
 if TYPE_CHECKING:
     from capsa.node.runtime.qemu import QemuRuntime
+
+# Property tests and the API fuzzer run the same examples on every run ("ci", the default), so a red run
+# is a bug that the next run reproduces, never a new random draw. HYPOTHESIS_PROFILE=explore draws fresh
+# random examples (run it by hand to look for new bugs; what it finds becomes a fixed test case).
+hypothesis_settings.register_profile("ci", derandomize=True, database=None)
+hypothesis_settings.register_profile("explore", derandomize=False, max_examples=200)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

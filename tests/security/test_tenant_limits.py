@@ -360,7 +360,10 @@ def test_node_url_rules() -> None:
                 "http://127.8.0.1", "http://localhost:80", "http://[::1]:9"):
         check_node_url(url, allow_insecure=False)
     for url in ("http://10.0.0.5:9", "http://node.example", "http://127.0.0.1.evil.example:9",
-                "http://[::ffff:10.0.0.1]:9", "ftp://node.example", "https://"):
+                "http://[::ffff:10.0.0.1]:9", "ftp://node.example", "https://",
+                # What the HTTP client cannot open (urlsplit drops some control characters silently):
+                "https://a\x08b", "https://node example", "http://127.0.0.1:99999", "https://n\u00e9.example",
+                "unix:///run/x\ny", "https://node.example:port"):
         with pytest.raises(ValidationFailed):
             check_node_url(url, allow_insecure=False)
     check_node_url("http://10.0.0.5:9", allow_insecure=True)

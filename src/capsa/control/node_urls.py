@@ -9,11 +9,17 @@ plain http elsewhere with ``CAPSA_ALLOW_INSECURE_NODE_URLS=1``.
 from __future__ import annotations
 
 import ipaddress
-from urllib.parse import urlsplit
+import re
+from urllib.parse import SplitResult, urlsplit
+
+import httpx
 
 from capsa.control.errors import ValidationFailed
 
 __all__ = ["check_node_url", "is_loopback_host"]
+
+# Visible ASCII only: no spaces, no control characters, no bytes an HTTP request line cannot carry.
+_PRINTABLE = re.compile(r"[\x21-\x7e]+")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -26,12 +32,20 @@ def is_loopback_host(host: str) -> bool:
 
 
 def check_node_url(url: str, *, allow_insecure: bool, field: str = "body.url") -> None:
-    """Raise ``validation_error`` (422) for a URL the control plane must not send tokens to."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-    except ValueError:
-        parts, host = None, ""
+    """Raise ``validation_error`` (422) for a URL the control plane must not send tokens to, or one its
+    HTTP client could not open (control characters, spaces, a bad port: ``urlsplit`` silently drops some
+    of those, so the URL would pass here and fail later, when a heartbeat or a create calls the node)."""
+    parts: SplitResult | None = None
+    host = ""
+    if _PRINTABLE.fullmatch(url):
+        try:
+            parts = urlsplit(url)
+            host = parts.hostname or ""
+            _ = parts.port  # raises ValueError when out of range or not a number
+            if parts.scheme.lower() in ("http", "https"):
+                httpx.URL(url)
+        except (ValueError, httpx.InvalidURL):
+            parts, host = None, ""
     scheme = parts.scheme.lower() if parts is not None else ""
     if scheme == "unix" or (scheme == "https" and host):
         return

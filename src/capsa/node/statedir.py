@@ -15,7 +15,7 @@ from pathlib import Path
 
 from capsa.common.errors import CapsaError
 
-__all__ = ["StateDirError", "check_state_dir", "prepare_state_dir"]
+__all__ = ["StateDirError", "check_state_dir", "prepare_state_dir", "unsearchable_ancestor"]
 
 
 class StateDirError(CapsaError):
@@ -43,6 +43,14 @@ def _restrict(state_dir: Path) -> None:
         state_dir.chmod(stat.S_IMODE(st.st_mode) & ~0o066)
 
 
+def unsearchable_ancestor(path: Path) -> Path | None:
+    """The first of ``path`` and its parents that other users cannot search (no o+x), or None."""
+    for p in (path, *path.parents):
+        if not p.stat().st_mode & stat.S_IXOTH:
+            return p
+    return None
+
+
 def check_state_dir(state_dir: Path, *, vm_uids: bool | None = None) -> None:
     """Raise :class:`StateDirError` with a one-line reason if VMs could not use ``state_dir``.
 
@@ -54,10 +62,10 @@ def check_state_dir(state_dir: Path, *, vm_uids: bool | None = None) -> None:
         vm_uids = os.geteuid() == 0
     if not vm_uids:
         return
-    for path in (state_dir, *state_dir.parents):
-        mode = path.stat().st_mode
-        if not mode & stat.S_IXOTH:
-            raise StateDirError(
-                f"state directory {state_dir} cannot be used: {path} (mode {stat.S_IMODE(mode):04o}) is not "
-                f"searchable by the sandboxes' VM users; run `chmod o+x {path}` or choose another "
-                "--state-dir")
+    path = unsearchable_ancestor(state_dir)
+    if path is not None:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        raise StateDirError(
+            f"state directory {state_dir} cannot be used: {path} (mode {mode:04o}) "
+            f"is not searchable by the sandboxes' VM users; run `chmod o+x {path}` or choose another "
+            "--state-dir")

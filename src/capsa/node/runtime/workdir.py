@@ -16,10 +16,11 @@ import os
 import secrets
 import shutil
 import signal
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from capsa.node.statedir import unsearchable_ancestor
 
 __all__ = [
     "UNIX_PATH_MAX",
@@ -80,12 +81,11 @@ class VmDir:
         """Make the directory tree; ``owner`` is the VM user (None: QEMU runs as this process's user)."""
         self.root.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
         if owner is not None:
-            blocked = [p for p in (self.root.parent, *self.root.parent.parents)
-                       if not p.stat().st_mode & stat.S_IXOTH]
-            if blocked:
+            blocked = unsearchable_ancestor(self.root.parent)
+            if blocked is not None:
                 raise PermissionError(
-                    f"QEMU runs as an unprivileged user and cannot reach {self.root}: {blocked[0]} is not "
-                    f"searchable by others (chmod o+x {blocked[0]}, or choose another state directory)")
+                    f"QEMU runs as an unprivileged user and cannot reach {self.root}: {blocked} is not "
+                    f"searchable by others (chmod o+x {blocked}, or choose another state directory)")
         self.root.mkdir(mode=0o711)  # FileExistsError for a reused id, on purpose
         self.run.mkdir(mode=0o700)
         if owner is not None:
