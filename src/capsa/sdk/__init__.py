@@ -34,7 +34,10 @@ from capsa.sdk.files import AsyncFiles, UploadSource
 from capsa.sdk.models import (
     ApiKey,
     CommandResult,
+    FileEvent,
     FileInfo,
+    OutputChunk,
+    OutputEnd,
     PortToken,
     ProcessInfo,
     ProcessOutput,
@@ -47,6 +50,8 @@ from capsa.sdk.ports_sync import PortForward, Ports
 from capsa.sdk.session import AsyncSession
 from capsa.sdk.snapshots import AsyncSnapshots
 from capsa.sdk.sync import Client, Commands, Files, Keys, Process, Session, Snapshots
+from capsa.sdk.terminals import AsyncPty, AsyncTerminal
+from capsa.sdk.terminals_sync import Pty, Terminal
 
 __all__ = [
     "DEFAULT_API_URL",
@@ -60,9 +65,11 @@ __all__ = [
     "AsyncPortForward",
     "AsyncPorts",
     "AsyncProcess",
+    "AsyncPty",
     "AsyncSecrets",
     "AsyncSession",
     "AsyncSnapshots",
+    "AsyncTerminal",
     "AuditEvent",
     "BadRequest",
     "CapsaAPIError",
@@ -76,6 +83,7 @@ __all__ = [
     "Egress",
     "EnrolToken",
     "FieldError",
+    "FileEvent",
     "FileInfo",
     "Files",
     "Forbidden",
@@ -89,6 +97,8 @@ __all__ = [
     "NotFound",
     "NotReady",
     "OutputCallback",
+    "OutputChunk",
+    "OutputEnd",
     "PayloadTooLarge",
     "PolicyInfo",
     "PortForward",
@@ -97,6 +107,7 @@ __all__ = [
     "Process",
     "ProcessInfo",
     "ProcessOutput",
+    "Pty",
     "RateLimited",
     "SecretInfo",
     "Secrets",
@@ -106,6 +117,7 @@ __all__ = [
     "SnapshotInfo",
     "Snapshots",
     "TemplateNotFound",
+    "Terminal",
     "Unauthorized",
     "Unavailable",
     "UnexpectedResponse",

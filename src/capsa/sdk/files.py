@@ -11,9 +11,11 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from pathlib import Path
 from typing import IO, Any
 
+from pydantic import ValidationError
+
 from capsa.sdk.client import AsyncClient
-from capsa.sdk.errors import NotFound
-from capsa.sdk.models import FileInfo, parse, parse_items
+from capsa.sdk.errors import NotFound, UnexpectedResponse, error_from_problem
+from capsa.sdk.models import WATCH_EVENT, FileEvent, FileInfo, StreamError, parse, parse_items
 from capsa.sdk.paths import seg
 
 __all__ = ["AsyncFiles", "UploadSource"]
@@ -103,6 +105,22 @@ class AsyncFiles:
             async for chunk in response.aiter_bytes(chunk_size):
                 yield chunk
 
+    async def watch(self, path: str, *, recursive: bool = False) -> AsyncIterator[FileEvent]:
+        """Changes under the directory ``path`` as they happen (``created``, ``modified``, ``removed``; with
+        ``recursive`` in subdirectories too), until you stop iterating (``aclose()``, or leave the loop) or
+        the directory is removed."""
+        async with self._client.stream("GET", self._url("/watch"),
+                                       params={"path": path, "recursive": "true" if recursive else "false"},
+                                       timeout=None) as response:
+            async for line in response.aiter_lines():
+                if not line.strip():
+                    continue
+                event = _watch_event(line)
+                if isinstance(event, StreamError):
+                    raise error_from_problem(0, event.model_dump())
+                if event is not None:
+                    yield event
+
     async def download(self, path: str, dest: str | os.PathLike[str] | IO[bytes]) -> int:
         """Stream ``path`` into a local file (path or binary file object); return the number of bytes.
 
@@ -164,3 +182,13 @@ class AsyncFiles:
                 await asyncio.to_thread(f.write, chunk)
                 size += len(chunk)
         return size
+
+
+def _watch_event(line: str) -> FileEvent | StreamError | None:
+    """One watch line; None for an event type this SDK does not know (a newer server may add some)."""
+    try:
+        return WATCH_EVENT.validate_json(line)
+    except ValidationError as exc:
+        if exc.errors()[0]["type"] == "union_tag_invalid":
+            return None
+        raise UnexpectedResponse(f"malformed line in a watch stream: {line[:80]!r}") from None
