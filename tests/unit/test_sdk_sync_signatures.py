@@ -30,6 +30,7 @@ from capsa.sdk import (
     AsyncSession,
     AsyncSnapshots,
     AsyncTerminal,
+    AsyncWatch,
     Client,
     Commands,
     Egress,
@@ -44,6 +45,7 @@ from capsa.sdk import (
     Session,
     Snapshots,
     Terminal,
+    Watch,
 )
 
 _SAME_DUNDERS = {"__enter__": "__aenter__", "__exit__": "__aexit__"}
@@ -158,6 +160,7 @@ PAIRS: list[tuple[type, type, dict[str, Any]]] = [
     (PortForward, AsyncPortForward, {"async_attributes": frozenset({"port", "connections"})}),
     (Pty, AsyncPty, {}),
     (Terminal, AsyncTerminal, {}),
+    (Watch, AsyncWatch, {"renames": {"close": "aclose"}, "async_attributes": frozenset({"closed"})}),
     (Client, AsyncClient, {"renames": {"close": "aclose"}, "async_only": _CLIENT_PLUMBING,
                            "async_attributes": frozenset({"config"})}),
 ]

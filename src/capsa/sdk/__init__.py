@@ -30,7 +30,7 @@ from capsa.sdk.errors import (
     UnexpectedResponse,
     ValidationFailed,
 )
-from capsa.sdk.files import AsyncFiles, UploadSource
+from capsa.sdk.files import AsyncFiles, AsyncWatch, UploadSource
 from capsa.sdk.models import (
     ApiKey,
     CommandResult,
@@ -49,7 +49,7 @@ from capsa.sdk.ports import AsyncPortForward, AsyncPorts
 from capsa.sdk.ports_sync import PortForward, Ports
 from capsa.sdk.session import AsyncSession
 from capsa.sdk.snapshots import AsyncSnapshots
-from capsa.sdk.sync import Client, Commands, Files, Keys, Process, Session, Snapshots
+from capsa.sdk.sync import Client, Commands, Files, Keys, Process, Session, Snapshots, Watch
 from capsa.sdk.terminals import AsyncPty, AsyncTerminal
 from capsa.sdk.terminals_sync import Pty, Terminal
 
@@ -70,6 +70,7 @@ __all__ = [
     "AsyncSession",
     "AsyncSnapshots",
     "AsyncTerminal",
+    "AsyncWatch",
     "AuditEvent",
     "BadRequest",
     "CapsaAPIError",
@@ -123,4 +124,5 @@ __all__ = [
     "UnexpectedResponse",
     "UploadSource",
     "ValidationFailed",
+    "Watch",
 ]

@@ -19,7 +19,7 @@ from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import ClientConfig
 from capsa.sdk.egress import AuditEvent, PolicyInfo
 from capsa.sdk.egress_sync import Egress, Secrets
-from capsa.sdk.files import AsyncFiles, UploadSource
+from capsa.sdk.files import AsyncFiles, AsyncWatch, UploadSource
 from capsa.sdk.models import (
     ApiKey,
     CommandResult,
@@ -39,7 +39,7 @@ from capsa.sdk.session import AsyncSession
 from capsa.sdk.snapshots import AsyncSnapshots
 from capsa.sdk.terminals_sync import Pty
 
-__all__ = ["Client", "Commands", "Files", "Keys", "Process", "Session", "Snapshots"]
+__all__ = ["Client", "Commands", "Files", "Keys", "Process", "Session", "Snapshots", "Watch"]
 
 
 class Keys:
@@ -201,8 +201,8 @@ class Files:
     def download(self, path: str, dest: str | os.PathLike[str] | IO[bytes]) -> int:
         return self._portal.call(self._inner.download(path, dest))
 
-    def watch(self, path: str, *, recursive: bool = False) -> Iterator[FileEvent]:
-        return self._portal.iterate(self._inner.watch(path, recursive=recursive))
+    def watch(self, path: str, *, recursive: bool = False) -> Watch:
+        return Watch(self._portal.call(self._inner.watch(path, recursive=recursive)), self._portal)
 
     def iter_bytes(self, path: str, *, chunk_size: int = 256 * 1024) -> Iterator[bytes]:
         return self._portal.iterate(self._inner.iter_bytes(path, chunk_size=chunk_size))
@@ -227,6 +227,33 @@ class Files:
 
     def download_tar(self, path: str, dest: str | os.PathLike[str] | IO[bytes]) -> int:
         return self._portal.call(self._inner.download_tar(path, dest))
+
+
+class Watch:
+    """See :class:`capsa.sdk.files.AsyncWatch`: ``for event in watch``; ``close()``."""
+
+    def __init__(self, inner: AsyncWatch, portal: Portal) -> None:
+        self._inner, self._portal = inner, portal
+
+    @property
+    def closed(self) -> bool:
+        return self._inner.closed
+
+    def __iter__(self) -> Iterator[FileEvent]:
+        while (event := self.next()) is not None:
+            yield event
+
+    def next(self) -> FileEvent | None:
+        return self._portal.call(self._inner.next())
+
+    def close(self) -> None:
+        self._portal.call(self._inner.aclose())
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Snapshots:
