@@ -181,6 +181,7 @@ async def test_closed_watch_leaves_no_thread(guest_client: GuestClient, local_gu
     def threads() -> int:
         return len(os.listdir(f"/proc/{local_guest.pid}/task"))
 
+    await guest_client.health()  # the daemon's thread for this connection runs by now
     before = threads()
     watches = [await guest_client.watch_dir(str(tmp_path)) for _ in range(5)]
     assert threads() >= before + 5
