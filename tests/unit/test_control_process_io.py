@@ -255,3 +255,44 @@ async def test_closing_the_session_ends_open_terminals_streams_and_watches(stack
             await asyncio.sleep(0.1)
         assert processes_with(marker) == []
         assert stack.agent.list() == []
+
+
+async def test_clients_that_leave_leave_no_task_and_no_process(stack: ApiStack) -> None:
+    """A client closing its terminal, output stream or watch: the guest's terminal is hung up, and the
+    server's tasks (relays, activity marks) are gone (the stack serves on this loop, so they are visible)."""
+    key = await stack.tenant_key("acme")
+    marker = f"capsa-leave-{uuid.uuid4().hex}"
+    async with stack.client(key) as client:
+        sid = await new_session(client)
+        pid = await background(client, sid, "while true; do echo tick; sleep 0.2; done")
+        made = await client.post(f"/v1/sessions/{sid}/commands", json={"cmd": "mktemp -d"})
+        folder = made.json()["stdout"].strip()
+        await asyncio.sleep(0.5)
+        baseline = len(asyncio.all_tasks())
+        for _ in range(3):
+            term = await terminal(stack, sid, key, f"?cmd=sleep%20300%3B%20%3A%20{marker}")
+            for _ in range(100):
+                if processes_with(marker):
+                    break
+                await asyncio.sleep(0.05)
+            assert processes_with(marker)
+            got = await stream_lines(client, f"/v1/sessions/{sid}/processes/{pid}/stream",
+                                     stop=lambda lines: len(lines) >= 2)
+            assert got[0]["type"] == "output"
+            watch_task = asyncio.create_task(stream_lines(client, f"/v1/sessions/{sid}/files/watch",
+                                                          {"path": folder}))
+            await asyncio.sleep(0.5)
+            watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch_task
+            await term.close()
+            for _ in range(100):
+                if not processes_with(marker):
+                    break
+                await asyncio.sleep(0.05)
+            assert processes_with(marker) == []
+        for _ in range(100):
+            if len(asyncio.all_tasks()) <= baseline:
+                break
+            await asyncio.sleep(0.05)
+        assert len(asyncio.all_tasks()) <= baseline, [t.get_coro() for t in asyncio.all_tasks()]
