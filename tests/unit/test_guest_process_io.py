@@ -192,3 +192,19 @@ async def test_closed_watch_leaves_no_thread(guest_client: GuestClient, local_gu
             break
         await asyncio.sleep(0.05)
     assert threads() <= before
+
+
+async def test_terminal_default_is_the_users_login_shell(guest_client: GuestClient) -> None:
+    import pwd
+
+    shell = pwd.getpwuid(os.geteuid()).pw_shell  # the local daemon runs as this user
+    pty = await guest_client.pty_open(None)
+    reader = pty.read()
+    await pty.write(b"echo \"shell=$0\"; tr '\\0' ' ' < /proc/$$/cmdline; echo; exit 0\n")
+    out = b""
+    async with asyncio.timeout(20):
+        async for chunk in reader:
+            out += chunk
+    text = out.decode(errors="replace")
+    assert f"shell={shell}" in text and f"{shell} -l" in text, text
+    assert pty.exit_code == 0

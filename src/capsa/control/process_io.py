@@ -1,7 +1,8 @@
 """Talking to running processes and watching files, without HTTP: what the routes (and other front ends,
 such as a compatibility API) call.
 
-- :func:`send_stdin` / :func:`close_stdin`: a background process started with ``open_stdin``;
+- :func:`start_background`, :func:`send_stdin` / :func:`close_stdin`: a background process (started with
+  ``open_stdin`` to take stdin);
 - :func:`stream_output`: a background process's output from byte offsets until it exits (reattach by
   calling it again with the last offsets seen);
 - :func:`watch_files`: changes under a directory of the sandbox;
@@ -29,7 +30,8 @@ from capsa.control.sessions import SANDBOX_GONE_CODES, lose_sandbox, node_call_f
 from capsa.control.store.models import SessionRow
 from capsa.sdk.models import FileEvent, OutputChunk, OutputEnd, ProcessInfo, StreamError
 
-__all__ = ["EventStream", "close_stdin", "open_terminal", "send_stdin", "stream_output", "watch_files"]
+__all__ = ["EventStream", "close_stdin", "open_terminal", "send_stdin", "start_background", "stream_output",
+           "watch_files"]
 
 _T = TypeVar("_T")
 _N = TypeVar("_N")
@@ -39,6 +41,19 @@ async def _session(plane: ControlPlane, tenant: str, session_id: str) -> tuple[S
     row, client = await running_session(plane, tenant, session_id)
     assert row.sandbox_id is not None
     return row, client, row.sandbox_id
+
+
+async def start_background(plane: ControlPlane, tenant: str, session_id: str, cmd: str | list[str], *,
+                           env: dict[str, str] | None = None, cwd: str | None = None, user: str | None = None,
+                           open_stdin: bool = False) -> ProcessInfo:
+    """Start a background process (``open_stdin``: keep a pipe to its stdin for :func:`send_stdin`)."""
+    row, client, sandbox_id = await _session(plane, tenant, session_id)
+    start = node_api.ProcessStart(cmd=cmd, env=env or {}, cwd=cwd, user=user, open_stdin=open_stdin)
+    try:
+        info = await client.start_process(sandbox_id, start)
+    except NodeError as exc:
+        raise await node_call_failed(plane, row, exc) from exc
+    return ProcessInfo.model_validate(info.model_dump())
 
 
 async def send_stdin(plane: ControlPlane, tenant: str, session_id: str, pid: int, data: bytes) -> ProcessInfo:
