@@ -214,10 +214,13 @@ async def test_an_open_terminal_keeps_the_session_from_its_idle_timeout(
 
 
 async def test_closing_the_session_ends_open_terminals_streams_and_watches(stack: ApiStack) -> None:
+    """Closing the session under an open terminal, output stream and watch ends all three; no guest
+    process, no sandbox and no server task is left."""
     key = await stack.tenant_key("acme")
     marker = f"capsa-open-{uuid.uuid4().hex}"
     async with stack.client(key) as client:
         sid = await new_session(client)
+        baseline = len(asyncio.all_tasks())
         term = await terminal(stack, sid, key, f"?cmd=sleep%20300%3B%20%3A%20{marker}-pty")
         pid = await background(client, sid, f"sleep 300; : {marker}-bg")
         made = await client.post(f"/v1/sessions/{sid}/commands", json={"cmd": "mktemp -d"})
@@ -255,6 +258,12 @@ async def test_closing_the_session_ends_open_terminals_streams_and_watches(stack
             await asyncio.sleep(0.1)
         assert processes_with(marker) == []
         assert stack.agent.list() == []
+        await term.close()
+        for _ in range(100):  # the relays and activity marks of the control plane (it serves on this loop)
+            if len(asyncio.all_tasks()) <= baseline:
+                break
+            await asyncio.sleep(0.05)
+        assert len(asyncio.all_tasks()) <= baseline, [t.get_coro() for t in asyncio.all_tasks()]
 
 
 async def test_clients_that_leave_leave_no_task_and_no_process(stack: ApiStack) -> None:
