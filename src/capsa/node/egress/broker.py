@@ -730,7 +730,9 @@ class EgressBroker:
         # the StreamReader's buffer, which start_tls never hands to TLS, and the handshake would hang (a
         # ClientHello sent as soon as the 200 arrives could be read while we still await the drain or the
         # leaf). Paused, they wait in the socket; the loop's start_tls resumes reading under TLS.
-        client.writer.transport.pause_reading()
+        transport = client.writer.transport
+        if isinstance(transport, asyncio.ReadTransport):  # typed as a WriteTransport; a socket's is both
+            transport.pause_reading()
         try:
             host, port = _split_host(target, -1)
             if port != 443:
