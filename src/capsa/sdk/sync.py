@@ -279,6 +279,12 @@ class Session:
         return self._inner.id
 
     @property
+    def aio(self) -> AsyncSession:
+        """The async session this one wraps. It lives on the SDK's loop thread: await its coroutines there
+        (``get_portal().acall(...)``), not on another event loop."""
+        return self._inner
+
+    @property
     def info(self) -> SessionInfo:
         return self._inner.info
 
