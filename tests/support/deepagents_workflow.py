@@ -1,12 +1,17 @@
-"""A multi-step deepagents workflow driven straight through a sandbox backend (no model): write a script,
-run it, read its output, edit it, run it again, then ls, grep, glob, download and delete. Blocking: call it
-in a thread when the server under test runs on the caller's event loop."""
+"""Multi-step deepagents workflows on a sandbox backend, with no model call: one driven straight through the
+backend's methods, one through a deep agent's own tools with a scripted list of tool calls in place of the
+model. Both block: call them in a thread when the server under test runs on the caller's event loop."""
 
 from __future__ import annotations
 
-from deepagents.backends.protocol import SandboxBackendProtocol
+from typing import Any
 
-__all__ = ["run_deepagents_workflow"]
+from deepagents import create_deep_agent
+from deepagents.backends.protocol import SandboxBackendProtocol
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage, ToolMessage
+
+__all__ = ["run_deepagents_agent", "run_deepagents_workflow"]
 
 
 def run_deepagents_workflow(backend: SandboxBackendProtocol, root: str) -> dict[str, object]:
@@ -51,3 +56,44 @@ def run_deepagents_workflow(backend: SandboxBackendProtocol, root: str) -> dict[
     assert deleted.error is None, deleted
     assert backend.execute(f"test -e {root}/out.txt").exit_code == 1
     return {"ls": listed.entries, "grep": grepped.matches, "run": rerun.output}
+
+
+class _ScriptedModel(GenericFakeChatModel):
+    """Answers with the given messages in turn: a script of tool calls instead of a model (no model is
+    called). Tools are bound by deepagents; a script needs no schema, so binding changes nothing."""
+
+    def bind_tools(self, tools: Any, **kwargs: Any) -> _ScriptedModel:
+        return self
+
+
+def run_deepagents_agent(backend: SandboxBackendProtocol, root: str) -> list[ToolMessage]:
+    """A deep agent (``create_deep_agent``, deepagents' own tools and middleware) on ``backend``, driven by a
+    scripted list of tool calls: write a script, run it, read its output, edit it, run it again, list and
+    grep. Returns the tool messages, in order, after checking each."""
+    steps: list[tuple[str, dict[str, Any]]] = [
+        ("write_file", {"file_path": f"{root}/count.py",
+                        "content": "words = open('/etc/hostname').read().split()\nprint(len(words) + 41)\n"}),
+        ("execute", {"command": f"python3 {root}/count.py | tee {root}/result.txt"}),
+        ("read_file", {"file_path": f"{root}/result.txt"}),
+        ("edit_file", {"file_path": f"{root}/count.py", "old_string": "+ 41", "new_string": "+ 99"}),
+        ("execute", {"command": f"python3 {root}/count.py; exit 5"}),
+        ("ls", {"path": root}),
+        ("grep", {"pattern": "+ 99", "path": root}),
+    ]
+    script = [AIMessage(content="", tool_calls=[{"name": name, "args": args, "id": f"call{i}"}])
+              for i, (name, args) in enumerate(steps)]
+    agent = create_deep_agent(model=_ScriptedModel(messages=iter([*script, AIMessage(content="done")])),
+                              backend=backend)
+    state = agent.invoke({"messages": [{"role": "user", "content": "count the words in /etc/hostname"}]})
+    tools = [m for m in state["messages"] if isinstance(m, ToolMessage)]
+    assert [m.name for m in tools] == [name for name, _ in steps], tools
+    assert all(m.status == "success" for m in tools), tools
+    written, ran, read, edited, rerun, listed, grepped = (str(m.content) for m in tools)
+    assert f"{root}/count.py" in written, written
+    assert ran.splitlines()[0] == "42" and "exit code 0" in ran, ran
+    assert "42" in read, read
+    assert "count.py" in edited, edited
+    assert rerun.splitlines()[0] == "100" and "exit code 5" in rerun, rerun
+    assert f"{root}/count.py" in listed and f"{root}/result.txt" in listed, listed
+    assert f"{root}/count.py" in grepped, grepped
+    return tools

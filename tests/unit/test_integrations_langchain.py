@@ -14,7 +14,7 @@ from deepagents.backends.sandbox import BaseSandbox
 
 from capsa.integrations.langchain import TIMEOUT_EXIT_CODE, CapsaSandbox
 from tests.support.api_stack import ApiStack
-from tests.support.deepagents_workflow import run_deepagents_workflow
+from tests.support.deepagents_workflow import run_deepagents_agent, run_deepagents_workflow
 
 
 async def _backend(stack: ApiStack) -> CapsaSandbox:
@@ -76,5 +76,14 @@ async def test_files_answer_per_file_errors(stack: ApiStack) -> None:
         assert (await backend.awrite("/tmp/up/t.txt", "hello\n")).error is None
         read = await backend.aread("/tmp/up/t.txt")
         assert read.file_data is not None and read.file_data["content"] == "hello"
+    finally:
+        await asyncio.to_thread(backend.close)
+
+
+async def test_a_deep_agent_runs_its_tools_in_the_session(stack: ApiStack) -> None:
+    backend = await _backend(stack)
+    try:
+        messages = await asyncio.to_thread(run_deepagents_agent, backend, "/tmp/agent")
+        assert len(messages) == 7
     finally:
         await asyncio.to_thread(backend.close)
