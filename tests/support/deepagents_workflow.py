@@ -72,19 +72,19 @@ def run_deepagents_agent(backend: SandboxBackendProtocol, root: str) -> list[Too
     grep. Returns the tool messages, in order, after checking each."""
     steps: list[tuple[str, dict[str, Any]]] = [
         ("write_file", {"file_path": f"{root}/count.py",
-                        "content": "words = open('/etc/hostname').read().split()\nprint(len(words) + 41)\n"}),
+                        "content": "words = 'six words in one small line'.split()\nprint(len(words) * 7)\n"}),
         ("execute", {"command": f"python3 {root}/count.py | tee {root}/result.txt"}),
         ("read_file", {"file_path": f"{root}/result.txt"}),
-        ("edit_file", {"file_path": f"{root}/count.py", "old_string": "+ 41", "new_string": "+ 99"}),
+        ("edit_file", {"file_path": f"{root}/count.py", "old_string": "* 7", "new_string": "* 7 + 58"}),
         ("execute", {"command": f"python3 {root}/count.py; exit 5"}),
         ("ls", {"path": root}),
-        ("grep", {"pattern": "+ 99", "path": root}),
+        ("grep", {"pattern": "* 7 + 58", "path": root}),
     ]
     script = [AIMessage(content="", tool_calls=[{"name": name, "args": args, "id": f"call{i}"}])
               for i, (name, args) in enumerate(steps)]
     agent = create_deep_agent(model=_ScriptedModel(messages=iter([*script, AIMessage(content="done")])),
                               backend=backend)
-    state = agent.invoke({"messages": [{"role": "user", "content": "count the words in /etc/hostname"}]})
+    state = agent.invoke({"messages": [{"role": "user", "content": "count the words, times seven"}]})
     tools = [m for m in state["messages"] if isinstance(m, ToolMessage)]
     assert [m.name for m in tools] == [name for name, _ in steps], tools
     assert all(m.status == "success" for m in tools), tools
