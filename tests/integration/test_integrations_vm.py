@@ -6,6 +6,10 @@ streamable HTTP (``/mcp``), including another tenant's key over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +18,7 @@ import pytest
 from capsa.integrations.langchain import CapsaSandbox
 from tests.support.deepagents_workflow import run_deepagents_agent, run_deepagents_workflow
 from tests.support.mcp_session import call, call_error, http_client, mcp_round_trip, stdio_client_for
-from tests.support.served import Served, capsa
+from tests.support.served import ROOT, Served, capsa
 
 pytestmark = pytest.mark.vm
 
@@ -72,3 +76,28 @@ async def test_mcp_round_trip_over_http_and_tenant_isolation_in_a_vm(server: tup
             assert (await call(a, "file_read", session_id=sid, path="/root/p"))["content"] == "private\n"
         finally:
             await call(a, "session_close", session_id=sid)
+
+
+def test_the_documented_examples_run(server: tuple[Served, str]) -> None:
+    """examples/deepagents_sandbox.py and examples/mcp_client.py (docs/integrations.md), as written."""
+    served, admin = server
+    key = _tenant_key(served, admin, "examples")
+    bin_dir = str(Path(sys.executable).parent)  # where `capsa` is, as after `pip install`
+    env = {**os.environ, "CAPSA_API_URL": served.url, "CAPSA_API_KEY": key,
+           "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+    env.pop("MODEL", None)
+    runs = {name: subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], capture_output=True,
+                                 text=True, env=env, timeout=600, cwd=ROOT)
+            for name, args in (("deepagents_sandbox.py", []), ("mcp_client.py", ["stdio"]))}
+    http = subprocess.run([sys.executable, str(ROOT / "examples" / "mcp_client.py"), "http"],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    for run in (*runs.values(), http):
+        assert run.returncode == 0, run.stdout + run.stderr
+    agent = runs["deepagents_sandbox.py"].stdout
+    assert "execute: exit 0: 0 1 1 2 3 5 8 13 21 34\n" in agent, agent
+    assert "execute: 0 1 1 2 3 5 8 13 21 34 55 89\n" in agent, agent
+    assert "grep: [('/root/fib.py', 2)]" in agent, agent
+    for out in (runs["mcp_client.py"].stdout, http.stdout):
+        assert "tools: session_create, " in out and "command_run: exit 0: 'Linux " in out and "\\n42'" in out
+        assert "file_read: 'hello from MCP\\n'" in out and "file_list: ['hello.txt']" in out, out
+        assert re.search(r"session ses_\w+ is closed", out), out

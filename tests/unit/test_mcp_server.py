@@ -15,7 +15,14 @@ from capsa.cli.main import cli
 from capsa.control.app import create_app
 from capsa.control.settings import ControlSettings
 from tests.support.api_stack import ApiStack
-from tests.support.mcp_session import call, call_error, http_client, mcp_round_trip, stdio_client_for
+from tests.support.mcp_session import (
+    EXPECTED_TOOLS,
+    call,
+    call_error,
+    http_client,
+    mcp_round_trip,
+    stdio_client_for,
+)
 
 
 async def test_round_trip_over_http(stack: ApiStack) -> None:
@@ -58,6 +65,11 @@ async def test_http_needs_a_valid_key(stack: ApiStack) -> None:
         assert response.headers["content-type"] == "application/problem+json"
         assert response.json()["code"] == "unauthorized"
         assert response.headers["www-authenticate"] == "Bearer"
+    # with a key, the same bare JSON-RPC request (what docs/integrations.md shows with curl) is answered
+    async with stack.client(await stack.tenant_key("curl")) as client:
+        response = await client.post("/mcp", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    assert {t["name"] for t in response.json()["result"]["tools"]} == EXPECTED_TOOLS
 
 
 async def test_http_tools_act_as_the_callers_tenant_only(stack: ApiStack) -> None:

@@ -1,7 +1,8 @@
 """capsa's MCP tools over streamable HTTP, as an ASGI app the control plane mounts (at ``/mcp``).
 
 Each tool call acts with the API key of the HTTP request that carried it: the tool's SDK client sends that
-key to the API application given here (in process, through ``httpx.ASGITransport``), so the API's own
+key to the API application given here (in process, through
+:class:`~capsa.mcp.asgi_transport.StreamingASGITransport`), so the API's own
 authentication, tenant scoping and rate limits apply to MCP exactly as to REST. The transport is
 stateless (no MCP session is kept between requests) with JSON answers, so any replica can serve any
 request. Checking that a request has a valid key at all is the mounting application's job.
@@ -15,11 +16,11 @@ from contextlib import AbstractAsyncContextManager
 from importlib.metadata import version
 from typing import Any
 
-import httpx
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from capsa.mcp.asgi_transport import StreamingASGITransport
 from capsa.mcp.tools import Ctx, build_server
 from capsa.sdk import AsyncClient
 
@@ -48,7 +49,7 @@ class McpHttp:
     """
 
     def __init__(self, api: ASGIApp, *, path: str = "/mcp") -> None:
-        self._transport = httpx.ASGITransport(app=api)
+        self._transport = StreamingASGITransport(api)
 
         @contextlib.asynccontextmanager
         async def clients(ctx: Ctx) -> AsyncIterator[AsyncClient]:
