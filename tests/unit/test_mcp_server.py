@@ -126,3 +126,9 @@ async def test_control_plane_without_the_package_answers_501(monkeypatch: pytest
         response = await client.post("/mcp", json={})
     assert response.status_code == 501
     assert response.json()["code"] == "mcp_unavailable" and "capsa[mcp]" in response.json()["detail"]
+
+
+def test_capsa_mcp_with_an_unusable_key_is_a_one_line_error() -> None:
+    result = CliRunner().invoke(cli, ["mcp", "--api-key", "bad key"], input="")
+    assert result.exit_code == 1
+    assert result.stderr == "error: the API key contains characters that cannot be sent in a header\n"

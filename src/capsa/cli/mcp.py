@@ -7,7 +7,7 @@ import contextlib
 import anyio
 import click
 
-from capsa.cli.output import ApiOptions, api_options, fail
+from capsa.cli.output import ApiOptions, api_options, fail, reports_errors
 from capsa.mcp import MISSING_EXTRA, available
 
 __all__ = ["mcp"]
@@ -26,5 +26,5 @@ def mcp(api: ApiOptions) -> None:
         fail(MISSING_EXTRA)
     from capsa.mcp.stdio import serve_stdio
 
-    with contextlib.suppress(KeyboardInterrupt):
+    with reports_errors(), contextlib.suppress(KeyboardInterrupt):
         anyio.run(serve_stdio, api.api_url, api.api_key)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Annotated, Any, Literal, Protocol
@@ -303,9 +304,24 @@ TOOL_GROUPS: tuple[Callable[[ClientSource], ToolGroup], ...] = (SessionTools, Co
 """The groups every capsa MCP server offers, in listing order."""
 
 
+@contextlib.contextmanager
+def _logging_left_alone() -> Iterator[None]:
+    """``MCPServer()`` calls ``logging.basicConfig`` (a rich handler at INFO on the root logger) when the
+    root logger has no handler yet; the process's logging belongs to the program (``capsa serve``,
+    ``capsa mcp``), so give the root a placeholder handler for that moment."""
+    root = logging.getLogger()
+    placeholder = logging.NullHandler()
+    root.addHandler(placeholder)
+    try:
+        yield
+    finally:
+        root.removeHandler(placeholder)
+
+
 def build_server(clients: ClientSource, *, name: str = "capsa", version: str = "") -> MCPServer[Any]:
     """An MCP server with every group of :data:`TOOL_GROUPS`; its tools get their client from ``clients``."""
-    server: MCPServer[Any] = MCPServer(name, instructions=INSTRUCTIONS, version=version)
+    with _logging_left_alone():
+        server: MCPServer[Any] = MCPServer(name, instructions=INSTRUCTIONS, version=version)
     for group in TOOL_GROUPS:
         group(clients).register(server)
     return server
