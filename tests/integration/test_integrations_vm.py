@@ -33,9 +33,9 @@ def test_deepagents_backend_runs_a_multi_step_workflow_in_a_vm(server: tuple[Ser
     served, admin = server
     key = _tenant_key(served, admin, "deepagents-vm")
     with CapsaSandbox.create(api_url=served.url, api_key=key) as backend:
-        # it runs in the VM: the guest's hostname is its sandbox id
+        # it runs in the VM: the guest's hostname is made from its sandbox id (sbx-…)
         hostname = backend.execute("cat /proc/sys/kernel/hostname").output.strip()
-        assert hostname.startswith("sbx_"), hostname
+        assert hostname.startswith("sbx-"), hostname
         started = time.monotonic()
         run_deepagents_workflow(backend, "/root/work")
         direct = time.monotonic() - started
