@@ -17,6 +17,7 @@ __all__ = ["run_deepagents_agent", "run_deepagents_workflow"]
 def run_deepagents_workflow(backend: SandboxBackendProtocol, root: str) -> dict[str, object]:
     """Run the workflow under the guest directory ``root`` (absolute, not existing yet); assert each step
     and return what the steps answered (for the caller to print or check further)."""
+    assert isinstance(backend, SandboxBackendProtocol)
     script = f"{root}/sum.py"
     written = backend.write(script, "numbers = [3, 1, 2]\nprint(sum(numbers))\n")
     assert written.error is None and written.path == script, written

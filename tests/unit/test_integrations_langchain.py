@@ -48,6 +48,11 @@ async def test_execute_combines_output_and_reports_exit_timeout_and_failure(stac
         res = await backend.aexecute("kill -9 $$")
         assert res.exit_code == 128 + 9
 
+        # past the server's output limit (16 MiB per stream) the output is cut and flagged
+        res = await backend.aexecute("head -c 17000000 /dev/zero | tr '\\0' a")
+        assert res.truncated and res.exit_code == 0
+        assert len(res.output) == 16 * 1024 * 1024 and set(res.output) == {"a"}
+
         res = await backend.aexecute("")
         assert res.exit_code == 1 and res.output.startswith("Error:")
 
