@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
-import anyio
 import click
 
 from capsa.cli.output import ApiOptions, api_options, fail, reports_errors
@@ -27,4 +27,4 @@ def mcp(api: ApiOptions) -> None:
     from capsa.mcp.stdio import serve_stdio
 
     with reports_errors(), contextlib.suppress(KeyboardInterrupt):
-        anyio.run(serve_stdio, api.api_url, api.api_key)
+        asyncio.run(serve_stdio(api.api_url, api.api_key))
