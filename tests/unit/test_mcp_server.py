@@ -132,3 +132,20 @@ def test_capsa_mcp_with_an_unusable_key_is_a_one_line_error() -> None:
     result = CliRunner().invoke(cli, ["mcp", "--api-key", "bad key"], input="")
     assert result.exit_code == 1
     assert result.stderr == "error: the API key contains characters that cannot be sent in a header\n"
+
+
+async def test_http_refuses_a_request_over_the_transport_limit_and_keeps_serving(stack: ApiStack) -> None:
+    key = await stack.tenant_key("mcp-big")
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": "file_write", "arguments": {"session_id": "ses_x", "path": "/tmp/big",
+                                                           "content": "a" * (5 * 1024 * 1024)}}}
+    headers = {"Accept": "application/json, text/event-stream"}
+    async with stack.client(key) as client:
+        response = await client.post("/mcp", json=body, headers=headers)
+        assert response.status_code == 413, response.text
+        small = {**body, "params": {**body["params"], "arguments": {**body["params"]["arguments"],
+                                                                     "content": "a"}}}
+        response = await client.post("/mcp", json=small, headers=headers)
+    assert response.status_code == 200, response.text
+    result = response.json()["result"]
+    assert result["isError"] and "not_found:" in result["content"][0]["text"]

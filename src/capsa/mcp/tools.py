@@ -45,6 +45,7 @@ __all__ = [
     "DEFAULT_READ_BYTES",
     "INSTRUCTIONS",
     "MAX_READ_BYTES",
+    "MAX_WRITE_CHARS",
     "TOOL_GROUPS",
     "ClientSource",
     "CommandTools",
@@ -62,6 +63,9 @@ ClientSource = Callable[[Ctx], AbstractAsyncContextManager[AsyncClient]]
 
 DEFAULT_READ_BYTES = 1024 * 1024
 MAX_READ_BYTES = 16 * 1024 * 1024
+MAX_WRITE_CHARS = 16 * 1024 * 1024
+"""file_write's content limit (over streamable HTTP the whole request is limited to 4 MiB by the
+transport; larger files go through the REST files API)."""
 
 INSTRUCTIONS = (
     "capsa runs each session in its own microVM. Create a session (session_create), then run shell "
@@ -256,7 +260,7 @@ class FileTools:
     async def file_write(
         self, ctx: Ctx, session_id: SessionId, path: GuestPath,
         content: Annotated[str, Field(description="The new content of the file.",
-                                      max_length=64 * 1024 * 1024)],
+                                      max_length=MAX_WRITE_CHARS)],
         encoding: Annotated[Literal["utf-8", "base64"],
                             Field(description="How content is encoded.")] = "utf-8",
         mode: Annotated[str | None, Field(description="Permission bits in octal, e.g. 755.",
