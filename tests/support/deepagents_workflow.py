@@ -11,7 +11,7 @@ from deepagents.backends.protocol import SandboxBackendProtocol
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, ToolMessage
 
-__all__ = ["run_deepagents_agent", "run_deepagents_workflow"]
+__all__ = ["arun_deepagents_agent", "run_deepagents_agent", "run_deepagents_workflow"]
 
 
 def run_deepagents_workflow(backend: SandboxBackendProtocol, root: str) -> dict[str, object]:
@@ -67,11 +67,11 @@ class _ScriptedModel(GenericFakeChatModel):
         return self
 
 
-def run_deepagents_agent(backend: SandboxBackendProtocol, root: str) -> list[ToolMessage]:
-    """A deep agent (``create_deep_agent``, deepagents' own tools and middleware) on ``backend``, driven by a
-    scripted list of tool calls: write a script, run it, read its output, edit it, run it again, list and
-    grep. Returns the tool messages, in order, after checking each."""
-    steps: list[tuple[str, dict[str, Any]]] = [
+_PROMPT = {"messages": [{"role": "user", "content": "count the words, times seven"}]}
+
+
+def _agent_steps(root: str) -> list[tuple[str, dict[str, Any]]]:
+    return [
         ("write_file", {"file_path": f"{root}/count.py",
                         "content": "words = 'six words in one small line'.split()\nprint(len(words) * 7)\n"}),
         ("execute", {"command": f"python3 {root}/count.py | tee {root}/result.txt"}),
@@ -81,11 +81,16 @@ def run_deepagents_agent(backend: SandboxBackendProtocol, root: str) -> list[Too
         ("ls", {"path": root}),
         ("grep", {"pattern": "* 7 + 58", "path": root}),
     ]
+
+
+def _scripted_agent(backend: SandboxBackendProtocol, steps: list[tuple[str, dict[str, Any]]]) -> Any:
     script = [AIMessage(content="", tool_calls=[{"name": name, "args": args, "id": f"call{i}"}])
               for i, (name, args) in enumerate(steps)]
-    agent = create_deep_agent(model=_ScriptedModel(messages=iter([*script, AIMessage(content="done")])),
-                              backend=backend)
-    state = agent.invoke({"messages": [{"role": "user", "content": "count the words, times seven"}]})
+    return create_deep_agent(model=_ScriptedModel(messages=iter([*script, AIMessage(content="done")])),
+                             backend=backend)
+
+
+def _checked(state: dict[str, Any], steps: list[tuple[str, dict[str, Any]]], root: str) -> list[ToolMessage]:
     tools = [m for m in state["messages"] if isinstance(m, ToolMessage)]
     assert [m.name for m in tools] == [name for name, _ in steps], tools
     assert all(m.status == "success" for m in tools), tools
@@ -98,3 +103,18 @@ def run_deepagents_agent(backend: SandboxBackendProtocol, root: str) -> list[Too
     assert f"{root}/count.py" in listed and f"{root}/result.txt" in listed, listed
     assert f"{root}/count.py" in grepped, grepped
     return tools
+
+
+def run_deepagents_agent(backend: SandboxBackendProtocol, root: str) -> list[ToolMessage]:
+    """A deep agent (``create_deep_agent``, deepagents' own tools and middleware) on ``backend``, driven by a
+    scripted list of tool calls: write a script, run it, read its output, edit it, run it again, list and
+    grep (``invoke``: the tools call the backend's blocking methods). Returns the tool messages, in order,
+    after checking each."""
+    steps = _agent_steps(root)
+    return _checked(_scripted_agent(backend, steps).invoke(_PROMPT), steps, root)
+
+
+async def arun_deepagents_agent(backend: SandboxBackendProtocol, root: str) -> list[ToolMessage]:
+    """:func:`run_deepagents_agent` with ``ainvoke``: the tools call the backend's async methods."""
+    steps = _agent_steps(root)
+    return _checked(await _scripted_agent(backend, steps).ainvoke(_PROMPT), steps, root)

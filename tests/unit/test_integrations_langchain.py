@@ -14,7 +14,11 @@ from deepagents.backends.sandbox import BaseSandbox
 
 from capsa.integrations.langchain import TIMEOUT_EXIT_CODE, CapsaSandbox
 from tests.support.api_stack import ApiStack
-from tests.support.deepagents_workflow import run_deepagents_agent, run_deepagents_workflow
+from tests.support.deepagents_workflow import (
+    arun_deepagents_agent,
+    run_deepagents_agent,
+    run_deepagents_workflow,
+)
 
 
 async def _backend(stack: ApiStack) -> CapsaSandbox:
@@ -92,3 +96,13 @@ async def test_a_deep_agent_runs_its_tools_in_the_session(stack: ApiStack) -> No
         assert len(messages) == 7
     finally:
         await asyncio.to_thread(backend.close)
+
+
+async def test_async_backend_and_a_deep_agent_run_through_ainvoke(stack: ApiStack) -> None:
+    key = await stack.tenant_key("lc-async")
+    async with await CapsaSandbox.acreate(api_url=stack.url, api_key=key, timeout=300) as backend:
+        assert backend.session.info.state == "running"
+        messages = await arun_deepagents_agent(backend, "/tmp/agent-async")
+        assert len(messages) == 7
+        # the event loop stayed free: the stack (served on this loop) answered every tool call
+    assert backend.session.state == "closed"

@@ -39,7 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("capsa.integrations.langchain needs deepagents: "
                       "pip install 'capsa[langchain]'") from exc
 
-from capsa.sdk import CapsaAPIError, CapsaClientError, Session
+from capsa.sdk import AsyncSession, CapsaAPIError, CapsaClientError, Session
 from capsa.sdk.portal import Portal, get_portal
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_EXIT_CODE", "CapsaSandbox"]
@@ -77,7 +77,8 @@ class CapsaSandbox(BaseSandbox):
     """A deepagents sandbox backend running everything in one capsa session.
 
     ``CapsaSandbox(session)`` wraps a :class:`capsa.sdk.Session` the caller keeps (and closes);
-    :meth:`create` starts a session that :meth:`close` (or ``with``) closes.
+    :meth:`create` (:meth:`acreate` in async code) starts a session that :meth:`close` (:meth:`aclose`, or
+    ``with`` / ``async with``) closes.
     """
 
     def __init__(self, session: Session, *, default_timeout: int = DEFAULT_TIMEOUT,
@@ -101,6 +102,16 @@ class CapsaSandbox(BaseSandbox):
         session = Session.create(template, api_url=api_url, api_key=api_key, **session_options)
         return cls(session, default_timeout=default_timeout, cwd=cwd, owns_session=True)
 
+    @classmethod
+    async def acreate(cls, template: str = "base", *, api_url: str | None = None, api_key: str | None = None,
+                      default_timeout: int = DEFAULT_TIMEOUT, cwd: str | None = None,
+                      **session_options: Any) -> CapsaSandbox:
+        """:meth:`create` for async code: the session is made on the SDK's loop thread while the caller's
+        event loop keeps running."""
+        inner = await get_portal().acall(AsyncSession.create(template, api_url=api_url, api_key=api_key,
+                                                             **session_options))
+        return cls(Session(inner), default_timeout=default_timeout, cwd=cwd, owns_session=True)
+
     @property
     def id(self) -> str:
         """The capsa session id (``ses_…``)."""
@@ -116,11 +127,23 @@ class CapsaSandbox(BaseSandbox):
             self._owns_session = False
             self._session.close()
 
+    async def aclose(self) -> None:
+        """:meth:`close` for async code."""
+        if self._owns_session:
+            self._owns_session = False
+            await self._portal.acall(self._session.aio.close())
+
     def __enter__(self) -> CapsaSandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    async def __aenter__(self) -> CapsaSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._portal.call(coro)
