@@ -16,7 +16,11 @@ from pathlib import Path
 import pytest
 
 from capsa.integrations.langchain import CapsaSandbox
-from tests.support.deepagents_workflow import run_deepagents_agent, run_deepagents_workflow
+from tests.support.deepagents_workflow import (
+    arun_deepagents_agent,
+    run_deepagents_agent,
+    run_deepagents_workflow,
+)
 from tests.support.mcp_session import call, call_error, http_client, mcp_round_trip, stdio_client_for
 from tests.support.served import ROOT, Served, capsa
 
@@ -46,6 +50,15 @@ def test_deepagents_backend_runs_a_multi_step_workflow_in_a_vm(server: tuple[Ser
               f"agent's execute said {tools[1].content!r}")
         assert backend.execute("cat /root/agent/result.txt").output.strip() == "42"
     assert backend.session.state == "closed"
+
+
+async def test_deepagents_agent_through_ainvoke_in_a_vm(server: tuple[Served, str]) -> None:
+    served, admin = server
+    key = await asyncio.to_thread(_tenant_key, served, admin, "deepagents-async-vm")
+    async with await CapsaSandbox.acreate(api_url=served.url, api_key=key) as backend:
+        tools = await arun_deepagents_agent(backend, "/root/agent-async")
+        assert (await backend.aexecute("cat /root/agent-async/result.txt")).output == "42\n"
+    assert len(tools) == 7 and backend.session.state == "closed"
 
 
 async def test_mcp_round_trip_over_stdio_in_a_vm(server: tuple[Served, str], tmp_path: Path) -> None:
