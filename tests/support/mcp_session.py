@@ -25,23 +25,26 @@ EXPECTED_TOOLS = {"session_create", "session_list", "session_get", "session_clos
 
 
 @contextlib.asynccontextmanager
-async def http_client(api_url: str, key: str | None) -> AsyncIterator[Client]:
-    """A client on ``<api_url>/mcp`` sending ``key`` as the bearer token."""
+async def http_client(api_url: str, key: str | None, *, mode: str = "auto") -> AsyncIterator[Client]:
+    """A client on ``<api_url>/mcp`` sending ``key`` as the bearer token. ``mode`` as for ``mcp.Client``:
+    ``auto`` (probe the current protocol, fall back to the handshake) or ``legacy`` (the initialize
+    handshake that older clients make)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=300)) as http, \
-            Client(streamable_http_client(f"{api_url}/mcp", http_client=http)) as client:
+            Client(streamable_http_client(f"{api_url}/mcp", http_client=http), mode=mode) as client:
         yield client
 
 
 @contextlib.asynccontextmanager
-async def stdio_client_for(api_url: str, key: str, errlog: Path) -> AsyncIterator[Client]:
+async def stdio_client_for(api_url: str, key: str, errlog: Path, *,
+                           mode: str = "auto") -> AsyncIterator[Client]:
     """``capsa mcp`` spawned as a subprocess (this interpreter's ``capsa`` script) against ``api_url``."""
     capsa = str(Path(sys.executable).with_name("capsa"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAPSA_")}
     params = StdioServerParameters(command=capsa, args=["mcp"],
                                    env={**env, "CAPSA_API_URL": api_url, "CAPSA_API_KEY": key})
     with errlog.open("w") as err:
-        async with Client(stdio_client(params, errlog=err)) as client:
+        async with Client(stdio_client(params, errlog=err), mode=mode) as client:
             yield client
 
 

@@ -25,16 +25,18 @@ from tests.support.mcp_session import (
 )
 
 
-async def test_round_trip_over_http(stack: ApiStack) -> None:
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_round_trip_over_http(stack: ApiStack, mode: str) -> None:
     key = await stack.tenant_key("mcp-http")
-    async with http_client(stack.url, key) as client:
+    async with http_client(stack.url, key, mode=mode) as client:
         done = await mcp_round_trip(client)
     assert done["command"]["exit_code"] == 7
 
 
-async def test_round_trip_over_stdio(stack: ApiStack, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_round_trip_over_stdio(stack: ApiStack, tmp_path: Path, mode: str) -> None:
     key = await stack.tenant_key("mcp-stdio")
-    async with stdio_client_for(stack.url, key, tmp_path / "mcp.err") as client:
+    async with stdio_client_for(stack.url, key, tmp_path / "mcp.err", mode=mode) as client:
         await mcp_round_trip(client)
         # a bad argument is refused by the tool's schema, and the server keeps serving
         bad = await call_error(client, "command_run", session_id="ses_x", command="true", timeout=-1)
