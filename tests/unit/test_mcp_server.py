@@ -151,3 +151,16 @@ async def test_http_refuses_a_request_over_the_transport_limit_and_keeps_serving
     assert response.status_code == 200, response.text
     result = response.json()["result"]
     assert result["isError"] and "not_found:" in result["content"][0]["text"]
+
+
+async def test_session_create_takes_an_egress_policy_with_its_schema(stack: ApiStack) -> None:
+    key = await stack.tenant_key("mcp-policy")
+    async with http_client(stack.url, key) as client:
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        schema = tools["session_create"].input_schema
+        assert "DomainRule" in schema["$defs"] and "policy" in schema["properties"]
+        bad = await call_error(client, "session_create", policy={"domains": [{"domain": "not a domain"}]})
+        assert "domain" in bad
+        # the policy reaches the node, which has no egress service here: capsa's error, with its code
+        refused = await call_error(client, "session_create", policy={"domains": [{"domain": "pypi.org"}]})
+        assert refused.startswith("session_failed:") and "no egress service" in refused, refused

@@ -29,6 +29,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import ToolAnnotations
 from pydantic import BaseModel, Field
 
+from capsa.common.egress_policy import EgressPolicy
 from capsa.sdk import (
     AsyncClient,
     AsyncCommands,
@@ -148,13 +149,18 @@ class SessionTools:
         env: Annotated[dict[str, str] | None, Field(description="Environment for every command.")] = None,
         metadata: Annotated[dict[str, str] | None,
                             Field(description="Labels to find the session by.")] = None,
+        policy: Annotated[EgressPolicy | None, Field(
+            description="Network access: the domains the session may reach over HTTP(S), e.g. "
+                        '{"domains": [{"domain": "pypi.org"}, {"domain": "*.pythonhosted.org"}]}. '
+                        "Without a policy the session has no network at all.")] = None,
     ) -> SessionInfo:
         """Start a new session: a fresh microVM from the template. Returns the session, with its id."""
+        document = None if policy is None else policy.model_dump(mode="json", exclude_defaults=True)
         async with self._clients(ctx) as client:
             with _as_tool_errors():
                 return await client.create_session(template=template, timeout=timeout,
                                                    idle_timeout=idle_timeout, memory_mib=memory_mib,
-                                                   vcpus=vcpus, env=env, metadata=metadata)
+                                                   vcpus=vcpus, env=env, metadata=metadata, policy=document)
 
     async def session_list(
         self, ctx: Ctx,
