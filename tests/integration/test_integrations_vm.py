@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from capsa.integrations.langchain import CapsaSandbox
+from capsa.sdk import AsyncClient, AsyncCommands
 from tests.support.deepagents_workflow import (
     arun_deepagents_agent,
     run_deepagents_agent,
@@ -87,6 +89,20 @@ async def test_mcp_round_trip_over_http_and_tenant_isolation_in_a_vm(server: tup
                 assert text.startswith("not_found:"), (tool, text)
             assert sid not in [s["id"] for s in await call(b, "session_list")]
             assert (await call(a, "file_read", session_id=sid, path="/root/p"))["content"] == "private\n"
+
+            # what MCP over HTTP adds to a command: `true` through the tool vs through the SDK, p50 of 10
+            via_mcp, via_sdk = [], []
+            async with AsyncClient(served.url, alice) as sdk:
+                commands = AsyncCommands(sdk, sid)
+                for _ in range(10):
+                    started = time.monotonic()
+                    await call(a, "command_run", session_id=sid, command="true")
+                    via_mcp.append(time.monotonic() - started)
+                    started = time.monotonic()
+                    await commands.run("true")
+                    via_sdk.append(time.monotonic() - started)
+            print(f"command `true` p50: MCP over HTTP {statistics.median(via_mcp) * 1000:.0f} ms, "
+                  f"SDK {statistics.median(via_sdk) * 1000:.0f} ms")
         finally:
             await call(a, "session_close", session_id=sid)
 
