@@ -32,6 +32,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "policy": ("capsa.cli.egress", "policy"),
     "port-forward": ("capsa.cli.ports", "port_forward"),
     "shell": ("capsa.cli.shell", "shell"),
+    "mcp": ("capsa.cli.mcp", "mcp"),
 }
 
 
