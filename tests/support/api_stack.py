@@ -102,6 +102,10 @@ class ApiStack:
             "database_url": self.database_url,
             "bootstrap_key": self.admin_key,
             "reaper_interval": 0.2,
+            # This stack's node sends no heartbeats by itself (tests call heartbeat() when they mean to),
+            # so with the default 30 s a test running that long under load would see its node counted as
+            # lost and its sessions paused or failed. Tests of node loss set a short timeout themselves.
+            "node_heartbeat_timeout": 3600.0,
             **self.settings,
             **overrides,
         }

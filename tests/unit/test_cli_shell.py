@@ -20,9 +20,9 @@ CAPSA = str(Path(sys.executable).with_name("capsa"))
 
 
 @pytest.fixture
-def stack(steady_stack: ApiStack) -> ApiStack:
+def stack(stack: ApiStack) -> ApiStack:
     """Shell sessions may outlive the default heartbeat timeout on a loaded machine."""
-    return steady_stack
+    return stack
 
 
 async def _session(stack: ApiStack, key: str) -> str:
