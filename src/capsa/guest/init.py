@@ -161,7 +161,7 @@ def _wakeup_on_child_exit() -> int:
     return read_fd
 
 
-def _wait_for_event(wakeup_fd: int, timeout: float) -> None:
+def _wait_for_event(wakeup_fd: int, timeout: float | None) -> None:
     try:
         ready, _, _ = select.select([wakeup_fd], [], [], timeout)
     except InterruptedError:
@@ -271,7 +271,9 @@ def main() -> int:
                 restart_at = time.monotonic() + backoff
                 daemon = None
                 continue
-            wait = 0.5 if daemon is not None else max(0.0, min(0.5, restart_at - time.monotonic()))
+            # A running daemon: sleep until a signal (SIGCHLD of any child, SIGTERM) writes the wakeup
+            # fd. No periodic wakeup: under TCG each one costs host CPU, times every idle sandbox.
+            wait = None if daemon is not None else max(0.0, min(0.5, restart_at - time.monotonic()))
             _wait_for_event(wakeup_fd, wait)
     except _Shutdown as why:
         _log(f"received {why}")
