@@ -104,6 +104,7 @@ async def _live(control: ControlPlane, tenant: str, sandbox_id: str) -> SessionO
 
 
 @router.post("/sandboxes", status_code=201)
+@router.post("/v2/sandboxes", status_code=201)
 async def create_sandbox(request: Request, caller: Caller) -> Any:
     principal, key = caller
     try:
@@ -222,6 +223,7 @@ async def _resume_or_extend(control: ControlPlane, principal: Principal, sandbox
 
 
 @router.post("/sandboxes/{sandbox_id}/connect")
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
 async def connect_sandbox(sandbox_id: str, request: Request, caller: Caller,
                           body: ConnectBody | None = None) -> Any:
     """A running sandbox: 200 (its timeout extended to at least ``timeout``); a paused one is resumed: 201."""
