@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.api_stack import ApiStack
+from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.api import create_node_app
+from tests.support.api_stack import ApiStack, serve_app
 from tests.support.fake_runtime import FakeRuntime, fake_image
 
 
@@ -29,6 +33,27 @@ async def make_stack(db_url: str, tmp_path: Path) -> AsyncIterator[Callable[...,
     finally:
         for s in stacks:
             await s.stop()
+
+
+NODE_TOKEN = "node-token-0123456789"
+
+
+@pytest.fixture
+async def node_url(tmp_path: Path) -> AsyncIterator[str]:
+    """A node agent (fake runtime) whose API uvicorn serves on a Unix socket, as in ``capsa serve``
+    (WebSocket routes need a real server); its token is ``NODE_TOKEN``."""
+    agent = NodeAgent(FakeRuntime(), fake_image(tmp_path / "img"), node_id="n-served",
+                      capacity=NodeCapacity(memory_mib=2048, vcpus=8, max_sandboxes=4))
+    await agent.start()
+    sock_dir = Path(tempfile.mkdtemp(prefix="capsa-node-served-"))
+    replica = await serve_app(create_node_app(agent, NODE_TOKEN), uds=str(sock_dir / "node.sock"),
+                              lifespan="off")
+    try:
+        yield replica.url
+    finally:
+        await replica.stop()
+        await agent.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 @pytest.fixture

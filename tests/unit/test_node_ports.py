@@ -6,38 +6,15 @@ required, refusals carry the node's error code, bytes flow both ways with half-c
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from capsa.common.ids import new_id
 from capsa.control.nodeclient import NodeClient, NodeError
-from capsa.node.agent import NodeAgent, NodeCapacity
-from capsa.node.api import create_node_app
-from tests.support.api_stack import serve_app
-from tests.support.fake_runtime import FakeRuntime, fake_image
 
 pytestmark = pytest.mark.timeout(60)
 
 TOKEN = "node-token-0123456789"
-
-
-@pytest.fixture
-async def node_url(tmp_path: Path) -> AsyncIterator[str]:
-    agent = NodeAgent(FakeRuntime(), fake_image(tmp_path / "img"), node_id="n-ports",
-                      capacity=NodeCapacity(memory_mib=2048, vcpus=8, max_sandboxes=4))
-    await agent.start()
-    sock_dir = Path(tempfile.mkdtemp(prefix="capsa-node-ports-"))
-    replica = await serve_app(create_node_app(agent, TOKEN), uds=str(sock_dir / "node.sock"), lifespan="off")
-    try:
-        yield replica.url
-    finally:
-        await replica.stop()
-        await agent.close()
-        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 async def test_tunnel_needs_the_node_token_and_reports_the_nodes_codes(node_url: str) -> None:

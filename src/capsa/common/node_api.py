@@ -17,10 +17,13 @@ __all__ = [
     "GUEST_PATH_PATTERN",
     "MAX_EXEC_OUTPUT",
     "NDJSON",
+    "OUTPUT_EVENT",
+    "WATCH_EVENT",
     "AuditEvent",
     "AuditPage",
     "BranchEgress",
     "BranchRequest",
+    "CommandSpec",
     "ExecError",
     "ExecEvent",
     "ExecFinished",
@@ -28,11 +31,15 @@ __all__ = [
     "ExecRequest",
     "ExecResult",
     "ExecStatus",
+    "FileEvent",
     "FileInfo",
     "FileList",
     "KillRequest",
     "NodeHealth",
     "NodeInfo",
+    "OutputChunk",
+    "OutputEnd",
+    "OutputEvent",
     "PauseRequest",
     "PolicyUpdate",
     "PolicyUpdated",
@@ -49,8 +56,10 @@ __all__ = [
     "SnapshotCreate",
     "SnapshotInfo",
     "SnapshotList",
+    "StreamError",
     "TemplateInfo",
     "TemplateList",
+    "WatchEvent",
 ]
 
 NDJSON = "application/x-ndjson"
@@ -183,7 +192,7 @@ class AuditPage(_Answer):
 
 
 # -- commands and processes ------------------------------------------------------------------------------
-class ProcessStart(_Request):
+class CommandSpec(_Request):
     cmd: str | Annotated[list[str], Field(min_length=1)]
     """A shell line (run by ``/bin/sh -c``) or an argv."""
     env: _Env = Field(default_factory=dict)
@@ -192,7 +201,12 @@ class ProcessStart(_Request):
     user: str | None = None
 
 
-class ExecRequest(ProcessStart):
+class ProcessStart(CommandSpec):
+    open_stdin: bool = False
+    """Keep a pipe to the process's stdin (``/processes/{pid}/stdin``); otherwise stdin is /dev/null."""
+
+
+class ExecRequest(CommandSpec):
     timeout: Annotated[float, Field(gt=0)] | None = None
     stdin: str | None = None
     max_output: Annotated[int, Field(ge=0, le=MAX_EXEC_OUTPUT)] = 16 << 20
@@ -254,6 +268,8 @@ class ProcessInfo(_Answer):
     signal: int | None
     started_at: str
     """ISO 8601, UTC."""
+    stdin_open: bool = False
+    """Started with ``open_stdin`` and its stdin not closed yet."""
 
 
 class ProcessList(_Answer):
@@ -268,6 +284,53 @@ class ProcessOutput(_Answer):
     signal: int | None
     stdout_truncated: bool
     stderr_truncated: bool
+
+
+class OutputChunk(_Answer):
+    """A piece of a background process's output in ``/processes/{pid}/stream`` (UTF-8; a character cut by
+    a chunk boundary waits for the next chunk)."""
+
+    type: Literal["output"] = "output"
+    ch: Literal["stdout", "stderr"]
+    data: str
+    offset: int
+    """Byte offset in ``ch`` just after this chunk: pass it back as ``{ch}_from`` to resume after it."""
+    lost: int = 0
+    """Bytes before this chunk that were asked for but no longer kept by the guest (its ring buffer)."""
+
+
+class OutputEnd(_Answer):
+    """The last line of a process stream: the process exited and all its output was sent."""
+
+    type: Literal["exit"] = "exit"
+    exit_code: int | None
+    signal: int | None
+    stdout_end: int
+    stderr_end: int
+
+
+class StreamError(_Answer):
+    """The last line of a stream that broke after the HTTP status was sent."""
+
+    type: Literal["error"] = "error"
+    code: str
+    detail: str
+
+
+OutputEvent = Annotated[OutputChunk | OutputEnd | StreamError, Field(discriminator="type")]
+OUTPUT_EVENT: TypeAdapter[OutputChunk | OutputEnd | StreamError] = TypeAdapter(OutputEvent)
+
+
+class FileEvent(_Answer):
+    """A change in a watched directory (``/files/watch``)."""
+
+    type: Literal["created", "modified", "removed", "overflow"]
+    path: str
+    is_dir: bool = False
+
+
+WatchEvent = Annotated[FileEvent | StreamError, Field(discriminator="type")]
+WATCH_EVENT: TypeAdapter[FileEvent | StreamError] = TypeAdapter(WatchEvent)
 
 
 class KillRequest(_Request):

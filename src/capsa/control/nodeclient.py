@@ -15,12 +15,14 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from capsa.common.errors import CapsaError
 from capsa.common.node_api import (
     EXEC_EVENT,
     NDJSON,
+    OUTPUT_EVENT,
+    WATCH_EVENT,
     AuditPage,
     BranchRequest,
     ExecEvent,
@@ -30,6 +32,7 @@ from capsa.common.node_api import (
     FileList,
     KillRequest,
     NodeInfo,
+    OutputEvent,
     PauseRequest,
     PolicyUpdated,
     ProcessInfo,
@@ -41,8 +44,10 @@ from capsa.common.node_api import (
     SandboxList,
     SnapshotCreate,
     SnapshotInfo,
+    WatchEvent,
 )
 from capsa.common.port_tunnel import PortTunnel, open_tunnel
+from capsa.common.terminal_wire import TerminalClient, TerminalOptions
 from capsa.common.websocket import SocketStream
 
 __all__ = ["EgressArgs", "NodeClient", "NodeClientPool", "NodeError"]
@@ -242,6 +247,33 @@ class NodeClient:
     async def process_output(self, sandbox_id: str, pid: int) -> ProcessOutput:
         return await self._call(ProcessOutput, "GET", f"/sandboxes/{sandbox_id}/processes/{pid}/output")
 
+    async def send_stdin(self, sandbox_id: str, pid: int, data: bytes) -> ProcessInfo:
+        return await self._call(ProcessInfo, "POST", f"/sandboxes/{sandbox_id}/processes/{pid}/stdin",
+                                content=data, headers={"Content-Type": "application/octet-stream"},
+                                timeout=None)
+
+    async def close_stdin(self, sandbox_id: str, pid: int) -> ProcessInfo:
+        return await self._call(ProcessInfo, "POST", f"/sandboxes/{sandbox_id}/processes/{pid}/stdin/close")
+
+    @asynccontextmanager
+    async def stream_process(self, sandbox_id: str, pid: int, *, stdout_from: int = 0,
+                             stderr_from: int = 0) -> AsyncIterator[AsyncIterator[OutputEvent]]:
+        """Yields the process's output events from the offsets (then one ``exit`` or ``error``), once the
+        node accepted the request (an unknown process raises NodeError here)."""
+        params = {"stdout_from": stdout_from, "stderr_from": stderr_from}
+        async with self._stream("GET", f"/sandboxes/{sandbox_id}/processes/{pid}/stream", params=params,
+                                timeout=None) as response:
+            yield _lines_of(response.aiter_lines(), OUTPUT_EVENT, "process output event")
+
+    @asynccontextmanager
+    async def watch_dir(self, sandbox_id: str, path: str, *,
+                        recursive: bool = False) -> AsyncIterator[AsyncIterator[WatchEvent]]:
+        """Yields the directory's change events until the caller leaves the block."""
+        params = {"path": path, "recursive": "true" if recursive else "false"}
+        async with self._stream("GET", f"/sandboxes/{sandbox_id}/files/watch", params=params,
+                                timeout=None) as response:
+            yield _lines_of(response.aiter_lines(), WATCH_EVENT, "watch event")
+
     async def kill_process(self, sandbox_id: str, pid: int, signal: int) -> ProcessInfo:
         return await self._call(ProcessInfo, "POST", f"/sandboxes/{sandbox_id}/processes/{pid}/kill",
                                 json=KillRequest(signal=signal).model_dump(mode="json"))
@@ -253,19 +285,10 @@ class NodeClient:
         node's code (``port_unreachable``, ``sandbox_not_found`` ...)."""
         target = f"{_PREFIX}/sandboxes/{sandbox_id}/ports/{port}/tunnel"
         try:
-            if self._url.startswith("unix://"):
-                stream = await SocketStream.connect_unix(self._url.removeprefix("unix://"))
-                host = "node"
-            else:
-                parts = urlsplit(self._url)
-                tls = parts.scheme == "https"
-                stream = await SocketStream.connect(parts.hostname or "localhost",
-                                                    parts.port or (443 if tls else 80), tls=tls)
-                host = parts.netloc
-            auth = [("Authorization", f"Bearer {self._token}")]
+            stream, host = await self._socket()
             # The node answers once the guest connected (or refused): its connect timeout plus slack.
             async with asyncio.timeout(_TUNNEL_OPEN_TIMEOUT):
-                return await open_tunnel(stream, host, target, headers=auth)
+                return await open_tunnel(stream, host, target, headers=self._auth())
         except CapsaError as exc:
             raise NodeError(exc.code, exc.status, exc.message) from None
         except TimeoutError:
@@ -273,6 +296,35 @@ class NodeClient:
                                                      f"{_TUNNEL_OPEN_TIMEOUT:g} s") from None
         except (OSError, ConnectionError) as exc:
             raise NodeError("node_unreachable", 503, f"node unreachable: {exc}") from None
+
+    async def open_terminal(self, sandbox_id: str, options: TerminalOptions) -> TerminalClient:
+        """A pseudo-terminal in the sandbox (the node's ``/pty`` WebSocket, protocol
+        :mod:`capsa.common.terminal_wire`). Refusals raise NodeError with the node's code."""
+        target = f"{_PREFIX}/sandboxes/{sandbox_id}/pty?{options.query()}"
+        try:
+            stream, host = await self._socket()
+            async with asyncio.timeout(_TUNNEL_OPEN_TIMEOUT):
+                return await TerminalClient.connect(stream, host, target, headers=self._auth())
+        except CapsaError as exc:
+            raise NodeError(exc.code, exc.status, exc.message) from None
+        except TimeoutError:
+            raise NodeError("node_unreachable", 503, f"the node did not open the terminal within "
+                                                     f"{_TUNNEL_OPEN_TIMEOUT:g} s") from None
+        except (OSError, ConnectionError) as exc:
+            raise NodeError("node_unreachable", 503, f"node unreachable: {exc}") from None
+
+    def _auth(self) -> list[tuple[str, str]]:
+        return [("Authorization", f"Bearer {self._token}")]
+
+    async def _socket(self) -> tuple[SocketStream, str]:
+        """A connection of its own to the node, for a WebSocket (httpx cannot hand one over), and the Host."""
+        if self._url.startswith("unix://"):
+            return await SocketStream.connect_unix(self._url.removeprefix("unix://")), "node"
+        parts = urlsplit(self._url)
+        tls = parts.scheme == "https"
+        stream = await SocketStream.connect(parts.hostname or "localhost", parts.port or (443 if tls else 80),
+                                            tls=tls)
+        return stream, parts.netloc
 
     # -- files -----------------------------------------------------------------------------------------
     @asynccontextmanager
@@ -317,6 +369,20 @@ class NodeClient:
     async def import_archive(self, sandbox_id: str, path: str, body: AsyncIterable[bytes]) -> None:
         await self._request("PUT", f"/sandboxes/{sandbox_id}/files/archive", params={"path": path},
                             content=body, timeout=None)
+
+
+_E = TypeVar("_E")
+
+
+async def _lines_of(lines: AsyncIterator[str], adapter: TypeAdapter[_E], what: str) -> AsyncIterator[_E]:
+    async for line in lines:
+        if not line:
+            continue
+        try:
+            yield adapter.validate_json(line)
+        except ValidationError as exc:
+            raise NodeError("bad_node_answer", 502, f"the node sent a {what} that does not parse: "
+                                                    f"{exc.error_count()} error(s)") from exc
 
 
 async def _events(lines: AsyncIterator[str]) -> AsyncIterator[ExecEvent]:

@@ -12,7 +12,14 @@ health                                                      version, protocol, i
 exec           cmd (str: sh -c / list: argv), env, cwd,     EVENT {pid}; DATA {"ch": stdout|stderr};
                user, timeout, max_output, stdin (bool:      exit_code|signal, timed_out, *_truncated,
                body = DATA* END)                            *_bytes, duration, oom_killed
-proc_start     cmd, env, cwd, user                          ProcessInfo (pid, cmd, running, exit ...)
+proc_start     cmd, env, cwd, user, stdin (bool: keep a     ProcessInfo (pid, cmd, running, exit ...,
+               pipe for proc_stdin)                         stdin_open)
+proc_stdin     pid; body: the bytes (inline, <= 1 MiB)      ProcessInfo + bytes; stdin_closed,
+                                                            process_exited
+proc_close_stdin pid                                        ProcessInfo (the process reads EOF)
+proc_stream    pid, stdout_from, stderr_from (offsets)      EVENT {streaming}; DATA {"ch", "offset",
+                                                            lost?} as written, until exited;
+                                                            ProcessInfo + *_end
 proc_list                                                   {"processes": [ProcessInfo]}
 proc_wait      pid, timeout                                 ProcessInfo (maybe still running)
 proc_kill      pid, signal                                  ProcessInfo
@@ -20,7 +27,8 @@ proc_output    pid, stdout_from, stderr_from (offsets)      DATA {"ch"}; Process
                                                             _truncated
 pty_open       cmd, rows, cols, env, cwd, user; then host   EVENT {pid}; DATA (terminal output);
                DATA = input, EVENT {rows, cols} = resize,   exit_code|signal
-               END = ^D, CANCEL = hang up
+               EVENT {signal} = kill, END = ^D, CANCEL =
+               hang up
 file_read      path, offset, length                         DATA (content); FileInfo
 file_write     path, mode; body = DATA* END                 FileInfo (atomic: temp file + rename)
 file_list      path                                         DATA (JSON array of FileInfo); {count}
@@ -28,6 +36,9 @@ file_stat      path                                         FileInfo (lstat)
 file_mkdir     path, parents, mode                          FileInfo
 file_remove    path, recursive                              {}
 file_rename    src, dst                                     FileInfo of dst
+file_watch     path, recursive                              EVENT {watching}; DATA (JSON lines
+                                                            {type, path, is_dir}) until CANCEL;
+                                                            {reason: removed} if the dir goes
 tar_export     path                                         DATA (PAX tar stream); {bytes}
 tar_import     path; body = DATA* END (tar, gz/bz2/xz ok)   {members}; unsafe_archive on escapes
 tcp_open       port (on 127.0.0.1), connect_timeout; then   EVENT {connected}; DATA (bytes from the
@@ -44,7 +55,8 @@ capsa.guest.protocol); requests addressed to another instance are refused with g
 
 Error codes: bad_request, unknown_op, not_found, permission_denied, is_a_directory,
 not_a_directory, already_exists, directory_not_empty, no_space, no_such_process, not_executable,
-unsafe_archive, port_unreachable, unsupported, too_large (a listing over MAX_LISTING_BYTES), cancelled,
+unsafe_archive, port_unreachable, process_exited, stdin_closed, unsupported,
+too_large (a listing over MAX_LISTING_BYTES), cancelled,
 flow_control, too_many_requests, malformed_frame, frame_too_large, unsupported_version, guest_unavailable,
 io_error, internal_error.
 """
@@ -71,6 +83,7 @@ from capsa.guest.procs import ProcessTable, op_exec
 from capsa.guest.protocol import Decoder
 from capsa.guest.system import System
 from capsa.guest.terminal import op_pty
+from capsa.guest.watch import op_file_watch
 
 __all__ = ["Daemon", "find_port", "main"]
 
@@ -97,6 +110,9 @@ class Daemon:
             "proc_wait": self.processes.op_wait,
             "proc_kill": self.processes.op_kill,
             "proc_output": self.processes.op_output,
+            "proc_stdin": self.processes.op_stdin,
+            "proc_close_stdin": self.processes.op_close_stdin,
+            "proc_stream": self.processes.op_stream,
             "pty_open": op_pty,
             "file_read": files.op_read,
             "file_write": files.op_write,
@@ -105,6 +121,7 @@ class Daemon:
             "file_mkdir": files.op_mkdir,
             "file_remove": files.op_remove,
             "file_rename": files.op_rename,
+            "file_watch": op_file_watch,
             **files.TAR_OPS,
             "tcp_open": op_tcp_open,
         }

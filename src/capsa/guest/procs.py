@@ -7,6 +7,7 @@ import fcntl
 import grp
 import os
 import pwd
+import select
 import selectors
 import signal
 import subprocess
@@ -434,6 +435,9 @@ class BackgroundProcess:
         self.stdout = RingBuffer()
         self.stderr = RingBuffer()
         self.exited = threading.Event()
+        self.changed = threading.Condition()
+        """Notified when output arrives and when the process is reported exited (``proc_stream`` waits)."""
+        self.stdin_lock = threading.Lock()
         self.returncode: int | None = None
         self.finished_at: float | None = None
         self._last_output = time.monotonic()
@@ -453,6 +457,8 @@ class BackgroundProcess:
                     if chunk:
                         key.data.append(chunk)
                         self._last_output = time.monotonic()
+                        with self.changed:
+                            self.changed.notify_all()
                     else:
                         sel.unregister(key.fd)
         finally:
@@ -473,11 +479,18 @@ class BackgroundProcess:
         self.returncode = returncode
         self.finished_at = time.time()
         self.exited.set()
+        with self.changed:
+            self.changed.notify_all()
+        with self.stdin_lock:
+            if self.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self.proc.stdin.close()
 
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "pid": self.pid, "cmd": self.spec.display, "running": not self.exited.is_set(),
             "started_at": self.started_at, "finished_at": self.finished_at,
+            "stdin_open": self.proc.stdin is not None and not self.proc.stdin.closed,
         }
         out.update(_exit_fields(self.returncode if self.exited.is_set() else None))
         return out
@@ -509,8 +522,14 @@ class ProcessTable:
 
     def op_start(self, stream: Stream, args: dict[str, Any], data: bytes) -> None:
         spec = parse_command(args)
-        proc = spawn(spec, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        keep_stdin = args.get("stdin", False)
+        if not isinstance(keep_stdin, bool):
+            raise OpError("bad_request", "stdin must be a boolean")
+        proc = spawn(spec, stdin=subprocess.PIPE if keep_stdin else subprocess.DEVNULL,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         _grow_pipes(proc)
+        if proc.stdin is not None:
+            os.set_blocking(proc.stdin.fileno(), False)  # proc_stdin waits with select, cancellable
         bg = BackgroundProcess(spec, proc)
         with self._lock:
             self._procs[bg.pid] = bg
@@ -559,5 +578,84 @@ class ProcessTable:
                 stream.send_data(chunk, {"ch": name})
         stream.result(meta)
 
+    def op_stdin(self, stream: Stream, args: dict[str, Any], data: bytes) -> None:
+        """Write the request's inline data to the process's stdin (waits while the pipe is full)."""
+        proc = self._get(args)
+        with proc.stdin_lock:
+            pipe = _open_stdin(proc)
+            view = memoryview(data)
+            while view:
+                if stream.cancelled.is_set():
+                    raise ChannelGone("request cancelled")
+                if proc.exited.is_set():
+                    raise OpError("process_exited", f"process {proc.pid} has exited")
+                _, ready, _ = select.select([], [pipe], [], 0.2)
+                if not ready:
+                    continue
+                try:
+                    view = view[os.write(pipe.fileno(), view):]
+                except BlockingIOError:
+                    continue
+                except BrokenPipeError:
+                    raise OpError("stdin_closed", f"process {proc.pid} closed its stdin") from None
+        stream.result(dict(proc.info(), bytes=len(data)))
+
+    def op_close_stdin(self, stream: Stream, args: dict[str, Any], data: bytes) -> None:
+        """Close the process's stdin (it reads EOF). Closing it twice is not an error."""
+        proc = self._get(args)
+        with proc.stdin_lock:
+            if proc.proc.stdin is None:
+                raise OpError("stdin_closed", f"process {proc.pid} was started without stdin")
+            with contextlib.suppress(OSError):
+                proc.proc.stdin.close()
+        stream.result(proc.info())
+
+    def op_stream(self, stream: Stream, args: dict[str, Any], data: bytes) -> None:
+        """Output from ``stdout_from``/``stderr_from`` as it is written, until the process has exited and
+        every byte it wrote was sent. EVENT {"streaming"} first, then DATA meta ``{"ch", "offset"}`` (the
+        chunk's first byte) and ``lost`` when the ring buffer no longer held bytes from the asked offset;
+        RESULT = ProcessInfo + ``stdout_end``/``stderr_end``. The host cancelling ends it; the process
+        keeps running."""
+        proc = self._get(args)
+        offsets: dict[str, int] = {}
+        for name in ("stdout", "stderr"):
+            since = args.get(f"{name}_from", 0)
+            if isinstance(since, bool) or not isinstance(since, int) or since < 0:
+                raise OpError("bad_request", f"{name}_from must be a non-negative offset")
+            offsets[name] = since
+        rings = (("stdout", proc.stdout), ("stderr", proc.stderr))
+        stream.send(Kind.EVENT, {"streaming": True, "pid": proc.pid})
+        while True:
+            if stream.cancelled.is_set():
+                raise ChannelGone("request cancelled")
+            done = proc.exited.is_set()  # read before draining: output written before the exit is sent
+            sent = False
+            for name, ring in rings:
+                chunk, begin, end = ring.read(offsets[name])
+                if chunk:
+                    meta: dict[str, Any] = {"ch": name, "offset": begin}
+                    if begin > offsets[name]:
+                        meta["lost"] = begin - offsets[name]
+                    stream.send_data(chunk, meta)
+                    sent = True
+                offsets[name] = max(offsets[name], end)
+            if done and not sent:
+                break
+            with proc.changed:
+                if not proc.exited.is_set() and all(ring.total <= offsets[name] for name, ring in rings):
+                    proc.changed.wait(0.5)
+        stream.result(dict(proc.info(), stdout_end=offsets["stdout"], stderr_end=offsets["stderr"]))
+
     def kill_all(self) -> None:
         kill_everything()
+
+
+def _open_stdin(proc: BackgroundProcess) -> Any:
+    pipe = proc.proc.stdin
+    if proc.exited.is_set():
+        raise OpError("process_exited", f"process {proc.pid} has exited")
+    if pipe is None:
+        raise OpError("stdin_closed", f"process {proc.pid} was started without stdin (start it with stdin)")
+    if pipe.closed:
+        raise OpError("stdin_closed", f"the stdin of process {proc.pid} is closed")
+    return pipe

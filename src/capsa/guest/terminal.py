@@ -45,7 +45,8 @@ def _default_shell() -> list[str]:
 
 
 def op_pty(stream: Stream, args: dict[str, Any], data: bytes) -> None:
-    """Open a terminal. Host frames: DATA = keyboard input, EVENT {"rows","cols"} = resize, END = ^D.
+    """Open a terminal. Host frames: DATA = keyboard input, EVENT {"rows","cols"} = resize, EVENT
+    {"signal": N} = signal the terminal's process group (the exit is still reported), END = ^D.
 
     Guest frames: EVENT {"pid"} once started, DATA = terminal output, RESULT with the exit status.
     CANCEL hangs the terminal up (SIGHUP to its process group).
@@ -125,6 +126,10 @@ def _input(stream: Stream, master: int, proc: subprocess.Popen[bytes]) -> None:
                 except OSError:
                     pass
                 stream.consumed(len(frame.data))
+            elif frame.kind == Kind.EVENT and "signal" in frame.meta:
+                sig = frame.meta.get("signal")
+                if isinstance(sig, int) and not isinstance(sig, bool) and 0 < sig < signal.NSIG:
+                    killpg(proc.pid, sig)
             elif frame.kind == Kind.EVENT:
                 rows, cols = frame.meta.get("rows"), frame.meta.get("cols")
                 if (isinstance(rows, int) and isinstance(cols, int)

@@ -33,10 +33,13 @@ from capsa.node.egress.node_egress import EgressRequest, NodeEgress
 from capsa.node.egress.trust_store import TrustStore
 from capsa.node.guest_client import (
     DEFAULT_MAX_OUTPUT,
+    DirWatch,
     ExecResult,
     FileInfo,
+    OutputStream,
     ProcessInfo,
     ProcessOutput,
+    PtyHandle,
     TcpTunnel,
 )
 from capsa.node.net.sandbox_net import SandboxNet
@@ -463,11 +466,44 @@ class NodeAgent:
 
     async def start_process(self, sandbox_id: str, cmd: str | Sequence[str], *,
                             env: Mapping[str, str] | None = None, cwd: str | None = None,
-                            user: str | None = None) -> ProcessInfo:
+                            user: str | None = None, stdin: bool = False) -> ProcessInfo:
         record = self.get(sandbox_id)
         with self._guest_call(record):
             return await record.sandbox.guest.start_process(cmd, env={**record.env, **(env or {})}, cwd=cwd,
-                                                            user=user)
+                                                            user=user, stdin=stdin)
+
+    async def send_stdin(self, sandbox_id: str, pid: int, data: bytes) -> ProcessInfo:
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.send_stdin(pid, data)
+
+    async def close_stdin(self, sandbox_id: str, pid: int) -> ProcessInfo:
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.close_stdin(pid)
+
+    async def stream_process(self, sandbox_id: str, pid: int, *, stdout_from: int = 0,
+                             stderr_from: int = 0) -> OutputStream:
+        """The process's output from the given offsets until it exits (``no_such_process`` raises here)."""
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.stream_process(pid, stdout_from=stdout_from,
+                                                             stderr_from=stderr_from)
+
+    async def watch_dir(self, sandbox_id: str, path: str, *, recursive: bool = False) -> DirWatch:
+        """Changes under a directory of the sandbox until closed (a bad path raises here)."""
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.watch_dir(path, recursive=recursive)
+
+    async def open_terminal(self, sandbox_id: str, *, cols: int, rows: int, cmd: str | None = None,
+                            env: Mapping[str, str] | None = None, cwd: str | None = None,
+                            user: str | None = None) -> PtyHandle:
+        """A command (default: the login shell) on a pseudo-terminal in the sandbox."""
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            return await record.sandbox.guest.pty_open(cmd, rows=rows, cols=cols,
+                                                       env={**record.env, **(env or {})}, cwd=cwd, user=user)
 
     async def list_processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]:
         record = self.get(sandbox_id)

@@ -74,6 +74,7 @@ __all__ = [
     "EXEC_TIMEOUT_GRACE",
     "MAX_EVENTS_PER_CALL",
     "ChannelClosed",
+    "DirWatch",
     "ExecResult",
     "FileInfo",
     "GuestClient",
@@ -82,10 +83,14 @@ __all__ = [
     "GuestTimeout",
     "GuestUnavailable",
     "OutputCallback",
+    "OutputChunk",
+    "OutputStream",
     "ProcessInfo",
     "ProcessOutput",
     "PtyHandle",
+    "StreamEnd",
     "TcpTunnel",
+    "WatchEvent",
 ]
 
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
@@ -97,6 +102,8 @@ EXEC_TIMEOUT_GRACE = 60.0
 # Data frames are bounded by the credit window; this bounds the small ones (events, empty data).
 MAX_QUEUED_FRAMES = 4096
 MAX_EVENTS_PER_CALL = 16
+STDIN_PIECE = 512 * 1024
+"""Bytes per ``proc_stdin`` request (the body rides inline in the request frame, at most 1 MiB)."""
 """EVENT frames a call accepts (the daemon sends one, ``started``): their meta is not flow controlled."""
 
 OutputCallback = Callable[[bytes], Awaitable[None] | None]
@@ -118,6 +125,8 @@ _STATUS = {
     "too_large": 413,
     "unsupported": 501,
     "port_unreachable": 502,
+    "process_exited": 409,
+    "stdin_closed": 409,
     UNAVAILABLE: 503,
 }
 
@@ -203,13 +212,42 @@ class ProcessInfo:
     signal: int | None
     started_at: float
     finished_at: float | None = None
+    stdin_open: bool = False
+    """The process was started with ``stdin`` and its stdin is not closed yet."""
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> ProcessInfo:
         return cls(pid=int(meta["pid"]), cmd=str(meta.get("cmd", "")), running=bool(meta.get("running")),
                    exit_code=_opt_int(meta.get("exit_code")), signal=_opt_int(meta.get("signal")),
                    started_at=float(meta.get("started_at") or 0.0),
-                   finished_at=_opt_float(meta.get("finished_at")))
+                   finished_at=_opt_float(meta.get("finished_at")), stdin_open=meta.get("stdin_open") is True)
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """Bytes a background process wrote: ``data`` starts at byte ``offset`` of its ``ch`` stream."""
+
+    ch: str  # "stdout" | "stderr"
+    offset: int
+    data: bytes
+    lost: int = 0
+    """Bytes before ``offset`` that were asked for but had already left the guest's ring buffer."""
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """The process exited and every byte it wrote was streamed; the offsets after its last bytes."""
+
+    info: ProcessInfo
+    stdout_end: int
+    stderr_end: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    type: str  # "created" | "modified" | "removed" | "overflow"
+    path: str
+    is_dir: bool
 
 
 @dataclass(frozen=True)
@@ -290,7 +328,7 @@ class _Stream:
         if self.recv_allowed < 0:
             return GuestError("flow_control", "guest sent more data than the window allows")
         if self.limits is None:
-            return Frame(Kind.DATA, frame.stream, {}, frame.data)
+            return frame  # streamed to the caller, meta and all (proc_stream's offsets)
         ch = frame.meta.get("ch")
         key = ch if isinstance(ch, str) else None
         if key not in self.limits:
@@ -405,6 +443,10 @@ class PtyHandle:
     async def resize(self, rows: int, cols: int) -> None:
         await self._stream.client._send(Kind.EVENT, self._stream.id, {"rows": rows, "cols": cols})
 
+    async def send_signal(self, sig: int) -> None:
+        """Signal the terminal's process group; the exit comes through :meth:`read` as usual."""
+        await self._stream.client._send(Kind.EVENT, self._stream.id, {"signal": sig})
+
     async def read(self) -> AsyncIterator[bytes]:
         """Terminal output until the command exits (then ``exit_code``/``signal`` are set)."""
         while not self.closed:
@@ -491,6 +533,88 @@ class TcpTunnel:
             return
         self.closed = True
         await self._stream.client._abandon(self._stream)
+
+
+class OutputStream:
+    """A background process's output as it is written (``proc_stream``), from given offsets to its exit.
+
+    ``chunks()`` yields :class:`OutputChunk` and lastly one :class:`StreamEnd`; a process that stays silent
+    is fine (the client checks the guest with health meanwhile). ``close()`` stops streaming; the process
+    runs on."""
+
+    def __init__(self, stream: _Stream, pid: int) -> None:
+        self._stream = stream
+        self.pid = pid
+        self.closed = False
+
+    async def chunks(self) -> AsyncGenerator[OutputChunk | StreamEnd, None]:
+        client = self._stream.client
+        try:
+            while not self.closed:
+                frame = await client._next(self._stream, None, probe=True)
+                if frame.kind == Kind.DATA:
+                    ch = frame.meta.get("ch")
+                    offset = _opt_int(frame.meta.get("offset"))
+                    if ch not in ("stdout", "stderr") or offset is None or offset < 0:
+                        raise GuestError("protocol_error", "guest sent process output without channel/offset")
+                    yield OutputChunk(str(ch), offset, frame.data, _opt_int(frame.meta.get("lost")) or 0)
+                elif frame.kind == Kind.RESULT:
+                    self.closed = True
+                    yield StreamEnd(ProcessInfo.from_meta(frame.meta), int(frame.meta.get("stdout_end", 0)),
+                                    int(frame.meta.get("stderr_end", 0)))
+                    return
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+        await self._stream.client._abandon(self._stream)
+
+
+class DirWatch:
+    """A watched directory (``file_watch``): ``events()`` until ``close()`` or the directory is removed."""
+
+    MAX_LINE = 64 * 1024
+
+    def __init__(self, stream: _Stream, path: str) -> None:
+        self._stream = stream
+        self.path = path
+        self.closed = False
+
+    async def events(self) -> AsyncGenerator[WatchEvent, None]:
+        pending = b""
+        try:
+            while not self.closed:
+                frame = await self._stream.next()
+                if frame.kind == Kind.RESULT:
+                    self.closed = True
+                    return
+                if frame.kind != Kind.DATA:
+                    continue
+                pending += frame.data
+                *lines, pending = pending.split(b"\n")
+                if len(pending) > self.MAX_LINE:
+                    raise GuestError("protocol_error", "guest sent an overlong watch event")
+                for line in lines:
+                    yield _watch_event(line)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        self.closed = True
+        await self._stream.client._abandon(self._stream)
+
+
+def _watch_event(line: bytes) -> WatchEvent:
+    try:
+        raw = json.loads(line)
+        kind, path = raw["type"], raw["path"]
+        if kind not in ("created", "modified", "removed", "overflow") or not isinstance(path, str):
+            raise ValueError(kind)
+        return WatchEvent(kind, path, raw.get("is_dir") is True)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise GuestError("protocol_error", f"guest sent a bad watch event: {exc!r}"[:200]) from None
 
 
 _LONG_OPS = frozenset({"file_remove", "file_rename", "poweroff"})
@@ -825,9 +949,55 @@ class GuestClient:
             await self._abandon(stream)
 
     async def start_process(self, cmd: str | Sequence[str], *, env: dict[str, str] | None = None,
-                            cwd: str | None = None, user: str | int | None = None) -> ProcessInfo:
-        args = {"cmd": cmd if isinstance(cmd, str) else list(cmd), "env": env, "cwd": cwd, "user": user}
+                            cwd: str | None = None, user: str | int | None = None,
+                            stdin: bool = False) -> ProcessInfo:
+        """Start a background process; with ``stdin`` it keeps a pipe for :meth:`send_stdin`."""
+        args = {"cmd": cmd if isinstance(cmd, str) else list(cmd), "env": env, "cwd": cwd, "user": user,
+                "stdin": stdin or None}
         return ProcessInfo.from_meta((await self._call("proc_start", args)).meta)
+
+    async def send_stdin(self, pid: int, data: bytes) -> ProcessInfo:
+        """Write to the process's stdin (``stdin_closed``/``process_exited`` 409 when it cannot take it).
+        Waits while the pipe is full; the call's long deadline bounds a process that never reads."""
+        info: ProcessInfo | None = None
+        for i in range(0, max(1, len(data)), STDIN_PIECE):
+            frame = await self._call("proc_stdin", {"pid": pid}, data[i: i + STDIN_PIECE],
+                                     timeout=self.deadlines.long_call)
+            info = ProcessInfo.from_meta(frame.meta)
+        assert info is not None
+        return info
+
+    async def close_stdin(self, pid: int) -> ProcessInfo:
+        return ProcessInfo.from_meta((await self._call("proc_close_stdin", {"pid": pid})).meta)
+
+    async def stream_process(self, pid: int, *, stdout_from: int = 0, stderr_from: int = 0) -> OutputStream:
+        """Open the process's output stream (raises ``no_such_process`` before anything streams)."""
+        deadline = loop_time() + self.deadlines.call
+        stream = await self._open("proc_stream", {"pid": pid, "stdout_from": stdout_from,
+                                                   "stderr_from": stderr_from},
+                                  limits=None, deadline=deadline)
+        try:
+            while True:
+                frame = await self._next(stream, deadline)
+                if frame.kind == Kind.EVENT and frame.meta.get("streaming"):
+                    return OutputStream(stream, pid)
+        except BaseException:
+            await self._abandon(stream)
+            raise
+
+    async def watch_dir(self, path: str, *, recursive: bool = False) -> DirWatch:
+        """Watch a directory (raises ``not_found``/``not_a_directory`` before anything streams)."""
+        deadline = loop_time() + self.deadlines.long_call
+        stream = await self._open("file_watch", {"path": path, "recursive": recursive}, limits=None,
+                                  deadline=deadline)
+        try:
+            while True:
+                frame = await self._next(stream, deadline)
+                if frame.kind == Kind.EVENT and frame.meta.get("watching"):
+                    return DirWatch(stream, path)
+        except BaseException:
+            await self._abandon(stream)
+            raise
 
     async def list_processes(self) -> list[ProcessInfo]:
         meta = (await self._call("proc_list")).meta

@@ -9,7 +9,7 @@ from fastapi import Depends, FastAPI
 
 from capsa.common.node_api import EXEC_EVENT
 from capsa.node.agent import NodeAgent
-from capsa.node.api import commands, egress, files, node, ports, sandboxes, snapshots, templates
+from capsa.node.api import commands, egress, files, node, ports, sandboxes, snapshots, templates, terminals
 from capsa.node.api.deps import require_node_token
 from capsa.node.api.errors import install_error_handlers
 
@@ -47,4 +47,5 @@ def create_node_app(agent: NodeAgent, token: str) -> FastAPI:
         app.include_router(module.router, prefix=PREFIX, dependencies=authorized)
     app.include_router(node.metrics, dependencies=authorized)
     app.include_router(ports.router, prefix=PREFIX)  # a WebSocket: it checks the node token itself
+    app.include_router(terminals.router, prefix=PREFIX)  # so does this one
     return app

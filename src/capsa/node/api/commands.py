@@ -10,13 +10,14 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from capsa.common.errors import CapsaError
 from capsa.common.node_api import (
     EXEC_EVENT,
     NDJSON,
+    OUTPUT_EVENT,
     ExecError,
     ExecFinished,
     ExecOutput,
@@ -24,17 +25,20 @@ from capsa.common.node_api import (
     ExecResult,
     ExecStatus,
     KillRequest,
+    OutputChunk,
+    OutputEnd,
     ProcessInfo,
     ProcessList,
     ProcessOutput,
     ProcessStart,
+    StreamError,
 )
 from capsa.node import guest_client as guest
 from capsa.node.agent import ExecChunk
 from capsa.node.api.deps import Agent
 from capsa.node.api.errors import status_of
 
-__all__ = ["exec_status", "process_info", "router"]
+__all__ = ["exec_status", "output_lines", "process_info", "router"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +59,8 @@ def process_info(info: guest.ProcessInfo) -> ProcessInfo:
     cmd = info.cmd
     return ProcessInfo(pid=info.pid, cmd=[cmd] if isinstance(cmd, str) else list(cmd), running=info.running,
                        exit_code=info.exit_code, signal=info.signal,
-                       started_at=datetime.fromtimestamp(info.started_at, UTC).isoformat())
+                       started_at=datetime.fromtimestamp(info.started_at, UTC).isoformat(),
+                       stdin_open=info.stdin_open)
 
 
 @router.post("/exec", response_model=ExecResult,
@@ -108,7 +113,7 @@ async def _lines(events: AsyncGenerator[ExecChunk | guest.ExecResult, None]) -> 
 @router.post("/processes", response_model=ProcessInfo)
 async def start_process(agent: Agent, sandbox_id: str, body: ProcessStart) -> ProcessInfo:
     return process_info(await agent.start_process(sandbox_id, body.cmd, env=body.env, cwd=body.cwd,
-                                                  user=body.user))
+                                                  user=body.user, stdin=body.open_stdin))
 
 
 @router.get("/processes", response_model=ProcessList)
@@ -127,6 +132,77 @@ async def process_output(agent: Agent, sandbox_id: str, pid: int) -> ProcessOutp
     return ProcessOutput(stdout=_text(out.stdout), stderr=_text(out.stderr), running=out.running,
                          exit_code=out.exit_code, signal=out.signal, stdout_truncated=out.stdout_truncated,
                          stderr_truncated=out.stderr_truncated)
+
+
+MAX_STDIN_WRITE = 16 << 20
+"""Bytes one ``/stdin`` request may carry."""
+
+
+@router.post("/processes/{pid}/stdin", response_model=ProcessInfo,
+             openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}})
+async def send_stdin(agent: Agent, sandbox_id: str, pid: int, request: Request) -> ProcessInfo:
+    """Write the request body (raw bytes) to the process's stdin (409 ``stdin_closed``/``process_exited``)."""
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > MAX_STDIN_WRITE:
+            raise CapsaError(f"at most {MAX_STDIN_WRITE} bytes per stdin write", code="too_large", status=413)
+    return process_info(await agent.send_stdin(sandbox_id, pid, bytes(data)))
+
+
+@router.post("/processes/{pid}/stdin/close", response_model=ProcessInfo)
+async def close_stdin(agent: Agent, sandbox_id: str, pid: int) -> ProcessInfo:
+    return process_info(await agent.close_stdin(sandbox_id, pid))
+
+
+@router.get("/processes/{pid}/stream", response_class=StreamingResponse,
+            responses={200: {"content": {NDJSON: {}}, "description": "OutputEvent lines"}})
+async def stream_process(agent: Agent, sandbox_id: str, pid: int,
+                         stdout_from: Annotated[int, Query(ge=0)] = 0,
+                         stderr_from: Annotated[int, Query(ge=0)] = 0) -> StreamingResponse:
+    """The process's output from the offsets until it exits (see :class:`capsa.common.node_api.OutputChunk`).
+    """
+    output = await agent.stream_process(sandbox_id, pid, stdout_from=stdout_from, stderr_from=stderr_from)
+    return StreamingResponse(output_lines(output, {"stdout": stdout_from, "stderr": stderr_from}),
+                             media_type=NDJSON)
+
+
+async def output_lines(output: guest.OutputStream, start: dict[str, int]) -> AsyncIterator[bytes]:
+    """NDJSON :data:`OutputEvent` lines. Text is cut only at whole UTF-8 characters, so every line's
+    ``offset`` is a byte offset a client may resume from. Closing this (the client left) ends the stream."""
+    decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace")
+                for name in ("stdout", "stderr")}
+    fed = dict(start)
+
+    def line(event: OutputChunk | OutputEnd | StreamError) -> bytes:
+        return OUTPUT_EVENT.dump_json(event) + b"\n"
+
+    chunks = output.chunks()
+    try:
+        async for item in chunks:
+            if isinstance(item, guest.StreamEnd):
+                info = item.info
+                yield line(OutputEnd(exit_code=info.exit_code, signal=info.signal, stdout_end=item.stdout_end,
+                                     stderr_end=item.stderr_end))
+                return
+            name: Literal["stdout", "stderr"] = "stdout" if item.ch == "stdout" else "stderr"
+            decoder = decoders[name]
+            lost = max(0, item.offset - fed[name])
+            if lost:
+                decoder.reset()  # bytes are missing: a character cut there cannot be completed
+            fed[name] = item.offset + len(item.data)
+            text = decoder.decode(item.data)
+            held = len(decoder.getstate()[0])
+            if text or lost:
+                yield line(OutputChunk(ch=name, data=text, offset=fed[name] - held, lost=lost))
+    except CapsaError as exc:
+        yield line(StreamError(code=exc.code, detail=exc.message))
+    except Exception:
+        log.exception("process stream failed")
+        yield line(StreamError(code="internal_error", detail="internal error"))
+    finally:
+        await chunks.aclose()
+        await output.close()
 
 
 @router.post("/processes/{pid}/kill", response_model=ProcessInfo)

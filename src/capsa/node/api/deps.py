@@ -5,14 +5,14 @@ from __future__ import annotations
 import hmac
 from typing import Annotated
 
-from fastapi import Depends, Query, Request
+from fastapi import Depends, Query, Request, WebSocket
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from capsa.common.errors import CapsaError
 from capsa.common.node_api import GUEST_PATH_PATTERN
 from capsa.node.agent import NodeAgent
 
-__all__ = ["Agent", "GuestPath", "require_node_token"]
+__all__ = ["Agent", "GuestPath", "require_node_token", "websocket_authorized"]
 
 _bearer = HTTPBearer(auto_error=False)
 
@@ -25,6 +25,13 @@ async def require_node_token(
     given = credentials.credentials if credentials else ""
     if not hmac.compare_digest(given.encode(), token.encode()):
         raise CapsaError("missing or wrong node token", code="unauthorized", status=401)
+
+
+def websocket_authorized(websocket: WebSocket) -> bool:
+    """The node token check for WebSocket routes (the dependency above reads HTTP requests only)."""
+    token: str = websocket.app.state.node_token
+    scheme, _, given = websocket.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
 def _agent(request: Request) -> NodeAgent:

@@ -30,6 +30,8 @@ STATUS: dict[str, int] = {
     "not_a_directory": 409,
     "already_exists": 409,
     "directory_not_empty": 409,
+    "process_exited": 409,
+    "stdin_closed": 409,
     "io_error": 500,
     "internal": 500,
     "unsupported": 501,

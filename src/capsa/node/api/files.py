@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from capsa.common.errors import CapsaError
-from capsa.common.node_api import FileInfo, FileList
+from capsa.common.node_api import NDJSON, WATCH_EVENT, FileEvent, FileInfo, FileList, StreamError
 from capsa.node import guest_client as guest
 from capsa.node.api.deps import Agent, GuestPath
 
@@ -35,6 +35,29 @@ async def _relay(sandbox_id: str, chunks: AsyncGenerator[bytes, None]) -> AsyncI
         raise
     finally:
         await chunks.aclose()
+
+
+@router.get("/watch", response_class=StreamingResponse,
+            responses={200: {"content": {NDJSON: {}}, "description": "WatchEvent lines"}})
+async def watch(agent: Agent, sandbox_id: str, path: GuestPath,
+                recursive: bool = False) -> StreamingResponse:
+    """Changes under the directory, one :data:`WatchEvent` per line, until the client closes the stream
+    (or the directory is removed)."""
+    watcher = await agent.watch_dir(sandbox_id, path, recursive=recursive)
+    return StreamingResponse(_watch_lines(watcher), media_type=NDJSON)
+
+
+async def _watch_lines(watcher: guest.DirWatch) -> AsyncIterator[bytes]:
+    events = watcher.events()
+    try:
+        async for event in events:
+            yield WATCH_EVENT.dump_json(FileEvent(type=event.type, path=event.path,  # type: ignore[arg-type]
+                                                  is_dir=event.is_dir)) + b"\n"
+    except CapsaError as exc:
+        yield WATCH_EVENT.dump_json(StreamError(code=exc.code, detail=exc.message)) + b"\n"
+    finally:
+        await events.aclose()
+        await watcher.close()
 
 
 @router.get("/content", response_class=StreamingResponse)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from typing import Annotated
 
@@ -24,6 +23,7 @@ from starlette.websockets import WebSocketDisconnect
 from capsa.common.errors import CapsaError
 from capsa.common.port_tunnel import OK_MESSAGE, problem_message
 from capsa.node.agent import NodeAgent
+from capsa.node.api.deps import websocket_authorized
 from capsa.node.api.errors import status_of
 from capsa.node.guest_client import GuestError, TcpTunnel
 
@@ -36,16 +36,10 @@ router = APIRouter(prefix="/sandboxes/{sandbox_id}/ports", tags=["ports"])
 Port = Annotated[int, Path(ge=1, le=65535)]
 
 
-def _authorized(websocket: WebSocket) -> bool:
-    token: str = websocket.app.state.node_token
-    scheme, _, given = websocket.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
-
-
 @router.websocket("/{port}/tunnel")
 async def tunnel(websocket: WebSocket, sandbox_id: str, port: Port) -> None:
     """Open a TCP connection to ``127.0.0.1:port`` in the sandbox and relay it (see the module doc)."""
-    if not _authorized(websocket):
+    if not websocket_authorized(websocket):
         await websocket.close(code=1008, reason="missing or wrong node token")
         return
     agent = websocket.app.state.agent
