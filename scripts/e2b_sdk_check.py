@@ -76,6 +76,45 @@ def main() -> int:
         sbx.files.remove("/tmp/e2bcheck/c.txt")
         assert not sbx.files.exists("/tmp/e2bcheck/c.txt")
 
+    def stdin() -> None:
+        h = sbx.commands.run("cat", background=True, stdin=True)
+        sbx.commands.send_stdin(h.pid, "fed through stdin\n")
+        sbx.commands.close_stdin(h.pid)
+        assert h.wait().stdout == "fed through stdin\n"
+
+    def pty() -> None:
+        from e2b import PtySize
+
+        seen: list[bytes] = []
+        h = sbx.pty.create(PtySize(rows=24, cols=80))
+
+        def wait() -> None:
+            with contextlib.suppress(Exception):  # killed
+                h.wait(on_pty=seen.append)
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        sbx.pty.resize(h.pid, PtySize(rows=30, cols=100))
+        sbx.pty.send_stdin(h.pid, b"stty size; echo pty-$((6*7))\n")
+        deadline = time.monotonic() + 20
+        while b"pty-42" not in b"".join(seen) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert b"pty-42" in b"".join(seen) and b"30 100" in b"".join(seen), b"".join(seen)[-300:]
+        assert sbx.pty.kill(h.pid)
+        waiter.join(20)
+        assert not waiter.is_alive()
+
+    def watch() -> None:
+        sbx.files.make_dir("/tmp/e2bwatch")
+        handle = sbx.files.watch_dir("/tmp/e2bwatch")
+        sbx.files.write("/tmp/e2bwatch/new.txt", "x")
+        deadline, names = time.monotonic() + 20, set()
+        while "new.txt" not in names and time.monotonic() < deadline:
+            names |= {e.name for e in handle.get_new_events()}
+            time.sleep(0.2)
+        handle.stop()
+        assert "new.txt" in names, names
+
     def connect_and_timeout() -> None:
         other = Sandbox.connect(sbx.sandbox_id)
         assert other.commands.run("echo again").stdout == "again\n"
@@ -86,6 +125,9 @@ def main() -> int:
     check("commands.run foreground", run_foreground)
     check("commands.run background + on_stdout + list + kill", run_background)
     check("files", files)
+    check("commands stdin", stdin)
+    check("pty create + resize + send_stdin + kill", pty)
+    check("files.watch_dir", watch)
     check("connect + set_timeout + get_info + list", connect_and_timeout)
     check("kill", lambda: (sbx.kill(), None if not sbx.is_running() else 1 / 0))
     for name, ok, detail in results:

@@ -34,6 +34,7 @@ def create_e2b_app(plane_getter: PlaneGetter) -> FastAPI:
     """The E2B sub-application; ``plane_getter`` returns the running control plane."""
     app = FastAPI(title="capsa E2B compatibility", docs_url=None, redoc_url=None)
     app.state.plane_getter = plane_getter
+    app.state.e2b_live = envd.Live()
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

@@ -10,9 +10,12 @@ has begun.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import struct
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import Request
@@ -22,18 +25,24 @@ from capsa.common.errors import CapsaError
 
 __all__ = [
     "END_STREAM",
+    "KEEPALIVE_S",
     "STREAM_MEDIA_TYPE",
     "ConnectError",
     "as_connect",
     "connect_code_for",
     "envelope",
     "error_response",
+    "paced",
     "read_message",
+    "read_messages",
+    "single_message_stream",
     "stream_response",
     "unary_response",
 ]
 
 STREAM_MEDIA_TYPE = "application/connect+json"
+KEEPALIVE_S = 50.0
+"""Idle seconds between keepalive messages on a stream (the SDK announces a 50 s ping interval)."""
 END_STREAM = 0x02
 _COMPRESSED = 0x01
 _MAX_MESSAGE = 4 << 20
@@ -136,6 +145,36 @@ async def read_message(request: Request) -> dict[str, Any]:
     raise ConnectError("unimplemented", f"unsupported content type {content_type!r} (only the JSON codec)")
 
 
+async def read_messages(request: Request) -> AsyncIterator[dict[str, Any]]:
+    """The messages of a client stream (``application/connect+json``) as they arrive, until the client
+    ends its request body (or sends an end-of-stream envelope)."""
+    content_type = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+    if content_type != STREAM_MEDIA_TYPE:
+        raise ConnectError("unimplemented", f"unsupported content type {content_type!r} for a client stream")
+    buffer = b""
+    async for chunk in request.stream():
+        buffer += chunk
+        while len(buffer) >= 5:
+            flags, length = struct.unpack(">BI", buffer[:5])
+            if length > _MAX_MESSAGE:
+                raise ConnectError("resource_exhausted", "request message too large")
+            if len(buffer) < 5 + length:
+                break
+            data, buffer = buffer[5:5 + length], buffer[5 + length:]
+            if flags & _COMPRESSED:
+                raise ConnectError("unimplemented", "compressed messages are not supported")
+            if flags & END_STREAM:
+                return
+            yield _parse_json(data)
+    if buffer:
+        raise ConnectError("invalid_argument", "truncated request envelope")
+
+
+def single_message_stream(message: Mapping[str, Any]) -> Response:
+    """The answer of a client stream: one enveloped message, then the end of the stream."""
+    return Response(envelope(message) + envelope({}, END_STREAM), media_type=STREAM_MEDIA_TYPE)
+
+
 def unary_response(message: Mapping[str, Any]) -> JSONResponse:
     return JSONResponse(dict(message))
 
@@ -161,3 +200,46 @@ def stream_response(messages: AsyncIterator[Mapping[str, Any]]) -> StreamingResp
     """A server stream: each message enveloped, then the end-of-stream envelope (an error raised by
     ``messages`` becomes its ``error``)."""
     return StreamingResponse(_framed(messages), media_type=STREAM_MEDIA_TYPE)
+
+
+_DONE = object()
+
+
+async def paced(source: AsyncIterator[Mapping[str, Any]], keepalive: Mapping[str, Any], *,
+                deadline: float | None = None, on_deadline: Callable[[], Awaitable[None]] | None = None,
+                deadline_message: str = "deadline exceeded") -> AsyncIterator[Mapping[str, Any]]:
+    """``source``'s messages, with ``keepalive`` while it is idle for :data:`KEEPALIVE_S`, and
+    ``deadline_exceeded`` at ``deadline`` (``time.monotonic()``; after ``on_deadline()``). ``source`` runs
+    in a task of its own, so waiting never cancels it mid-step; leaving closes it."""
+    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=64)
+
+    async def pump() -> None:
+        try:
+            async for item in source:
+                await queue.put(item)
+            await queue.put(_DONE)
+        except Exception as exc:
+            await queue.put(exc)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            wait = KEEPALIVE_S if deadline is None else min(KEEPALIVE_S, deadline - time.monotonic())
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=max(wait, 0.0))
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    if on_deadline is not None:
+                        await on_deadline()
+                    raise ConnectError("deadline_exceeded", deadline_message) from None
+                yield keepalive
+                continue
+            if item is _DONE:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task

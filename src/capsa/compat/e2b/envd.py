@@ -9,8 +9,9 @@ that URL at ``/e2b/envd``: Connect RPC (JSON) for ``process.Process`` and ``file
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
@@ -18,13 +19,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.datastructures import UploadFile
 
-from capsa.compat.e2b import filesystem, process
+from capsa.compat.e2b import filesystem, process, watch
 from capsa.compat.e2b.access import EnvdTarget, envd_target, plane
 from capsa.compat.e2b.connect import (
     ConnectError,
     as_connect,
     error_response,
     read_message,
+    read_messages,
+    single_message_stream,
     stream_response,
     unary_response,
 )
@@ -33,22 +36,12 @@ from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.sessions import node_call_failed
 
-__all__ = ["UNIMPLEMENTED", "router"]
+__all__ = ["Call", "Live", "live_state", "router"]
 
 router = APIRouter()
 
-UNIMPLEMENTED = {
-    "process.Process/SendInput": "stdin to processes",
-    "process.Process/StreamInput": "stdin to processes",
-    "process.Process/CloseStdin": "stdin to processes",
-    "process.Process/Update": "PTY resize",
-    "filesystem.Filesystem/WatchDir": "watching directories",
-    "filesystem.Filesystem/CreateWatcher": "watching directories",
-    "filesystem.Filesystem/GetWatcherEvents": "watching directories",
-    "filesystem.Filesystem/RemoveWatcher": "watching directories",
-}
-"""envd methods capsa does not serve yet, answered ``unimplemented`` with what is missing."""
-_STREAMS = {"process.Process/Start", "process.Process/Connect", "filesystem.Filesystem/WatchDir"}
+_STREAMS = {"process.Process/Start", "process.Process/Connect", "filesystem.Filesystem/WatchDir",
+            "process.Process/StreamInput"}
 _CHUNK = 1 << 20
 
 
@@ -56,24 +49,98 @@ def _user(request: Request) -> str | None:
     return process.user_from_authorization(request.headers.get("authorization"))
 
 
-Unary = Callable[[ControlPlane, EnvdTarget, dict[str, Any], str | None], Awaitable[dict[str, Any]]]
-
-
 def _path(message: dict[str, Any], user: str | None, key: str = "path") -> str:
     return filesystem.resolve_path(message.get(key), user)
 
 
-_UNARY: dict[str, Unary] = {
-    "process.Process/List": lambda c, t, m, u: process.list_processes(c, t),
-    "process.Process/SendSignal": lambda c, t, m, u: process.send_signal(c, t, m),
-    "filesystem.Filesystem/Stat": lambda c, t, m, u: filesystem.stat(c, t, _path(m, u)),
-    "filesystem.Filesystem/MakeDir": lambda c, t, m, u: filesystem.make_dir(c, t, _path(m, u)),
-    "filesystem.Filesystem/Move": lambda c, t, m, u: filesystem.move(c, t, _path(m, u, "source"),
-                                                                      _path(m, u, "destination")),
-    "filesystem.Filesystem/ListDir": lambda c, t, m, u: filesystem.list_dir(c, t, _path(m, u),
-                                                                             m.get("depth")),
-    "filesystem.Filesystem/Remove": lambda c, t, m, u: filesystem.remove(c, t, _path(m, u)),
+@dataclass
+class Call:
+    """One parsed envd call: the plane, this replica's terminals and watchers, the target session, the
+    request message and the user the SDK named."""
+
+    control: ControlPlane
+    live: Live
+    target: EnvdTarget
+    message: dict[str, Any]
+    user: str | None
+
+    def path(self, key: str = "path") -> str:
+        return _path(self.message, self.user, key)
+
+
+@dataclass
+class Live:
+    """What this replica holds open for E2B clients (terminals, polled watchers)."""
+
+    terminals: process.Terminals = field(default_factory=process.Terminals)
+    watchers: watch.Watchers = field(default_factory=watch.Watchers)
+
+
+async def _create_watcher(c: Call) -> dict[str, Any]:
+    recursive = c.message.get("recursive") is True
+    watcher_id = await c.live.watchers.create(c.control, c.target, c.path(), recursive)
+    return {"watcherId": watcher_id}
+
+
+async def _watcher_events(c: Call) -> dict[str, Any]:
+    return {"events": c.live.watchers.drain(c.target, c.message.get("watcherId"))}
+
+
+async def _remove_watcher(c: Call) -> dict[str, Any]:
+    await c.live.watchers.remove(c.target, c.message.get("watcherId"))
+    return {}
+
+
+_UNARY: dict[str, Callable[[Call], Awaitable[dict[str, Any]]]] = {
+    "process.Process/List": lambda c: process.list_processes(c.control, c.live.terminals, c.target),
+    "process.Process/SendSignal": lambda c: process.send_signal(c.control, c.live.terminals, c.target,
+                                                                c.message),
+    "process.Process/SendInput": lambda c: process.send_input(c.control, c.live.terminals, c.target,
+                                                              c.message),
+    "process.Process/CloseStdin": lambda c: process.close_stdin(c.control, c.target, c.message),
+    "process.Process/Update": lambda c: process.update_process(c.live.terminals, c.target, c.message),
+    "filesystem.Filesystem/Stat": lambda c: filesystem.stat(c.control, c.target, c.path()),
+    "filesystem.Filesystem/MakeDir": lambda c: filesystem.make_dir(c.control, c.target, c.path()),
+    "filesystem.Filesystem/Move": lambda c: filesystem.move(c.control, c.target, c.path("source"),
+                                                             c.path("destination")),
+    "filesystem.Filesystem/ListDir": lambda c: filesystem.list_dir(c.control, c.target, c.path(),
+                                                                    c.message.get("depth")),
+    "filesystem.Filesystem/Remove": lambda c: filesystem.remove(c.control, c.target, c.path()),
+    "filesystem.Filesystem/CreateWatcher": _create_watcher,
+    "filesystem.Filesystem/GetWatcherEvents": _watcher_events,
+    "filesystem.Filesystem/RemoveWatcher": _remove_watcher,
 }
+
+
+def _stream(c: Call, name: str, request: Request) -> AsyncIterator[Mapping[str, Any]]:
+    if name == "filesystem.Filesystem/WatchDir":
+        return watch.watch_stream(c.control, c.target, c.path(), c.message.get("recursive") is True)
+    start = process.start_request(c.message, c.user) if name == "process.Process/Start" else None
+    return process.stream_process(c.control, c.live.terminals, c.target, c.message, start=start,
+                                  timeout_ms=request.headers.get("connect-timeout-ms"))
+
+
+def live_state(request: Request) -> Live:
+    live = request.app.state.e2b_live
+    assert isinstance(live, Live)
+    return live
+
+
+async def _stream_input(request: Request) -> Response:
+    """``StreamInput`` (client stream): a ``start`` naming the process, then ``data`` inputs, until the
+    client ends its request body; answered with one empty message."""
+    control, live = plane(request), live_state(request)
+    target = await envd_target(request)
+    pid: int | None = None
+    async for message in read_messages(request):
+        if "start" in message:
+            pid = process.selected_pid(message["start"] or {})
+        elif "data" in message:
+            if pid is None:
+                raise ConnectError("invalid_argument", "StreamInput needs a start message first")
+            await process.send_input(control, live.terminals, target,
+                                     {"process": {"pid": pid}, **(message["data"] or {})})
+    return single_message_stream({})
 
 
 async def _rpc(service: str, method: str, request: Request) -> Response:
@@ -81,20 +148,15 @@ async def _rpc(service: str, method: str, request: Request) -> Response:
     streaming = name in _STREAMS or (request.headers.get("content-type") or "").startswith(
         "application/connect+")
     try:
-        if name in UNIMPLEMENTED:
-            raise ConnectError("unimplemented", f"{name}: {UNIMPLEMENTED[name]} is not supported by capsa's "
-                                                "E2B layer yet")
-        if name not in _UNARY and name not in ("process.Process/Start", "process.Process/Connect"):
+        if name == "process.Process/StreamInput":
+            return await _stream_input(request)
+        if name not in _UNARY and name not in _STREAMS:
             raise ConnectError("unimplemented", f"unknown method {name}")
         message = await read_message(request)
-        user = _user(request)
-        control = plane(request)
-        target = await envd_target(request)
+        call = Call(plane(request), live_state(request), await envd_target(request), message, _user(request))
         if name in _UNARY:
-            return unary_response(await _UNARY[name](control, target, message, user))
-        start = process.start_request(message, user) if method == "Start" else None
-        return stream_response(process.stream_process(control, target, message, start=start,
-                                                      timeout_ms=request.headers.get("connect-timeout-ms")))
+            return unary_response(await _UNARY[name](call))
+        return stream_response(_stream(call, name, request))
     except (ConnectError, ApiError) as exc:
         return error_response(as_connect(exc), streaming)
 

@@ -1,41 +1,53 @@
-"""envd's ``process.Process`` service on capsa's guest processes.
+"""envd's ``process.Process`` service on capsa's guest processes and terminals.
 
-Every ``Start`` is a capsa background process (``proc_start`` through the session's node), so it has a
-real pid from its first message on: the E2B SDK runs foreground and background commands through the same
-stream and kills or reconnects by pid. Output reaches the stream by following the process's output
-buffers (:func:`follow`), until the process ends; then the ``end`` event carries its exit. A stream whose
-client goes away leaves the process running (the SDK's ``disconnect``); a stream past its
-``Connect-Timeout-Ms`` kills the process and ends with ``deadline_exceeded`` (the SDK's command timeout).
+Every plain ``Start`` is a capsa background process (``proc_start`` through the session's node, with a
+stdin pipe when the SDK asks for one), so it has a real pid from its first message on: the E2B SDK runs
+foreground and background commands through the same stream and kills, feeds or reconnects by pid. Its
+output reaches the stream through the node's process output stream (``proc_stream``) until the process
+ends; the ``end`` event carries its exit. A ``Start`` with ``pty`` opens a capsa terminal (the node's
+``/pty`` WebSocket); its input, resize and kill arrive on other requests, so this replica keeps the open
+terminals by session and pid (:class:`Terminals`).
+
+A stream whose client goes away leaves a process running (the SDK's ``disconnect``) and hangs a terminal
+up; a stream past its ``Connect-Timeout-Ms`` kills the process and ends with ``deadline_exceeded`` (the
+SDK's command timeout). Idle streams get keepalive events (:func:`capsa.compat.e2b.connect.paced`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import shlex
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 from capsa.common import node_api
+from capsa.common.errors import CapsaError
+from capsa.common.terminal_wire import TerminalClient, TerminalOptions
 from capsa.compat.e2b.access import EnvdTarget
-from capsa.compat.e2b.connect import ConnectError
+from capsa.compat.e2b.connect import ConnectError, paced
 from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.sessions import node_call_failed
 
-__all__ = ["KEEPALIVE_S", "SIGNALS", "follow", "guest_user", "list_processes", "send_signal", "start_request",
-           "stream_process", "user_from_authorization"]
+__all__ = ["SIGNALS", "StartSpec", "Terminals", "close_stdin", "guest_user", "list_processes",
+           "selected_pid", "send_input", "send_signal", "start_request", "stream_process", "update_process",
+           "user_from_authorization"]
 
 SIGNALS = {"SIGNAL_SIGTERM": 15, "SIGNAL_SIGKILL": 9, 15: 15, 9: 9}
-KEEPALIVE_S = 50.0
-"""Idle seconds between keepalive events on a stream (the SDK announces a 50 s ping interval)."""
-_POLL_MIN, _POLL_MAX = 0.02, 0.25
+
+
+def guest_user(name: str | None) -> str | None:
+    """The capsa user for an E2B user name: None (the guest's default, root) for ``user`` and ``root``.
+
+    capsa's guest has no ``user`` account: E2B's default user name means capsa's default user."""
+    return None if name in (None, "", "user", "root") else name
 
 
 def user_from_authorization(header: str | None) -> str | None:
-    """The user the SDK names in ``Authorization: Basic base64("<user>:")``; none: the guest's default.
-
-    capsa's guest has no ``user`` account: E2B's default user name means capsa's default user (root)."""
+    """The user the SDK names in ``Authorization: Basic base64("<user>:")``; none: the guest's default."""
     if not header or not header.lower().startswith("basic "):
         return None
     try:
@@ -45,14 +57,16 @@ def user_from_authorization(header: str | None) -> str | None:
     return guest_user(user)
 
 
-def guest_user(name: str | None) -> str | None:
-    """The capsa user for an E2B user name: None (the guest's default, root) for ``user`` and ``root``."""
-    return None if name in (None, "", "user", "root") else name
+@dataclass(frozen=True)
+class StartSpec:
+    """A parsed ``StartRequest``: the process, and the terminal size when it asks for a PTY."""
+
+    process: node_api.ProcessStart
+    pty: tuple[int, int] | None = None
+    """(cols, rows)."""
 
 
-def start_request(message: dict[str, Any], user: str | None) -> node_api.ProcessStart:
-    if message.get("pty"):
-        raise ConnectError("unimplemented", "PTY processes are not supported by capsa's E2B layer yet")
+def start_request(message: dict[str, Any], user: str | None) -> StartSpec:
     config = message.get("process")
     if not isinstance(config, dict) or not isinstance(config.get("cmd"), str) or not config["cmd"]:
         raise ConnectError("invalid_argument", "process.cmd is required")
@@ -63,13 +77,22 @@ def start_request(message: dict[str, Any], user: str | None) -> node_api.Process
         raise ConnectError("invalid_argument", "process.args must be a list of strings")
     if not isinstance(envs, dict) or not all(isinstance(v, str) for v in envs.values()):
         raise ConnectError("invalid_argument", "process.envs must map names to strings")
+    pty: tuple[int, int] | None = None
+    if message.get("pty") is not None:
+        size = (message["pty"] or {}).get("size") or {}
+        cols, rows = size.get("cols", 80), size.get("rows", 24)
+        if not all(isinstance(v, int) and 0 < v <= 10000 for v in (cols, rows)):
+            raise ConnectError("invalid_argument", "pty.size needs cols and rows in 1..10000")
+        pty = (cols, rows)
     try:
-        return node_api.ProcessStart(cmd=[config["cmd"], *args], env=envs, cwd=cwd, user=user)
+        start = node_api.ProcessStart(cmd=[config["cmd"], *args], env=envs, cwd=cwd, user=user,
+                                      open_stdin=message.get("stdin") is True)
     except ValueError as exc:
         raise ConnectError("invalid_argument", str(exc).splitlines()[0]) from exc
+    return StartSpec(start, pty)
 
 
-def _selected_pid(message: dict[str, Any]) -> int:
+def selected_pid(message: dict[str, Any]) -> int:
     selector = message.get("process") or {}
     pid = selector.get("pid") if isinstance(selector, dict) else None
     if isinstance(pid, int) and pid > 0:
@@ -86,55 +109,60 @@ async def _guest(control: ControlPlane, target: EnvdTarget, call: Any) -> Any:
         raise await node_call_failed(control, target.row, exc) from exc
 
 
-def _end_event(out: node_api.ProcessOutput | node_api.ProcessInfo) -> dict[str, Any]:
-    if out.signal is not None:
-        name = {9: "killed", 15: "terminated", 2: "interrupt"}.get(out.signal, f"signal {out.signal}")
-        return {"end": {"exitCode": -1, "exited": False, "status": f"signal: {name}"}}
-    code = out.exit_code if out.exit_code is not None else -1
-    return {"end": {"exitCode": code, "exited": True, "status": f"exit status {code}"}}
+def _end_event(exit_code: int | None, signal: int | None) -> dict[str, Any]:
+    if signal is not None:
+        name = {9: "killed", 15: "terminated", 1: "hangup", 2: "interrupt"}.get(signal, f"signal {signal}")
+        return {"event": {"end": {"exitCode": -1, "exited": False, "status": f"signal: {name}"}}}
+    code = exit_code if exit_code is not None else -1
+    return {"event": {"end": {"exitCode": code, "exited": True, "status": f"exit status {code}"}}}
 
 
-def _data(channel: str, text: str) -> dict[str, Any]:
-    return {"event": {"data": {channel: base64.b64encode(text.encode()).decode()}}}
+def _data(channel: str, raw: bytes) -> dict[str, Any]:
+    return {"event": {"data": {channel: base64.b64encode(raw).decode()}}}
 
 
-async def follow(control: ControlPlane, target: EnvdTarget, pid: int, *, from_start: bool,
-                 deadline: float | None) -> AsyncIterator[dict[str, Any]]:
-    """The stream's messages after ``start``: new output as ``data`` events, then ``end``.
+@dataclass
+class Terminals:
+    """The PTYs this replica relays, by (session id, pid): input, resize and kill find them here."""
 
-    Follows the process's output buffers (capsa keeps the last 1 MiB per stream: output written faster
-    than it is followed past that is lost). ``from_start``: also what it wrote before now."""
-    seen = {"stdout": 0, "stderr": 0}
-    if not from_start:
-        now = await _guest(control, target, target.client.process_output(target.sandbox_id, pid))
-        seen = {"stdout": len(now.stdout), "stderr": len(now.stderr)}
-    delay, idle_since = _POLL_MIN, time.monotonic()
-    while True:
-        out: node_api.ProcessOutput = await _guest(
-            control, target, target.client.process_output(target.sandbox_id, pid))
-        fresh = False
-        for channel, text in (("stdout", out.stdout), ("stderr", out.stderr)):
-            if len(text) < seen[channel]:  # the ring buffer dropped its head: follow from its new end
-                seen[channel] = 0
-            if len(text) > seen[channel]:
-                yield _data(channel, text[seen[channel]:])
-                seen[channel] = len(text)
-                fresh = True
-        if not out.running:
-            yield {"event": _end_event(out)}
-            return
-        now_t = time.monotonic()
-        if deadline is not None and now_t >= deadline:
-            await _guest(control, target, target.client.kill_process(target.sandbox_id, pid, 9))
-            raise ConnectError("deadline_exceeded", "the command ran past its timeout and was killed")
-        if fresh:
-            delay, idle_since = _POLL_MIN, now_t
-        else:
-            delay = min(delay * 1.5, _POLL_MAX)
-            if now_t - idle_since >= KEEPALIVE_S:
-                yield {"event": {"keepalive": {}}}
-                idle_since = now_t
-        await asyncio.sleep(delay if deadline is None else max(0.0, min(delay, deadline - now_t)))
+    open: dict[tuple[str, int], TerminalClient] = field(default_factory=dict)
+
+    def get(self, target: EnvdTarget, pid: int) -> TerminalClient | None:
+        return self.open.get((target.row.id, pid))
+
+
+async def _process_output(control: ControlPlane, target: EnvdTarget, pid: int,
+                          ) -> AsyncIterator[dict[str, Any]]:
+    opener: AbstractAsyncContextManager[AsyncIterator[node_api.OutputEvent]] = target.client.stream_process(
+        target.sandbox_id, pid)
+    try:
+        async with opener as events:
+            async for event in events:
+                if isinstance(event, node_api.OutputChunk):
+                    if event.data:
+                        yield _data(event.ch, event.data.encode())
+                elif isinstance(event, node_api.OutputEnd):
+                    yield _end_event(event.exit_code, event.signal)
+                    return
+                else:
+                    raise CapsaError(event.detail, code=event.code, status=502)
+    except NodeError as exc:
+        raise await node_call_failed(control, target.row, exc) from exc
+    raise ConnectError("unavailable", "the process output stream ended before the process did")
+
+
+async def _terminal_output(terminals: Terminals, target: EnvdTarget, terminal: TerminalClient,
+                           ) -> AsyncIterator[dict[str, Any]]:
+    key = (target.row.id, terminal.pid)
+    terminals.open[key] = terminal
+    try:
+        while (chunk := await terminal.recv()) is not None:
+            yield _data("pty", chunk)
+        ended = terminal.exit
+        yield _end_event(ended.exit_code if ended else None, ended.signal if ended else 1)
+    finally:
+        terminals.open.pop(key, None)
+        await terminal.close()
 
 
 def _deadline(timeout_ms: str | None) -> float | None:
@@ -147,37 +175,112 @@ def _deadline(timeout_ms: str | None) -> float | None:
     return time.monotonic() + ms / 1000 if ms > 0 else None
 
 
-async def stream_process(control: ControlPlane, target: EnvdTarget, message: dict[str, Any], *,
-                         start: node_api.ProcessStart | None, timeout_ms: str | None,
-                         ) -> AsyncIterator[dict[str, Any]]:
-    """``Start`` (``start`` given) or ``Connect`` (an existing pid): the start event, output, the end."""
+async def stream_process(control: ControlPlane, terminals: Terminals, target: EnvdTarget,
+                         message: dict[str, Any], *, start: StartSpec | None, timeout_ms: str | None,
+                         ) -> AsyncIterator[Mapping[str, Any]]:
+    """``Start`` (``start`` given) or ``Connect`` (an existing pid): the start event, output, the end.
+
+    ``Connect`` replays the output the guest still holds for the process (up to 1 MiB per stream), then
+    follows it."""
     deadline = _deadline(timeout_ms)
-    if start is not None:
-        info: node_api.ProcessInfo = await _guest(
-            control, target, target.client.start_process(target.sandbox_id, start))
-        pid = info.pid
+    source: AsyncIterator[dict[str, Any]]
+    if start is not None and start.pty is not None:
+        spec = start.process
+        cmd = spec.cmd if isinstance(spec.cmd, str) else shlex.join(spec.cmd)
+        try:
+            terminal = await target.client.open_terminal(target.sandbox_id, TerminalOptions(
+                cols=start.pty[0], rows=start.pty[1], cmd=cmd, env=spec.env or None, cwd=spec.cwd,
+                user=spec.user).check())
+        except NodeError as exc:
+            raise await node_call_failed(control, target.row, exc) from exc
+        pid = terminal.pid
+        source = _terminal_output(terminals, target, terminal)
+
+        async def on_deadline() -> None:
+            await terminal.kill()
     else:
-        pid = _selected_pid(message)
-        info = await _guest(control, target, target.client.get_process(target.sandbox_id, pid))
-        if not info.running:
-            raise ConnectError("not_found", f"process {pid} is not running")
+        if start is not None:
+            info: node_api.ProcessInfo = await _guest(
+                control, target, target.client.start_process(target.sandbox_id, start.process))
+        else:
+            info = await _guest(control, target, target.client.get_process(target.sandbox_id,
+                                                                            selected_pid(message)))
+            if not info.running:
+                raise ConnectError("not_found", f"process {info.pid} is not running")
+        pid = info.pid
+        source = _process_output(control, target, pid)
+
+        async def on_deadline() -> None:
+            await _guest(control, target, target.client.kill_process(target.sandbox_id, pid, 9))
     yield {"event": {"start": {"pid": pid}}}
-    async for event in follow(control, target, pid, from_start=start is not None, deadline=deadline):
+    async for event in paced(source, {"event": {"keepalive": {}}}, deadline=deadline, on_deadline=on_deadline,
+                             deadline_message="the command ran past its timeout and was killed"):
         yield event
 
 
-async def list_processes(control: ControlPlane, target: EnvdTarget) -> dict[str, Any]:
+async def list_processes(control: ControlPlane, terminals: Terminals, target: EnvdTarget) -> dict[str, Any]:
     items: list[node_api.ProcessInfo] = await _guest(
         control, target, target.client.list_processes(target.sandbox_id))
-    return {"processes": [
-        {"pid": p.pid, "config": {"cmd": p.cmd[0] if p.cmd else "", "args": p.cmd[1:], "envs": {}}}
-        for p in items if p.running]}
+    processes = [{"pid": p.pid, "config": {"cmd": p.cmd[0] if p.cmd else "", "args": p.cmd[1:], "envs": {}}}
+                 for p in items if p.running]
+    processes += [{"pid": pid, "config": {"cmd": "pty", "args": [], "envs": {}}}
+                  for (session, pid) in terminals.open if session == target.row.id]
+    return {"processes": processes}
 
 
-async def send_signal(control: ControlPlane, target: EnvdTarget, message: dict[str, Any]) -> dict[str, Any]:
-    pid = _selected_pid(message)
+def _input(message: dict[str, Any]) -> tuple[str, bytes]:
+    given = message.get("input") or {}
+    for channel in ("stdin", "pty"):
+        if isinstance(given.get(channel), str):
+            try:
+                return channel, base64.b64decode(given[channel], validate=True)
+            except ValueError as exc:
+                raise ConnectError("invalid_argument", f"input.{channel} is not base64") from exc
+    raise ConnectError("invalid_argument", "input.stdin or input.pty is required")
+
+
+async def send_input(control: ControlPlane, terminals: Terminals, target: EnvdTarget,
+                     message: dict[str, Any]) -> dict[str, Any]:
+    pid = selected_pid(message)
+    channel, data = _input(message)
+    terminal = terminals.get(target, pid)
+    if terminal is not None:
+        await terminal.send(data)
+    elif channel == "pty":
+        raise ConnectError("not_found", f"no terminal {pid} on this server")
+    else:
+        await _guest(control, target, target.client.send_stdin(target.sandbox_id, pid, data))
+    return {}
+
+
+async def close_stdin(control: ControlPlane, target: EnvdTarget, message: dict[str, Any]) -> dict[str, Any]:
+    await _guest(control, target, target.client.close_stdin(target.sandbox_id, selected_pid(message)))
+    return {}
+
+
+async def update_process(terminals: Terminals, target: EnvdTarget, message: dict[str, Any]) -> dict[str, Any]:
+    """``Update``: a terminal's new size."""
+    pid = selected_pid(message)
+    terminal = terminals.get(target, pid)
+    if terminal is None:
+        raise ConnectError("not_found", f"no terminal {pid} on this server")
+    size = (message.get("pty") or {}).get("size") or {}
+    cols, rows = size.get("cols"), size.get("rows")
+    if not (isinstance(cols, int) and isinstance(rows, int) and 0 < cols <= 10000 and 0 < rows <= 10000):
+        raise ConnectError("invalid_argument", "pty.size needs cols and rows in 1..10000")
+    await terminal.resize(cols, rows)
+    return {}
+
+
+async def send_signal(control: ControlPlane, terminals: Terminals, target: EnvdTarget,
+                      message: dict[str, Any]) -> dict[str, Any]:
+    pid = selected_pid(message)
     signal = SIGNALS.get(message.get("signal", "SIGNAL_SIGKILL"))
     if signal is None:
         raise ConnectError("invalid_argument", f"unsupported signal {message.get('signal')!r}")
-    await _guest(control, target, target.client.kill_process(target.sandbox_id, pid, signal))
+    terminal = terminals.get(target, pid)
+    if terminal is not None:
+        await terminal.kill()  # a terminal's whole process group gets SIGKILL
+    else:
+        await _guest(control, target, target.client.kill_process(target.sandbox_id, pid, signal))
     return {}
