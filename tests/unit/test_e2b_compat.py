@@ -27,9 +27,9 @@ def _point_sdk_at(monkeypatch: pytest.MonkeyPatch, stack: ApiStack, key: str) ->
     return env
 
 
-async def _eventually(check: object, timeout: float = 15.0) -> None:
+async def _eventually(check: object, within: float = 15.0) -> None:
     assert callable(check)
-    deadline = asyncio.get_running_loop().time() + timeout
+    deadline = asyncio.get_running_loop().time() + within
     while not check():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
