@@ -5,6 +5,7 @@ microVMs: tests/integration/test_e2b_vm.py."""
 from __future__ import annotations
 
 import asyncio
+import io
 import struct
 from pathlib import Path
 
@@ -207,3 +208,32 @@ def test_capsa_e2b_env_prints_exports(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CAPSA_API_KEY")
     missing = CliRunner().invoke(cli, ["e2b", "env"])
     assert missing.exit_code == 1 and "no API key" in missing.output
+
+
+async def test_openai_agents_e2b_client(stack: ApiStack, monkeypatch: pytest.MonkeyPatch,
+                                        tmp_path: Path) -> None:
+    """The OpenAI Agents SDK's E2B sandbox client without a model: create, exec, write/read, persist and
+    hydrate the workspace, shut down. (The fake guest is a host process: the workspace is under tmp_path.)"""
+    from agents.extensions.sandbox.e2b import E2BSandboxClient, E2BSandboxClientOptions
+    from agents.sandbox.manifest import Manifest
+
+    key = await stack.tenant_key("e2b-agents")
+    _point_sdk_at(monkeypatch, stack, key)
+    client = E2BSandboxClient()
+    session = await client.create(options=E2BSandboxClientOptions(sandbox_type="e2b", timeout=300),
+                                  manifest=Manifest(root=str(tmp_path / "workspace")))
+    await session.start()
+    try:
+        await session.write(Path("notes/a.txt"), io.BytesIO(b"agent data"))
+        result = await session.exec("sh", "-c", "ls notes; cat notes/a.txt")
+        assert (result.exit_code, result.stdout) == (0, b"a.txt\nagent data")
+        archive = (await session.persist_workspace()).read()
+        assert (await session.exec("rm", "-rf", "notes")).exit_code == 0
+        await session.hydrate_workspace(io.BytesIO(archive))
+        assert (await session.read(Path("notes/a.txt"))).read() == b"agent data"
+    finally:
+        await session.shutdown()
+        await client.delete(session)
+    async with stack.client(key) as capsa_client:
+        state = (await capsa_client.get(f"/v1/sessions/{session.state.sandbox_id}")).json()["state"]
+    assert state == "closed"

@@ -9,6 +9,7 @@ that URL at ``/e2b/envd``: Connect RPC (JSON) for ``process.Process`` and ``file
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -36,10 +37,12 @@ from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.sessions import node_call_failed
 
-__all__ = ["Call", "Live", "live_state", "router"]
+__all__ = ["MULTIPART", "Call", "Live", "live_state", "router"]
 
 router = APIRouter()
 
+MULTIPART = importlib.util.find_spec("python_multipart") is not None
+"""Whether multipart uploads can be parsed here (the ``capsa[e2b]`` extra)."""
 _STREAMS = {"process.Process/Start", "process.Process/Connect", "filesystem.Filesystem/WatchDir",
             "process.Process/StreamInput"}
 _CHUNK = 1 << 20
@@ -252,6 +255,9 @@ async def upload(request: Request, path: _PathQuery = None, username: _PathQuery
         written: list[dict[str, Any]] = []
         content_type = (request.headers.get("content-type") or "").lower()
         if content_type.startswith("multipart/form-data"):
+            if not MULTIPART:
+                raise ConnectError("unimplemented", "multipart uploads need python-multipart on the server "
+                                                    "(pip install 'capsa[e2b]'); octet-stream uploads work")
             async with request.form(max_files=1000, max_fields=1000) as form:
                 for _, part in form.multi_items():
                     if not isinstance(part, UploadFile):
