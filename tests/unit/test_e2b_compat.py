@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from click.testing import CliRunner
-from e2b import AsyncSandbox, NotFoundException, PtySize
+from e2b import AsyncSandbox, NotFoundException, PtySize, SandboxException
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from capsa.cli.main import cli
@@ -237,3 +237,15 @@ async def test_openai_agents_e2b_client(stack: ApiStack, monkeypatch: pytest.Mon
     async with stack.client(key) as capsa_client:
         state = (await capsa_client.get(f"/v1/sessions/{session.state.sandbox_id}")).json()["state"]
     assert state == "closed"
+
+
+async def test_unserved_e2b_calls_say_so(stack: ApiStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What capsa does not serve answers 501 with a reason, not a 404 the SDK would read as "not found"."""
+    _point_sdk_at(monkeypatch, stack, await stack.tenant_key("e2b-u"))
+    sbx = await AsyncSandbox.create()
+    try:
+        with pytest.raises(SandboxException, match=r"501: POST /sandboxes/.*/snapshots is not supported"):
+            await sbx.create_snapshot()
+        assert await sbx.get_metrics() == []
+    finally:
+        await sbx.kill()

@@ -49,6 +49,6 @@ def create_e2b_app(plane_getter: PlaneGetter) -> FastAPI:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return rest.e2b_error(exc.status_code, str(exc.detail))
 
-    app.include_router(rest.router)
     app.include_router(envd.router, prefix=ENVD_PATH)
+    app.include_router(rest.router)  # last: it ends with the catch-all for what is not served
     return app

@@ -21,7 +21,7 @@ from capsa.compat.e2b.access import api_caller, plane
 from capsa.compat.e2b.versions import ENVD_VERSION
 from capsa.control import sessions, snapshots
 from capsa.control.auth import Principal
-from capsa.control.errors import ApiError, InvalidState, NotFound
+from capsa.control.errors import InvalidState, NotFound
 from capsa.control.plane import ControlPlane
 from capsa.control.schemas import SessionCreate, SessionOut
 from capsa.control.store.models import utcnow
@@ -253,5 +253,9 @@ async def sandbox_metrics(sandbox_id: str, request: Request, caller: Caller) -> 
     return []
 
 
-def api_error_response(exc: ApiError) -> JSONResponse:
-    return e2b_error(exc.status, exc.message)
+@router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+                  include_in_schema=False)
+async def not_served(rest: str, request: Request) -> JSONResponse:
+    """The rest of E2B's API (templates, snapshots, fork, logs, network updates, volumes, secrets): 501,
+    which the SDK raises as ``SandboxException("501: …")`` (a plain 404 would read as a missing sandbox)."""
+    return e2b_error(501, f"{request.method} /{rest} is not supported by capsa's E2B layer (docs/e2b.md)")
