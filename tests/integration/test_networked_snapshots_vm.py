@@ -270,13 +270,16 @@ async def test_rolling_snapshot_networked_session_survives_its_vm_through_the_ap
                 sid = created.json()["id"]
                 first = json.loads((await _run(api, sid, ["python3", "-c", ALLOWED]))["stdout"])
                 assert first["status"] == 200 and SECRET not in first["key"]
-                await _run(api, sid, ["sh", "-c", "echo networked > /root/state"])
 
-                async def rolled() -> bool:
+                async def rolled(n: int) -> bool:
                     items = (await api.get(f"/v1/sessions/{sid}/snapshots")).json()["items"]
-                    return len([s for s in items if s["kind"] == "rolling"]) >= 2
+                    return len([s for s in items if s["kind"] == "rolling"]) >= n
 
-                await _until(rolled, "rolling snapshots after both commands")
+                # One snapshot after the first command before the second runs: two commands that both end
+                # before the rolling pass claims the session are rightly covered by one snapshot.
+                await _until(lambda: rolled(1), "a rolling snapshot after the first command")
+                await _run(api, sid, ["sh", "-c", "echo networked > /root/state"])
+                await _until(lambda: rolled(2), "a rolling snapshot after the second command")
                 (record,) = stack.agent.list()
                 pid = record.sandbox.process.pid  # type: ignore[attr-defined]
                 os.kill(pid, signal.SIGKILL)
