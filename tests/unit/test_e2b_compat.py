@@ -203,7 +203,6 @@ def test_capsa_e2b_env_prints_exports(monkeypatch: pytest.MonkeyPatch) -> None:
         "export E2B_SANDBOX_URL=http://capsa.example:8700/e2b/envd",
         "export E2B_API_KEY=csk_abcdefghijkl_secret",
         "export E2B_VALIDATE_API_KEY=false",
-        "export E2B_HTTP_VERSION=1.1",
     ]
     monkeypatch.delenv("CAPSA_API_KEY")
     missing = CliRunner().invoke(cli, ["e2b", "env"])

@@ -19,11 +19,11 @@ E2B_ENVD_PATH = "/envd"
 def e2b_environment(config: ClientConfig) -> dict[str, str]:
     """``E2B_*`` variables for the capsa API and key in ``config`` (which must have a key).
 
-    ``E2B_VALIDATE_API_KEY=false``: the SDK otherwise refuses keys that do not look like ``e2b_<hex>``.
-    ``E2B_HTTP_VERSION=1.1``: newer SDKs (2.6x) can be told to use HTTP/1.1, which capsa's server speaks.
+    ``E2B_VALIDATE_API_KEY=false``: SDKs that check the key's format (2.31) otherwise refuse keys that
+    do not look like ``e2b_<hex>``.
     """
     if not config.api_key:
         raise ValueError("no API key: set CAPSA_API_KEY or pass one")
     base = config.api_url.rstrip("/") + E2B_MOUNT_PATH
     return {"E2B_API_URL": base, "E2B_SANDBOX_URL": base + E2B_ENVD_PATH, "E2B_API_KEY": config.api_key,
-            "E2B_VALIDATE_API_KEY": "false", "E2B_HTTP_VERSION": "1.1"}
+            "E2B_VALIDATE_API_KEY": "false"}
