@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import struct
 from pathlib import Path
 
 import httpx
 import pytest
 from click.testing import CliRunner
-from e2b import AsyncSandbox, NotFoundException, PtySize, SandboxException
+from e2b import AsyncSandbox, NotFoundException, PtySize, SandboxException, TimeoutException
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from capsa.cli.main import cli
@@ -141,6 +142,26 @@ async def test_another_tenants_key_gets_not_found(stack: ApiStack, monkeypatch: 
         await sbx.kill()
 
 
+def _frame(message: dict[str, object]) -> bytes:
+    data = json.dumps(message).encode()
+    return struct.pack(">BI", 0, len(data)) + data
+
+
+async def test_command_timeout_kills_the_command(stack: ApiStack, monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    _point_sdk_at(monkeypatch, stack, await stack.tenant_key("e2b-t"))
+    sbx = await AsyncSandbox.create()
+    marker = tmp_path / "late"
+    try:
+        with pytest.raises(TimeoutException):
+            await sbx.commands.run(f"sleep 3; touch {marker}", timeout=1)
+        await asyncio.sleep(3)
+        assert not marker.exists()  # killed at the deadline, not left running
+        assert not [p for p in await sbx.commands.list() if "sleep 3" in p.cmd]
+    finally:
+        await sbx.kill()
+
+
 async def test_connect_wire_format(stack: ApiStack, monkeypatch: pytest.MonkeyPatch) -> None:
     """The framing details the SDKs rely on: enveloped stream messages with an end-of-stream trailer,
     Connect error codes, and ``unimplemented`` for what capsa does not serve."""
@@ -161,6 +182,14 @@ async def test_connect_wire_format(stack: ApiStack, monkeypatch: pytest.MonkeyPa
         assert frames[-1] == (0x02, b"{}")
         assert b'"start"' in frames[0][1] and any(b'"aGk="' in f for _, f in frames)  # base64 of "hi"
         assert b'"exitCode":0' in frames[-2][1]
+        # StreamInput (client stream): a start naming the process, then data, then the body ends
+        cat = await sbx.commands.run("cat", background=True, stdin=True)
+        streamed = _frame({"start": {"process": {"pid": cat.pid}}}) + _frame(
+            {"data": {"input": {"stdin": "c3RyZWFtZWQK"}}})  # base64 of "streamed\n"
+        r = await client.post("/process.Process/StreamInput", headers=headers, content=streamed)
+        assert r.status_code == 200 and r.content.endswith(struct.pack(">BI", 2, 2) + b"{}")
+        await sbx.commands.close_stdin(cat.pid)
+        assert (await cat.wait()).stdout == "streamed\n"
         r = await client.post("/filesystem.Filesystem/Stat", json={"path": "/no/such/file"},
                               headers={**headers, "Content-Type": "application/json"})
         assert (r.status_code, r.json()["code"]) == (404, "not_found")
