@@ -13,7 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 from click.testing import CliRunner
-from e2b import AsyncSandbox, NotFoundException, PtySize, SandboxException, TimeoutException
+from e2b import (
+    AsyncSandbox,
+    NotFoundException,
+    PtySize,
+    RateLimitException,
+    SandboxException,
+    TimeoutException,
+)
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from capsa.cli.main import cli
@@ -277,3 +284,16 @@ async def test_unserved_e2b_calls_say_so(stack: ApiStack, monkeypatch: pytest.Mo
         assert await sbx.get_metrics() == []
     finally:
         await sbx.kill()
+
+
+async def test_e2b_commands_count_against_the_keys_rate_limit(make_stack: object,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    assert callable(make_stack)
+    stack = await make_stack(settings={"command_limit": 2, "rate_lease": 1})
+    _point_sdk_at(monkeypatch, stack, await stack.tenant_key("e2b-r"))
+    sbx = await AsyncSandbox.create()
+    for _ in range(2):
+        await sbx.commands.run("true")
+    with pytest.raises(RateLimitException):
+        await sbx.commands.run("true")
+    await sbx.kill()

@@ -159,6 +159,10 @@ async def _rpc(service: str, method: str, request: Request) -> Response:
         call = Call(plane(request), live_state(request), await envd_target(request), message, _user(request))
         if name in _UNARY:
             return unary_response(await _UNARY[name](call))
+        if name == "process.Process/Start":  # a command, as on /v1: counted against the key's rate limit
+            settings = call.control.settings
+            await call.control.rates.hit(call.control.db, call.target.principal.key_id, "commands",
+                                         settings.command_limit, settings.rate_window_seconds)
         return stream_response(_stream(call, name, request))
     except (ConnectError, ApiError) as exc:
         return error_response(as_connect(exc), streaming)
@@ -250,6 +254,9 @@ async def upload(request: Request, path: _PathQuery = None, username: _PathQuery
         control, target = plane(request), await envd_target(request)
         user = process.guest_user(username) if username else _user(request)
         limit = control.settings.max_file_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise PayloadTooLarge(f"body larger than {limit} bytes")
         if request.headers.get("content-encoding", "identity") not in ("identity", ""):
             raise ConnectError("invalid_argument", "compressed uploads are not supported by capsa")
         written: list[dict[str, Any]] = []
