@@ -25,9 +25,12 @@ from capsa.sdk import (
     AsyncPortForward,
     AsyncPorts,
     AsyncProcess,
+    AsyncPty,
     AsyncSecrets,
     AsyncSession,
     AsyncSnapshots,
+    AsyncTerminal,
+    AsyncWatch,
     Client,
     Commands,
     Egress,
@@ -37,9 +40,12 @@ from capsa.sdk import (
     PortForward,
     Ports,
     Process,
+    Pty,
     Secrets,
     Session,
     Snapshots,
+    Terminal,
+    Watch,
 )
 
 _SAME_DUNDERS = {"__enter__": "__aenter__", "__exit__": "__aexit__"}
@@ -142,7 +148,7 @@ PAIRS: list[tuple[type, type, dict[str, Any]]] = [
     (Session, AsyncSession, {"also": ("_resume", "_resume_by_id"), "async_only": frozenset({"client"}),
                              "async_attributes": frozenset({"info"})}),
     (Commands, AsyncCommands, {}),
-    (Process, AsyncProcess, {"async_attributes": frozenset({"info"})}),
+    (Process, AsyncProcess, {"async_attributes": frozenset({"info", "stdout_offset", "stderr_offset"})}),
     (Files, AsyncFiles, {}),
     (Snapshots, AsyncSnapshots, {}),
     (Egress, AsyncEgress, {}),
@@ -152,6 +158,9 @@ PAIRS: list[tuple[type, type, dict[str, Any]]] = [
     # A tunnel's methods are coroutines: blocking code reaches ports through forward() and url().
     (Ports, AsyncPorts, {"async_only": frozenset({"open_tunnel"})}),
     (PortForward, AsyncPortForward, {"async_attributes": frozenset({"port", "connections"})}),
+    (Pty, AsyncPty, {}),
+    (Terminal, AsyncTerminal, {}),
+    (Watch, AsyncWatch, {"renames": {"close": "aclose"}, "async_attributes": frozenset({"closed"})}),
     (Client, AsyncClient, {"renames": {"close": "aclose"}, "async_only": _CLIENT_PLUMBING,
                            "async_attributes": frozenset({"config"})}),
 ]

@@ -32,6 +32,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "policy": ("capsa.cli.egress", "policy"),
     "port-forward": ("capsa.cli.ports", "port_forward"),
     "e2b": ("capsa.cli.e2b", "e2b"),
+    "shell": ("capsa.cli.shell", "shell"),
 }
 
 

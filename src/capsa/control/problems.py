@@ -6,14 +6,14 @@ import logging
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsa.common.errors import CapsaError
 
-__all__ = ["install_problem_handlers", "problem_response"]
+__all__ = ["install_problem_handlers", "problem_response", "refuse_websocket"]
 
 log = logging.getLogger(__name__)
 
@@ -69,3 +69,15 @@ def install_problem_handlers(app: FastAPI) -> None:
         # The detail is deliberately generic: internals (paths, SQL, tracebacks) never reach the client.
         log.exception("unhandled error")
         return problem_response(500, "internal_error", "internal error")
+
+
+async def refuse_websocket(websocket: WebSocket, exc: CapsaError) -> None:
+    """Answer a WebSocket upgrade with the problem+json error and its HTTP status (or, on a server without
+    denial responses, a close whose reason names it)."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(problem_response(
+            exc.status, exc.code, exc.message, title=getattr(exc, "title", None),
+            headers=getattr(exc, "headers", None)))
+        return
+    code = 1011 if exc.status >= 500 else 1008
+    await websocket.close(code=code, reason=f"{exc.status} {exc.code}: {exc.message}"[:120])

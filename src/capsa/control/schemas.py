@@ -187,6 +187,8 @@ class CommandRequest(_Strict):
     timeout: Annotated[float, Field(gt=0, le=86400)] | None = None
     stdin: Annotated[str, Field(max_length=16 * 1024 * 1024)] | None = None
     background: bool = False
+    open_stdin: bool = False
+    """Background only: keep a pipe to the process's stdin for ``/processes/{pid}/stdin`` (else /dev/null)."""
 
 
 

@@ -30,11 +30,14 @@ from capsa.sdk.errors import (
     UnexpectedResponse,
     ValidationFailed,
 )
-from capsa.sdk.files import AsyncFiles, UploadSource
+from capsa.sdk.files import AsyncFiles, AsyncWatch, UploadSource
 from capsa.sdk.models import (
     ApiKey,
     CommandResult,
+    FileEvent,
     FileInfo,
+    OutputChunk,
+    OutputEnd,
     PortToken,
     ProcessInfo,
     ProcessOutput,
@@ -46,7 +49,9 @@ from capsa.sdk.ports import AsyncPortForward, AsyncPorts
 from capsa.sdk.ports_sync import PortForward, Ports
 from capsa.sdk.session import AsyncSession
 from capsa.sdk.snapshots import AsyncSnapshots
-from capsa.sdk.sync import Client, Commands, Files, Keys, Process, Session, Snapshots
+from capsa.sdk.sync import Client, Commands, Files, Keys, Process, Session, Snapshots, Watch
+from capsa.sdk.terminals import AsyncPty, AsyncTerminal
+from capsa.sdk.terminals_sync import Pty, Terminal
 
 __all__ = [
     "DEFAULT_API_URL",
@@ -60,9 +65,12 @@ __all__ = [
     "AsyncPortForward",
     "AsyncPorts",
     "AsyncProcess",
+    "AsyncPty",
     "AsyncSecrets",
     "AsyncSession",
     "AsyncSnapshots",
+    "AsyncTerminal",
+    "AsyncWatch",
     "AuditEvent",
     "BadRequest",
     "CapsaAPIError",
@@ -76,6 +84,7 @@ __all__ = [
     "Egress",
     "EnrolToken",
     "FieldError",
+    "FileEvent",
     "FileInfo",
     "Files",
     "Forbidden",
@@ -89,6 +98,8 @@ __all__ = [
     "NotFound",
     "NotReady",
     "OutputCallback",
+    "OutputChunk",
+    "OutputEnd",
     "PayloadTooLarge",
     "PolicyInfo",
     "PortForward",
@@ -97,6 +108,7 @@ __all__ = [
     "Process",
     "ProcessInfo",
     "ProcessOutput",
+    "Pty",
     "RateLimited",
     "SecretInfo",
     "Secrets",
@@ -106,9 +118,11 @@ __all__ = [
     "SnapshotInfo",
     "Snapshots",
     "TemplateNotFound",
+    "Terminal",
     "Unauthorized",
     "Unavailable",
     "UnexpectedResponse",
     "UploadSource",
     "ValidationFailed",
+    "Watch",
 ]

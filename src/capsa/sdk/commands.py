@@ -9,7 +9,7 @@ import asyncio
 import builtins
 import inspect
 import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 from pydantic import ValidationError
@@ -18,12 +18,16 @@ from capsa.sdk.client import AsyncClient
 from capsa.sdk.errors import CapsaConnectionError, UnexpectedResponse, error_from_problem
 from capsa.sdk.models import (
     EXEC_EVENT,
+    OUTPUT_EVENT,
     CommandResult,
     ExecError,
     ExecFinished,
     ExecOutput,
+    OutputChunk,
+    OutputEnd,
     ProcessInfo,
     ProcessOutput,
+    StreamError,
     parse,
     parse_items,
 )
@@ -50,6 +54,15 @@ async def _emit(callback: OutputCallback | None, data: str) -> None:
     result = callback(data)
     if inspect.isawaitable(result):
         await result
+
+
+def _output_event(line: str) -> OutputChunk | OutputEnd | StreamError | None:
+    try:
+        return OUTPUT_EVENT.validate_json(line)
+    except ValidationError as exc:
+        if exc.errors()[0]["type"] == "union_tag_invalid":
+            return None
+        raise UnexpectedResponse(f"malformed line in a process output stream: {line[:80]!r}") from None
 
 
 def _event(line: str) -> ExecOutput | ExecFinished | ExecError | None:
@@ -84,12 +97,21 @@ class _Collector:
 
 
 class AsyncProcess:
-    """A background process in a session, addressed by its guest pid."""
+    """A background process in a session, addressed by its guest pid.
 
-    def __init__(self, client: AsyncClient, session_id: str, info: ProcessInfo) -> None:
+    ``stdout_offset``/``stderr_offset`` are the byte offsets up to which :meth:`stream` (and a streaming
+    :meth:`wait`) delivered output: the next stream starts there, so a handle that lost its connection, or
+    a new handle from ``commands.connect(pid, stdout_from=..., stderr_from=...)``, gets the rest with
+    nothing lost or repeated (while the sandbox still keeps it: the last 1 MiB per stream).
+    """
+
+    def __init__(self, client: AsyncClient, session_id: str, info: ProcessInfo, *, stdout_from: int = 0,
+                 stderr_from: int = 0) -> None:
         self._client = client
         self._session_id = session_id
         self.info = info
+        self.stdout_offset = stdout_from
+        self.stderr_offset = stderr_from
 
     @property
     def pid(self) -> int:
@@ -111,8 +133,55 @@ class AsyncProcess:
         self.info = parse(ProcessInfo, data)
         return self.info
 
-    async def wait(self, timeout: float | None = None, *, poll_interval: float = 0.25) -> ProcessOutput:
-        """Poll until the process has exited; ``TimeoutError`` if it still runs after ``timeout`` s."""
+    async def send_stdin(self, data: str | bytes) -> ProcessInfo:
+        """Write to the process's stdin (a str as UTF-8). It must have been started with ``open_stdin=True``;
+        :class:`InvalidState`-like 409 errors (``stdin_closed``, ``process_exited``) otherwise."""
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        answer = await self._client.json("POST", self._path("/stdin"), content=raw,
+                                         headers={"Content-Type": "application/octet-stream"}, timeout=None)
+        self.info = parse(ProcessInfo, answer)
+        return self.info
+
+    async def close_stdin(self) -> ProcessInfo:
+        """Close the process's stdin: it reads EOF."""
+        self.info = parse(ProcessInfo, await self._client.json("POST", self._path("/stdin/close")))
+        return self.info
+
+    async def stream(self) -> AsyncIterator[OutputChunk | OutputEnd]:
+        """The process's output from ``stdout_offset``/``stderr_offset`` as it is written, then one
+        :class:`OutputEnd` when it exited. The offsets advance with every chunk yielded."""
+        params = {"stdout_from": self.stdout_offset, "stderr_from": self.stderr_offset}
+        async with self._client.stream("GET", self._path("/stream"), params=params, timeout=None) as response:
+            async for line in response.aiter_lines():
+                if not line.strip():
+                    continue
+                event = _output_event(line)
+                if event is None:
+                    continue
+                if isinstance(event, StreamError):
+                    raise error_from_problem(0, event.model_dump())
+                if isinstance(event, OutputChunk):
+                    if event.ch == "stdout":
+                        self.stdout_offset = event.offset
+                    else:
+                        self.stderr_offset = event.offset
+                else:
+                    self.stdout_offset, self.stderr_offset = event.stdout_end, event.stderr_end
+                yield event
+
+    async def wait(self, timeout: float | None = None, *, poll_interval: float = 0.25,
+                   on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
+                   reconnects: int = 3) -> ProcessOutput:
+        """Wait until the process has exited; ``TimeoutError`` if it still runs after ``timeout`` s.
+
+        With ``on_stdout``/``on_stderr`` the output is streamed to them as it is written (from the handle's
+        offsets), and a dropped connection is resumed from the last offsets, up to ``reconnects`` times;
+        without, the process is polled every ``poll_interval`` s. Returns what the sandbox kept of its
+        output."""
+        if on_stdout is not None or on_stderr is not None:
+            async with asyncio.timeout(timeout):
+                await self._follow(on_stdout, on_stderr, reconnects)
+            return await self.output()
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
@@ -122,6 +191,25 @@ class AsyncProcess:
             if deadline is not None and loop.time() >= deadline:
                 raise TimeoutError(f"process {self.pid} still running after {timeout} s")
             await asyncio.sleep(poll_interval)
+
+    async def _follow(self, on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
+                      reconnects: int) -> None:
+        failures = 0
+        while True:
+            try:
+                async for event in self.stream():
+                    failures = 0
+                    if isinstance(event, OutputChunk):
+                        await _emit(on_stdout if event.ch == "stdout" else on_stderr, event.data)
+                    else:
+                        return
+                raise CapsaConnectionError("the process output stream ended before the process did",
+                                           url=self._client.config.api_url)
+            except CapsaConnectionError:
+                failures += 1
+                if failures > reconnects:
+                    raise
+                await asyncio.sleep(min(2.0, 0.2 * failures))
 
     def __repr__(self) -> str:
         return f"AsyncProcess(pid={self.pid}, running={self.info.running})"
@@ -142,25 +230,27 @@ class AsyncCommands:
     async def run(self, cmd: str | Sequence[str], *, timeout: float | None = ...,
                   env: Mapping[str, str] | None = ..., cwd: str | None = ..., user: str | None = ...,
                   stdin: str | None = ..., on_stdout: OutputCallback | None = ...,
-                  on_stderr: OutputCallback | None = ..., background: Literal[False] = ...
-                  ) -> CommandResult: ...
+                  on_stderr: OutputCallback | None = ..., background: Literal[False] = ...,
+                  open_stdin: Literal[False] = ...) -> CommandResult: ...
 
     @overload
     async def run(self, cmd: str | Sequence[str], *, timeout: float | None = ...,
                   env: Mapping[str, str] | None = ..., cwd: str | None = ..., user: str | None = ...,
                   stdin: str | None = ..., on_stdout: OutputCallback | None = ...,
-                  on_stderr: OutputCallback | None = ..., background: Literal[True]) -> AsyncProcess: ...
+                  on_stderr: OutputCallback | None = ..., background: Literal[True],
+                  open_stdin: bool = ...) -> AsyncProcess: ...
 
     async def run(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
                   env: Mapping[str, str] | None = None, cwd: str | None = None, user: str | None = None,
                   stdin: str | None = None, on_stdout: OutputCallback | None = None,
-                  on_stderr: OutputCallback | None = None, background: bool = False
-                  ) -> CommandResult | AsyncProcess:
+                  on_stderr: OutputCallback | None = None, background: bool = False,
+                  open_stdin: bool = False) -> CommandResult | AsyncProcess:
         """Run ``cmd`` (a string runs under ``/bin/sh -c``; a list runs as argv).
 
         A non-zero exit is a normal result, not an exception; so is a timeout (``result.timed_out``).
         With ``on_stdout``/``on_stderr`` the output is streamed to them as it is produced.
-        With ``background=True`` the call returns at once with an :class:`AsyncProcess`.
+        With ``background=True`` the call returns at once with an :class:`AsyncProcess`; add
+        ``open_stdin=True`` to write to its stdin later (:meth:`AsyncProcess.send_stdin`).
         """
         body: dict[str, Any] = {
             "cmd": cmd if isinstance(cmd, str) else list(cmd),
@@ -171,6 +261,8 @@ class AsyncCommands:
             "stdin": stdin,
             "background": background,
         }
+        if open_stdin:
+            body["open_stdin"] = True
         path = f"{self._base}/commands"
         if background:
             data = await self._client.json("POST", path, json=body)
@@ -229,3 +321,11 @@ class AsyncCommands:
         """A handle on an existing background process."""
         data = await self._client.json("GET", f"{self._base}/processes/{int(pid)}")
         return AsyncProcess(self._client, self._session_id, parse(ProcessInfo, data))
+
+    async def connect(self, pid: int, *, stdout_from: int = 0, stderr_from: int = 0) -> AsyncProcess:
+        """Reattach to a background process (e.g. from another client, after a disconnect): its
+        :meth:`AsyncProcess.stream` and streaming ``wait`` start at these byte offsets (0: everything the
+        sandbox still keeps)."""
+        data = await self._client.json("GET", f"{self._base}/processes/{int(pid)}")
+        return AsyncProcess(self._client, self._session_id, parse(ProcessInfo, data), stdout_from=stdout_from,
+                            stderr_from=stderr_from)

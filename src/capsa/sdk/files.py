@@ -11,12 +11,18 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from pathlib import Path
 from typing import IO, Any
 
+from pydantic import ValidationError
+
 from capsa.sdk.client import AsyncClient
-from capsa.sdk.errors import NotFound
-from capsa.sdk.models import FileInfo, parse, parse_items
+from capsa.sdk.errors import NotFound, UnexpectedResponse, error_from_problem
+from capsa.sdk.models import WATCH_EVENT, FileEvent, FileInfo, StreamError, parse, parse_items
 from capsa.sdk.paths import seg
 
-__all__ = ["AsyncFiles", "UploadSource"]
+__all__ = [
+    "AsyncFiles",
+    "AsyncWatch",
+    "UploadSource",
+]
 
 UploadSource = str | os.PathLike[str] | bytes | IO[bytes] | AsyncIterable[bytes] | Iterable[bytes]
 """A local path (``str`` or ``Path``), bytes, a binary file object, or an (async) iterable of chunks."""
@@ -103,6 +109,20 @@ class AsyncFiles:
             async for chunk in response.aiter_bytes(chunk_size):
                 yield chunk
 
+    async def watch(self, path: str, *, recursive: bool = False) -> AsyncWatch:
+        """Watch the directory ``path``: every change made after this returns is reported (``created``,
+        ``modified``, ``removed``; with ``recursive`` in subdirectories too). Iterate the answer; close it
+        (``aclose()`` or ``async with``) to stop. Iteration ends if the directory is removed."""
+        stack = contextlib.AsyncExitStack()
+        try:
+            params = {"path": path, "recursive": "true" if recursive else "false"}
+            response = await stack.enter_async_context(self._client.stream(
+                "GET", self._url("/watch"), params=params, timeout=None))
+        except BaseException:
+            await stack.aclose()
+            raise
+        return AsyncWatch(response.aiter_lines(), stack)
+
     async def download(self, path: str, dest: str | os.PathLike[str] | IO[bytes]) -> int:
         """Stream ``path`` into a local file (path or binary file object); return the number of bytes.
 
@@ -164,3 +184,60 @@ class AsyncFiles:
                 await asyncio.to_thread(f.write, chunk)
                 size += len(chunk)
         return size
+
+
+class AsyncWatch:
+    """An open directory watch (:meth:`AsyncFiles.watch`): ``async for event in watch``; ``aclose()``."""
+
+    def __init__(self, lines: AsyncIterator[str], stack: contextlib.AsyncExitStack) -> None:
+        self._lines = lines
+        self._stack = stack
+        self.closed = False
+
+    def __aiter__(self) -> AsyncWatch:
+        return self
+
+    async def __anext__(self) -> FileEvent:
+        while not self.closed:
+            try:
+                line = await anext(self._lines)
+            except StopAsyncIteration:
+                await self.aclose()
+                break
+            if not line.strip():
+                continue
+            event = _watch_event(line)
+            if isinstance(event, StreamError):
+                await self.aclose()
+                raise error_from_problem(0, event.model_dump())
+            if event is not None:
+                return event
+        raise StopAsyncIteration
+
+    async def next(self) -> FileEvent | None:
+        """The next event; None once the watch has ended."""
+        try:
+            return await self.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    async def aclose(self) -> None:
+        """Stop watching (the guest drops its watch)."""
+        self.closed = True
+        await self._stack.aclose()
+
+    async def __aenter__(self) -> AsyncWatch:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def _watch_event(line: str) -> FileEvent | StreamError | None:
+    """One watch line; None for an event type this SDK does not know (a newer server may add some)."""
+    try:
+        return WATCH_EVENT.validate_json(line)
+    except ValidationError as exc:
+        if exc.errors()[0]["type"] == "union_tag_invalid":
+            return None
+        raise UnexpectedResponse(f"malformed line in a watch stream: {line[:80]!r}") from None

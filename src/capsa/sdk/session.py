@@ -19,6 +19,7 @@ from capsa.sdk.files import AsyncFiles
 from capsa.sdk.models import SessionInfo
 from capsa.sdk.ports import AsyncPorts
 from capsa.sdk.snapshots import AsyncSnapshots
+from capsa.sdk.terminals import AsyncPty
 
 __all__ = ["AsyncSession"]
 
@@ -57,6 +58,7 @@ class AsyncSession:
         self.snapshots = AsyncSnapshots(self)
         self.egress = AsyncEgress(client, info.id)
         self.ports = AsyncPorts(client, info.id)
+        self.pty = AsyncPty(client, info.id)
 
     @staticmethod
     def _client_for(client: AsyncClient | None, api_url: str | None, api_key: str | None,

@@ -19,11 +19,14 @@ from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import ClientConfig
 from capsa.sdk.egress import AuditEvent, PolicyInfo
 from capsa.sdk.egress_sync import Egress, Secrets
-from capsa.sdk.files import AsyncFiles, UploadSource
+from capsa.sdk.files import AsyncFiles, AsyncWatch, UploadSource
 from capsa.sdk.models import (
     ApiKey,
     CommandResult,
+    FileEvent,
     FileInfo,
+    OutputChunk,
+    OutputEnd,
     ProcessInfo,
     ProcessOutput,
     SessionInfo,
@@ -34,8 +37,9 @@ from capsa.sdk.portal import Portal, get_portal
 from capsa.sdk.ports_sync import Ports
 from capsa.sdk.session import AsyncSession
 from capsa.sdk.snapshots import AsyncSnapshots
+from capsa.sdk.terminals_sync import Pty
 
-__all__ = ["Client", "Commands", "Files", "Keys", "Process", "Session", "Snapshots"]
+__all__ = ["Client", "Commands", "Files", "Keys", "Process", "Session", "Snapshots", "Watch"]
 
 
 class Keys:
@@ -108,8 +112,29 @@ class Process:
     def kill(self, signal: int = 15) -> ProcessInfo:
         return self._portal.call(self._inner.kill(signal))
 
-    def wait(self, timeout: float | None = None, *, poll_interval: float = 0.25) -> ProcessOutput:
-        return self._portal.call(self._inner.wait(timeout, poll_interval=poll_interval))
+    @property
+    def stdout_offset(self) -> int:
+        return self._inner.stdout_offset
+
+    @property
+    def stderr_offset(self) -> int:
+        return self._inner.stderr_offset
+
+    def send_stdin(self, data: str | bytes) -> ProcessInfo:
+        return self._portal.call(self._inner.send_stdin(data))
+
+    def close_stdin(self) -> ProcessInfo:
+        return self._portal.call(self._inner.close_stdin())
+
+    def stream(self) -> Iterator[OutputChunk | OutputEnd]:
+        return self._portal.iterate(self._inner.stream())
+
+    def wait(self, timeout: float | None = None, *, poll_interval: float = 0.25,
+             on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
+             reconnects: int = 3) -> ProcessOutput:
+        """See :meth:`capsa.sdk.commands.AsyncProcess.wait`; callbacks run on the SDK's loop thread."""
+        return self._portal.call(self._inner.wait(timeout, poll_interval=poll_interval, on_stdout=on_stdout,
+                                                  on_stderr=on_stderr, reconnects=reconnects))
 
     def __repr__(self) -> str:
         return f"Process(pid={self.pid}, running={self.info.running})"
@@ -123,22 +148,25 @@ class Commands:
     def run(self, cmd: str | Sequence[str], *, timeout: float | None = ...,
             env: Mapping[str, str] | None = ..., cwd: str | None = ..., user: str | None = ...,
             stdin: str | None = ..., on_stdout: OutputCallback | None = ...,
-            on_stderr: OutputCallback | None = ..., background: Literal[False] = ...) -> CommandResult: ...
+            on_stderr: OutputCallback | None = ..., background: Literal[False] = ...,
+            open_stdin: Literal[False] = ...) -> CommandResult: ...
 
     @overload
     def run(self, cmd: str | Sequence[str], *, timeout: float | None = ...,
             env: Mapping[str, str] | None = ..., cwd: str | None = ..., user: str | None = ...,
             stdin: str | None = ..., on_stdout: OutputCallback | None = ...,
-            on_stderr: OutputCallback | None = ..., background: Literal[True]) -> Process: ...
+            on_stderr: OutputCallback | None = ..., background: Literal[True],
+            open_stdin: bool = ...) -> Process: ...
 
     def run(self, cmd: str | Sequence[str], *, timeout: float | None = 60.0,
             env: Mapping[str, str] | None = None, cwd: str | None = None, user: str | None = None,
             stdin: str | None = None, on_stdout: OutputCallback | None = None,
-            on_stderr: OutputCallback | None = None, background: bool = False) -> CommandResult | Process:
+            on_stderr: OutputCallback | None = None, background: bool = False,
+            open_stdin: bool = False) -> CommandResult | Process:
         """See :meth:`capsa.AsyncSession.commands.run <capsa.sdk.commands.AsyncCommands.run>`."""
         if background:
             proc = self._portal.call(self._inner.run(cmd, timeout=timeout, env=env, cwd=cwd, user=user,
-                                                     stdin=stdin, background=True))
+                                                     stdin=stdin, background=True, open_stdin=open_stdin))
             return Process(proc, self._portal)
         return self._portal.call(self._inner.run(cmd, timeout=timeout, env=env, cwd=cwd, user=user,
                                                  stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr))
@@ -148,6 +176,10 @@ class Commands:
 
     def process(self, pid: int) -> Process:
         return Process(self._portal.call(self._inner.process(pid)), self._portal)
+
+    def connect(self, pid: int, *, stdout_from: int = 0, stderr_from: int = 0) -> Process:
+        return Process(self._portal.call(self._inner.connect(pid, stdout_from=stdout_from,
+                                                             stderr_from=stderr_from)), self._portal)
 
 
 class Files:
@@ -168,6 +200,9 @@ class Files:
 
     def download(self, path: str, dest: str | os.PathLike[str] | IO[bytes]) -> int:
         return self._portal.call(self._inner.download(path, dest))
+
+    def watch(self, path: str, *, recursive: bool = False) -> Watch:
+        return Watch(self._portal.call(self._inner.watch(path, recursive=recursive)), self._portal)
 
     def iter_bytes(self, path: str, *, chunk_size: int = 256 * 1024) -> Iterator[bytes]:
         return self._portal.iterate(self._inner.iter_bytes(path, chunk_size=chunk_size))
@@ -192,6 +227,33 @@ class Files:
 
     def download_tar(self, path: str, dest: str | os.PathLike[str] | IO[bytes]) -> int:
         return self._portal.call(self._inner.download_tar(path, dest))
+
+
+class Watch:
+    """See :class:`capsa.sdk.files.AsyncWatch`: ``for event in watch``; ``close()``."""
+
+    def __init__(self, inner: AsyncWatch, portal: Portal) -> None:
+        self._inner, self._portal = inner, portal
+
+    @property
+    def closed(self) -> bool:
+        return self._inner.closed
+
+    def __iter__(self) -> Iterator[FileEvent]:
+        while (event := self.next()) is not None:
+            yield event
+
+    def next(self) -> FileEvent | None:
+        return self._portal.call(self._inner.next())
+
+    def close(self) -> None:
+        self._portal.call(self._inner.aclose())
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Snapshots:
@@ -240,6 +302,7 @@ class Session:
         self.snapshots = Snapshots(inner.snapshots, self._portal)
         self.egress = Egress(inner.egress, self._portal)
         self.ports = Ports(inner.ports, self._portal)
+        self.pty = Pty(inner.pty, self._portal)
 
     @classmethod
     def create(cls, template: str = "base", *, timeout: int | None = None, idle_timeout: int | None = None,

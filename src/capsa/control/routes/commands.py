@@ -1,5 +1,6 @@
 """``/v1/sessions/{id}/commands`` and ``/processes``: run commands (JSON or NDJSON stream), background
-processes."""
+processes: their stdin (``/stdin``: the request body, raw bytes; ``/stdin/close``) and their output as an
+NDJSON stream from byte offsets (``/stream``). The logic is in :mod:`capsa.control.process_io`."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from contextlib import AsyncExitStack
 from typing import Annotated, Any
 
 import httpx
-from fastapi import APIRouter, Header, Path
+from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from capsa.common import node_api
-from capsa.control.deps import PROBLEMS, Caller, Plane
+from capsa.control import process_io
+from capsa.control.deps import PROBLEMS, Caller, Plane, problems
+from capsa.control.errors import PayloadTooLarge
 from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.rolling import command_finished
@@ -28,7 +31,16 @@ from capsa.control.schemas import (
 )
 from capsa.control.sessions import SANDBOX_GONE_CODES, lose_sandbox, node_call_failed, running_session
 from capsa.control.store.models import SessionRow
-from capsa.sdk.models import EXEC_EVENT, ExecError, ExecFinished, ExecOutput
+from capsa.sdk.models import (
+    EXEC_EVENT,
+    OUTPUT_EVENT,
+    ExecError,
+    ExecFinished,
+    ExecOutput,
+    OutputChunk,
+    OutputEnd,
+    StreamError,
+)
 
 __all__ = ["router"]
 
@@ -88,7 +100,8 @@ async def run_command(session_id: str, body: CommandRequest, plane: Plane, calle
     assert row.sandbox_id is not None
     node_request = _node_request(plane, body)
     if body.background:
-        start = node_api.ProcessStart(cmd=body.cmd, env=body.env, cwd=body.cwd, user=body.user)
+        start = node_api.ProcessStart(cmd=body.cmd, env=body.env, cwd=body.cwd, user=body.user,
+                                      open_stdin=body.open_stdin)
         try:
             process = await client.start_process(row.sandbox_id, start)
         except NodeError as exc:
@@ -159,3 +172,50 @@ async def kill_process(session_id: str, pid: _Pid, plane: Plane, caller: Caller,
         raise await node_call_failed(plane, row, exc) from exc
 
 
+
+
+MAX_STDIN_BODY = 16 * 1024 * 1024
+"""Bytes one ``/stdin`` request may carry."""
+
+
+@router.post("/processes/{pid}/stdin", response_model=ProcessInfo, responses=problems(409, 413),
+             openapi_extra={"requestBody": {"required": True, "content": {
+                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+async def write_stdin(session_id: str, pid: _Pid, request: Request, plane: Plane,
+                      caller: Caller) -> ProcessInfo:
+    """Write the request body (raw bytes, any content type) to the process's stdin. The process must have
+    been started with ``background`` and ``open_stdin``; 409 ``stdin_closed`` or ``process_exited``
+    otherwise."""
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > MAX_STDIN_BODY:
+            raise PayloadTooLarge(f"body larger than {MAX_STDIN_BODY} bytes")
+    return await process_io.send_stdin(plane, caller.tenant, session_id, pid, bytes(data))
+
+
+@router.post("/processes/{pid}/stdin/close", response_model=ProcessInfo, responses=problems(409))
+async def close_stdin(session_id: str, pid: _Pid, plane: Plane, caller: Caller) -> ProcessInfo:
+    """Close the process's stdin: it reads EOF. Closing it again is not an error."""
+    return await process_io.close_stdin(plane, caller.tenant, session_id, pid)
+
+
+@router.get("/processes/{pid}/stream", response_class=StreamingResponse,
+            responses={200: {"content": {_NDJSON: {}},
+                             "description": "One OutputEvent per line: output chunks, then exit (or error)"}})
+async def stream_process(session_id: str, pid: _Pid, plane: Plane, caller: Caller,
+                         stdout_from: Annotated[int, Query(ge=0)] = 0,
+                         stderr_from: Annotated[int, Query(ge=0)] = 0) -> StreamingResponse:
+    """The process's output from the byte offsets until it exits. Each line's ``offset`` is where that
+    channel continues: reconnect with ``stdout_from``/``stderr_from`` set to the last ones seen to get the
+    rest, nothing lost or repeated while the guest still keeps it (the last 1 MiB per channel; ``lost``
+    counts what it no longer had)."""
+    events = await process_io.stream_output(plane, caller.tenant, session_id, pid, stdout_from=stdout_from,
+                                            stderr_from=stderr_from)
+    return StreamingResponse(_ndjson(events), media_type=_NDJSON, background=BackgroundTask(events.aclose))
+
+
+async def _ndjson(events: process_io.EventStream[OutputChunk | OutputEnd | StreamError]
+                  ) -> AsyncIterator[str]:
+    async for event in events:
+        yield OUTPUT_EVENT.dump_json(event).decode() + "\n"

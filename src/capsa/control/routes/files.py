@@ -10,6 +10,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from capsa.control import process_io
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import PayloadTooLarge
 from capsa.control.nodeclient import NodeError
@@ -17,6 +18,7 @@ from capsa.control.plane import ControlPlane
 from capsa.control.schemas import FileInfo, FileList
 from capsa.control.sessions import node_call_failed, running_session
 from capsa.control.store.models import SessionRow
+from capsa.sdk.models import WATCH_EVENT, FileEvent, StreamError
 
 __all__ = ["router"]
 
@@ -157,3 +159,21 @@ async def import_archive(session_id: str, path: GuestPath, request: Request, pla
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
     return Response(status_code=204)
+
+
+@router.get("/watch", response_class=StreamingResponse,
+            responses={200: {"content": {"application/x-ndjson": {}},
+                             "description": "One WatchEvent per line, until the client closes the stream"}})
+async def watch(session_id: str, path: GuestPath, plane: Plane, caller: Caller,
+                recursive: bool = False) -> StreamingResponse:
+    """Changes under the directory ``path`` (``created``, ``modified``, ``removed``; with ``recursive``
+    also in its subdirectories) as they happen, until the client closes the stream or the directory is
+    removed."""
+    events = await process_io.watch_files(plane, caller.tenant, session_id, path, recursive=recursive)
+    return StreamingResponse(_watch_lines(events), media_type="application/x-ndjson",
+                             background=BackgroundTask(events.aclose))
+
+
+async def _watch_lines(events: process_io.EventStream[FileEvent | StreamError]) -> AsyncIterator[str]:
+    async for event in events:
+        yield WATCH_EVENT.dump_json(event).decode() + "\n"

@@ -31,7 +31,7 @@ from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.port_access import PortAccess, authorize, create_token, keep_active, revoke_token
 from capsa.control.port_proxy import proxy_http, proxy_websocket, relay_tunnel
-from capsa.control.problems import problem_response
+from capsa.control.problems import refuse_websocket
 from capsa.control.schemas import PortToken
 from capsa.control.sessions import node_call_failed
 
@@ -91,18 +91,6 @@ for _method in _METHODS:  # one operation per method, so each has its own stable
                          summary=f"{_method} to a port in the sandbox")
 
 
-async def _refuse(websocket: WebSocket, exc: CapsaError) -> None:
-    """Answer the upgrade with the problem+json error (or, on a server without denial responses, a close
-    whose reason names it)."""
-    if "websocket.http.response" in websocket.scope.get("extensions", {}):
-        await websocket.send_denial_response(problem_response(
-            exc.status, exc.code, exc.message, title=getattr(exc, "title", None),
-            headers=getattr(exc, "headers", None)))
-        return
-    code = 1011 if exc.status >= 500 else 1008
-    await websocket.close(code=code, reason=f"{exc.status} {exc.code}: {exc.message}"[:120])
-
-
 @router.websocket("/ports/{port}/{path:path}")
 async def proxy_ws(websocket: WebSocket, session_id: str, port: Port, path: str) -> None:
     plane = websocket.app.state.plane
@@ -111,7 +99,7 @@ async def proxy_ws(websocket: WebSocket, session_id: str, port: Port, path: str)
         access = await authorize(plane, websocket, session_id, port)
         tunnel = await _open(plane, access, port)
     except CapsaError as exc:
-        await _refuse(websocket, exc)
+        await refuse_websocket(websocket, exc)
         return
     async with keep_active(plane, session_id):
         await proxy_websocket(websocket, access, port, path, tunnel)
@@ -125,7 +113,7 @@ async def tunnel(websocket: WebSocket, session_id: str, port: Port) -> None:
     try:
         access = await authorize(plane, websocket, session_id, port)
     except CapsaError as exc:
-        await _refuse(websocket, exc)
+        await refuse_websocket(websocket, exc)
         return
     await websocket.accept()
     try:

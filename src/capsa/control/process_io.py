@@ -1,0 +1,160 @@
+"""Talking to running processes and watching files, without HTTP: what the routes (and other front ends,
+such as a compatibility API) call.
+
+- :func:`send_stdin` / :func:`close_stdin`: a background process started with ``open_stdin``;
+- :func:`stream_output`: a background process's output from byte offsets until it exits (reattach by
+  calling it again with the last offsets seen);
+- :func:`watch_files`: changes under a directory of the sandbox;
+- :func:`open_terminal`: a pseudo-terminal (:class:`capsa.common.terminal_wire.TerminalClient` to the node).
+
+Each checks the tenant (another tenant's session is ``not_found``) and that the session runs. Streams and
+terminals keep the session active while open (:func:`capsa.control.port_access.keep_active`), so the idle
+timeout does not cut them; closing them releases everything on the node and in the guest (the process
+itself runs on, a terminal is hung up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
+from typing import Generic, TypeVar
+
+from capsa.common import node_api
+from capsa.common.terminal_wire import TerminalClient, TerminalOptions
+from capsa.control.nodeclient import NodeClient, NodeError
+from capsa.control.plane import ControlPlane
+from capsa.control.port_access import keep_active
+from capsa.control.sessions import SANDBOX_GONE_CODES, lose_sandbox, node_call_failed, running_session
+from capsa.control.store.models import SessionRow
+from capsa.sdk.models import FileEvent, OutputChunk, OutputEnd, ProcessInfo, StreamError
+
+__all__ = ["EventStream", "close_stdin", "open_terminal", "send_stdin", "stream_output", "watch_files"]
+
+_T = TypeVar("_T")
+_N = TypeVar("_N")
+
+
+async def _session(plane: ControlPlane, tenant: str, session_id: str) -> tuple[SessionRow, NodeClient, str]:
+    row, client = await running_session(plane, tenant, session_id)
+    assert row.sandbox_id is not None
+    return row, client, row.sandbox_id
+
+
+async def send_stdin(plane: ControlPlane, tenant: str, session_id: str, pid: int, data: bytes) -> ProcessInfo:
+    """Write ``data`` to the process's stdin: 409 ``stdin_closed`` (not started with ``open_stdin``, or
+    closed) or ``process_exited``; 404 ``no_such_process``."""
+    row, client, sandbox_id = await _session(plane, tenant, session_id)
+    try:
+        info = await client.send_stdin(sandbox_id, pid, data)
+    except NodeError as exc:
+        raise await node_call_failed(plane, row, exc) from exc
+    return ProcessInfo.model_validate(info.model_dump())
+
+
+async def close_stdin(plane: ControlPlane, tenant: str, session_id: str, pid: int) -> ProcessInfo:
+    """Close the process's stdin (it reads EOF); closing twice is fine."""
+    row, client, sandbox_id = await _session(plane, tenant, session_id)
+    try:
+        info = await client.close_stdin(sandbox_id, pid)
+    except NodeError as exc:
+        raise await node_call_failed(plane, row, exc) from exc
+    return ProcessInfo.model_validate(info.model_dump())
+
+
+class EventStream(Generic[_T]):
+    """An open stream of events: iterate it once; ``aclose()`` (also at the end of iteration) releases
+    the node's stream and stops keeping the session active."""
+
+    def __init__(self, events: AsyncIterator[_T], stack: AsyncExitStack) -> None:
+        self._events = events
+        self._stack = stack
+
+    async def __aiter__(self) -> AsyncIterator[_T]:
+        try:
+            async for event in self._events:
+                yield event
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._stack.aclose()
+
+
+async def _open_stream(plane: ControlPlane, row: SessionRow, opened: contextlib.AbstractAsyncContextManager[
+        AsyncIterator[_N]], convert: Callable[[_N], _T]) -> EventStream[_T]:
+    stack = AsyncExitStack()
+    try:
+        node_events = await stack.enter_async_context(opened)
+        await stack.enter_async_context(keep_active(plane, row.id))
+    except NodeError as exc:
+        await stack.aclose()
+        raise await node_call_failed(plane, row, exc) from exc
+    except BaseException:
+        await stack.aclose()
+        raise
+
+    async def events() -> AsyncIterator[_T]:
+        try:
+            async for node_event in node_events:
+                if isinstance(node_event, node_api.StreamError) and node_event.code in SANDBOX_GONE_CODES:
+                    state = await lose_sandbox(plane, row.id, node_event.detail or node_event.code,
+                                               row.sandbox_id)
+                    yield convert(node_api.StreamError(  # type: ignore[arg-type]
+                        code="session_failed" if state == "failed" else "invalid_state",
+                        detail=f"session {row.id} lost its sandbox ({state}): {node_event.detail}"))
+                    return
+                yield convert(node_event)
+        except NodeError as exc:
+            yield convert(node_api.StreamError(code="node_unreachable",  # type: ignore[arg-type]
+                                               detail=f"lost the node while streaming: {exc.message}"))
+
+    return EventStream(events(), stack)
+
+
+def _output_event(event: node_api.OutputChunk | node_api.OutputEnd | node_api.StreamError
+                  ) -> OutputChunk | OutputEnd | StreamError:
+    if isinstance(event, node_api.OutputChunk):
+        return OutputChunk(ch=event.ch, data=event.data, offset=event.offset, lost=event.lost)
+    if isinstance(event, node_api.OutputEnd):
+        return OutputEnd(exit_code=event.exit_code, signal=event.signal, stdout_end=event.stdout_end,
+                         stderr_end=event.stderr_end)
+    return StreamError(code=event.code, detail=event.detail)
+
+
+async def stream_output(plane: ControlPlane, tenant: str, session_id: str, pid: int, *, stdout_from: int = 0,
+                        stderr_from: int = 0) -> EventStream[OutputChunk | OutputEnd | StreamError]:
+    """The process's output from the byte offsets until it exits: :class:`OutputChunk` events, then one
+    :class:`OutputEnd` (or a :class:`StreamError`). Raises (``no_such_process`` ...) before streaming.
+    Reattach after a disconnect with the last ``offset`` seen per channel: nothing is lost or repeated
+    while the guest's ring buffer (the last 1 MiB per channel) still holds it; older bytes are reported
+    as ``lost`` on the first chunk after the gap."""
+    row, client, sandbox_id = await _session(plane, tenant, session_id)
+    opened = client.stream_process(sandbox_id, pid, stdout_from=stdout_from, stderr_from=stderr_from)
+    return await _open_stream(plane, row, opened, _output_event)
+
+
+def _watch_event(event: node_api.FileEvent | node_api.StreamError) -> FileEvent | StreamError:
+    if isinstance(event, node_api.FileEvent):
+        return FileEvent(type=event.type, path=event.path, is_dir=event.is_dir)
+    return StreamError(code=event.code, detail=event.detail)
+
+
+async def watch_files(plane: ControlPlane, tenant: str, session_id: str, path: str, *,
+                      recursive: bool = False) -> EventStream[FileEvent | StreamError]:
+    """Changes under the directory ``path`` until the stream is closed (or the directory is removed).
+    Raises ``not_found``/``not_a_directory`` before streaming."""
+    row, client, sandbox_id = await _session(plane, tenant, session_id)
+    return await _open_stream(plane, row, client.watch_dir(sandbox_id, path, recursive=recursive),
+                              _watch_event)
+
+
+async def open_terminal(plane: ControlPlane, tenant: str, session_id: str,
+                        options: TerminalOptions) -> TerminalClient:
+    """A pseudo-terminal in the session's sandbox (default command: the login shell). The caller relays
+    it and closes it; keep the session active meanwhile with :func:`keep_active`."""
+    row, client, sandbox_id = await _session(plane, tenant, session_id)
+    try:
+        return await client.open_terminal(sandbox_id, options.check())
+    except NodeError as exc:
+        raise await node_call_failed(plane, row, exc) from exc

@@ -1,0 +1,110 @@
+"""``/v1/sessions/{id}/pty`` (WebSocket): a terminal in the session's sandbox (protocol:
+:mod:`capsa.common.terminal_wire`; query ``cols``, ``rows``, ``cmd``, ``cwd``, ``user``, ``env=NAME=VALUE``).
+
+Authenticated with the API key (``Authorization: Bearer``) like every route; another tenant's session is
+404. Failures before the terminal runs (bad key 401, unknown session 404, bad ``cols`` 422, session not
+running 409 ...) answer the upgrade with problem+json. Once accepted, the control plane relays messages
+between the client and the node's terminal (:func:`relay`) and keeps the session active.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import APIRouter, WebSocket
+from starlette.websockets import WebSocketDisconnect
+
+from capsa.common.errors import CapsaError
+from capsa.common.terminal_wire import (
+    TerminalClient,
+    TerminalOptions,
+    error_message,
+    exit_message,
+    parse_client_message,
+    started_message,
+)
+from capsa.control.auth import authenticate, bearer_token
+from capsa.control.plane import ControlPlane
+from capsa.control.port_access import keep_active
+from capsa.control.problems import refuse_websocket
+from capsa.control.process_io import open_terminal
+
+__all__ = ["relay", "router"]
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/sessions/{session_id}", tags=["terminals"])
+
+
+@router.websocket("/pty")
+async def terminal(websocket: WebSocket, session_id: str) -> None:
+    plane = websocket.app.state.plane
+    assert isinstance(plane, ControlPlane)
+    try:
+        async with plane.db() as db:
+            principal = await authenticate(db, bearer_token(websocket.headers.get("authorization")))
+        options = TerminalOptions.from_query(websocket.query_params.multi_items())
+        term = await open_terminal(plane, principal.tenant, session_id, options)
+    except CapsaError as exc:
+        await refuse_websocket(websocket, exc)
+        return
+    try:
+        await websocket.accept()
+        await websocket.send_text(started_message(term.pid))
+        async with keep_active(plane, session_id):
+            await relay(websocket, term)
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        pass
+    finally:
+        await term.close()
+
+
+async def relay(websocket: WebSocket, term: TerminalClient) -> None:
+    """Client BINARY/resize/kill -> the node's terminal; its output, then ``exit`` and close 1000, back."""
+
+    async def upstream() -> None:
+        while True:
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            data = message.get("bytes")
+            if data:
+                await term.send(data)
+                continue
+            text = message.get("text")
+            if text is None:
+                continue
+            kind, cols, rows = parse_client_message(text)
+            if kind == "resize":
+                await term.resize(cols, rows)
+            elif kind == "kill":
+                await term.kill()
+
+    async def downstream() -> None:
+        while (chunk := await term.recv()) is not None:
+            await websocket.send_bytes(chunk)
+        if term.exit is not None:
+            await websocket.send_text(exit_message(term.exit.exit_code, term.exit.signal))
+
+    up = asyncio.create_task(upstream())
+    down = asyncio.create_task(downstream())
+    try:
+        done, _ = await asyncio.wait((up, down), return_when=asyncio.FIRST_COMPLETED)
+        finished = down if down in done else up
+        exc = finished.exception()
+        if finished is up and exc is None:
+            return  # the client left: the caller hangs the terminal up
+        with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
+            if isinstance(exc, CapsaError):
+                await websocket.send_text(error_message(exc.status, exc.code, exc.message))
+            elif exc is not None:
+                log.warning("terminal relay failed: %r", exc)
+            await websocket.close(code=1000 if exc is None else 1011)
+    finally:
+        for task in (up, down):
+            task.cancel()
+        for task in (up, down):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
