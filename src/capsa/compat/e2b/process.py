@@ -6,7 +6,9 @@ foreground and background commands through the same stream and kills, feeds or r
 output reaches the stream through the node's process output stream (``proc_stream``) until the process
 ends; the ``end`` event carries its exit. A ``Start`` with ``pty`` opens a capsa terminal (the node's
 ``/pty`` WebSocket); its input, resize and kill arrive on other requests, so this replica keeps the open
-terminals by session and pid (:class:`Terminals`).
+terminals by session and pid (:class:`Terminals`). Streams, stdin and terminals go through
+:mod:`capsa.control.process_io`, the core the ``/v1`` routes use (tenant check, session activity while
+open, a lost sandbox handled).
 
 A stream whose client goes away leaves a process running (the SDK's ``disconnect``) and hangs a terminal
 up; a stream past its ``Connect-Timeout-Ms`` kills the process and ends with ``deadline_exceeded`` (the
@@ -19,7 +21,6 @@ import base64
 import shlex
 import time
 from collections.abc import AsyncIterator, Mapping
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +29,12 @@ from capsa.common.errors import CapsaError
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
 from capsa.compat.e2b.access import EnvdTarget
 from capsa.compat.e2b.connect import ConnectError, paced
+from capsa.control import process_io
 from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
+from capsa.control.port_access import keep_active
 from capsa.control.sessions import node_call_failed
+from capsa.sdk.models import OutputChunk, OutputEnd
 
 __all__ = ["SIGNALS", "StartSpec", "Terminals", "close_stdin", "guest_user", "list_processes",
            "selected_pid", "send_input", "send_signal", "start_request", "stream_process", "update_process",
@@ -133,31 +137,31 @@ class Terminals:
 
 async def _process_output(control: ControlPlane, target: EnvdTarget, pid: int,
                           ) -> AsyncIterator[dict[str, Any]]:
-    opener: AbstractAsyncContextManager[AsyncIterator[node_api.OutputEvent]] = target.client.stream_process(
-        target.sandbox_id, pid)
+    stream = await process_io.stream_output(control, target.principal.tenant, target.row.id, pid)
     try:
-        async with opener as events:
-            async for event in events:
-                if isinstance(event, node_api.OutputChunk):
-                    if event.data:
-                        yield _data(event.ch, event.data.encode())
-                elif isinstance(event, node_api.OutputEnd):
-                    yield _end_event(event.exit_code, event.signal)
-                    return
-                else:
-                    raise CapsaError(event.detail, code=event.code, status=502)
-    except NodeError as exc:
-        raise await node_call_failed(control, target.row, exc) from exc
+        async for event in stream:
+            if isinstance(event, OutputChunk):
+                if event.data:
+                    yield _data(event.ch, event.data.encode())
+            elif isinstance(event, OutputEnd):
+                yield _end_event(event.exit_code, event.signal)
+                return
+            else:
+                raise CapsaError(event.detail, code=event.code, status=502)
+    finally:
+        await stream.aclose()
     raise ConnectError("unavailable", "the process output stream ended before the process did")
 
 
-async def _terminal_output(terminals: Terminals, target: EnvdTarget, terminal: TerminalClient,
+async def _terminal_output(control: ControlPlane, terminals: Terminals, target: EnvdTarget,
+                           terminal: TerminalClient,
                            ) -> AsyncIterator[dict[str, Any]]:
     key = (target.row.id, terminal.pid)
     terminals.open[key] = terminal
     try:
-        while (chunk := await terminal.recv()) is not None:
-            yield _data("pty", chunk)
+        async with keep_active(control, target.row.id):  # an open terminal is activity
+            while (chunk := await terminal.recv()) is not None:
+                yield _data("pty", chunk)
         ended = terminal.exit
         yield _end_event(ended.exit_code if ended else None, ended.signal if ended else 1)
     finally:
@@ -187,14 +191,11 @@ async def stream_process(control: ControlPlane, terminals: Terminals, target: En
     if start is not None and start.pty is not None:
         spec = start.process
         cmd = spec.cmd if isinstance(spec.cmd, str) else shlex.join(spec.cmd)
-        try:
-            terminal = await target.client.open_terminal(target.sandbox_id, TerminalOptions(
-                cols=start.pty[0], rows=start.pty[1], cmd=cmd, env=spec.env or None, cwd=spec.cwd,
-                user=spec.user).check())
-        except NodeError as exc:
-            raise await node_call_failed(control, target.row, exc) from exc
+        options = TerminalOptions(cols=start.pty[0], rows=start.pty[1], cmd=cmd, env=spec.env or None,
+                                  cwd=spec.cwd, user=spec.user)
+        terminal = await process_io.open_terminal(control, target.principal.tenant, target.row.id, options)
         pid = terminal.pid
-        source = _terminal_output(terminals, target, terminal)
+        source = _terminal_output(control, terminals, target, terminal)
 
         async def on_deadline() -> None:
             await terminal.kill()
@@ -249,12 +250,12 @@ async def send_input(control: ControlPlane, terminals: Terminals, target: EnvdTa
     elif channel == "pty":
         raise ConnectError("not_found", f"no terminal {pid} on this server")
     else:
-        await _guest(control, target, target.client.send_stdin(target.sandbox_id, pid, data))
+        await process_io.send_stdin(control, target.principal.tenant, target.row.id, pid, data)
     return {}
 
 
 async def close_stdin(control: ControlPlane, target: EnvdTarget, message: dict[str, Any]) -> dict[str, Any]:
-    await _guest(control, target, target.client.close_stdin(target.sandbox_id, selected_pid(message)))
+    await process_io.close_stdin(control, target.principal.tenant, target.row.id, selected_pid(message))
     return {}
 
 

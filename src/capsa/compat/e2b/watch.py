@@ -1,4 +1,4 @@
-"""envd's directory watching on capsa's ``file_watch`` (the node's ``/files/watch`` stream).
+"""envd's directory watching on capsa's ``file_watch`` (:func:`capsa.control.process_io.watch_files`).
 
 Two forms, as the SDKs use them: the async SDK keeps one ``WatchDir`` stream open; the sync SDK creates a
 watcher (``CreateWatcher``) and polls it (``GetWatcherEvents``) until ``RemoveWatcher``. A watcher is a
@@ -17,13 +17,12 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from capsa.common import node_api
 from capsa.common.errors import CapsaError
 from capsa.compat.e2b.access import EnvdTarget
 from capsa.compat.e2b.connect import ConnectError, paced
-from capsa.control.nodeclient import NodeError
+from capsa.control import process_io
 from capsa.control.plane import ControlPlane
-from capsa.control.sessions import node_call_failed
+from capsa.sdk.models import FileEvent, StreamError
 
 __all__ = ["MAX_BUFFERED", "MAX_WATCHERS_PER_SESSION", "Watchers", "watch_stream"]
 
@@ -33,7 +32,7 @@ MAX_BUFFERED = 10_000
 _TYPES = {"created": "EVENT_TYPE_CREATE", "modified": "EVENT_TYPE_WRITE", "removed": "EVENT_TYPE_REMOVE"}
 
 
-def _event(root: str, event: node_api.FileEvent) -> dict[str, Any] | None:
+def _event(root: str, event: FileEvent) -> dict[str, Any] | None:
     kind = _TYPES.get(event.type)
     if kind is None:  # overflow: E2B has no such event
         return None
@@ -45,20 +44,21 @@ async def _events(control: ControlPlane, target: EnvdTarget, path: str, recursiv
                   ) -> AsyncIterator[dict[str, Any]]:
     """The watch's events (E2B ``FilesystemEvent``); ``messages``: as ``WatchDirResponse`` messages, a
     ``start`` first, once the watch is set up. ``ready`` is set then too."""
+    stream = await process_io.watch_files(control, target.principal.tenant, target.row.id, path,
+                                          recursive=recursive)
     try:
-        async with target.client.watch_dir(target.sandbox_id, path, recursive=recursive) as events:
-            if ready is not None:
-                ready.set()
-            if messages:
-                yield {"start": {}}
-            async for event in events:
-                if isinstance(event, node_api.StreamError):
-                    raise CapsaError(event.detail, code=event.code, status=502)
-                converted = _event(path, event)
-                if converted is not None:
-                    yield {"filesystem": converted} if messages else converted
-    except NodeError as exc:
-        raise await node_call_failed(control, target.row, exc) from exc
+        if ready is not None:
+            ready.set()
+        if messages:
+            yield {"start": {}}
+        async for event in stream:
+            if isinstance(event, StreamError):
+                raise CapsaError(event.detail, code=event.code, status=502)
+            converted = _event(path, event)
+            if converted is not None:
+                yield {"filesystem": converted} if messages else converted
+    finally:
+        await stream.aclose()
 
 
 async def watch_stream(control: ControlPlane, target: EnvdTarget, path: str,
