@@ -297,3 +297,32 @@ async def test_e2b_commands_count_against_the_keys_rate_limit(make_stack: object
     with pytest.raises(RateLimitException):
         await sbx.commands.run("true")
     await sbx.kill()
+
+
+async def test_openai_agents_e2b_client_pauses_and_resumes(stack: ApiStack, monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    """``pause_on_exit``: shutting down pauses the capsa session; ``resume`` from the serialized state
+    connects to the same sandbox (capsa resume) with its workspace."""
+    from agents.extensions.sandbox.e2b import E2BSandboxClient, E2BSandboxClientOptions
+    from agents.sandbox.manifest import Manifest
+
+    key = await stack.tenant_key("e2b-agents-p")
+    _point_sdk_at(monkeypatch, stack, key)
+    client = E2BSandboxClient()
+    session = await client.create(options=E2BSandboxClientOptions(sandbox_type="e2b", pause_on_exit=True),
+                                  manifest=Manifest(root=str(tmp_path / "workspace")))
+    await session.start()
+    await session.write(Path("kept.txt"), io.BytesIO(b"before the pause"))
+    await session.shutdown()
+    async with stack.client(key) as capsa_client:
+        sandbox_id = session.state.sandbox_id
+        assert (await capsa_client.get(f"/v1/sessions/{sandbox_id}")).json()["state"] == "paused"
+    saved = client.serialize_session_state(session.state)
+    resumed = await client.resume(client.deserialize_session_state(saved))
+    await resumed.start()
+    assert resumed.state.sandbox_id == sandbox_id
+    assert (await resumed.read(Path("kept.txt"))).read() == b"before the pause"
+    resumed.state.pause_on_exit = False
+    await resumed.shutdown()
+    async with stack.client(key) as capsa_client:
+        assert (await capsa_client.get(f"/v1/sessions/{sandbox_id}")).json()["state"] == "closed"
