@@ -320,6 +320,10 @@ ONE_FRAME_CALLS: dict[str, Call] = {
     "write_file": lambda c: c.write_file("/x", b"data"),
     "tar_import": lambda c: c.tar_import("/x", b"data"),
     "pty_open": lambda c: c.pty_open("sh"),
+    "proc_stdin": lambda c: c.send_stdin(7, b"data"),
+    "proc_close_stdin": lambda c: c.close_stdin(7),
+    "proc_stream": lambda c: c.stream_process(7),
+    "file_watch": lambda c: c.watch_dir("/"),
     "set_clock": lambda c: c.set_clock(),
     "reseed": lambda c: c.reseed(),
 }

@@ -214,10 +214,13 @@ async def test_an_open_terminal_keeps_the_session_from_its_idle_timeout(
 
 
 async def test_closing_the_session_ends_open_terminals_streams_and_watches(stack: ApiStack) -> None:
+    """Closing the session under an open terminal, output stream and watch ends all three; no guest
+    process, no sandbox and no server task is left."""
     key = await stack.tenant_key("acme")
     marker = f"capsa-open-{uuid.uuid4().hex}"
     async with stack.client(key) as client:
         sid = await new_session(client)
+        baseline = len(asyncio.all_tasks())
         term = await terminal(stack, sid, key, f"?cmd=sleep%20300%3B%20%3A%20{marker}-pty")
         pid = await background(client, sid, f"sleep 300; : {marker}-bg")
         made = await client.post(f"/v1/sessions/{sid}/commands", json={"cmd": "mktemp -d"})
@@ -255,3 +258,50 @@ async def test_closing_the_session_ends_open_terminals_streams_and_watches(stack
             await asyncio.sleep(0.1)
         assert processes_with(marker) == []
         assert stack.agent.list() == []
+        await term.close()
+        for _ in range(100):  # the relays and activity marks of the control plane (it serves on this loop)
+            if len(asyncio.all_tasks()) <= baseline:
+                break
+            await asyncio.sleep(0.05)
+        assert len(asyncio.all_tasks()) <= baseline, [t.get_coro() for t in asyncio.all_tasks()]
+
+
+async def test_clients_that_leave_leave_no_task_and_no_process(stack: ApiStack) -> None:
+    """A client closing its terminal, output stream or watch: the guest's terminal is hung up, and the
+    server's tasks (relays, activity marks) are gone (the stack serves on this loop, so they are visible)."""
+    key = await stack.tenant_key("acme")
+    marker = f"capsa-leave-{uuid.uuid4().hex}"
+    async with stack.client(key) as client:
+        sid = await new_session(client)
+        pid = await background(client, sid, "while true; do echo tick; sleep 0.2; done")
+        made = await client.post(f"/v1/sessions/{sid}/commands", json={"cmd": "mktemp -d"})
+        folder = made.json()["stdout"].strip()
+        await asyncio.sleep(0.5)
+        baseline = len(asyncio.all_tasks())
+        for _ in range(3):
+            term = await terminal(stack, sid, key, f"?cmd=sleep%20300%3B%20%3A%20{marker}")
+            for _ in range(100):
+                if processes_with(marker):
+                    break
+                await asyncio.sleep(0.05)
+            assert processes_with(marker)
+            got = await stream_lines(client, f"/v1/sessions/{sid}/processes/{pid}/stream",
+                                     stop=lambda lines: len(lines) >= 2)
+            assert got[0]["type"] == "output"
+            watch_task = asyncio.create_task(stream_lines(client, f"/v1/sessions/{sid}/files/watch",
+                                                          {"path": folder}))
+            await asyncio.sleep(0.5)
+            watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch_task
+            await term.close()
+            for _ in range(100):
+                if not processes_with(marker):
+                    break
+                await asyncio.sleep(0.05)
+            assert processes_with(marker) == []
+        for _ in range(100):
+            if len(asyncio.all_tasks()) <= baseline:
+                break
+            await asyncio.sleep(0.05)
+        assert len(asyncio.all_tasks()) <= baseline, [t.get_coro() for t in asyncio.all_tasks()]

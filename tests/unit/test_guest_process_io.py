@@ -181,6 +181,7 @@ async def test_closed_watch_leaves_no_thread(guest_client: GuestClient, local_gu
     def threads() -> int:
         return len(os.listdir(f"/proc/{local_guest.pid}/task"))
 
+    await guest_client.health()  # the daemon's thread for this connection runs by now
     before = threads()
     watches = [await guest_client.watch_dir(str(tmp_path)) for _ in range(5)]
     assert threads() >= before + 5
@@ -191,3 +192,19 @@ async def test_closed_watch_leaves_no_thread(guest_client: GuestClient, local_gu
             break
         await asyncio.sleep(0.05)
     assert threads() <= before
+
+
+async def test_terminal_default_is_the_users_login_shell(guest_client: GuestClient) -> None:
+    import pwd
+
+    shell = pwd.getpwuid(os.geteuid()).pw_shell  # the local daemon runs as this user
+    pty = await guest_client.pty_open(None)
+    reader = pty.read()
+    await pty.write(b"echo \"shell=$0\"; tr '\\0' ' ' < /proc/$$/cmdline; echo; exit 0\n")
+    out = b""
+    async with asyncio.timeout(20):
+        async for chunk in reader:
+            out += chunk
+    text = out.decode(errors="replace")
+    assert f"shell={shell}" in text and f"{shell} -l" in text, text
+    assert pty.exit_code == 0

@@ -1,7 +1,8 @@
 """Talking to running processes and watching files, without HTTP: what the routes (and other front ends,
 such as a compatibility API) call.
 
-- :func:`send_stdin` / :func:`close_stdin`: a background process started with ``open_stdin``;
+- :func:`start_background`, :func:`send_stdin` / :func:`close_stdin`: a background process (started with
+  ``open_stdin`` to take stdin);
 - :func:`stream_output`: a background process's output from byte offsets until it exits (reattach by
   calling it again with the last offsets seen);
 - :func:`watch_files`: changes under a directory of the sandbox;
@@ -29,7 +30,8 @@ from capsa.control.sessions import SANDBOX_GONE_CODES, lose_sandbox, node_call_f
 from capsa.control.store.models import SessionRow
 from capsa.sdk.models import FileEvent, OutputChunk, OutputEnd, ProcessInfo, StreamError
 
-__all__ = ["EventStream", "close_stdin", "open_terminal", "send_stdin", "stream_output", "watch_files"]
+__all__ = ["EventStream", "close_stdin", "open_terminal", "send_stdin", "start_background", "stream_output",
+           "watch_files"]
 
 _T = TypeVar("_T")
 _N = TypeVar("_N")
@@ -39,6 +41,19 @@ async def _session(plane: ControlPlane, tenant: str, session_id: str) -> tuple[S
     row, client = await running_session(plane, tenant, session_id)
     assert row.sandbox_id is not None
     return row, client, row.sandbox_id
+
+
+async def start_background(plane: ControlPlane, tenant: str, session_id: str, cmd: str | list[str], *,
+                           env: dict[str, str] | None = None, cwd: str | None = None, user: str | None = None,
+                           open_stdin: bool = False) -> ProcessInfo:
+    """Start a background process (``open_stdin``: keep a pipe to its stdin for :func:`send_stdin`)."""
+    row, client, sandbox_id = await _session(plane, tenant, session_id)
+    start = node_api.ProcessStart(cmd=cmd, env=env or {}, cwd=cwd, user=user, open_stdin=open_stdin)
+    try:
+        info = await client.start_process(sandbox_id, start)
+    except NodeError as exc:
+        raise await node_call_failed(plane, row, exc) from exc
+    return ProcessInfo.model_validate(info.model_dump())
 
 
 async def send_stdin(plane: ControlPlane, tenant: str, session_id: str, pid: int, data: bytes) -> ProcessInfo:
@@ -81,8 +96,11 @@ class EventStream(Generic[_T]):
         await self._stack.aclose()
 
 
-async def _open_stream(plane: ControlPlane, row: SessionRow, opened: contextlib.AbstractAsyncContextManager[
-        AsyncIterator[_N]], convert: Callable[[_N], _T]) -> EventStream[_T]:
+async def _open_stream(plane: ControlPlane, row: SessionRow,
+                       opened: contextlib.AbstractAsyncContextManager[AsyncIterator[_N]],
+                       convert: Callable[[_N], _T], failed: Callable[[str, str], _T]) -> EventStream[_T]:
+    """Open the node's stream (its refusal raises here), keep the session active while it is open, and
+    translate its events; a sandbox lost mid-stream is recorded and reported as the last event."""
     stack = AsyncExitStack()
     try:
         node_events = await stack.enter_async_context(opened)
@@ -100,16 +118,18 @@ async def _open_stream(plane: ControlPlane, row: SessionRow, opened: contextlib.
                 if isinstance(node_event, node_api.StreamError) and node_event.code in SANDBOX_GONE_CODES:
                     state = await lose_sandbox(plane, row.id, node_event.detail or node_event.code,
                                                row.sandbox_id)
-                    yield convert(node_api.StreamError(  # type: ignore[arg-type]
-                        code="session_failed" if state == "failed" else "invalid_state",
-                        detail=f"session {row.id} lost its sandbox ({state}): {node_event.detail}"))
+                    yield failed("session_failed" if state == "failed" else "invalid_state",
+                                 f"session {row.id} lost its sandbox ({state}): {node_event.detail}")
                     return
                 yield convert(node_event)
         except NodeError as exc:
-            yield convert(node_api.StreamError(code="node_unreachable",  # type: ignore[arg-type]
-                                               detail=f"lost the node while streaming: {exc.message}"))
+            yield failed("node_unreachable", f"lost the node while streaming: {exc.message}")
 
     return EventStream(events(), stack)
+
+
+def _stream_error(code: str, detail: str) -> StreamError:
+    return StreamError(code=code, detail=detail)
 
 
 def _output_event(event: node_api.OutputChunk | node_api.OutputEnd | node_api.StreamError
@@ -131,7 +151,7 @@ async def stream_output(plane: ControlPlane, tenant: str, session_id: str, pid: 
     as ``lost`` on the first chunk after the gap."""
     row, client, sandbox_id = await _session(plane, tenant, session_id)
     opened = client.stream_process(sandbox_id, pid, stdout_from=stdout_from, stderr_from=stderr_from)
-    return await _open_stream(plane, row, opened, _output_event)
+    return await _open_stream(plane, row, opened, _output_event, _stream_error)
 
 
 def _watch_event(event: node_api.FileEvent | node_api.StreamError) -> FileEvent | StreamError:
@@ -146,7 +166,7 @@ async def watch_files(plane: ControlPlane, tenant: str, session_id: str, path: s
     Raises ``not_found``/``not_a_directory`` before streaming."""
     row, client, sandbox_id = await _session(plane, tenant, session_id)
     return await _open_stream(plane, row, client.watch_dir(sandbox_id, path, recursive=recursive),
-                              _watch_event)
+                              _watch_event, _stream_error)
 
 
 async def open_terminal(plane: ControlPlane, tenant: str, session_id: str,

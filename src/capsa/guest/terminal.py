@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import pwd
 import select
 import signal
 import struct
@@ -37,11 +38,22 @@ def _make_controlling_tty() -> None:
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
-def _default_shell() -> list[str]:
-    for shell in ("/bin/bash", "/bin/sh"):
-        if os.access(shell, os.X_OK):
-            return [shell, "-i"] if shell.endswith("bash") else [shell]
-    return ["/bin/sh"]
+def _default_shell(user: object) -> list[str]:
+    """The user's login shell from the password database (the daemon's user when none is named), as a
+    login shell (``-l``: /etc/profile and the user's profile set PATH, the prompt ...); /bin/sh if that
+    shell is missing or not executable. An unknown user is left for parse_command to refuse."""
+    shell = ""
+    with contextlib.suppress(KeyError, TypeError, OverflowError):
+        if isinstance(user, str):
+            shell = pwd.getpwnam(user).pw_shell
+        elif isinstance(user, int) and not isinstance(user, bool):
+            shell = pwd.getpwuid(user).pw_shell
+        else:
+            shell = pwd.getpwuid(os.geteuid()).pw_shell
+    if not shell or not os.path.isabs(shell) or not os.access(shell, os.X_OK) \
+            or os.path.basename(shell) in ("nologin", "false"):
+        shell = "/bin/sh"
+    return [shell, "-l"]
 
 
 def op_pty(stream: Stream, args: dict[str, Any], data: bytes) -> None:
@@ -52,7 +64,7 @@ def op_pty(stream: Stream, args: dict[str, Any], data: bytes) -> None:
     CANCEL hangs the terminal up (SIGHUP to its process group).
     """
     if args.get("cmd") is None:
-        args = dict(args, cmd=_default_shell())
+        args = dict(args, cmd=_default_shell(args.get("user")))
     rows = _size(args, "rows", 24)
     cols = _size(args, "cols", 80)
     spec = parse_command(args)

@@ -279,6 +279,18 @@ class FileInfo:
                    size=int(meta["size"]), mode=int(meta["mode"]), mtime=float(meta["mtime"]))
 
 
+def _stream_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    kept: dict[str, Any] = {}
+    ch = meta.get("ch")
+    if isinstance(ch, str) and len(ch) <= 16:
+        kept["ch"] = ch
+    for key in ("offset", "lost"):
+        value = meta.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            kept[key] = value
+    return kept
+
+
 def loop_time() -> float:
     return asyncio.get_running_loop().time()
 
@@ -328,7 +340,9 @@ class _Stream:
         if self.recv_allowed < 0:
             return GuestError("flow_control", "guest sent more data than the window allows")
         if self.limits is None:
-            return frame  # streamed to the caller, meta and all (proc_stream's offsets)
+            # Streamed to the caller: keep only the small fields a stream uses (proc_stream's channel and
+            # offsets), so queued frames cost their data, not up to 64 KiB of meta each.
+            return Frame(Kind.DATA, frame.stream, _stream_meta(frame.meta), frame.data)
         ch = frame.meta.get("ch")
         key = ch if isinstance(ch, str) else None
         if key not in self.limits:

@@ -96,18 +96,14 @@ async def run_command(session_id: str, body: CommandRequest, plane: Plane, calle
                       accept: Annotated[str | None, Header()] = None) -> Any:
     await plane.rates.hit(plane.db, caller.key_id, "commands", plane.settings.command_limit,
                           plane.settings.rate_window_seconds)
+    if body.background:
+        process = await process_io.start_background(
+            plane, caller.tenant, session_id, body.cmd if isinstance(body.cmd, str) else list(body.cmd),
+            env=dict(body.env), cwd=body.cwd, user=body.user, open_stdin=body.open_stdin)
+        return JSONResponse(process.model_dump(mode="json"), status_code=201)
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
     node_request = _node_request(plane, body)
-    if body.background:
-        start = node_api.ProcessStart(cmd=body.cmd, env=body.env, cwd=body.cwd, user=body.user,
-                                      open_stdin=body.open_stdin)
-        try:
-            process = await client.start_process(row.sandbox_id, start)
-        except NodeError as exc:
-            raise await node_call_failed(plane, row, exc) from exc
-        return JSONResponse(ProcessInfo.model_validate(process.model_dump()).model_dump(mode="json"),
-                            status_code=201)
     if accept and _NDJSON in accept:
         stack = AsyncExitStack()
         try:
