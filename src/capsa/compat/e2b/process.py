@@ -201,14 +201,17 @@ async def stream_process(control: ControlPlane, terminals: Terminals, target: En
             await terminal.kill()
     else:
         if start is not None:
-            info: node_api.ProcessInfo = await _guest(
-                control, target, target.client.start_process(target.sandbox_id, start.process))
+            spec = start.process
+            started = await process_io.start_background(
+                control, target.principal.tenant, target.row.id, spec.cmd, env=dict(spec.env), cwd=spec.cwd,
+                user=spec.user, open_stdin=spec.open_stdin)
+            pid = started.pid
         else:
-            info = await _guest(control, target, target.client.get_process(target.sandbox_id,
-                                                                            selected_pid(message)))
+            info: node_api.ProcessInfo = await _guest(
+                control, target, target.client.get_process(target.sandbox_id, selected_pid(message)))
             if not info.running:
                 raise ConnectError("not_found", f"process {info.pid} is not running")
-        pid = info.pid
+            pid = info.pid
         source = _process_output(control, target, pid)
 
         async def on_deadline() -> None:
