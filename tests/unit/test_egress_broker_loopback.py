@@ -242,6 +242,64 @@ async def test_register_twice_and_unknown(world: World) -> None:
     await broker.close()
 
 
+async def test_client_hello_arriving_before_the_200_is_not_lost(world: World) -> None:
+    """A ClientHello that reaches the broker after the CONNECT was read but before TLS took over the
+    connection (here: sent while a slow leaf is issued; under load: read while the 200 drains) is handed
+    to TLS, not left in the plain-text reader's buffer where the handshake would wait for it forever."""
+    broker = world.broker()
+    sbx = broker.register("sbx_t", "127.0.0.1", POLICY)
+    await broker.listen("sbx_t", "127.0.0.1", ports=ANY_PORTS)
+    issue = sbx.ca.context_for
+
+    async def slow_issue(name: str) -> ssl.SSLContext:
+        await asyncio.sleep(0.5)
+        return await issue(name)
+
+    sbx.ca.context_for = slow_issue  # type: ignore[method-assign]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", sbx.bound["proxy"][1])
+        writer.write(b"CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the broker has read the CONNECT and waits for the leaf
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = ssl.create_default_context(cadata=sbx.ca.cert_pem.decode()).wrap_bio(
+            incoming, outgoing, server_hostname="api.test")
+
+        def step() -> bool:
+            try:
+                tls.do_handshake()
+                return True
+            except ssl.SSLWantReadError:
+                return False
+
+        step()
+        writer.write(outgoing.read())  # the ClientHello, before the 200 has arrived
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        done = False
+        while not done:
+            incoming.write(await asyncio.wait_for(reader.read(65536), 5))
+            done = step()
+            writer.write(outgoing.read())
+        tls.write(b"GET /x HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n")
+        writer.write(outgoing.read())
+        answer, closed = b"", False
+        while not closed:  # until the broker's close_notify (Connection: close)
+            incoming.write(await asyncio.wait_for(reader.read(65536), 5))
+            try:
+                while data := tls.read(65536):
+                    answer += data
+                closed = True  # b"": the close_notify
+            except ssl.SSLWantReadError:
+                continue
+            except ssl.SSLZeroReturnError:
+                closed = True
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    finally:
+        await broker.close()
+
+
 async def test_connect_tunnel_with_tls_and_injection(world: World) -> None:
     """CONNECT, then TLS inside the tunnel: the leaf is issued (off the loop) before the 200, so the
     ClientHello that follows at once is not lost."""

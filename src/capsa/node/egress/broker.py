@@ -726,6 +726,13 @@ class EgressBroker:
     async def _connect(self, sbx: SandboxEgress, client: _Client, req: h11.Request, source: str
                        ) -> str | None:
         target = req.target.decode("latin-1")
+        # Read nothing more until TLS takes over the transport: bytes the transport read now would land in
+        # the StreamReader's buffer, which start_tls never hands to TLS, and the handshake would hang (a
+        # ClientHello sent as soon as the 200 arrives could be read while we still await the drain or the
+        # leaf). Paused, they wait in the socket; the loop's start_tls resumes reading under TLS.
+        transport = client.writer.transport
+        if isinstance(transport, asyncio.ReadTransport):  # typed as a WriteTransport; a socket's is both
+            transport.pause_reading()
         try:
             host, port = _split_host(target, -1)
             if port != 443:
