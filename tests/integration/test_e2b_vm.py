@@ -196,3 +196,31 @@ async def test_openai_agents_e2b_client_in_a_real_microvm(tenants: tuple[Served,
         await session.shutdown()
         await client.delete(session)
     assert _capsa_session(served, key, sandbox_id)["state"] == "closed"
+
+
+async def test_openai_agents_e2b_client_pause_and_resume_in_a_real_microvm(
+        tenants: tuple[Served, str, str], e2b_env: dict[str, str]) -> None:
+    """``pause_on_exit``: shutting down pauses the session (capsa snapshot, VM gone); ``resume`` from the
+    serialized state brings the same sandbox back with its workspace and running state."""
+    from agents.extensions.sandbox.e2b import E2BSandboxClient, E2BSandboxClientOptions
+    from agents.sandbox.manifest import Manifest
+
+    served, key, _ = tenants
+    client = E2BSandboxClient()
+    session = await client.create(options=E2BSandboxClientOptions(sandbox_type="e2b", pause_on_exit=True),
+                                  manifest=Manifest())
+    await session.start()
+    sandbox_id = session.state.sandbox_id
+    await session.write(Path("kept.txt"), io.BytesIO(b"before the pause"))
+    await session.shutdown()
+    assert _capsa_session(served, key, sandbox_id)["state"] == "paused"
+    saved = client.serialize_session_state(session.state)
+    resumed = await client.resume(client.deserialize_session_state(saved))
+    await resumed.start()
+    try:
+        assert resumed.state.sandbox_id == sandbox_id
+        assert (await resumed.read(Path("kept.txt"))).read() == b"before the pause"
+    finally:
+        resumed.state.pause_on_exit = False
+        await resumed.shutdown()
+    assert _capsa_session(served, key, sandbox_id)["state"] == "closed"
