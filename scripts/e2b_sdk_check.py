@@ -129,6 +129,21 @@ def main() -> int:
     check("pty create + resize + send_stdin + kill", pty)
     check("files.watch_dir", watch)
     check("connect + set_timeout + get_info + list", connect_and_timeout)
+    def fork() -> None:
+        sbx.files.write("/tmp/e2bcheck/forked.txt", "from the parent")
+        forks = sbx.fork(count=2)
+        try:
+            assert len(forks) == 2 and all(isinstance(f, Sandbox) for f in forks), forks
+            for child in forks:
+                assert child.sandbox_id != sbx.sandbox_id
+                assert child.files.read("/tmp/e2bcheck/forked.txt") == "from the parent"
+        finally:
+            for child in forks:
+                if isinstance(child, Sandbox):
+                    child.kill()
+
+    if hasattr(Sandbox, "fork"):  # e2b >= 2.6x
+        check("fork (capsa branch)", fork)
     check("kill", lambda: (sbx.kill(), None if not sbx.is_running() else 1 / 0))
     for name, ok, detail in results:
         print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}")

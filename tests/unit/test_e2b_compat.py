@@ -326,3 +326,23 @@ async def test_openai_agents_e2b_client_pauses_and_resumes(stack: ApiStack, monk
     await resumed.shutdown()
     async with stack.client(key) as capsa_client:
         assert (await capsa_client.get(f"/v1/sessions/{sandbox_id}")).json()["state"] == "closed"
+
+
+async def test_fork_is_a_capsa_branch(stack: ApiStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``POST /sandboxes/{id}/fork`` (e2b 2.6x ``Sandbox.fork``; 2.31 has no method for it): new sandboxes
+    from the source's state, the source running on."""
+    env = _point_sdk_at(monkeypatch, stack, await stack.tenant_key("e2b-f"))
+    sbx = await AsyncSandbox.create()
+    await sbx.files.write("/tmp/e2b-fork.txt", "parent state")
+    async with httpx.AsyncClient(base_url=env["E2B_API_URL"], headers={"X-API-KEY": env["E2B_API_KEY"]},
+                                 timeout=60) as client:
+        r = await client.post(f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": 2, "timeout": 120})
+    assert r.status_code == 201, r.text
+    children = [item["sandbox"]["sandboxID"] for item in r.json()]
+    assert len(set(children)) == 2 and sbx.sandbox_id not in children
+    for child_id in children:
+        child = await AsyncSandbox.connect(child_id)
+        assert await child.files.read("/tmp/e2b-fork.txt") == "parent state"
+        await child.kill()
+    assert await sbx.is_running()
+    await sbx.kill()

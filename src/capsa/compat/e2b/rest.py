@@ -122,8 +122,7 @@ async def create_sandbox(request: Request, caller: Caller) -> Any:
                                on_timeout="pause" if body.auto_pause else "close")
     except ValidationError as exc:
         return e2b_error(400, f"invalid sandbox settings: {exc.errors()[0]['msg']}")
-    await control.rates.hit(control.db, principal.key_id, "sessions", control.settings.session_create_limit,
-                            control.settings.rate_window_seconds)
+    await _count_starts(control, principal)
     out = await sessions.create_session(control, principal, create)
     return JSONResponse(_sandbox(out, key), status_code=201)
 
@@ -208,11 +207,18 @@ async def pause_sandbox(sandbox_id: str, request: Request, caller: Caller) -> Re
     return Response(status_code=204)
 
 
+async def _count_starts(control: ControlPlane, principal: Principal, sandboxes: int = 1) -> None:
+    """Starting sandboxes (create, resume, fork) spends the key's session rate limit, as on ``/v1``."""
+    await control.rates.hit(control.db, principal.key_id, "sessions", control.settings.session_create_limit,
+                            control.settings.rate_window_seconds, cost=sandboxes)
+
+
 async def _resume_or_extend(control: ControlPlane, principal: Principal, sandbox_id: str,
                             ttl: int) -> tuple[SessionOut, bool]:
     out = await _live(control, principal.tenant, sandbox_id)
     resumed = False
     if out.state == "paused":
+        await _count_starts(control, principal)
         out = await snapshots.resume_session(control, principal.tenant, sandbox_id)
         resumed = True
     if out.state != "running":
@@ -243,6 +249,30 @@ async def resume_sandbox(sandbox_id: str, request: Request, caller: Caller,
         return e2b_error(409, f"sandbox {sandbox_id} is not paused")
     out, _ = await _resume_or_extend(control, principal, sandbox_id, (body or ConnectBody()).timeout)
     return JSONResponse(_sandbox(out, key), status_code=201)
+
+
+class ForkBody(_Body):
+    timeout: Annotated[int | None, Field(ge=1, le=86400)] = None
+    count: Annotated[int, Field(ge=1, le=32)] = 1
+
+
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+async def fork_sandbox(sandbox_id: str, request: Request, caller: Caller,
+                       body: ForkBody | None = None) -> Any:
+    """``count`` new sandboxes from the sandbox's state now: capsa's branch (a fresh snapshot of a running
+    session, the latest of a paused one; the source keeps running with its id and expiry)."""
+    principal, key = caller
+    control = plane(request)
+    fork = body or ForkBody()
+    await _live(control, principal.tenant, sandbox_id)
+    await _count_starts(control, principal, fork.count)
+    made = await snapshots.branch_session(control, principal.tenant, sandbox_id, fork.count)
+    results = []
+    for out in made.items:
+        if fork.timeout is not None:
+            out = await sessions.extend_session(control, principal.tenant, out.id, fork.timeout)
+        results.append({"sandbox": _sandbox(out, key)})
+    return JSONResponse(results, status_code=201)
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics")
