@@ -62,3 +62,10 @@ async def stack(db_url: str, tmp_path: Path) -> AsyncIterator[ApiStack]:
     runtime = FakeRuntime()
     async with ApiStack(db_url, runtime, fake_image(tmp_path / "image")) as s:
         yield s
+
+
+@pytest.fixture
+async def steady_stack(make_stack: Callable[..., Awaitable[ApiStack]]) -> ApiStack:
+    """A stack whose node counts as alive for an hour without a heartbeat (this stack sends none by
+    itself): for tests that may run past the default 30 s on a loaded machine."""
+    return await make_stack(settings={"node_heartbeat_timeout": 3600.0})

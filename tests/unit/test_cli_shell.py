@@ -19,6 +19,12 @@ pytestmark = pytest.mark.timeout(120)
 CAPSA = str(Path(sys.executable).with_name("capsa"))
 
 
+@pytest.fixture
+def stack(steady_stack: ApiStack) -> ApiStack:
+    """Shell sessions may outlive the default heartbeat timeout on a loaded machine."""
+    return steady_stack
+
+
 async def _session(stack: ApiStack, key: str) -> str:
     async with stack.client(key) as client:
         made = await client.post("/v1/sessions", json={})

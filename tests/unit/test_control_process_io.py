@@ -70,7 +70,8 @@ async def read_until(term: TerminalClient, needle: bytes, seen: bytearray) -> No
             seen += chunk
 
 
-async def test_stdin_two_writes_close_and_the_errors(stack: ApiStack) -> None:
+async def test_stdin_two_writes_close_and_the_errors(steady_stack: ApiStack) -> None:
+    stack = steady_stack
     key, other = await stack.tenant_key("acme"), await stack.tenant_key("globex")
     async with stack.client(key) as client, stack.client(other) as intruder:
         sid = await new_session(client)
@@ -95,7 +96,8 @@ async def test_stdin_two_writes_close_and_the_errors(stack: ApiStack) -> None:
                        404, "no_such_process")
 
 
-async def test_output_stream_reattach_gets_the_rest_once(stack: ApiStack) -> None:
+async def test_output_stream_reattach_gets_the_rest_once(steady_stack: ApiStack) -> None:
+    stack = steady_stack
     key = await stack.tenant_key("acme")
     async with stack.client(key) as client:
         sid = await new_session(client)
@@ -124,7 +126,8 @@ async def test_output_stream_reattach_gets_the_rest_once(stack: ApiStack) -> Non
         assert_problem(await client.get(path, params={"stdout_from": -1}), 422, "validation_error")
 
 
-async def test_watch_stream_over_http(stack: ApiStack) -> None:
+async def test_watch_stream_over_http(steady_stack: ApiStack) -> None:
+    stack = steady_stack
     key, other = await stack.tenant_key("acme"), await stack.tenant_key("globex")
     async with stack.client(key) as client, stack.client(other) as intruder:
         sid = await new_session(client)
@@ -149,7 +152,8 @@ async def test_watch_stream_over_http(stack: ApiStack) -> None:
                        404, "not_found")
 
 
-async def test_terminal_through_the_api(stack: ApiStack) -> None:
+async def test_terminal_through_the_api(steady_stack: ApiStack) -> None:
+    stack = steady_stack
     key = await stack.tenant_key("acme")
     async with stack.client(key) as client:
         sid = await new_session(client, env={"WHO": "capsa"})
@@ -169,7 +173,8 @@ async def test_terminal_through_the_api(stack: ApiStack) -> None:
     await term.close()
 
 
-async def test_terminal_refusals_are_problems_before_the_upgrade(stack: ApiStack) -> None:
+async def test_terminal_refusals_are_problems_before_the_upgrade(steady_stack: ApiStack) -> None:
+    stack = steady_stack
     key, other = await stack.tenant_key("acme"), await stack.tenant_key("globex")
     async with stack.client(key) as client:
         sid = await new_session(client)
@@ -213,9 +218,10 @@ async def test_an_open_terminal_keeps_the_session_from_its_idle_timeout(
             await asyncio.sleep(0.3)
 
 
-async def test_closing_the_session_ends_open_terminals_streams_and_watches(stack: ApiStack) -> None:
+async def test_closing_the_session_ends_open_terminals_streams_and_watches(steady_stack: ApiStack) -> None:
     """Closing the session under an open terminal, output stream and watch ends all three; no guest
     process, no sandbox and no server task is left."""
+    stack = steady_stack
     key = await stack.tenant_key("acme")
     marker = f"capsa-open-{uuid.uuid4().hex}"
     async with stack.client(key) as client:
@@ -266,9 +272,10 @@ async def test_closing_the_session_ends_open_terminals_streams_and_watches(stack
         assert len(asyncio.all_tasks()) <= baseline, [t.get_coro() for t in asyncio.all_tasks()]
 
 
-async def test_clients_that_leave_leave_no_task_and_no_process(stack: ApiStack) -> None:
+async def test_clients_that_leave_leave_no_task_and_no_process(steady_stack: ApiStack) -> None:
     """A client closing its terminal, output stream or watch: the guest's terminal is hung up, and the
     server's tasks (relays, activity marks) are gone (the stack serves on this loop, so they are visible)."""
+    stack = steady_stack
     key = await stack.tenant_key("acme")
     marker = f"capsa-leave-{uuid.uuid4().hex}"
     async with stack.client(key) as client:

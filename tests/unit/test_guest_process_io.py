@@ -183,6 +183,11 @@ async def test_closed_watch_leaves_no_thread(guest_client: GuestClient, local_gu
 
     await guest_client.health()  # the daemon's thread for this connection runs by now
     before = threads()
+    for _ in range(50):  # and the health request's own thread has ended
+        await asyncio.sleep(0.1)
+        if threads() == before:
+            break
+        before = threads()
     watches = [await guest_client.watch_dir(str(tmp_path)) for _ in range(5)]
     assert threads() >= before + 5
     for w in watches:

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.timeout(120)
 READ_LINES = "import sys\nfor line in sys.stdin:\n    print('got', line.strip(), flush=True)"
 
 
-async def test_pty_create_send_resize_wait_and_kill(stack: ApiStack) -> None:
+async def test_pty_create_send_resize_wait_and_kill(steady_stack: ApiStack) -> None:
+    stack = steady_stack
     key = await stack.tenant_key("acme")
     async with AsyncClient(stack.url, key) as client, await AsyncSession.create(client=client) as s:
         term = await s.pty.create(cols=100, rows=30, cmd="PS1='$ ' exec /bin/sh -i")
@@ -49,7 +50,8 @@ async def test_pty_create_send_resize_wait_and_kill(stack: ApiStack) -> None:
             await s.pty.create(cols=0)
 
 
-async def test_pty_refusals_are_sdk_errors(stack: ApiStack) -> None:
+async def test_pty_refusals_are_sdk_errors(steady_stack: ApiStack) -> None:
+    stack = steady_stack
     async with AsyncClient(stack.url, await stack.tenant_key("acme")) as client, \
             AsyncClient(stack.url, await stack.tenant_key("globex")) as intruder:
         async with await AsyncSession.create(client=client) as s:
@@ -60,7 +62,8 @@ async def test_pty_refusals_are_sdk_errors(stack: ApiStack) -> None:
             await s.pty.create()
 
 
-async def test_stdin_and_a_streamed_wait_with_reattach(stack: ApiStack) -> None:
+async def test_stdin_and_a_streamed_wait_with_reattach(steady_stack: ApiStack) -> None:
+    stack = steady_stack
     key = await stack.tenant_key("acme")
     async with AsyncClient(stack.url, key) as client, await AsyncSession.create(client=client) as s:
         proc = await s.commands.run(["python3", "-c", READ_LINES], background=True, open_stdin=True)
@@ -93,7 +96,8 @@ async def test_stdin_and_a_streamed_wait_with_reattach(stack: ApiStack) -> None:
         assert len(events) == 1 and isinstance(events[0], OutputEnd)
 
 
-async def test_files_watch_async(stack: ApiStack) -> None:
+async def test_files_watch_async(steady_stack: ApiStack) -> None:
+    stack = steady_stack
     key = await stack.tenant_key("acme")
     async with AsyncClient(stack.url, key) as client, await AsyncSession.create(client=client) as s:
         folder = (await s.commands.run("mktemp -d")).stdout.strip()
@@ -117,7 +121,8 @@ async def test_files_watch_async(stack: ApiStack) -> None:
             await s.files.watch(f"{folder}/missing")
 
 
-async def test_blocking_twins_from_a_thread(stack: ApiStack) -> None:
+async def test_blocking_twins_from_a_thread(steady_stack: ApiStack) -> None:
+    stack = steady_stack
     key = await stack.tenant_key("acme")
     errors: list[BaseException] = []
     results: dict[str, object] = {}

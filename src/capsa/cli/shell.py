@@ -86,8 +86,18 @@ async def _attach(term: AsyncTerminal, in_fd: int, out_fd: int) -> None:
     """Keys -> the terminal, its output -> our stdout, SIGWINCH -> resize, until the remote side ends."""
     loop = asyncio.get_running_loop()
     keys: asyncio.Queue[bytes | tuple[int, int]] = asyncio.Queue()  # key bytes, or a new size
+    size = [_size(in_fd)]
+
+    def resized() -> None:
+        now = _size(in_fd)
+        if now != size[0]:
+            size[0] = now
+            keys.put_nowait(now)
 
     def readable() -> None:
+        # Keys typed after a resize must reach a terminal of the new size, even when the loop sees the
+        # keys before the SIGWINCH: check the size first.
+        resized()
         try:
             data = os.read(in_fd, READ_SIZE)
         except OSError:
@@ -97,7 +107,7 @@ async def _attach(term: AsyncTerminal, in_fd: int, out_fd: int) -> None:
         keys.put_nowait(data)
 
     def winch() -> None:
-        keys.put_nowait(_size(in_fd))
+        resized()
 
     async def send() -> None:
         while item := await keys.get():
