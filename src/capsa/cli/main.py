@@ -31,6 +31,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "audit": ("capsa.cli.egress", "audit"),
     "policy": ("capsa.cli.egress", "policy"),
     "port-forward": ("capsa.cli.ports", "port_forward"),
+    "e2b": ("capsa.cli.e2b", "e2b"),
     "shell": ("capsa.cli.shell", "shell"),
     "mcp": ("capsa.cli.mcp", "mcp"),
 }

@@ -10,6 +10,8 @@ from importlib.metadata import version
 
 from fastapi import FastAPI
 
+from capsa.compat.e2b import MOUNT_PATH as E2B_PATH
+from capsa.compat.e2b import create_e2b_app
 from capsa.control.auth import ensure_bootstrap_key
 from capsa.control.mcp import install_mcp
 from capsa.control.node_secrets import node_sealer
@@ -77,4 +79,12 @@ def create_app(settings: ControlSettings | None = None,
     for egress_module in (secret_routes, egress_routes):
         app.include_router(egress_module.router, prefix="/v1")
     mcp_lifetime = install_mcp(app)
+    if settings.e2b_compat:
+        app.mount(E2B_PATH, create_e2b_app(lambda: _plane_of(app)))
     return app
+
+
+def _plane_of(app: FastAPI) -> ControlPlane:
+    plane = app.state.plane
+    assert isinstance(plane, ControlPlane)
+    return plane

@@ -352,6 +352,10 @@ class NodeClient:
         return await self._call(FileInfo, "POST", f"/sandboxes/{sandbox_id}/files/mkdir",
                                 params={"path": path, "parents": "true" if parents else "false"})
 
+    async def rename(self, sandbox_id: str, path: str, to: str) -> FileInfo:
+        return await self._call(FileInfo, "POST", f"/sandboxes/{sandbox_id}/files/rename",
+                                params={"path": path, "to": to})
+
     async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
         await self._request("DELETE", f"/sandboxes/{sandbox_id}/files",
                             params={"path": path, "recursive": "true" if recursive else "false"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -118,11 +118,14 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
             from exc
 
 
-async def list_sessions(plane: ControlPlane, tenant: str, state: str | None, metadata: Mapping[str, str],
-                        limit: int, cursor: str | None) -> SessionList:
+async def list_sessions(plane: ControlPlane, tenant: str, state: str | Collection[str] | None,
+                        metadata: Mapping[str, str], limit: int, cursor: str | None) -> SessionList:
+    """A page of the tenant's sessions, newest first; ``state``: one state or any of several."""
     query = select(SessionRow).where(SessionRow.tenant == tenant)
-    if state is not None:
+    if isinstance(state, str):
         query = query.where(SessionRow.state == state)
+    elif state is not None:
+        query = query.where(SessionRow.state.in_(list(state)))
     for key, value in metadata.items():
         query = query.where(SessionRow.id.in_(
             select(SessionMetadataRow.session_id).where(SessionMetadataRow.key == key,

@@ -67,6 +67,9 @@ class ControlSettings(BaseSettings):
     tenant_quotas: dict[str, TenantQuota] = Field(default_factory=dict)
     """Per-tenant overrides of ``tenant_quota`` (``CAPSA_TENANT_QUOTAS='{"acme": {"max_vcpus": 512}}'``)."""
 
+    e2b_compat: bool = True
+    """Serve the E2B dialect (REST API + envd protocol, ``capsa.compat.e2b``) under ``/e2b``
+    (``CAPSA_E2B_COMPAT=false`` turns it off)."""
     public_url: str | None = None
     """The base URL clients reach the API at (port token URLs); none: the URL of the request that asks."""
     allow_insecure_node_urls: bool = False

@@ -552,6 +552,12 @@ class NodeAgent:
         with self._guest_call(record):
             return await record.sandbox.guest.mkdir(path, parents=parents)
 
+    async def rename(self, sandbox_id: str, src: str, dst: str) -> FileInfo:
+        record = self.get(sandbox_id)
+        with self._guest_call(record):
+            await record.sandbox.guest.rename(src, dst)
+            return await record.sandbox.guest.stat(dst)
+
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
         record = self.get(sandbox_id)
         with self._guest_call(record):

@@ -1,4 +1,4 @@
-"""Files in a sandbox: content (streamed both ways), listings, stat, mkdir, remove, tar archives."""
+"""Files in a sandbox: content (streamed both ways), listings, stat, mkdir, rename, remove, tar archives."""
 
 from __future__ import annotations
 
@@ -86,6 +86,12 @@ async def stat(agent: Agent, sandbox_id: str, path: GuestPath) -> FileInfo:
 @router.post("/mkdir", response_model=FileInfo)
 async def mkdir(agent: Agent, sandbox_id: str, path: GuestPath, parents: bool = True) -> FileInfo:
     return file_info(await agent.mkdir(sandbox_id, path, parents=parents))
+
+
+@router.post("/rename", response_model=FileInfo)
+async def rename(agent: Agent, sandbox_id: str, path: GuestPath, to: GuestPath) -> FileInfo:
+    """Move ``path`` to ``to`` (a rename in the guest; across filesystems a copy); answers ``to``'s info."""
+    return file_info(await agent.rename(sandbox_id, path, to))
 
 
 @router.delete("", status_code=204, response_class=Response)

@@ -1,0 +1,79 @@
+"""Who is calling and which capsa session an E2B request addresses.
+
+E2B's REST API authenticates with ``X-API-KEY``; here that is a capsa API key (``csk_…``), so a tenant
+sees only its own sessions and another tenant's sandbox id answers not-found, exactly as on ``/v1``.
+The sandbox daemon protocol (envd) carries no API key: the SDK sends the sandbox's ``envdAccessToken``
+as ``X-Access-Token`` and the sandbox id as ``E2b-Sandbox-Id``. capsa hands out the caller's own API key
+as that token (it only ever goes back to the key's holder), so an envd call is authenticated and scoped
+by the same key, and the session is looked up within its tenant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from capsa.control.auth import Principal, authenticate
+from capsa.control.nodeclient import NodeClient
+from capsa.control.plane import ControlPlane
+from capsa.control.sessions import running_session
+from capsa.control.store.models import SessionRow
+
+__all__ = [
+    "ACCESS_TOKEN_HEADER",
+    "API_KEY_HEADER",
+    "SANDBOX_ID_HEADER",
+    "EnvdTarget",
+    "PlaneGetter",
+    "api_caller",
+    "envd_target",
+    "plane",
+]
+
+API_KEY_HEADER = "x-api-key"
+ACCESS_TOKEN_HEADER = "x-access-token"
+SANDBOX_ID_HEADER = "e2b-sandbox-id"
+
+PlaneGetter = Callable[[], ControlPlane]
+
+
+def plane(request: Request) -> ControlPlane:
+    getter: PlaneGetter = request.app.state.plane_getter
+    return getter()
+
+
+async def api_caller(request: Request) -> tuple[Principal, str]:
+    """The principal of ``X-API-KEY`` (raises ``Unauthorized``) and the key itself."""
+    key = (request.headers.get(API_KEY_HEADER) or "").strip()
+    async with plane(request).db() as db:
+        return await authenticate(db, key or None), key
+
+
+@dataclass(frozen=True)
+class EnvdTarget:
+    """The running session an envd call goes to, and a client for its node."""
+
+    principal: Principal
+    row: SessionRow
+    client: NodeClient
+
+    @property
+    def sandbox_id(self) -> str:
+        assert self.row.sandbox_id is not None
+        return self.row.sandbox_id
+
+
+async def envd_target(request: Request) -> EnvdTarget:
+    """Authenticate an envd call (``X-Access-Token``) and find its running session (``E2b-Sandbox-Id``).
+
+    Raises capsa's ``Unauthorized``, ``NotFound`` (unknown or another tenant's), ``InvalidState`` (paused)
+    or ``SessionFailed``."""
+    token = (request.headers.get(ACCESS_TOKEN_HEADER) or request.headers.get(API_KEY_HEADER) or "").strip()
+    control = plane(request)
+    async with control.db() as db:
+        principal = await authenticate(db, token or None)
+    session_id = (request.headers.get(SANDBOX_ID_HEADER) or "").strip()
+    row, client = await running_session(control, principal.tenant, session_id)
+    return EnvdTarget(principal, row, client)
