@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from capsa import serve
+from capsa.common.service import run_service
 from capsa.control.keys import generate_key
 from capsa.sdk import AsyncSession
 from capsa.sdk.errors import CapsaAPIError, RateLimited
@@ -164,7 +165,16 @@ def main() -> None:
     state.chmod(0o755)
     try:
         facts = host_facts()
-        result = asyncio.run(measure(state, args.accel, args.sessions, args.execs, args.idle, args.memory))
+        result: dict[str, Any] = {}
+
+        async def run() -> None:
+            result.update(await measure(state, args.accel, args.sessions, args.execs, args.idle, args.memory))
+
+        # SIGTERM/SIGINT cancel the run and its cleanup closes every session and stops serve (150 VMs
+        # must not outlive an interrupted benchmark).
+        run_service(run())
+        if not result:
+            raise SystemExit("interrupted: nothing measured")
     finally:
         shutil.rmtree(state, ignore_errors=True)
     data = {"host": facts, "end_load": os.getloadavg(), "args": vars(args) | {"out": str(args.out)},
