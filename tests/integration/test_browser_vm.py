@@ -224,7 +224,15 @@ async def test_browser_sessions_end_to_end(state_dir: Path, pool: StoragePool,
                            for e in events)
 
                 # 3. Computer-use actions change the next screenshot's pixels.
-                await page.goto(f"https://{SITE}/big")
+                await page.wait_for_load_state()  # the error page's own navigation must end first
+                for attempt in range(3):
+                    try:
+                        await page.goto(f"https://{SITE}/big")
+                        break
+                    except Exception as exc:
+                        if "interrupted by another navigation" not in str(exc) or attempt == 2:
+                            raise
+                        await page.wait_for_timeout(1000)
                 await browser.close()  # the CDP client leaves; the page stays
                 t0 = time.monotonic()
                 before = await _shot(api, sid)

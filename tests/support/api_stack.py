@@ -151,7 +151,7 @@ class ApiStack:
 
     def client(self, key: str | None, url: str | None = None, **kwargs: Any) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.AsyncClient(base_url=url or self.url, headers=headers, timeout=120, **kwargs)
+        return httpx.AsyncClient(base_url=url or self.url, headers=headers, **{"timeout": 120, **kwargs})
 
     async def tenant_key(self, tenant: str, admin: bool = False) -> str:
         async with self.client(self.admin_key) as client:

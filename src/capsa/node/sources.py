@@ -445,6 +445,11 @@ class TemplateSource:
         found = await asyncio.to_thread(self.store.find, name, *size)
         if found is not None and shipped.matches(found.spec):
             return found
+        if found is not None:
+            # Built from another version of the spec: the shipped name always means the shipped spec.
+            log.info("template %s was built from another spec; rebuilding it", name)
+            await self.warm.drain(name)
+            await asyncio.to_thread(self.store.delete, name)
         egress = self.egress
 
         async def build() -> Template:
