@@ -256,8 +256,13 @@ async def test_killed_vm_resumes_from_latest_rolling_snapshot(stack: Stack) -> N
 
             made = await _wait(new_rolling, f"a rolling snapshot after '{word}'")
             seen.append(made[0]["id"])
-        rolling = [s["id"] for s in await _snapshots(c, sid) if s["kind"] == "rolling"]
-        assert rolling == [seen[2], seen[1]]  # keep=2, newest first
+
+        async def pruned() -> list[str]:
+            # The newest snapshot is listed before the pass that took it prunes beyond ``keep``.
+            rolling = [s["id"] for s in await _snapshots(c, sid) if s["kind"] == "rolling"]
+            return rolling if len(rolling) <= 2 else []
+
+        assert await _wait(pruned, "pruning to keep=2") == [seen[2], seen[1]]  # newest first
         dirs = stack.snapshot_dirs()
         assert seen[0] not in dirs and {seen[1], seen[2]} <= dirs  # the pruned one is gone from the node
 

@@ -115,7 +115,10 @@ async def test_two_nodes_two_replicas_one_database(pg: PgCluster, workdir: Path)
         again = await asyncio.to_thread(subprocess.run, reuse, capture_output=True, text=True, timeout=300,
                                         cwd=ROOT)
         assert again.returncode != 0 and "error" in again.stderr.lower(), again.stderr
-        assert len(again.stderr.strip().splitlines()) == 1, again.stderr
+        # The refusal is one line, the last (the node's log lines go to stderr too, before it).
+        lines = again.stderr.strip().splitlines()
+        assert [line for line in lines if line.startswith("error:")] == lines[-1:], again.stderr
+        assert "enrolment token" in lines[-1], again.stderr
         wait_no_node_leftovers(workdir / "node-c")
 
         listed = _nodes(control.url, admin)

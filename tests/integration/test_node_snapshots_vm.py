@@ -126,13 +126,26 @@ def _source(agent: NodeAgent, sid: str) -> str:
     return agent.get(sid).source
 
 
+def _thread_nices(sandbox: object) -> set[int]:
+    """The niceness of every thread of a sandbox's QEMU (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    assert isinstance(sandbox, QemuSandbox) and sandbox.pid is not None
+    task = Path(f"/proc/{sandbox.pid}/task")
+    return {int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in task.iterdir()}
+
+
 async def test_create_from_pool_then_on_demand_and_identity(api: httpx.AsyncClient,
                                                             agent: NodeAgent) -> None:
     await _wait_pool_full(api)
+    # A pooled VM waits at the lowest CPU priority, every thread of it (vCPU threads included) ...
+    (waiting,) = _templates(agent).warm.pooled()
+    assert _thread_nices(waiting) == {19}
     a = await _create(api)
     b = await _create(api)  # the pool has just been emptied: restored on demand
     try:
         assert _source(agent, a["id"]) == "pool" and _source(agent, b["id"]) == "restore"
+        # ... and serves at the normal one once bound; a restore on demand never left it.
+        assert _thread_nices(agent.get(a["id"]).sandbox) == {0}
+        assert _thread_nices(agent.get(b["id"]).sandbox) == {0}
         pool = {t["template"]: t for t in (await _ok(await api.get("/pool")))["templates"]}["base"]
         assert pool["hits"] >= 1 and pool["misses"] >= 1
         metrics = (await api.get("http://node/metrics")).text

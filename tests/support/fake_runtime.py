@@ -125,6 +125,12 @@ class FakeSandbox:
     def on_failure(self, callback: Callable[[str], Awaitable[None] | None]) -> None:
         self._callbacks.append(callback)
 
+    def set_background(self, background: bool) -> None:
+        pid = self.pid
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PROCESS, pid, 19 if background else 0)
+
     async def _watch(self) -> None:
         process = self._local.process
         assert process is not None

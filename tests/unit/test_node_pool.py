@@ -22,6 +22,10 @@ class _Sandbox:
         self.id = f"sbx_{n:020d}"
         self.state = SandboxState.RUNNING
         self.failure: str | None = None
+        self.background = True  # as restored for the pool
+
+    def set_background(self, background: bool) -> None:
+        self.background = background
 
 
 class _Fleet:
@@ -64,6 +68,8 @@ async def test_hits_misses_refill_and_no_reuse() -> None:
     await _settle(pool, 2)
     handed = [pool.take(KEY), pool.take(KEY), pool.take(KEY)]
     assert handed[0] is not None and handed[1] is not None and handed[2] is None
+    # Handed out at the normal CPU priority; those still waiting stay in the background.
+    assert [sb.background for sb in handed if sb is not None] == [False, False]
     pool.watch(KEY)  # what the node does once the request is served
     await _settle(pool, 2)
     # Refilled with new sandboxes: nothing handed out ever comes back.

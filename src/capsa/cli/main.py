@@ -31,6 +31,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "audit": ("capsa.cli.egress", "audit"),
     "policy": ("capsa.cli.egress", "policy"),
     "port-forward": ("capsa.cli.ports", "port_forward"),
+    "mcp": ("capsa.cli.mcp", "mcp"),
 }
 
 

@@ -11,6 +11,7 @@ from importlib.metadata import version
 from fastapi import FastAPI
 
 from capsa.control.auth import ensure_bootstrap_key
+from capsa.control.mcp import install_mcp
 from capsa.control.node_secrets import node_sealer
 from capsa.control.nodeclient import NodeClientPool
 from capsa.control.plane import ControlPlane
@@ -58,7 +59,8 @@ def create_app(settings: ControlSettings | None = None,
                 reaper = asyncio.create_task(run_reaper(plane), name="capsa-reaper")
             if settings.rolling_snapshot_interval > 0:
                 rolling = asyncio.create_task(run_rolling(plane), name="capsa-rolling-snapshots")
-            yield
+            async with mcp_lifetime():
+                yield
         finally:
             for task in (reaper, rolling):
                 if task is not None:
@@ -75,4 +77,5 @@ def create_app(settings: ControlSettings | None = None,
         app.include_router(module.router, prefix="/v1")
     for egress_module in (secret_routes, egress_routes, browser_routes):
         app.include_router(egress_module.router, prefix="/v1")
+    mcp_lifetime = install_mcp(app)
     return app

@@ -267,8 +267,9 @@ class TemplateSource:
 
     def _spec(self, template: Template, labels: Mapping[str, str], network: object | None = None) -> VMSpec:
         m = template.snapshot.manifest
+        # Pooled restores (and their warm-ups) run in the background: see WarmPool.take.
         return VMSpec(image=self.image_for(m.image_digest), memory_mib=m.memory_mib, vcpus=m.vcpus,
-                      network=network, labels=dict(labels))
+                      network=network, labels=dict(labels), background=labels.get("pooled") == "1")
 
     async def _pool_restore(self, key: PoolKey) -> Sandbox:
         if key[0] == NET_TEMPLATE:

@@ -161,12 +161,14 @@ class WarmPool:
         """A pooled sandbox for ``key`` (counted as a hit), or None (a miss: the caller restores).
 
         The caller calls :meth:`watch` once it has bound the sandbox: a refill started right away would
-        compete for the CPU with the request being served.
+        compete for the CPU with the request being served. Pooled sandboxes wait at the lowest CPU
+        priority (restored with ``VMSpec.background``); the one handed out gets the normal priority back.
         """
         slot = self._slot(key)
         while slot.idle:
             sandbox = slot.idle.popleft()
             if sandbox.state is SandboxState.RUNNING:
+                sandbox.set_background(False)
                 slot.hits += 1
                 self.metrics.hits.labels(**self._labels(key)).inc()
                 self._gauge(slot)

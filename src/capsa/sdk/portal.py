@@ -48,6 +48,13 @@ class Portal:
                 concurrent.futures.wait([future], timeout=_CANCEL_GRACE)
             raise
 
+    async def acall(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` running on the loop thread from another event loop (cancelling this await cancels
+        it there too); awaited on the loop thread itself, it simply runs."""
+        if threading.current_thread() is self._thread:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
     def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
         """Drive an async iterator from blocking code, one item per round trip to the loop."""
         try:

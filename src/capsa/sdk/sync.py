@@ -237,6 +237,9 @@ class Session:
     def __init__(self, inner: AsyncSession) -> None:
         self._portal = get_portal()
         self._inner = inner
+        self.aio = inner
+        """The async session this one wraps (as ``Client.aio``). It lives on the SDK's loop thread: await its
+        coroutines there (``get_portal().acall(...)``), not on another event loop."""
         self.commands = Commands(inner.commands, self._portal)
         self.files = Files(inner.files, self._portal)
         self.snapshots = Snapshots(inner.snapshots, self._portal)

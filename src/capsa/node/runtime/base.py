@@ -111,6 +111,9 @@ class VMSpec:
     network: object | None = None  # filled in by the egress work (capsa.node.net); None = no NIC at all
     kernel_args: tuple[str, ...] = ()
     labels: dict[str, str] = field(default_factory=dict)
+    background: bool = False
+    """Run at the lowest CPU priority until :meth:`Sandbox.set_background` (False) says otherwise: a warm
+    pool's restores and warm-ups must not take CPU from sandboxes that serve users."""
 
 
 @runtime_checkable
@@ -139,6 +142,10 @@ class Sandbox(Protocol):
 
     def on_failure(self, callback: Callable[[str], Awaitable[None] | None]) -> None:
         """Register a callback run once when the VM dies unexpectedly."""
+        ...
+
+    def set_background(self, background: bool) -> None:
+        """Lowest CPU priority (True) or the normal one (False) for the whole VM, every thread of it."""
         ...
 
 

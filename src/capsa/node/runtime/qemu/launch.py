@@ -24,7 +24,7 @@ from capsa.node.runtime.hostinfo import tsc_khz
 from capsa.node.runtime.qemu.agent_socket import WrongPeer, connect_agent
 from capsa.node.runtime.qemu.cmdline import QemuConfig, build_argv
 from capsa.node.runtime.qemu.network import configure_guest_network, open_tap
-from capsa.node.runtime.qemu.process import QemuProcess, QemuProcessError
+from capsa.node.runtime.qemu.process import BACKGROUND_NICE, QemuProcess, QemuProcessError
 from capsa.node.runtime.qemu.sandbox import QemuSandbox
 from capsa.node.runtime.qemu.storage import VmFiles
 from capsa.node.runtime.snapshot.manifest import SnapshotError
@@ -90,7 +90,8 @@ async def launch(req: LaunchRequest, *, started: float) -> QemuSandbox:
         )
         process = QemuProcess(build_argv(config), vmdir, user=req.owner, extra_groups=req.groups,
                               console_limit=req.console_limit,
-                              pass_fds=(tap_fd,) if tap_fd is not None else ())
+                              pass_fds=(tap_fd,) if tap_fd is not None else (),
+                              nice=BACKGROUND_NICE if spec.background else 0)
         t_files = loop.time()
         await process.start()
         if tap_fd is not None:

@@ -33,7 +33,7 @@ from qemu.qmp import QMPClient
 
 from capsa.node.runtime.workdir import VmDir
 
-__all__ = ["DEFAULT_CONSOLE_LIMIT", "QemuProcess", "QemuProcessError", "isolation_prefix"]
+__all__ = ["BACKGROUND_NICE", "DEFAULT_CONSOLE_LIMIT", "QemuProcess", "QemuProcessError", "isolation_prefix"]
 
 _log = logging.getLogger(__name__)
 
@@ -123,11 +123,17 @@ def isolation_prefix(user: tuple[int, int] | None, groups: Sequence[int] = ()) -
     return prefix
 
 
+BACKGROUND_NICE = 19
+"""Niceness of a VM restored in the background (warm pool): CFS gives a nice-19 thread ~1.5% of the
+weight of a nice-0 one, so a refill only takes CPU that serving sandboxes leave idle."""
+
+
 class QemuProcess:
     def __init__(self, argv: Sequence[str], vmdir: VmDir, *, user: tuple[int, int] | None = None,
                  extra_groups: Sequence[int] = (), console_limit: int = DEFAULT_CONSOLE_LIMIT,
-                 pass_fds: Sequence[int] = ()) -> None:
+                 pass_fds: Sequence[int] = (), nice: int = 0) -> None:
         self.argv = list(argv)
+        self.nice = nice  # the CPU niceness QEMU starts with (every thread it makes inherits it)
         self.vmdir = vmdir
         self.user = user
         self.extra_groups = list(extra_groups)
@@ -144,6 +150,21 @@ class QemuProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    def set_nice(self, nice: int) -> None:
+        """Renice every thread of the running QEMU (Linux niceness is per thread; threads made later
+        inherit it from the thread that makes them). Threads that exit meanwhile are skipped."""
+        pid = self.pid
+        if pid is None or self.returncode is not None:
+            return
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            return
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        self.nice = nice
+
     @property
     def returncode(self) -> int | None:
         return self._proc.returncode if self._proc is not None else None
@@ -157,6 +178,8 @@ class QemuProcess:
             # util-linux's prlimit lowers the soft and hard limits of itself, then execs QEMU (same pid);
             # setting it from outside needs CAP_SYS_RESOURCE, which a node in a container may lack.
             argv = [prlimit, "--core=0:0", "--", *argv]
+        if self.nice:
+            argv = [_tool("nice"), "-n", str(self.nice), *argv]  # coreutils nice: same pid, then exec
         try:
             argv = [*isolation_prefix(self.user, self.extra_groups), *argv]
         except QemuProcessError:

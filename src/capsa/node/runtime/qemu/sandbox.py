@@ -14,7 +14,7 @@ from typing import Any, cast
 from capsa.node.guest_client import ChannelClosed, GuestClient
 from capsa.node.runtime.base import Accelerator, FailureCallback, SandboxFailed, SandboxState, VMSpec
 from capsa.node.runtime.qemu.agent_socket import connect_agent
-from capsa.node.runtime.qemu.process import QemuProcess
+from capsa.node.runtime.qemu.process import BACKGROUND_NICE, QemuProcess
 from capsa.node.runtime.qemu.storage import VmFiles
 from capsa.node.runtime.workdir import VmDir
 
@@ -125,6 +125,9 @@ class QemuSandbox:
 
     def on_failure(self, callback: FailureCallback) -> None:
         self._callbacks.append(callback)
+
+    def set_background(self, background: bool) -> None:
+        self.process.set_nice(BACKGROUND_NICE if background else 0)
 
     def start_watching(self) -> None:
         """Watch the QEMU process from now on: its unexpected exit fails the sandbox."""
