@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 from agents.computer import AsyncComputer
 
 if TYPE_CHECKING:
-    from capsa.sdk.session import AsyncSession
+    from capsa.sdk import AsyncSession
 
 __all__ = ["CapsaComputer"]
 
