@@ -10,7 +10,7 @@ Either way a re-issued CA replaces, not joins, the previous one.
 Not ``update-ca-certificates``: it rehashes every certificate and takes seconds under TCG.
 
 Programs with a trust store of their own (Chromium: its NSS database and policies) get the CA from a hook:
-when the guest has an executable at :data:`TRUST_HOOK` (a template puts it there), it runs after each
+when the guest has an executable at :attr:`TrustStore.hook` (:data:`TRUST_HOOK`; a template puts it there), it runs after each
 install, with the CA already at :attr:`TrustStore.ca_file`.
 """
 
@@ -66,6 +66,7 @@ class TrustStore:
 
     bundle: str = CA_BUNDLE
     ca_file: str = CA_PATH
+    hook: str = TRUST_HOOK
     _bases: dict[tuple[int, float], bytes] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -120,7 +121,7 @@ class TrustStore:
 
     async def _has_hook(self, guest: TrustGuest) -> bool:
         try:
-            await guest.stat(TRUST_HOOK)
+            await guest.stat(self.hook)
         except CapsaError as exc:
             if exc.code != "not_found":
                 raise
@@ -128,7 +129,7 @@ class TrustStore:
         return True
 
     async def _run_hook(self, guest: TrustGuest) -> None:
-        result = await guest.exec([TRUST_HOOK, self.ca_file], timeout=60)
+        result = await guest.exec([self.hook, self.ca_file], timeout=60)
         if result.exit_code != 0:
             raise CapsaError(f"the guest's trust hook failed: {result.stderr[-300:]!r}",
                              code="egress_setup_failed", status=500)
