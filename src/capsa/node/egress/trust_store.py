@@ -10,7 +10,8 @@ Either way a re-issued CA replaces, not joins, the previous one.
 Not ``update-ca-certificates``: it rehashes every certificate and takes seconds under TCG.
 
 Programs with a trust store of their own (Chromium: its NSS database and policies) get the CA from a hook:
-when the guest has an executable at :attr:`TrustStore.hook` (:data:`TRUST_HOOK`; a template puts it there), it runs after each
+when the guest has an executable at :attr:`TrustStore.hook` (:data:`TRUST_HOOK`; a template puts it there),
+it runs after each
 install, with the CA already at :attr:`TrustStore.ca_file`.
 """
 
@@ -129,7 +130,8 @@ class TrustStore:
         return True
 
     async def _run_hook(self, guest: TrustGuest) -> None:
-        result = await guest.exec([self.hook, self.ca_file], timeout=60)
+        result = await guest.exec([self.hook, self.ca_file], timeout=180)
         if result.exit_code != 0:
-            raise CapsaError(f"the guest's trust hook failed: {result.stderr[-300:]!r}",
+            why = "timed out" if getattr(result, "timed_out", False) else repr(result.stderr[-300:])
+            raise CapsaError(f"the guest's trust hook failed: {why}",
                              code="egress_setup_failed", status=500)
