@@ -217,22 +217,17 @@ async def test_browser_sessions_end_to_end(state_dir: Path, pool: StoragePool,
                 assert not memory_contains(vm.pid, SECRET.encode())
 
                 # 2. Off the allowlist: an error page, and the deny in the audit trail.
+                other_page = await browser.contexts[0].new_page()  # its error page stays out of the way
+                other_page.set_default_timeout(_LONG)
                 with pytest.raises(Exception, match="net::ERR_"):
-                    await page.goto("https://evil.test/")
+                    await other_page.goto("https://evil.test/")
+                await other_page.close()
                 events = await _audit(api, sid)
                 assert any(e["decision"] == "deny" and "evil.test" in str(e.get("destination"))
                            for e in events)
 
                 # 3. Computer-use actions change the next screenshot's pixels.
-                await page.wait_for_load_state()  # the error page's own navigation must end first
-                for attempt in range(3):
-                    try:
-                        await page.goto(f"https://{SITE}/big")
-                        break
-                    except Exception as exc:
-                        if "interrupted by another navigation" not in str(exc) or attempt == 2:
-                            raise
-                        await page.wait_for_timeout(1000)
+                await page.goto(f"https://{SITE}/big")
                 await browser.close()  # the CDP client leaves; the page stays
                 t0 = time.monotonic()
                 before = await _shot(api, sid)
