@@ -29,7 +29,7 @@ from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.trust_store import TrustStore
 from capsa.node.runtime.base import Runtime, SnapshotCapable
 from capsa.node.snapshots import Snapshots, SnapshottingRuntime
-from capsa.node.sources import ColdBootSource
+from capsa.node.sources import ColdBootSource, SandboxSource
 from capsa.node.warm_pool import bind_sandbox
 from tests.support.fake_runtime import FakeRuntime
 
@@ -84,6 +84,8 @@ class ApiStack:
     egress: NodeEgress | None = None
     trust: TrustStore | None = None
     """Where the node puts the egress CA in a guest (host-process guests: somewhere in their /tmp)."""
+    source: SandboxSource | None = None
+    """Where the agent's sandboxes come from (default: cold boots of ``image``)."""
     snapshots: bool = True
     """Give the agent its snapshots part (when the runtime can snapshot); False: a node without."""
     admin_key: str = ""
@@ -115,7 +117,7 @@ class ApiStack:
         self._tmp = Path(tempfile.mkdtemp(prefix="capsa-stack-"))
         self.admin_key = generate_key().full
         self.node_token = secrets.token_urlsafe(24)
-        source = ColdBootSource(self.runtime, {"base": self.image})
+        source = self.source or ColdBootSource(self.runtime, {"base": self.image})
         snapshots = None
         if self.snapshots and isinstance(self.runtime, SnapshotCapable):
             # A fake guest runs on the host: it may not set the clock or hostname (FakeRuntime.bind_identity).
@@ -153,7 +155,7 @@ class ApiStack:
 
     def client(self, key: str | None, url: str | None = None, **kwargs: Any) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.AsyncClient(base_url=url or self.url, headers=headers, timeout=120, **kwargs)
+        return httpx.AsyncClient(base_url=url or self.url, headers=headers, **{"timeout": 120, **kwargs})
 
     async def tenant_key(self, tenant: str, admin: bool = False) -> str:
         async with self.client(self.admin_key) as client:

@@ -18,7 +18,7 @@ import socket
 import ssl
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +33,8 @@ from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.net.nsexec import open_listener
 
 __all__ = ["OTHER_ID", "OTHER_SECRET", "SECRET", "SECRET_ID", "World", "outside_world", "world_policy"]
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 SECRET = "sk-live-" + secrets.token_hex(16)
 SECRET_ID = "sec_" + secrets.token_hex(10)
@@ -141,7 +143,10 @@ class World:
 
 
 @contextlib.asynccontextmanager
-async def outside_world(octet: int) -> AsyncIterator[World]:
+async def outside_world(octet: int, *, site: Handler | None = None,
+                        site_names: tuple[str, ...] = ()) -> AsyncIterator[World]:
+    """The world on 10.250.<octet>.0/24; ``site`` (a stream handler) serves ``site_names`` (HTTP on 80 and
+    HTTPS on 443 of an address of its own, under the world's CA) instead of the echo API."""
     tag = secrets.token_hex(3)
     up_ns, veth_root, veth_up = f"ctest-up-{tag}", f"ctr{tag}", f"ctu{tag}"
     up_net, root_ip, up_ip = f"10.250.{octet}.0/24", f"10.250.{octet}.1", f"10.250.{octet}.2"
@@ -156,7 +161,7 @@ async def outside_world(octet: int) -> AsyncIterator[World]:
         _sh("ip", "-n", up_ns, "addr", "add", f"{up_ip}/24", "dev", veth_up)
         _sh("ip", "-n", up_ns, "link", "set", veth_up, "up")
         _sh("ip", "-n", up_ns, "link", "set", "lo", "up")
-        world_ca = SandboxCA("world", ["allowed.test", "limited.test", "evil.test"])
+        world_ca = SandboxCA("world", ["allowed.test", "limited.test", "evil.test", *site_names])
         rogue_ca = SandboxCA("rogue", ["untrusted.allowed.test"])
         upstream_ca = tmp / "world-ca.pem"
         upstream_ca.write_bytes(world_ca.cert_pem)
@@ -178,6 +183,13 @@ async def outside_world(octet: int) -> AsyncIterator[World]:
         records["rebind.allowed.test"] = ["127.0.0.1"]
         records["metadata.allowed.test"] = ["169.254.169.254"]
         records["mixed.allowed.test"] = [up_ip, "10.0.0.1"]
+        if site is not None:
+            site_ip = f"10.250.{octet}.3"
+            _sh("ip", "-n", up_ns, "addr", "add", f"{site_ip}/24", "dev", veth_up)
+            servers.append(await asyncio.start_server(site, sock=open_listener(up_ns, site_ip, 80)))
+            servers.append(await asyncio.start_server(site, sock=open_listener(up_ns, site_ip, 443),
+                                                      ssl=tls_ctx))
+            records.update({n: [site_ip] for n in site_names})
         dns_sock = open_listener(up_ns, up_ip, 53, socket.SOCK_DGRAM)
         transport, _ = await loop.create_datagram_endpoint(
             lambda: DnsServerProtocol(static_dns_handler(records)), sock=dns_sock)

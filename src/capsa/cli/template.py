@@ -82,16 +82,33 @@ def build(spec_file: Path, state_dir: Path | None, as_json: bool) -> None:
         return
 
     async def _go() -> dict[str, Any]:
+        from capsa.node.egress.node_egress import NodeEgress
+        from capsa.node.shipped import shipped_template
+        from capsa.node.template_cache import TemplateCache
+
         with _store(state_dir, need_image=True) as store:
+            # A spec with network: true boots its build VM on a throwaway namespace (nothing leaves it).
+            egress = (NodeEgress.create(pool="10.239.0.0/24", netns_prefix="capsa-tb-") if spec.network
+                      else None)
             try:
                 with console.status(f"building template {spec.name}") as status:
                     def say(msg: str) -> None:
                         console.print(f"  {msg}")
                         status.update(f"template {spec.name}: {msg}")
 
-                    t = await build_template(store, spec, sources, progress=say)
+                    t = await build_template(store, spec, sources, progress=say, network=(
+                        egress.throwaway_network if egress is not None else None))
+                    shipped = shipped_template(spec.name)
+                    if shipped is not None and shipped.matches(t.spec):
+                        # The shipped spec itself: nodes on this host import it instead of building it.
+                        say("copying it into the template cache")
+                        cache = TemplateCache(Settings().cache_dir)
+                        await asyncio.to_thread(cache.publish, shipped.cache_name, t.path,
+                                                t.snapshot.manifest)
                 return t.as_dict()
             finally:
+                if egress is not None:
+                    await egress.close()
                 await store.runtime.close()
 
     try:

@@ -6,7 +6,10 @@
   policy) is restored from ``base-net``, the same guest snapshotted with one virtio-net device of a fixed
   MAC (:data:`NET_TEMPLATE_MAC`; every sandbox has its own namespace, so equal MACs never meet), built
   once on the egress's throwaway network. The restored NIC gets the new sandbox's tap and the guest its
-  address; if any of that fails, the sandbox is cold-booted instead.
+  address; if any of that fails, the sandbox is cold-booted instead. A custom template built with a NIC
+  (``network: true``, e.g. ``browser``) is restored the same way onto the session's network.
+* Templates shipped with capsa (:mod:`capsa.node.shipped`) are built on first use (cached like ``base``,
+  keyed by the spec's content).
 
 A source only makes the VM; the agent checks the request, holds the capacity, attaches egress and keeps
 the record.
@@ -28,10 +31,11 @@ from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.trust_store import TrustStore
 from capsa.node.net.sandbox_net import SandboxNet
 from capsa.node.runtime.base import RamMode, Runtime, Sandbox, VMSpec
+from capsa.node.shipped import shipped_names, shipped_template
 from capsa.node.snapshots import SnapshottingRuntime, hostname_for
-from capsa.node.template_build import remove_stale_work
+from capsa.node.template_build import build_template, remove_stale_work
 from capsa.node.template_cache import TemplateCache
-from capsa.node.templates import BASE, Template, TemplateStore, check_template_name, warm_up
+from capsa.node.templates import BASE, NET_TEMPLATE_MAC, Template, TemplateStore, check_template_name, warm_up
 from capsa.node.warm_pool import IdentityBinder, PoolKey, PoolMetrics, WarmPool, bind_sandbox
 
 __all__ = [
@@ -47,7 +51,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 NET_TEMPLATE = "base-net"
-NET_TEMPLATE_MAC = "02:ca:00:00:00:01"
 
 Prepare = Callable[[Sandbox], Awaitable[None]]
 Attach = Callable[[SandboxNet | None], Awaitable[SandboxNet]]
@@ -234,7 +237,7 @@ class TemplateSource:
     # -- templates ---------------------------------------------------------------------------------------
 
     def template_names(self) -> list[str]:
-        return sorted(set(self.store.names()) - {NET_TEMPLATE})
+        return sorted((set(self.store.names()) | set(shipped_names())) - {NET_TEMPLATE})
 
     def image_for(self, digest: str) -> GuestImage:
         return self.cold.image_for(digest)
@@ -319,7 +322,11 @@ class TemplateSource:
                              code="template_not_found", status=404)
         if request.attach is not None:
             return await self._make_networked(request)
-        tpl = await self.store.resolve(request.template, request.memory_mib, request.vcpus)
+        tpl = await self.resolve(request.template, request.memory_mib, request.vcpus)
+        if (tpl.spec or {}).get("network"):
+            raise CapsaError(f"template {request.template!r} has a browser or other network client and needs "
+                             "an egress policy (its sandboxes have a NIC)", code="template_needs_network",
+                             status=422)
         try:
             sandbox = self.warm.take(tpl.key)
             source = "pool"
@@ -344,6 +351,10 @@ class TemplateSource:
         """``base`` bound from base-net's warm pool (egress attached onto the pooled VM's network) or
         restored from base-net onto the request's new tap; any other template, or a failed restore,
         cold-boots."""
+        if request.template != BASE and self.egress is not None and request.attach is not None:
+            custom = await self.resolve(request.template, request.memory_mib, request.vcpus)
+            if (custom.spec or {}).get("network"):
+                return await self._make_networked_custom(request, custom)
         if request.template != BASE or self.egress is None or request.attach is None:
             return await self.cold.make(request)
         key: PoolKey = (NET_TEMPLATE, request.memory_mib, request.vcpus)
@@ -398,6 +409,57 @@ class TemplateSource:
         if network is None:
             network = await request.attach(None)
         return await self.cold.boot(request, network, self.image)
+
+    async def _make_networked_custom(self, request: SandboxRequest, tpl: Template) -> MadeSandbox:
+        """A template with a NIC (``network: true``) restored onto the request's new network."""
+        assert request.attach is not None
+        network = await request.attach(None)
+        labels = {"sandbox": request.sandbox_id, "template": request.template}
+        spec = self._spec(tpl, labels, network=dataclasses.replace(network, mac=NET_TEMPLATE_MAC))
+        sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
+                                             ram_mode=RamMode.COPY)
+        try:
+            steps = [self.bind(sandbox, hostname_for(request.sandbox_id))]
+            if request.prepare is not None:
+                steps.append(request.prepare(sandbox))
+            done = await asyncio.gather(*steps, return_exceptions=True)
+            failed = [r for r in done if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
+        except BaseException:
+            await asyncio.shield(self.runtime.destroy(sandbox))
+            raise
+        return MadeSandbox(sandbox, "restore", tpl.snapshot.id, dict((tpl.spec or {}).get("env") or {}),
+                           nic_mac=NET_TEMPLATE_MAC)
+
+    async def resolve(self, name: str, memory_mib: int | None, vcpus: int | None) -> Template:
+        """The template a session of ``name`` restores from; a shipped one (``browser``) is built on first
+        use (or imported from the template cache), at its spec's size."""
+        shipped = shipped_template(name) if name not in (BASE, NET_TEMPLATE) else None
+        if shipped is None:
+            return await self.store.resolve(name, memory_mib, vcpus)
+        spec = shipped.spec
+        size = (spec.memory_mib or self.store.base_memory_mib, spec.vcpus or self.store.base_vcpus)
+        if (memory_mib, vcpus) not in ((None, None), size):
+            raise CapsaError(f"template {name!r} is {size[0]} MiB/{size[1]} vCPU, not {memory_mib} MiB/"
+                             f"{vcpus} vCPU", code="template_mismatch", status=409)
+        found = await asyncio.to_thread(self.store.find, name, *size)
+        if found is not None and shipped.matches(found.spec):
+            return found
+        if found is not None:
+            # Built from another version of the spec: the shipped name always means the shipped spec.
+            log.info("template %s was built from another spec; rebuilding it", name)
+            await self.warm.drain(name)
+            await asyncio.to_thread(self.store.delete, name)
+        egress = self.egress
+
+        async def build() -> Template:
+            log.info("building shipped template %s (%d MiB, %d vCPU)", name, *size)
+            return await build_template(self.store, spec, shipped.sources, network=(
+                egress.throwaway_network if egress is not None else None), trust=self.trust)
+
+        return await self.store.ensure(name, *size, build, mac=NET_TEMPLATE_MAC if spec.network else None,
+                                       cache_name=shipped.cache_name)
 
     async def net_template(self, memory_mib: int, vcpus: int) -> Template:
         """``base`` with a NIC (MAC :data:`NET_TEMPLATE_MAC`), cold-booted and snapshotted on first use."""

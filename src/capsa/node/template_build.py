@@ -10,18 +10,26 @@ The build VM has no network. Packages are fetched on the host and copied in:
 
 Then files are written, commands run (with the spec's env), the disk is synced and the VM snapshotted into
 the template store. The build VM is destroyed whatever happens.
+
+A spec with ``network: true`` makes a template with a NIC (MAC :data:`NET_TEMPLATE_MAC`), which is what
+sessions with an egress policy restore from: its build VM is a cold boot of the image on a throwaway
+network (a namespace with the sandbox firewall and no broker, so nothing leaves it either) with the guest's
+trust store prepared as for ``base-net``. Processes a command leaves running (``setsid … &``) are in the
+snapshot, running, in every sandbox restored from it (``templates/browser.yaml``: Chromium).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,14 +37,19 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from capsa.common.errors import CapsaError
+from capsa.node.egress.trust_store import TrustStore
+from capsa.node.net.sandbox_net import SandboxNet
 from capsa.node.runtime.base import RamMode, Sandbox, VMSpec
-from capsa.node.templates import BASE, Template, TemplateStore, check_template_name
+from capsa.node.templates import BASE, NET_TEMPLATE_MAC, Template, TemplateStore, check_template_name
 from capsa.node.warm_pool import bind_identity
 
-__all__ = ["FileSpec", "TemplateBuildError", "TemplateSpec", "build_template", "load_spec",
-           "remove_stale_work", "spec_record"]
+__all__ = ["BuildNetwork", "FileSpec", "TemplateBuildError", "TemplateSpec", "build_template", "load_spec",
+           "parse_spec", "remove_stale_work", "spec_record"]
 
 Progress = Callable[[str], None]
+BuildNetwork = Callable[[], AbstractAsyncContextManager[SandboxNet]]
+"""A throwaway network for the build VM of a ``network: true`` spec
+(:meth:`capsa.node.egress.node_egress.NodeEgress.throwaway_network`)."""
 
 _PKG_RE = r"^[a-z0-9][a-z0-9+.-]{0,127}(=[A-Za-z0-9.+:~-]{1,64})?$"
 _PIP_RE = r"^[A-Za-z0-9][A-Za-z0-9._\[\],-]{0,127}(\s*(==|>=|<=|~=|!=|<|>)\s*[A-Za-z0-9.*+!-]{1,64})?$"
@@ -79,19 +92,32 @@ class TemplateSpec(BaseModel):
                                                                                    max_length=500)
     env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")],
               Annotated[str, Field(max_length=4096)]] = Field(default_factory=dict, max_length=256)
+    network: bool = False
+    """Snapshot it with a NIC, so sessions with an egress policy can use it (a cold-booted build VM)."""
 
     @model_validator(mode="after")
     def _not_base(self) -> TemplateSpec:
         if self.name == BASE:
             raise ValueError("'base' is the node's own template and cannot be built from a spec")
+        if self.network and self.base != BASE:
+            raise ValueError("a template with network: true is built on the image itself (base: base)")
         return self
 
 
 def load_spec(path: Path) -> tuple[TemplateSpec, dict[str, bytes]]:
     """Parse a YAML spec and read the host files it names; returns the spec and those files' bytes."""
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CapsaError(f"cannot read template spec {path}: {exc}", code="bad_request", status=400) from None
+    return parse_spec(text, path)
+
+
+def parse_spec(text: str, path: Path) -> tuple[TemplateSpec, dict[str, bytes]]:
+    """:func:`load_spec` of a spec's text (``path``: where it is, for its host files and messages)."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
         raise CapsaError(f"cannot read template spec {path}: {exc}", code="bad_request", status=400) from None
     try:
         spec = TemplateSpec.model_validate(raw)
@@ -187,10 +213,32 @@ async def _upload(sb: Sandbox, files: list[Path], guest_dir: str) -> list[str]:
 
 
 async def build_template(store: TemplateStore, spec: TemplateSpec, sources: dict[str, bytes],
-                         progress: Progress | None = None) -> Template:
-    """Build ``spec`` into a template (replacing one of the same name and size once it is complete)."""
+                         progress: Progress | None = None, *, network: BuildNetwork | None = None,
+                         trust: TrustStore | None = None) -> Template:
+    """Build ``spec`` into a template (replacing one of the same name and size once it is complete);
+    ``network`` is required by a spec with ``network: true``."""
     say = progress or (lambda _m: None)
     check_template_name(spec.name)
+    if spec.network:
+        if network is None:
+            raise TemplateBuildError(f"template {spec.name} has network: true and this build has no egress "
+                                     "service for its throwaway network")
+        memory_mib = spec.memory_mib or store.base_memory_mib
+        vcpus = spec.vcpus or store.base_vcpus
+        say(f"cold-booting a build VM with a NIC ({memory_mib} MiB, {vcpus} vCPU) on a throwaway network")
+        async with network() as net:
+            vm_spec = VMSpec(image=store.image, memory_mib=memory_mib, vcpus=vcpus,
+                             network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC),
+                             labels={"template-build": spec.name})
+            sandbox = await store.runtime.boot(vm_spec)
+            try:
+                # The image's own CA bundle, kept so that a session's CA install is a file write.
+                await _exec(sandbox, shlex_join((trust or TrustStore()).prepare_script()), "trust store")
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await store.runtime.destroy(sandbox)
+                raise
+            return await _customise(store, sandbox, spec, sources, say)
     base = await store.resolve(spec.base, spec.memory_mib, spec.vcpus)
     if spec.base != BASE and (spec.memory_mib, spec.vcpus) != (None, None) and \
             (base.memory_mib, base.vcpus) != (spec.memory_mib or base.memory_mib, spec.vcpus or base.vcpus):
@@ -201,6 +249,12 @@ async def build_template(store: TemplateStore, spec: TemplateSpec, sources: dict
     vm_spec = VMSpec(image=store.image, memory_mib=m.memory_mib, vcpus=m.vcpus,
                      labels={"template-build": spec.name})
     sandbox = await store.runtime.restore(base.snapshot, vm_spec, ram_mode=RamMode.COPY)
+    return await _customise(store, sandbox, spec, sources, say)
+
+
+async def _customise(store: TemplateStore, sandbox: Sandbox, spec: TemplateSpec, sources: dict[str, bytes],
+                     say: Progress) -> Template:
+    """Install, write and run what the spec says in the build VM, then store it (destroyed either way)."""
     try:
         await bind_identity(sandbox.guest, hostname=f"build-{spec.name}")
         with tempfile.TemporaryDirectory(prefix="capsa-tpl-") as tmp:
@@ -247,6 +301,10 @@ async def build_template(store: TemplateStore, spec: TemplateSpec, sources: dict
 def _short(cmd: str, limit: int = 60) -> str:
     line = cmd.strip().splitlines()[0] if cmd.strip() else ""
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def shlex_join(argv: list[str]) -> str:
+    return " ".join(_shell_quote(a) for a in argv)
 
 
 def _shell_quote(value: str) -> str:

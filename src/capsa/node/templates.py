@@ -38,6 +38,7 @@ from capsa.node.template_cache import TemplateCache
 
 __all__ = [
     "BASE",
+    "NET_TEMPLATE_MAC",
     "PUBLISH_WAIT",
     "RECORD_FILE",
     "WARM_UP_COMMANDS",
@@ -50,6 +51,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 BASE = "base"
+NET_TEMPLATE_MAC = "02:ca:00:00:00:01"
+"""The MAC of the NIC of templates snapshotted with one (``base-net``, specs with ``network: true``): every
+sandbox has its own namespace, so equal MACs never meet."""
 RECORD_FILE = "template.json"
 _PREFIX = "tpl-"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
@@ -228,24 +232,26 @@ class TemplateStore:
 
     async def ensure(self, name: str, memory_mib: int, vcpus: int,
                      build: Callable[[], Awaitable[Template]], *, mac: str | None = None,
-                     progress: Progress | None = None) -> Template:
+                     progress: Progress | None = None, cache_name: str | None = None) -> Template:
         """The current node-built template ``name`` of this size (``mac``: with a NIC of that MAC): the
         pool's if it can be restored, else imported from the cache, else ``build()`` (then published to
-        the cache in the background)."""
+        the cache in the background). ``cache_name``: its key in the cache when that is not ``name`` (a
+        template built from a shipped spec: the name plus the spec's hash)."""
         key = (name, memory_mib, vcpus)
         async with self.lock(key):
             found = await asyncio.to_thread(self.find, name, memory_mib, vcpus)
             if found is not None and await asyncio.to_thread(self.is_current, found, mac):
                 self.origins.setdefault(key, "pool")
                 return found
-            imported = await self._import_cached(name, memory_mib, vcpus, mac, progress)
+            imported = await self._import_cached(name, memory_mib, vcpus, mac, progress, cache_name)
             if imported is not None:
                 self.origins[key] = "cache"
                 return imported
             template = await build()
             self.origins[key] = "built"
             if self.cache is not None:
-                task = asyncio.create_task(self._publish(template), name=f"template-cache-{name}")
+                task = asyncio.create_task(self._publish(template, cache_name),
+                                           name=f"template-cache-{name}")
                 self._publishing.add(task)
                 task.add_done_callback(self._publishing.discard)
             return template
@@ -272,11 +278,11 @@ class TemplateStore:
         return usable
 
     async def _import_cached(self, name: str, memory_mib: int, vcpus: int, mac: str | None,
-                             progress: Progress | None) -> Template | None:
+                             progress: Progress | None, cache_name: str | None = None) -> Template | None:
         cache = self.cache
         if cache is None:
             return None
-        for entry in await asyncio.to_thread(self.cached, name, memory_mib, vcpus, mac):
+        for entry in await asyncio.to_thread(self.cached, cache_name or name, memory_mib, vcpus, mac):
             if progress is not None:
                 progress(f"template {name} ({memory_mib} MiB, {vcpus} vCPU): from the cache {entry}")
             work = self.root / f".build-{secrets.token_hex(6)}"
@@ -296,10 +302,10 @@ class TemplateStore:
             log.warning("cached template %s does not load after its import; building instead", entry)
         return None
 
-    async def _publish(self, template: Template) -> None:
+    async def _publish(self, template: Template, cache_name: str | None = None) -> None:
         assert self.cache is not None
         try:
-            entry = await asyncio.to_thread(self.cache.publish, template.name, template.path,
+            entry = await asyncio.to_thread(self.cache.publish, cache_name or template.name, template.path,
                                             template.snapshot.manifest)
             log.info("template %s cached as %s", template.name, entry)
         except Exception as exc:

@@ -12,11 +12,13 @@ from typing import Any, Literal, overload
 
 import httpx
 
+from capsa.sdk.browser import AsyncComputer, BrowserInfo
 from capsa.sdk.client import AsyncClient
 from capsa.sdk.commands import AsyncCommands
 from capsa.sdk.egress import AsyncEgress, AuditEvent, PolicyInfo
 from capsa.sdk.files import AsyncFiles
-from capsa.sdk.models import SessionInfo
+from capsa.sdk.models import SessionInfo, parse
+from capsa.sdk.paths import seg
 from capsa.sdk.ports import AsyncPorts
 from capsa.sdk.snapshots import AsyncSnapshots
 from capsa.sdk.terminals import AsyncPty
@@ -59,6 +61,7 @@ class AsyncSession:
         self.egress = AsyncEgress(client, info.id)
         self.ports = AsyncPorts(client, info.id)
         self.pty = AsyncPty(client, info.id)
+        self.computer = AsyncComputer(client, info.id)
 
     @staticmethod
     def _client_for(client: AsyncClient | None, api_url: str | None, api_key: str | None,
@@ -149,6 +152,14 @@ class AsyncSession:
     async def set_policy(self, policy: Mapping[str, Any]) -> PolicyInfo:
         """Replace the running session's egress policy (applies without a restart)."""
         return await self.egress.set_policy(policy)
+
+    async def browser_info(self) -> BrowserInfo:
+        """Where to drive the session's browser: ``cdp_url`` for ``connect_over_cdp`` (a new port token)."""
+        return parse(BrowserInfo, await self._client.json("GET", f"/sessions/{seg(self.id)}/browser"))
+
+    async def browser(self) -> BrowserInfo:
+        """Same as :meth:`browser_info`."""
+        return await self.browser_info()
 
     def get_host(self, port: int) -> str:
         """The base URL of ``port`` inside the sandbox through the API (needs the key or a port token;

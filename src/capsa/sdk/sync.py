@@ -14,6 +14,8 @@ from typing import IO, Any, Literal, overload
 
 import httpx
 
+from capsa.sdk.browser import BrowserInfo
+from capsa.sdk.browser_sync import Computer
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import ClientConfig
@@ -306,6 +308,7 @@ class Session:
         self.egress = Egress(inner.egress, self._portal)
         self.ports = Ports(inner.ports, self._portal)
         self.pty = Pty(inner.pty, self._portal)
+        self.computer = Computer(inner.computer, self._portal)
 
     @classmethod
     def create(cls, template: str = "base", *, timeout: int | None = None, idle_timeout: int | None = None,
@@ -354,6 +357,12 @@ class Session:
 
     def get_host(self, port: int) -> str:
         return self._inner.get_host(port)
+
+    def browser_info(self) -> BrowserInfo:
+        return self._portal.call(self._inner.browser_info())
+
+    def browser(self) -> BrowserInfo:
+        return self._portal.call(self._inner.browser())
 
     def refresh(self) -> SessionInfo:
         return self._portal.call(self._inner.refresh())

@@ -8,6 +8,11 @@ channel, no process in the guest (the copy is read from the first guest of a tem
 guest without the copy (a cold boot) gets it from a shell script instead (:meth:`TrustStore.install_script`).
 Either way a re-issued CA replaces, not joins, the previous one.
 Not ``update-ca-certificates``: it rehashes every certificate and takes seconds under TCG.
+
+Programs with a trust store of their own (Chromium: its NSS database and policies) get the CA from a hook:
+when the guest has an executable at :attr:`TrustStore.hook` (:data:`TRUST_HOOK`; a template puts it there),
+it runs after each
+install, with the CA already at :attr:`TrustStore.ca_file`.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from typing import Protocol
 
 from capsa.common.errors import CapsaError
 
-__all__ = ["CA_BUNDLE", "CA_PATH", "TrustGuest", "TrustStore"]
+__all__ = ["CA_BUNDLE", "CA_PATH", "TRUST_HOOK", "TrustGuest", "TrustStore"]
 
 CA_PATH = "/usr/local/share/ca-certificates/capsa-egress.crt"
+TRUST_HOOK = "/etc/capsa/trust-hook"
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 _MAX_BUNDLE = 16 << 20
 
@@ -61,6 +67,7 @@ class TrustStore:
 
     bundle: str = CA_BUNDLE
     ca_file: str = CA_PATH
+    hook: str = TRUST_HOOK
     _bases: dict[tuple[int, float], bytes] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -101,9 +108,30 @@ class TrustStore:
             if result.exit_code != 0:
                 raise CapsaError(f"could not install the egress CA in the guest: {result.stderr[-300:]!r}",
                                  code="egress_setup_failed", status=500) from None
+            if await self._has_hook(guest):
+                await self._run_hook(guest)
             return False
         if base and not base.endswith(b"\n"):
             base += b"\n"
-        await asyncio.gather(guest.write_file(self.bundle, base + ca_pem, mode=0o644),
-                             guest.write_file(self.ca_file, ca_pem, mode=0o644))
+        _, _, hook = await asyncio.gather(guest.write_file(self.bundle, base + ca_pem, mode=0o644),
+                                          guest.write_file(self.ca_file, ca_pem, mode=0o644),
+                                          self._has_hook(guest))
+        if hook:
+            await self._run_hook(guest)
         return True
+
+    async def _has_hook(self, guest: TrustGuest) -> bool:
+        try:
+            await guest.stat(self.hook)
+        except CapsaError as exc:
+            if exc.code != "not_found":
+                raise
+            return False
+        return True
+
+    async def _run_hook(self, guest: TrustGuest) -> None:
+        result = await guest.exec([self.hook, self.ca_file], timeout=180)
+        if result.exit_code != 0:
+            why = "timed out" if getattr(result, "timed_out", False) else repr(result.stderr[-300:])
+            raise CapsaError(f"the guest's trust hook failed: {why}",
+                             code="egress_setup_failed", status=500)

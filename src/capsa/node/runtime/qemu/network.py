@@ -32,6 +32,9 @@ async def configure_guest_network(client: GuestClient, network: TapNetwork) -> N
     )
     argv = ["sh", "-c", script, "capsa-net", network.mac.lower(), f"{network.guest_ip}/{network.prefixlen}",
             gateway, dns]
-    result = await client.exec(argv, timeout=30)
+    # Generous: a guest restored with busy programs in it (a browser's timers all firing after the
+    # restore) may take a while under TCG to schedule the shell.
+    result = await client.exec(argv, timeout=120)
     if result.exit_code != 0:
-        raise BootError(f"configuring the guest network failed: {result.stderr.decode(errors='replace')}")
+        why = "timed out" if getattr(result, "timed_out", False) else result.stderr.decode(errors="replace")
+        raise BootError(f"configuring the guest network failed: {why}")

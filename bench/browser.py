@@ -1,0 +1,116 @@
+"""Browser sessions: the ``browser`` template's cost and latencies through ``capsa serve`` (control plane +
+local node in this process, embedded SQLite), driven by the SDK.
+
+1. the first ``browser`` session (builds the template, or imports it from the template cache: ``origin``);
+2. ``--sessions`` more sessions, each timed from create to its first screenshot (a cold restore of the
+   template and the first CDP round trip: no warm pool for ``browser``);
+3. per action latency on one session: screenshot, left_click, type of 100 characters, key;
+4. PSS of each idle browser sandbox's QEMU process after ``--idle`` seconds.
+
+The policy allows one domain that does not resolve: no traffic leaves. Writes ``bench/results/browser.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from capsa import serve
+from capsa.control.keys import generate_key
+from capsa.sdk import AsyncSession
+from capsa.sdk.errors import CapsaAPIError
+from density import _qemu_pids
+from harness import host_facts, memory_kib, summary, write_results
+from session_ops import _free_port, _wait_ready
+
+RESULTS = Path(__file__).with_name("results") / "browser.json"
+POLICY = {"domains": [{"domain": "bench.invalid"}]}
+
+
+async def _create(url: str, key: str) -> AsyncSession:
+    return await AsyncSession.create("browser", memory_mib=1024, timeout=7200, policy=POLICY,
+                                     metadata={"screen": "1280x800"}, api_url=url, api_key=key)
+
+
+async def _timed(n: int, action: Any) -> dict[str, float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await action()
+        times.append(time.perf_counter() - t0)
+    return summary(times)
+
+
+async def measure(state: Path, accel: str, sessions: int, actions: int, idle_s: float) -> dict[str, Any]:
+    key = generate_key().full
+    os.environ["CAPSA_BOOTSTRAP_KEY"] = key
+    os.environ.setdefault("CAPSA_POOL_SIZES", '{"browser": 0}')
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = asyncio.create_task(serve.run("127.0.0.1", port, state / "serve", None, accel))
+    made: list[AsyncSession] = []
+    out: dict[str, Any] = {}
+    try:
+        await _wait_ready(url, server)
+        t0 = time.perf_counter()
+        first = await _create(url, key)
+        made.append(first)
+        await first.computer.screenshot()
+        out["first_session_to_screenshot_s"] = round(time.perf_counter() - t0, 2)
+        restore: list[float] = []
+        for _ in range(sessions):
+            t0 = time.perf_counter()
+            s = await _create(url, key)
+            made.append(s)
+            await s.computer.screenshot()
+            restore.append(time.perf_counter() - t0)
+        out["restore_to_first_screenshot_s"] = summary(restore)
+        c = first.computer
+        out["screenshot_s"] = await _timed(actions, c.screenshot)
+        out["left_click_s"] = await _timed(actions, lambda: c.click(640, 400))
+        out["type_100_chars_s"] = await _timed(actions, lambda: c.type("x" * 100))
+        out["key_s"] = await _timed(actions, lambda: c.key("ctrl+a"))
+        await asyncio.sleep(idle_s)
+        pss = [memory_kib(p).get("pss", 0) / 1024 for p in _qemu_pids(state)]
+        out["idle_pss_mib_per_sandbox"] = summary(pss) if pss else None
+    finally:
+        for s in made:
+            with contextlib.suppress(CapsaAPIError):
+                await s.close()
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, default=3, help="more sessions to restore (default 3)")
+    parser.add_argument("--actions", type=int, default=10, help="repetitions per action")
+    parser.add_argument("--idle", type=float, default=20.0, help="seconds idle before reading PSS")
+    parser.add_argument("--accel", default="auto")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    state = Path(tempfile.mkdtemp(prefix="capsa-browser-", dir="/var/tmp"))
+    state.chmod(0o755)
+    try:
+        facts = host_facts()
+        result = asyncio.run(measure(state, args.accel, args.sessions, args.actions, args.idle))
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    data = {"host": facts, "end_load": os.getloadavg(), "args": vars(args) | {"out": str(args.out)},
+            **result}
+    write_results(args.out, data)
+    for name, value in result.items():
+        print(f"{name:34} {value}")
+
+
+if __name__ == "__main__":
+    main()
