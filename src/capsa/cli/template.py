@@ -8,6 +8,7 @@ build VM, so this needs root like the node itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ __all__ = ["template"]
 def _store(state_dir: Path | None, *, need_image: bool) -> Iterator[TemplateStore]:
     from capsa.images.build import ensure_image, find_image
     from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
+    from capsa.node.storage.mounts import MountError
     from capsa.node.storage.pool import StoragePool
     from capsa.node.templates import TemplateStore
 
@@ -43,8 +45,15 @@ def _store(state_dir: Path | None, *, need_image: bool) -> Iterator[TemplateStor
         # Listing and removing need no image; the store only uses it to build and to check freshness.
         image = GuestImage(kernel=Path("/"), initrd=Path("/"), rootfs=Path("/"), digest="", kernel_release="")
     pool = StoragePool.from_settings(settings)
-    runtime = QemuRuntime(settings, storage=PoolStorage(pool))
-    yield TemplateStore(runtime, image)
+    try:
+        runtime = QemuRuntime(settings, storage=PoolStorage(pool))
+        yield TemplateStore(runtime, image)
+    finally:
+        if pool.mounted_here:
+            # Mounted for this command only (no node had it mounted): leave the machine as it was. If a
+            # node started on the same state dir meanwhile, its open files make umount fail: keep it.
+            with contextlib.suppress(MountError):
+                pool.unmount()
 
 
 def _size(n: int) -> str:

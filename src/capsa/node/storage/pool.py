@@ -111,8 +111,11 @@ class StoragePool:
     """A pool root with its layout and CoW capability. Create with :meth:`open`."""
 
     def __init__(self, root: Path, *, cow: bool, fstype: str, loop_image: Path | None,
-                 warning: str | None) -> None:
+                 warning: str | None, mounted_here: bool = False) -> None:
         self.root = root
+        self.mounted_here = mounted_here
+        """This open mounted the loop filesystem (it was not mounted yet): a short-lived user such as the
+        ``capsa template`` CLI unmounts it again when done, and leaves a node's mount alone."""
         self.cow = cow
         self.fstype = fstype
         self.loop_image = loop_image
@@ -187,11 +190,11 @@ class StoragePool:
             os.chmod(mount_point, 0o711)  # the new filesystem's root directory
             log.info("storage.loop_mounted", image=str(image), mount_point=str(mount_point),
                      size_mib=cfg.loop_size_mib, created=created)
-            return cls._finish(mount_point.resolve(), cfg, loop_image=image)
+            return cls._finish(mount_point.resolve(), cfg, loop_image=image, mounted_here=True)
 
     @classmethod
     def _finish(cls, root: Path, cfg: StorageSettings, *, loop_image: Path | None,
-                reason: str | None = None) -> StoragePool:
+                reason: str | None = None, mounted_here: bool = False) -> StoragePool:
         for area in _AREAS:
             (root / area).mkdir(exist_ok=True, mode=0o711)
             os.chmod(root / area, 0o711)
@@ -206,7 +209,8 @@ class StoragePool:
                        "create and using more space. Configure a btrfs path (CAPSA_STORAGE_PATH) "
                        "to fix this.")
             log.warning("storage.no_cow", root=str(root), fstype=fs.fstype, detail=warning)
-        return cls(root, cow=cow, fstype=fs.fstype, loop_image=loop_image, warning=warning)
+        return cls(root, cow=cow, fstype=fs.fstype, loop_image=loop_image, warning=warning,
+                   mounted_here=mounted_here)
 
     def unmount(self, *, lazy: bool = False) -> None:
         """Unmount the loop filesystem this pool lives on (no-op for a configured directory)."""
