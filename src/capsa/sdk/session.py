@@ -153,13 +153,17 @@ class AsyncSession:
         """Replace the running session's egress policy (applies without a restart)."""
         return await self.egress.set_policy(policy)
 
-    async def browser_info(self) -> BrowserInfo:
-        """Where to drive the session's browser: ``cdp_url`` for ``connect_over_cdp`` (a new port token)."""
-        return parse(BrowserInfo, await self._client.json("GET", f"/sessions/{seg(self.id)}/browser"))
+    async def browser_info(self, *, interactive: bool = False) -> BrowserInfo:
+        """Where to drive the session's browser: ``cdp_url`` for ``connect_over_cdp`` (a new port token);
+        on a desktop also ``live_url``, the noVNC live view: view-only, or taking input with
+        ``interactive=True``."""
+        params = {"interactive": "true"} if interactive else None
+        return parse(BrowserInfo, await self._client.json("GET", f"/sessions/{seg(self.id)}/browser",
+                                                          params=params))
 
-    async def browser(self) -> BrowserInfo:
+    async def browser(self, *, interactive: bool = False) -> BrowserInfo:
         """Same as :meth:`browser_info`."""
-        return await self.browser_info()
+        return await self.browser_info(interactive=interactive)
 
     def get_host(self, port: int) -> str:
         """The base URL of ``port`` inside the sandbox through the API (needs the key or a port token;

@@ -358,11 +358,11 @@ class Session:
     def get_host(self, port: int) -> str:
         return self._inner.get_host(port)
 
-    def browser_info(self) -> BrowserInfo:
-        return self._portal.call(self._inner.browser_info())
+    def browser_info(self, *, interactive: bool = False) -> BrowserInfo:
+        return self._portal.call(self._inner.browser_info(interactive=interactive))
 
-    def browser(self) -> BrowserInfo:
-        return self._portal.call(self._inner.browser())
+    def browser(self, *, interactive: bool = False) -> BrowserInfo:
+        return self._portal.call(self._inner.browser(interactive=interactive))
 
     def refresh(self) -> SessionInfo:
         return self._portal.call(self._inner.refresh())

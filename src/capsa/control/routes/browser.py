@@ -8,18 +8,26 @@ port token made for that port (one per call, gone with the session), which the s
 (``connect_over_cdp``) and any CDP client can open. A session whose template has no browser answers 409
 ``browser_unavailable``. The screen of the computer actions is the session's ``screen`` metadata
 (``"1280x800"``, the default).
+
+A session of a desktop template (``templates/desktop.yaml``, :mod:`capsa.control.desktop`) is driven on its
+X screen instead: the computer actions become xdotool and scrot commands in the guest, and ``GET …/browser``
+also answers a ``live_url``, noVNC's page through the ports proxy, view-only unless ``?interactive=true``:
+the two are different ports in the guest (an ``x11vnc -viewonly`` and one that takes input), and the port
+token in the URL is made for that port only, so a view-only URL cannot be turned into an interactive one.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Annotated
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body, Query, Request
 from pydantic import BaseModel, Field
 
+from capsa.common.node_api import ExecRequest, ExecResult
 from capsa.common.port_tunnel import PortTunnel
+from capsa.control import desktop
 from capsa.control.cdp import CDP_PORT, BrowserUnavailable, CdpPage, OpenTunnel, devtools_json
 from capsa.control.computer import ComputerAction, ComputerResult, Screen, check_action, perform
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
@@ -69,9 +77,49 @@ def _screen(metadata: dict[str, str]) -> Screen:
     return Screen(int(m[1]), int(m[2]))
 
 
+def _guest(plane: ControlPlane, tenant: str, session_id: str) -> desktop.RunGuest:
+    async def run(request: ExecRequest) -> ExecResult:
+        row, client = await running_session(plane, tenant, session_id)
+        assert row.sandbox_id is not None
+        try:
+            return await client.exec(row.sandbox_id, request)
+        except NodeError as exc:
+            raise await node_call_failed(plane, row, exc) from exc
+
+    return run
+
+
+def _desktop_screen(metadata: dict[str, str]) -> Screen:
+    screen = _screen(metadata)
+    try:
+        desktop.check_screen(screen)
+    except ValueError as exc:
+        raise ValidationFailed(str(exc), [{"loc": "metadata.screen", "msg": str(exc)}]) from None
+    return screen
+
+
+async def _live_url(plane: ControlPlane, tenant: str, session_id: str, base: str, screen: Screen,
+                    interactive: bool) -> str:
+    """noVNC's page on the view-only or the interactive VNC port, with a token for that port."""
+    result = await _guest(plane, tenant, session_id)(ExecRequest(cmd=desktop.screen_command(screen),
+                                                                 timeout=desktop.ACTION_TIMEOUT))
+    if result.exit_code != 0:
+        raise desktop.DesktopError(f"the desktop did not take its screen: {result.stderr.strip()[-500:]}")
+    port = desktop.VNC_INTERACTIVE_PORT if interactive else desktop.VNC_VIEW_ONLY_PORT
+    token = await create_token(plane, tenant, session_id, port, base)
+    page = token.url.split("?", 1)[0].rstrip("/")
+    ws_path = f"{urlsplit(page).path.lstrip('/')}/websockify?token={token.token}"
+    return (f"{page}/vnc.html?autoconnect=true&reconnect=true&resize=off&view_only="
+            f"{'false' if interactive else 'true'}&path={quote(ws_path, safe='')}&token={token.token}")
+
+
 @router.get("/browser", response_model=BrowserInfo, responses=problems(404, 409))
-async def browser_info(session_id: str, request: Request, plane: Plane, caller: Caller) -> BrowserInfo:
-    """The CDP URL of the session's browser (a new port token for the CDP port each call)."""
+async def browser_info(session_id: str, request: Request, plane: Plane, caller: Caller,
+                       interactive: Annotated[bool, Query(
+                           description="live_url takes input (a desktop's interactive VNC port) instead of "
+                                       "only showing the screen")] = False) -> BrowserInfo:
+    """The CDP URL of the session's browser (a new port token for the CDP port each call) and, on a
+    desktop, the live view's URL (a new token for its VNC port)."""
     version = await devtools_json(await _opener(plane, caller.tenant, session_id)(), "/json/version")
     ws = version.get("webSocketDebuggerUrl") if isinstance(version, dict) else None
     path = urlsplit(ws).path if isinstance(ws, str) else ""
@@ -82,20 +130,31 @@ async def browser_info(session_id: str, request: Request, plane: Plane, caller: 
     http = token.url.split("?", 1)[0].rstrip("/")
     scheme, rest = http.split("://", 1)
     ws_url = f"{'wss' if scheme == 'https' else 'ws'}://{rest}{path}?token={token.token}"
-    return BrowserInfo(cdp_url=ws_url, live_url=None)
+    session = await get_session(plane, caller.tenant, session_id)
+    live_url = None
+    if desktop.is_desktop(session.template):
+        live_url = await _live_url(plane, caller.tenant, session_id, base, _desktop_screen(
+            dict(session.metadata)), interactive)
+    return BrowserInfo(cdp_url=ws_url, live_url=live_url)
 
 
 @router.post("/computer", response_model=ComputerResult, response_model_exclude_none=True,
              responses=problems(404, 409))
 async def computer(session_id: str, plane: Plane, caller: Caller,
                    action: Annotated[ComputerAction, Body()]) -> ComputerResult:
-    """One computer-use action (Anthropic's computer-use tool shapes) on the browser's active page."""
+    """One computer-use action (Anthropic's computer-use tool shapes) on the browser's active page, or on
+    a desktop session's X screen."""
     session = await get_session(plane, caller.tenant, session_id)
-    screen = _screen(dict(session.metadata))
+    on_desktop = desktop.is_desktop(session.template)
+    screen = _desktop_screen(dict(session.metadata)) if on_desktop else _screen(dict(session.metadata))
     try:
         check_action(action, screen)
+        if on_desktop:
+            desktop.command_for(action, screen)  # key and modifier names X knows
     except ValueError as exc:
         raise ValidationFailed(str(exc), [{"loc": "body", "msg": str(exc)}]) from None
+    if on_desktop:
+        return await desktop.perform(_guest(plane, caller.tenant, session_id), screen, action)
     page = await CdpPage.open(_opener(plane, caller.tenant, session_id))
     try:
         return await perform(page, session_id, screen, action)
