@@ -1,5 +1,6 @@
-"""Browser sessions: the ``browser`` template's cost and latencies through ``capsa serve`` (control plane +
-local node in this process, embedded SQLite), driven by the SDK.
+"""Browser sessions: the ``browser`` (or, ``--template desktop``, the ``desktop``) template's cost and
+latencies through ``capsa serve`` (control plane + local node in this process, embedded SQLite), driven by
+the SDK.
 
 1. the first ``browser`` session (builds the template, or imports it from the template cache: ``origin``);
 2. ``--sessions`` more sessions, each timed from create to its first screenshot (a cold restore of the
@@ -7,7 +8,9 @@ local node in this process, embedded SQLite), driven by the SDK.
 3. per action latency on one session: screenshot, left_click, type of 100 characters, key;
 4. PSS of each idle browser sandbox's QEMU process after ``--idle`` seconds.
 
-The policy allows one domain that does not resolve: no traffic leaves. Writes ``bench/results/browser.json``.
+The policy allows one domain that does not resolve: no traffic leaves. Writes
+``bench/results/<template>.json``. On ``desktop`` the actions are xdotool and scrot commands on the X
+screen (one guest command each) instead of CDP calls.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ from density import _qemu_pids
 from harness import host_facts, memory_kib, summary, write_results
 from session_ops import _free_port, _wait_ready
 
-RESULTS = Path(__file__).with_name("results") / "browser.json"
+RESULTS = Path(__file__).with_name("results")
+TEMPLATES = ("browser", "desktop")
 POLICY = {"domains": [{"domain": "bench.invalid"}]}
 
 
-async def _create(url: str, key: str) -> AsyncSession:
-    return await AsyncSession.create("browser", memory_mib=1024, timeout=7200, policy=POLICY,
+async def _create(template: str, url: str, key: str) -> AsyncSession:
+    return await AsyncSession.create(template, memory_mib=1024, timeout=7200, policy=POLICY,
                                      metadata={"screen": "1280x800"}, api_url=url, api_key=key)
 
 
@@ -48,10 +52,11 @@ async def _timed(n: int, action: Any) -> dict[str, float]:
     return summary(times)
 
 
-async def measure(state: Path, accel: str, sessions: int, actions: int, idle_s: float) -> dict[str, Any]:
+async def measure(template: str, state: Path, accel: str, sessions: int, actions: int,
+                  idle_s: float) -> dict[str, Any]:
     key = generate_key().full
     os.environ["CAPSA_BOOTSTRAP_KEY"] = key
-    os.environ.setdefault("CAPSA_POOL_SIZES", '{"browser": 0}')
+    os.environ.setdefault("CAPSA_POOL_SIZES", f'{{"{template}": 0}}')
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     server = asyncio.create_task(serve.run("127.0.0.1", port, state / "serve", None, accel))
@@ -60,14 +65,14 @@ async def measure(state: Path, accel: str, sessions: int, actions: int, idle_s: 
     try:
         await _wait_ready(url, server)
         t0 = time.perf_counter()
-        first = await _create(url, key)
+        first = await _create(template, url, key)
         made.append(first)
         await first.computer.screenshot()
         out["first_session_to_screenshot_s"] = round(time.perf_counter() - t0, 2)
         restore: list[float] = []
         for _ in range(sessions):
             t0 = time.perf_counter()
-            s = await _create(url, key)
+            s = await _create(template, url, key)
             made.append(s)
             await s.computer.screenshot()
             restore.append(time.perf_counter() - t0)
@@ -92,17 +97,20 @@ async def measure(state: Path, accel: str, sessions: int, actions: int, idle_s: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--template", choices=TEMPLATES, default="browser")
     parser.add_argument("--sessions", type=int, default=3, help="more sessions to restore (default 3)")
     parser.add_argument("--actions", type=int, default=10, help="repetitions per action")
     parser.add_argument("--idle", type=float, default=20.0, help="seconds idle before reading PSS")
     parser.add_argument("--accel", default="auto")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, help="default: bench/results/<template>.json")
     args = parser.parse_args()
-    state = Path(tempfile.mkdtemp(prefix="capsa-browser-", dir="/var/tmp"))
+    args.out = args.out or RESULTS / f"{args.template}.json"
+    state = Path(tempfile.mkdtemp(prefix=f"capsa-{args.template}-", dir="/var/tmp"))
     state.chmod(0o755)
     try:
         facts = host_facts()
-        result = asyncio.run(measure(state, args.accel, args.sessions, args.actions, args.idle))
+        result = asyncio.run(measure(args.template, state, args.accel, args.sessions, args.actions,
+                                     args.idle))
     finally:
         shutil.rmtree(state, ignore_errors=True)
     data = {"host": facts, "end_load": os.getloadavg(), "args": vars(args) | {"out": str(args.out)},
