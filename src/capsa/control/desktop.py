@@ -57,8 +57,9 @@ VNC_INTERACTIVE_PORT = 6080
 """websockify + noVNC in front of the x11vnc that takes input."""
 VNC_VIEW_ONLY_PORT = 6081
 """websockify + noVNC in front of the ``-viewonly`` x11vnc."""
-ACTION_TIMEOUT = 120.0
-"""Seconds one action's guest command may take (beyond a hold or wait of its own)."""
+ACTION_TIMEOUT = 300.0
+"""Seconds one action's guest command may take (beyond a hold or wait of its own): the first one on a
+screen other than the template's restarts the VNC servers, which takes a while under TCG."""
 _TYPE_DELAY_MS = 8
 _CLICK_DELAY_MS = 80
 _SCROLL_DELAY_MS = 30
