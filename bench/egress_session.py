@@ -43,7 +43,7 @@ def _policy(extra: int = 0) -> EgressPolicy:
 
 
 async def _attach_detach(n: int, prefix: str) -> dict[str, Any]:
-    egress = NodeEgress.create(pool="10.233.0.0/20", netns_prefix=prefix)
+    egress = NodeEgress.create(netns_prefix=prefix)
     attach, detach, update_same, update_reissue = [], [], [], []
     try:
         for i in range(n):
@@ -70,7 +70,7 @@ async def _attach_detach(n: int, prefix: str) -> dict[str, Any]:
 
 
 async def _bare_network(n: int, prefix: str) -> dict[str, Any]:
-    manager = NetworkManager(pool="10.234.0.0/20", netns_prefix=prefix)
+    manager = NetworkManager(netns_prefix=prefix)
     create, destroy = [], []
     for _ in range(n):
         sid = new_id("sbx")
@@ -149,7 +149,7 @@ async def _create_with_policy(n: int) -> dict[str, Any]:
     state = Path(tempfile.mkdtemp(prefix="cec-", dir="/var/tmp"))
     os.chmod(state, 0o711)
     pool = StoragePool.open(state, StorageSettings(loop_size_mib=4096))
-    egress = NodeEgress.create(pool="10.235.0.0/20", netns_prefix=f"cec{secrets.token_hex(2)}-")
+    egress = NodeEgress.create(netns_prefix=f"cec{secrets.token_hex(2)}-")
     runtime = QemuRuntime(Settings(state_dir=state), storage=PoolStorage(pool))
     image = await asyncio.to_thread(ensure_image, Settings())
     source = TemplateSource(runtime, image, pool_size=0, egress=egress)

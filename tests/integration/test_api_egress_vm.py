@@ -306,7 +306,7 @@ async def test_egress_through_the_api_with_a_real_vm(guest_image: GuestImage, st
                               allow_networks=[world.net])
         # Its own namespace prefix: the agent's start removes stale namespaces with it, and other tests on
         # this host use the default one.
-        manager = NetworkManager(pool=f"10.231.{octet}.0/24", netns_prefix=f"cae{secrets.token_hex(3)}-")
+        manager = NetworkManager(netns_prefix=f"cae{secrets.token_hex(3)}-")
         egress = NodeEgress(EgressService(manager, broker, audit, poll_interval=0.5), store, audit)
         runtime = QemuRuntime(Settings(state_dir=state), accel="auto", accel_cache=False)
         key = base64.b64encode(os.urandom(32)).decode()

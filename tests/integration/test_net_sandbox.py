@@ -28,12 +28,8 @@ def _sid() -> str:
     return "sbx_" + secrets.token_hex(10)
 
 
-def _pool() -> str:
-    return f"10.232.{secrets.randbelow(250)}.0/24"
-
-
 async def test_create_inspect_destroy() -> None:
-    manager = NetworkManager(pool=_pool())
+    manager = NetworkManager()
     net = await manager.create(_sid())
     try:
         assert net.netns in _sh("ip", "netns", "list")
@@ -65,33 +61,34 @@ async def test_create_inspect_destroy() -> None:
     await manager.destroy(net)  # idempotent
 
 
-async def test_sandboxes_get_distinct_subnets_and_pool_exhaustion() -> None:
-    base = _pool().rsplit(".", 2)[0]
-    manager = NetworkManager(pool=f"{base}.0.0/29")  # room for exactly two /30s
+async def test_sandboxes_share_one_address_each_alone_in_its_namespace() -> None:
+    manager = NetworkManager()
     a = await manager.create(_sid())
     b = await manager.create(_sid())
     try:
-        assert a.guest_ip != b.guest_ip and a.tap != b.tap and a.netns != b.netns
-        with pytest.raises(NetError) as info:
-            await manager.create(_sid())
-        assert info.value.code == "capacity_exhausted"
+        # The same guest and gateway address (a snapshot restored anywhere keeps its address) ...
+        assert (a.guest_ip, a.gateway_ip) == (b.guest_ip, b.gateway_ip)
+        assert a.tap != b.tap and a.netns != b.netns
+        # ... in namespaces that hold only their own tap: nothing of b is reachable from a's.
+        links = _sh("ip", "-n", a.netns, "-o", "link")
+        assert a.tap in links and b.tap not in links and len(links.strip().splitlines()) == 2  # lo + tap
+        routes = _sh("ip", "-n", a.netns, "-4", "route").strip().splitlines()
+        assert len(routes) == 1 and f"dev {a.tap} " in routes[0] and "default" not in routes[0], routes
     finally:
         await manager.destroy(a)
         await manager.destroy(b)
-    c = await manager.create(_sid())  # freed subnets are reused
-    await manager.destroy(c)
-    assert await manager.leftovers(c) == []
+    assert await manager.leftovers(a) == [] and await manager.leftovers(b) == []
 
 
 @pytest.mark.parametrize("bad", ["", "../etc", "a b", "x" * 60, "sbx;reboot"])
 async def test_bad_sandbox_ids_refused(bad: str) -> None:
     with pytest.raises(NetError) as info:
-        await NetworkManager(pool=_pool()).create(bad)
+        await NetworkManager().create(bad)
     assert info.value.status == 422
 
 
 async def test_duplicate_refused() -> None:
-    manager = NetworkManager(pool=_pool())
+    manager = NetworkManager()
     sid = _sid()
     net = await manager.create(sid)
     try:
@@ -103,7 +100,7 @@ async def test_duplicate_refused() -> None:
 
 
 async def test_failed_creation_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    manager = NetworkManager(pool=_pool())
+    manager = NetworkManager()
     monkeypatch.setattr(sandbox_net, "render_ruleset", lambda _net: "this is not nftables\n")
     sid = _sid()
     with pytest.raises(NetError, match="failed"):
@@ -117,10 +114,10 @@ async def test_failed_creation_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -
 async def test_cleanup_stale() -> None:
     # A private prefix: cleanup must never touch namespaces of other node agents or test runs.
     prefix = f"capsa-t{secrets.token_hex(3)}-"
-    crashed = NetworkManager(pool=_pool(), netns_prefix=prefix)
+    crashed = NetworkManager(netns_prefix=prefix)
     keep_net = await crashed.create(_sid())
     lost_net = await crashed.create(_sid())
-    fresh = NetworkManager(pool=_pool(), netns_prefix=prefix)
+    fresh = NetworkManager(netns_prefix=prefix)
     removed = await fresh.cleanup_stale(keep={keep_net.sandbox_id})
     try:
         assert lost_net.netns in removed and keep_net.netns not in removed
@@ -139,7 +136,7 @@ async def test_egress_service_attach_detach() -> None:
 
     sink = ListSink()
     store = InMemorySecretStore(SecretBox(os.urandom(32)), {"sec_x": "the-real-value"})
-    service = EgressService(NetworkManager(pool=_pool()), EgressBroker(secrets=store, sink=sink), sink,
+    service = EgressService(NetworkManager(), EgressBroker(secrets=store, sink=sink), sink,
                             poll_interval=0.1)
     policy = EgressPolicy.from_data({"domains": [{"domain": "api.example.com"}],
                                      "secrets": [{"secret": "sec_x", "domain": "api.example.com",
@@ -172,7 +169,7 @@ async def test_egress_service_attach_detach() -> None:
 async def test_qemu_attaches_to_the_tap(uid: int | None) -> None:
     """As the runtime does it: the node opens the tap inside the namespace and hands the queue fd to
     QEMU, which may then run unprivileged (here: as nobody) and needs no access to /dev/net/tun."""
-    manager = NetworkManager(pool=_pool())
+    manager = NetworkManager()
     net = await manager.create(_sid())
     fd = open_tap(net.netns, net.tap)
     drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None else []
@@ -199,7 +196,7 @@ async def test_qemu_attaches_to_the_tap(uid: int | None) -> None:
 
 
 async def test_tap_owner() -> None:
-    manager = NetworkManager(pool=_pool())
+    manager = NetworkManager()
     net = await manager.create(_sid(), tap_owner=65534)
     try:
         details = json.loads(_sh("ip", "-n", net.netns, "-d", "-j", "link", "show", net.tap))[0]

@@ -64,7 +64,7 @@ async def test_vm_reaches_api_with_injected_secret(state_dir: Path, guest_image:
     sink = ListSink()
     runtime = QemuRuntime(Settings(state_dir=state_dir), accel="auto", accel_cache=False)
     async with outside_world(octet) as world:
-        service = EgressService(NetworkManager(pool=f"10.231.{octet}.0/24"), world.broker(sink), sink)
+        service = EgressService(NetworkManager(), world.broker(sink), sink)
         sid = new_id("sbx")
         attached = await service.attach(sid, world_policy(), session_id="ses_vm")
         sandbox = None

@@ -133,7 +133,7 @@ def _egress(world: World, octet: int, prefix: str) -> NodeEgress:
     broker = EgressBroker(secrets=store, sink=audit, resolver=DnsResolver(world.ip),
                           upstream_ssl=ssl.create_default_context(cafile=str(world.ca_file)),
                           allow_networks=[world.net])
-    manager = NetworkManager(pool=f"10.231.{octet}.0/24", netns_prefix=prefix)
+    manager = NetworkManager(netns_prefix=prefix)
     return NodeEgress(EgressService(manager, broker, audit, poll_interval=0.5), store, audit)
 
 

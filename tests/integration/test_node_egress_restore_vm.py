@@ -114,7 +114,7 @@ async def test_policy_sessions_are_restored_from_the_networked_template(
                                   upstream_ssl=ssl.create_default_context(cafile=str(world.ca_file)),
                                   allow_networks=[world.net])
             prefix = f"cnr{secrets.token_hex(3)}-"
-            manager = NetworkManager(pool=f"10.231.{octet}.0/24", netns_prefix=prefix)
+            manager = NetworkManager(netns_prefix=prefix)
             egress = NodeEgress(EgressService(manager, broker, audit, poll_interval=0.5), store, audit)
             settings = Settings(state_dir=state_dir, cache_dir=Settings().cache_dir)
             runtime = QemuRuntime(settings, storage=PoolStorage(pool))

@@ -97,7 +97,7 @@ class Lab:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def lab() -> AsyncIterator[Lab]:
     octet = 100 + secrets.randbelow(100)
-    manager = NetworkManager(pool=f"10.231.{octet}.0/24")
+    manager = NetworkManager()
     net: SandboxNet | None = None
     guest: GuestNamespace | None = None
     broker: EgressBroker | None = None

@@ -48,8 +48,7 @@ def _ip(*args: str, check: bool = True) -> str:
 
 @pytest_asyncio.fixture
 async def egress() -> AsyncIterator[NodeEgress]:
-    octet = 100 + secrets.randbelow(100)
-    node = NodeEgress.create(pool=f"10.232.{octet}.0/24", netns_prefix=f"cne{secrets.token_hex(3)}-")
+    node = NodeEgress.create(netns_prefix=f"cne{secrets.token_hex(3)}-")
     try:
         yield node
     finally:

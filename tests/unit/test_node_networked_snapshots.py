@@ -56,7 +56,7 @@ def _netns() -> set[str]:
 @pytest_asyncio.fixture
 async def node(tmp_path: Path) -> AsyncIterator[tuple[NodeAgent, NodeEgress, str]]:
     prefix = f"cns{secrets.token_hex(3)}-"
-    egress = NodeEgress.create(pool=f"10.233.{100 + secrets.randbelow(100)}.0/24", netns_prefix=prefix)
+    egress = NodeEgress.create(netns_prefix=prefix)
     runtime = FakeRuntime()
     image = fake_image(tmp_path / "img")
     source = TemplateSource(runtime, image, egress=egress, pool_size=1, pool_sizes={NET_TEMPLATE: 1},

@@ -97,7 +97,7 @@ def build(spec_file: Path, state_dir: Path | None, as_json: bool) -> None:
 
         with _store(state_dir, need_image=True) as store:
             # A spec with network: true boots its build VM on a throwaway namespace (nothing leaves it).
-            egress = (NodeEgress.create(pool="10.239.0.0/24", netns_prefix="capsa-tb-") if spec.network
+            egress = (NodeEgress.create(netns_prefix="capsa-tb-") if spec.network
                       else None)
             try:
                 with console.status(f"building template {spec.name}") as status:

@@ -55,9 +55,10 @@ def _short(value: object) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
-RECIPE = 2
-"""How node-built templates are made (base; base-net with its prepared trust store). Bump it when that
-changes, so entries made the old way are never imported."""
+RECIPE = 3
+"""How node-built templates are made (base; base-net with its prepared trust store; 3: networked templates
+built on the one guest subnet every sandbox has, ``GUEST_SUBNET``). Bump it when that changes, so entries
+made the old way are never imported."""
 
 
 def entry_prefix(name: str, image_digest: str, memory_mib: int, vcpus: int) -> str:

@@ -49,7 +49,7 @@ class NodeEgress:
         self._pool_nets: dict[str, SandboxNet] = {}  # networks of pooled VMs no sandbox has taken yet
 
     @classmethod
-    def create(cls, *, pool: str = "10.231.0.0/16", netns_prefix: str = NETNS_PREFIX,
+    def create(cls, *, netns_prefix: str = NETNS_PREFIX,
                resolver: Resolver | None = None, upstream_ssl: ssl.SSLContext | None = None,
                allow_networks: Sequence[str] = ()) -> NodeEgress:
         """``netns_prefix`` names this node agent's namespaces; each agent on a host needs its own, since
@@ -59,7 +59,7 @@ class NodeEgress:
         raise_nofile()  # the broker's node-wide connection cap is bounded by the open-file limit
         broker = EgressBroker(secrets=store, sink=audit, resolver=resolver, upstream_ssl=upstream_ssl,
                               allow_networks=allow_networks)
-        return cls(EgressService(NetworkManager(pool=pool, netns_prefix=netns_prefix), broker, audit), store,
+        return cls(EgressService(NetworkManager(netns_prefix=netns_prefix), broker, audit), store,
                    audit)
 
     def network(self, sandbox_id: str) -> SandboxNet | None:

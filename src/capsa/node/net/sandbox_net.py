@@ -1,12 +1,13 @@
 """Per-sandbox network: a network namespace holding the VM's tap device and an nftables firewall.
 
 The QEMU process runs inside the namespace and opens the tap by name. The guest gets the address
-``guest_ip`` on a /30 whose other address (``gateway_ip``) is the tap's; the namespace has no other link
-and no route anywhere, so the only things the guest can reach are the node services the egress broker
-opens on the gateway address inside the namespace (DNS stub, HTTP, TLS, explicit proxy). nftables in the
-namespace drops IPv6, spoofed sources, forwarding and everything else, counting each class of drop so the
-node can audit it, and DNAT-s TCP 80/443 (to any address) to the broker. Deleting the namespace removes
-the tap and the rules with it.
+``guest_ip`` on a /30 whose other address (``gateway_ip``) is the tap's (:data:`GUEST_SUBNET`, the same
+for every sandbox: each is alone in its namespace, see :meth:`NetworkManager._allocate`); the namespace
+has no other link and no route anywhere, so the only things the guest can reach are the node services the
+egress broker opens on the gateway address inside the namespace (DNS stub, HTTP, TLS, explicit proxy).
+nftables in the namespace drops IPv6, spoofed sources, forwarding and everything else, counting each class
+of drop so the node can audit it, and DNAT-s TCP 80/443 (to any address) to the broker.
+Deleting the namespace removes the tap and the rules with it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from capsa.common.errors import CapsaError
 
 __all__ = [
     "DROP_COUNTERS",
+    "GUEST_SUBNET",
     "NetError",
     "NetworkManager",
     "SandboxNet",
@@ -31,6 +33,9 @@ __all__ = [
     "render_ruleset",
 ]
 
+GUEST_SUBNET = ipaddress.IPv4Network("10.231.0.0/30")
+"""Every sandbox's guest subnet: gateway (the tap, the node's services) .1, guest .2. It never meets the
+node's own networks: the namespace has no route out, and the broker connects upstream from the node's."""
 _SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 NETNS_PREFIX = "capsa-"
 TABLE = "capsa"
@@ -153,13 +158,9 @@ async def _run(*argv: str, stdin: bytes | None = None, check: bool = True) -> tu
 
 
 class NetworkManager:
-    """Creates and destroys sandbox namespaces and hands out their /30 subnets from ``pool``."""
+    """Creates and destroys sandbox namespaces; every sandbox's guest is on :data:`GUEST_SUBNET`."""
 
-    def __init__(self, pool: str = "10.231.0.0/16", ports: ServicePorts | None = None,
-                 netns_prefix: str = NETNS_PREFIX) -> None:
-        self.pool = ipaddress.IPv4Network(pool)
-        if self.pool.prefixlen > 29:
-            raise NetError("the sandbox address pool must be at least a /29")
+    def __init__(self, ports: ServicePorts | None = None, netns_prefix: str = NETNS_PREFIX) -> None:
         self.ports = ports or ServicePorts()
         if not re.match(r"^[a-z][a-z0-9-]{0,15}$", netns_prefix):
             raise NetError(f"invalid namespace prefix {netns_prefix!r}")
@@ -176,12 +177,15 @@ class NetworkManager:
         return "cx" + hashlib.sha256(sandbox_id.encode()).hexdigest()[:12]
 
     def _allocate(self, sandbox_id: str) -> ipaddress.IPv4Network:
-        taken = set(self._used.values())
-        for subnet in self.pool.subnets(new_prefix=30):
-            if subnet not in taken:
-                self._used[sandbox_id] = subnet
-                return subnet
-        raise NetError("no free sandbox subnet in the address pool", code="capacity_exhausted", status=503)
+        # One /30 for all: a sandbox's tap, rules and broker listeners live in its own namespace, so two
+        # sandboxes' equal addresses never meet, and a guest restored from a snapshot (a template, a paused
+        # session, a branch) keeps the address it was snapshotted with. Programs running at snapshot time
+        # then see no address change: Chromium restored from the browser template failed its first
+        # navigations after one (net::ERR_TIMED_OUT), and sockets bound to the old address went on sending
+        # from it (dropped as spoofed).
+        subnet = GUEST_SUBNET
+        self._used[sandbox_id] = subnet
+        return subnet
 
     async def create(self, sandbox_id: str, *, tap_owner: int | None = None) -> SandboxNet:
         """Make the sandbox's namespace, tap and firewall. ``tap_owner``: uid allowed to open the tap
