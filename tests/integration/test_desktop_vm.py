@@ -150,7 +150,7 @@ async def test_desktop_sessions_end_to_end(state_dir: Path, pool: StoragePool,
     figures: dict[str, float] = {}
     width, height = SCREEN
     async with outside_world(octet, site=site_handler("unused"), site_names=(SITE,)) as world:
-        egress = site_egress(world, octet, prefix)
+        egress = site_egress(world, prefix)
         settings = Settings(state_dir=state_dir, cache_dir=Settings().cache_dir)
         runtime = QemuRuntime(settings, storage=PoolStorage(pool))
         source = TemplateSource(runtime, guest_image, egress=egress, cache=TemplateCache(settings.cache_dir),

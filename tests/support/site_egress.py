@@ -21,12 +21,12 @@ from tests.support.outside import World
 __all__ = ["site_egress"]
 
 
-def site_egress(world: World, octet: int, prefix: str) -> NodeEgress:
-    """Sandbox networks on 10.231.<octet>.0/24 with namespaces named ``prefix…``."""
+def site_egress(world: World, prefix: str) -> NodeEgress:
+    """Sandbox networks in namespaces named ``prefix…``."""
     audit = AuditLog()
     store = InMemorySecretStore(SecretBox(os.urandom(32)))
     broker = EgressBroker(secrets=store, sink=audit, resolver=DnsResolver(world.ip),
                           upstream_ssl=ssl.create_default_context(cafile=str(world.ca_file)),
                           allow_networks=[world.net])
-    manager = NetworkManager(pool=f"10.231.{octet}.0/24", netns_prefix=prefix)
+    manager = NetworkManager(netns_prefix=prefix)
     return NodeEgress(EgressService(manager, broker, audit, poll_interval=0.5), store, audit)
