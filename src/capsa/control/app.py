@@ -21,7 +21,18 @@ from capsa.control.problems import install_problem_handlers
 from capsa.control.ratelimit import RateLimiter
 from capsa.control.reaper import run_reaper
 from capsa.control.rolling import run_rolling
-from capsa.control.routes import commands, files, health, keys, nodes, ports, sessions, snapshots, terminals
+from capsa.control.routes import (
+    approvals,
+    commands,
+    files,
+    health,
+    keys,
+    nodes,
+    ports,
+    sessions,
+    snapshots,
+    terminals,
+)
 from capsa.control.routes import egress as egress_routes
 from capsa.control.routes import secrets as secret_routes
 from capsa.control.settings import ControlSettings
@@ -76,7 +87,7 @@ def create_app(settings: ControlSettings | None = None,
     install_problem_handlers(app)
     for module in (health, sessions, snapshots, commands, files, ports, terminals, keys, nodes):
         app.include_router(module.router, prefix="/v1")
-    for egress_module in (secret_routes, egress_routes):
+    for egress_module in (secret_routes, egress_routes, approvals):
         app.include_router(egress_module.router, prefix="/v1")
     mcp_lifetime = install_mcp(app)
     if settings.e2b_compat:

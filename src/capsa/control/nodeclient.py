@@ -23,6 +23,9 @@ from capsa.common.node_api import (
     NDJSON,
     OUTPUT_EVENT,
     WATCH_EVENT,
+    ApprovalDecision,
+    ApprovalInfo,
+    ApprovalList,
     AuditPage,
     BranchRequest,
     ExecEvent,
@@ -174,6 +177,19 @@ class NodeClient:
         return await self._call(PolicyUpdated, "PUT", f"/sandboxes/{sandbox_id}/policy",
                                 json={"policy": dict(policy), "secrets": dict(secrets),
                                       "placeholders": dict(placeholders or {})})
+
+    async def list_approvals(self, session_ids: list[str], *, include_decided: bool = False) -> ApprovalList:
+        params: list[tuple[str, str]] = [("session", sid) for sid in session_ids]
+        if include_decided:
+            params.append(("include_decided", "true"))
+        return await self._call(ApprovalList, "GET", "/approvals", params=params)
+
+    async def get_approval(self, approval_id: str) -> ApprovalInfo:
+        return await self._call(ApprovalInfo, "GET", f"/approvals/{approval_id}")
+
+    async def decide_approval(self, approval_id: str, decision: ApprovalDecision) -> ApprovalInfo:
+        return await self._call(ApprovalInfo, "POST", f"/approvals/{approval_id}/decision",
+                                json=decision.model_dump(mode="json"))
 
     async def audit(self, *, after: int, epoch: str | None, limit: int) -> AuditPage:
         params: dict[str, str | int] = {"after": after, "limit": limit}

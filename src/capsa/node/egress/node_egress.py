@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
+from capsa.node.egress.approvals import ApprovalBook
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker, PolicyUpdate
 from capsa.node.egress.dns import Resolver
@@ -61,6 +62,11 @@ class NodeEgress:
                               allow_networks=allow_networks)
         return cls(EgressService(NetworkManager(pool=pool, netns_prefix=netns_prefix), broker, audit), store,
                    audit)
+
+    @property
+    def approvals(self) -> ApprovalBook:
+        """Requests the broker holds for approval."""
+        return self.service.broker.approvals
 
     def network(self, sandbox_id: str) -> SandboxNet | None:
         """The sandbox's namespace, tap and addressing while it is attached."""

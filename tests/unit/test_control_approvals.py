@@ -1,0 +1,198 @@
+"""Approvals through the whole server side: the node's broker holds a POST of a session's sandbox (on
+loopback, with a local upstream), the tenant lists it and decides through ``/v1/approvals`` (another tenant
+neither sees nor decides it), the sandbox gets the upstream's answer or a 403, a policy's webhook is POSTed
+to, and the session's audit trail names the API key that decided. The broker mechanics are in
+test_egress_approvals.py; a real VM's request is in tests/integration/test_approvals_vm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import h11
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+
+from capsa.node.egress.dns import StaticResolver
+from capsa.node.egress.node_egress import NodeEgress
+from capsa.node.egress.policy import EgressPolicy
+from capsa.node.net.sandbox_net import ServicePorts
+from tests.support.api_stack import ApiStack, serve_app
+from tests.support.problems import assert_problem
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers every request with 200 and a JSON body naming what it received."""
+    conn = h11.Connection(h11.SERVER)
+    received = b""
+    target = b""
+    try:
+        while True:
+            ev = conn.next_event()
+            if ev is h11.NEED_DATA:
+                data = await reader.read(65536)
+                if not data:
+                    return
+                conn.receive_data(data)
+            elif isinstance(ev, h11.Request):
+                target, received = ev.target, b""
+            elif isinstance(ev, h11.Data):
+                received += ev.data
+            elif isinstance(ev, h11.EndOfMessage):
+                answer = json.dumps({"charged": target.decode(), "body": received.decode()}).encode()
+                writer.write((conn.send(h11.Response(status_code=200, headers=[
+                    (b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]))
+                              or b"") + (conn.send(h11.Data(data=answer)) or b"")
+                             + (conn.send(h11.EndOfMessage()) or b""))
+                await writer.drain()
+                conn.start_next_cycle()
+            else:
+                return
+    except (ConnectionError, h11.ProtocolError):
+        pass
+    finally:
+        writer.close()
+
+
+@pytest.fixture
+async def upstream_port() -> AsyncIterator[int]:
+    server = await asyncio.start_server(_upstream, "127.0.0.1", 0)
+    yield int(server.sockets[0].getsockname()[1])
+    server.close()
+
+
+async def _post_through(port: int, path: str, body: bytes) -> tuple[int, bytes]:
+    """What the sandbox does: a POST to api.test through the broker's plain-HTTP listener."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: api.test\r\nContent-Length: {len(body)}\r\n"
+                 "Connection: close\r\n\r\n".encode() + body)
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), rest
+
+
+async def _pending(client: httpx.AsyncClient, count: int = 1) -> list[dict[str, Any]]:
+    for _ in range(500):
+        items: list[dict[str, Any]] = (await client.get("/v1/approvals")).json()["items"]
+        if len(items) >= count:
+            return items
+        await asyncio.sleep(0.02)
+    raise AssertionError("no approval became pending")
+
+
+async def test_decisions_through_the_api_reach_the_held_request(
+        make_stack: Callable[..., Awaitable[ApiStack]], upstream_port: int) -> None:
+    notices: list[dict[str, Any]] = []
+    hooks = FastAPI()
+
+    @hooks.post("/hook")
+    async def hook(request: Request) -> dict[str, bool]:
+        notices.append(await request.json())
+        return {"ok": True}
+
+    receiver = await serve_app(hooks, lifespan="off")
+    egress = NodeEgress.create(netns_prefix=f"cap{secrets.token_hex(3)}-",
+                               resolver=StaticResolver({"api.test": ["127.0.0.1"]}),
+                               allow_networks=["127.0.0.0/8"])
+    egress.service.broker.upstream_http_port = upstream_port
+    stack = await make_stack(egress=egress)
+    key, other = await stack.tenant_key("acme"), await stack.tenant_key("other")
+    key_id = key.rsplit("_", 1)[0]
+    sandbox_id = ""
+    try:
+        async with stack.client(key) as a, stack.client(other) as o:
+            sid = (await a.post("/v1/sessions", json={})).json()["id"]
+            assert stack.agent is not None
+            (record,) = stack.agent.list()
+            sandbox_id = record.id
+            # The session's sandbox, as the node's broker holds it (on loopback instead of a namespace).
+            policy = EgressPolicy.from_data({
+                "approval_webhook": f"{receiver.url}/hook",
+                "domains": [{"domain": "api.test", "approvals": [
+                    {"name": "charges", "methods": ["POST"], "path_prefixes": ["/v1/charges"],
+                     "timeout_s": 60},
+                    {"name": "slow", "methods": ["POST"], "path_prefixes": ["/v1/slow"], "timeout_s": 1}]}]})
+            sbx = egress.service.broker.register(sandbox_id, "127.0.0.1", policy, session_id=sid)
+            await egress.service.broker.listen(sandbox_id, "127.0.0.1",
+                                               ports=ServicePorts(http=0, tls=0, proxy=0, dns=0))
+            port = int(sbx.bound["http"][1])
+
+            call = asyncio.create_task(_post_through(port, "/v1/charges", b'{"amount": 4200}'))
+            (pending,) = await _pending(a)
+            assert pending["session_id"] == sid and pending["state"] == "pending"
+            assert (pending["destination"], pending["method"], pending["path"], pending["approval_rule"]) == (
+                "api.test", "POST", "/v1/charges", "charges")
+            assert pending["preview"] == '{"amount": 4200}' and "sandbox_id" not in pending
+            assert (await a.get("/v1/approvals", params={"session_id": sid})).json()["items"] == [pending]
+            assert (await a.get(f"/v1/approvals/{pending['id']}")).json() == pending
+            # Another tenant neither sees nor decides it.
+            assert (await o.get("/v1/approvals")).json()["items"] == []
+            assert_problem(await o.get(f"/v1/approvals/{pending['id']}"), 404, "approval_not_found")
+            assert_problem(await o.post(f"/v1/approvals/{pending['id']}/approve"), 404, "approval_not_found")
+            assert_problem(await a.get("/v1/approvals/apr_nosuchapprovalxxxxxx"), 404, "approval_not_found")
+            assert_problem(await a.post(f"/v1/approvals/{pending['id']}/approve", json={"scope": "always"}),
+                           422, "validation_error")
+            assert not call.done()
+
+            approved = await a.post(f"/v1/approvals/{pending['id']}/approve", json={"reason": "ok by me"})
+            assert approved.status_code == 200, approved.text
+            assert approved.json()["state"] == "approved" and approved.json()["decided_by"] == key_id
+            status, body = await call
+            assert status == 200
+            assert json.loads(body) == {"charged": "/v1/charges", "body": '{"amount": 4200}'}
+            assert_problem(await a.post(f"/v1/approvals/{pending['id']}/deny"), 409, "approval_decided")
+
+            # Denied: the sandbox gets a 403 naming the approval and the reason.
+            call = asyncio.create_task(_post_through(port, "/v1/charges/2", b"{}"))
+            (second,) = await _pending(a)
+            denied = await a.post(f"/v1/approvals/{second['id']}/deny", json={"reason": "too much"})
+            assert denied.status_code == 200 and denied.json()["state"] == "denied"
+            status, body = await call
+            assert status == 403
+            assert json.loads(body) == {"error": "approval_denied", "approval_id": second["id"],
+                                        "message": f"approval denied by {key_id}", "reason": "too much",
+                                        "decided_by": key_id}
+            # Timed out: 403 too; the approval is remembered as timed out.
+            status, body = await _post_through(port, "/v1/slow", b"{}")
+            assert status == 403 and json.loads(body)["error"] == "approval_timeout"
+            timed_id = json.loads(body)["approval_id"]
+            assert (await a.get(f"/v1/approvals/{timed_id}")).json()["state"] == "timeout"
+            assert_problem(await a.post(f"/v1/approvals/{timed_id}/approve"), 409, "approval_decided")
+            assert (await a.get("/v1/approvals")).json()["items"] == []
+            decided = (await a.get("/v1/approvals", params={"include_decided": "true"})).json()["items"]
+            assert [d["state"] for d in decided] == ["approved", "denied", "timeout"]
+
+            # The webhook was told of every pending approval.
+            for _ in range(200):
+                if len(notices) >= 3:
+                    break
+                await asyncio.sleep(0.02)
+            assert [n["approval"]["id"] for n in notices] == [pending["id"], second["id"], timed_id]
+            assert {n["type"] for n in notices} == {"approval.pending"}
+
+            # The audit trail names who decided.
+            trail = (await a.get(f"/v1/sessions/{sid}/audit", params={"limit": 100})).json()["items"]
+            approvals = [e for e in trail if e["kind"] == "approval"]
+            assert [e["reason"] for e in approvals] == [
+                f"approval {pending['id']} pending (rule charges)",
+                f"approval {pending['id']} approved by {key_id} (scope once): ok by me",
+                f"approval {second['id']} pending (rule charges)",
+                f"approval {second['id']} denied by {key_id} (scope once): too much",
+                f"approval {timed_id} pending (rule slow)",
+                f"approval {timed_id} timed out"]
+            assert [e["decision"] for e in approvals] == ["deny", "allow", "deny", "deny", "deny", "deny"]
+            http = [(e["decision"], e["status"], e["path"]) for e in trail if e["kind"] == "http"]
+            assert http == [("allow", 200, "/v1/charges"), ("deny", 403, "/v1/charges/2"),
+                            ("deny", 403, "/v1/slow")]
+    finally:
+        if sandbox_id:
+            await egress.service.broker.unregister(sandbox_id)
+        await receiver.stop()
