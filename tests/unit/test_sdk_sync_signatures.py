@@ -16,6 +16,8 @@ from typing import Any, get_overloads
 import pytest
 
 from capsa.sdk import (
+    Approvals,
+    AsyncApprovals,
     AsyncClient,
     AsyncCommands,
     AsyncEgress,
@@ -153,6 +155,7 @@ PAIRS: list[tuple[type, type, dict[str, Any]]] = [
     (Snapshots, AsyncSnapshots, {}),
     (Egress, AsyncEgress, {}),
     (Secrets, AsyncSecrets, {}),
+    (Approvals, AsyncApprovals, {}),
     (Keys, AsyncKeys, {}),
     (Nodes, AsyncNodes, {}),
     # A tunnel's methods are coroutines: blocking code reaches ports through forward() and url().

@@ -30,6 +30,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "secrets": ("capsa.cli.egress", "secrets"),
     "audit": ("capsa.cli.egress", "audit"),
     "policy": ("capsa.cli.egress", "policy"),
+    "approvals": ("capsa.cli.approvals", "approvals"),
     "port-forward": ("capsa.cli.ports", "port_forward"),
     "e2b": ("capsa.cli.e2b", "e2b"),
     "shell": ("capsa.cli.shell", "shell"),

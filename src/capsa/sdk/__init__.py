@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from capsa.sdk.approvals import ApprovalInfo, AsyncApprovals
+from capsa.sdk.approvals_sync import Approvals
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import DEFAULT_API_URL, ClientConfig
@@ -56,6 +58,9 @@ from capsa.sdk.terminals_sync import Pty, Terminal
 __all__ = [
     "DEFAULT_API_URL",
     "ApiKey",
+    "ApprovalInfo",
+    "Approvals",
+    "AsyncApprovals",
     "AsyncClient",
     "AsyncCommands",
     "AsyncEgress",
