@@ -271,6 +271,12 @@ async def test_session_scope_covers_later_requests(world: tuple[World, list[dict
         assert (await _send(w.port, "POST", f"/v1/charges/{i}", b"2")).status == 201
     assert w.broker.approvals.list() == []
     assert len(w.sink.find(kind="approval")) == 2  # opened + approved, nothing for the covered ones
+    # A policy update drops the grant: it was given under the old rules.
+    w.broker.update_policy("sbx_ap", POLICY)
+    call = asyncio.create_task(_send(w.port, "POST", "/v1/charges", b"4"))
+    (after_update,) = await w.pending()
+    w.broker.approvals.decide(after_update.id, approve=True, decided_by="key_alice", scope="session")
+    assert (await call).status == 201
     # The grant is the session's sandbox's only: it goes with the sandbox.
     await w.broker.unregister("sbx_ap")
     await w.start("sbx_ap2", "ses_ap")

@@ -152,10 +152,9 @@ class ApprovalBook:
         self._grants.pop(sandbox_id, None)
         return closed
 
-    def forget(self, approval: Approval) -> None:
-        """Drop a still-pending approval whose request never waited (the broker gave up before waiting)."""
-        if self._pending.pop(approval.id, None) is not None and approval.future is not None:
-            approval.future.cancel()
+    def clear_grants(self, sandbox_id: str) -> None:
+        """Forget the sandbox's session-scoped approvals (its policy changed: they were for the old rules)."""
+        self._grants.pop(sandbox_id, None)
 
     # -- the API's side ------------------------------------------------------------------------------
 

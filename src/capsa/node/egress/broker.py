@@ -388,6 +388,7 @@ class EgressBroker:
         sbx.placeholders = kept
         self._forget_patterns(sbx)
         sbx.buckets.clear()
+        self.approvals.clear_grants(sandbox_id)  # session approvals were given under the old rules
         if reissue:
             # The TLS paths read sbx.ca on every handshake, so listeners pick the new CA up at once.
             sbx.ca = SandboxCA(sandbox_id, [r.domain for r in policy.domains])
