@@ -90,13 +90,17 @@ class Reply:
         return data
 
 
-async def _send(port: int, method: str, path: str, body: bytes = b"", host: str = "api.test") -> Reply:
-    """One request to the broker's plain-HTTP listener, as the sandbox would send it."""
+async def _send(port: int, method: str, path: str, body: bytes = b"", host: str = "api.test",
+                chunked: bool = False) -> Reply:
+    """One request to the broker's plain-HTTP listener, as the sandbox would send it (``chunked``: the body
+    in two chunks, no declared length)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     conn = h11.Connection(h11.CLIENT)
-    headers = [(b"host", host.encode()), (b"content-length", str(len(body)).encode())]
-    writer.write((conn.send(h11.Request(method=method, target=path, headers=headers)) or b"")
-                 + (conn.send(h11.Data(data=body)) or b"" if body else b"")
+    framing = (b"transfer-encoding", b"chunked") if chunked else (b"content-length", str(len(body)).encode())
+    pieces = [body[:len(body) // 2], body[len(body) // 2:]] if chunked else [body]
+    head = h11.Request(method=method, target=path, headers=[(b"host", host.encode()), framing])
+    writer.write((conn.send(head) or b"")
+                 + b"".join(conn.send(h11.Data(data=p)) or b"" for p in pieces if p)
                  + (conn.send(h11.EndOfMessage()) or b""))
     await writer.drain()
     response: h11.Response | None = None
@@ -284,6 +288,19 @@ async def test_session_scope_covers_later_requests(world: tuple[World, list[dict
     (fresh,) = await w.pending()
     w.broker.approvals.decide(fresh.id, approve=True, decided_by="key_alice")
     assert (await call).status == 201
+
+
+async def test_a_chunked_body_is_held_whole_and_sized(world: tuple[World, list[dict[str, object]]]) -> None:
+    w, _ = world
+    # Without a declared length the "big" rule (PUT, 100 bytes or more) can only decide on the whole body.
+    assert (await _send(w.port, "PUT", "/small", b"y" * 99, chunked=True)).status == 201
+    call = asyncio.create_task(_send(w.port, "PUT", "/big", b"z" * 150, chunked=True))
+    (approval,) = await w.pending()
+    assert approval.body_bytes == 150 and approval.preview == "z" * 150 and w.upstream.seen[-1][1] == "/small"
+    w.broker.approvals.decide(approval.id, approve=True, decided_by="key_c")
+    assert (await call).status == 201
+    assert w.upstream.seen[-1] == ("PUT", "/big", b"z" * 150)
+    assert w.sink.find(kind="http", decision="allow")[-1].bytes_out == 150
 
 
 async def test_stopping_the_sandbox_denies_its_pending_approvals(

@@ -889,7 +889,10 @@ class EgressBroker:
             self._inject(sbx, req, tls)
             plain_path = req.path.split("?", 1)[0]
             holds = [a for a in rule.approvals if a.matches(method, plain_path, length)]
-            if holds:
+            # With a declared length the first match is certain: a session approval of it needs no body.
+            covered = not holds or (length is not None
+                                    and self.approvals.granted(sbx.sandbox_id, _grant_key(rule, holds[0])))
+            if not covered:
                 # The body decides (min_body_bytes) and is shown: it is read whole (within the request
                 # limit, charged to the buffer budget) and forwarded only once the request may go.
                 body, reserved = await self._read_body(sbx, client, req, limit)
