@@ -11,7 +11,10 @@ verifies the upstream certificate, redacts secrets from the response and writes 
 
 Bodies stream in both directions (injection touches headers only; redaction of a bound destination's
 response works on a bounded sliding window, see redaction.py). What one sandbox and the node may hold —
-connections, descriptors, buffered bytes, time — is in limits.py.
+connections, descriptors, buffered bytes, time — is in limits.py. The exception: a request an approval rule
+may match is read whole (within the request limit, charged to the buffer budget) and held, unforwarded,
+until it is approved, denied, timed out or its sandbox stops (approvals.py, docs/approvals.md). Per-domain
+upload bans and download content-type lists are checked on the request's size and the response's head.
 """
 
 from __future__ import annotations
