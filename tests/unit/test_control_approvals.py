@@ -205,6 +205,16 @@ async def test_decisions_through_the_api_reach_the_held_request(held: Held) -> N
         assert [n["approval"]["id"] for n in notices] == [pending["id"], second["id"], timed_id]
         assert {n["type"] for n in notices} == {"approval.pending"}
 
+        # Bad approval rules are refused at the edge, naming the field.
+        bad = await a.post("/v1/sessions", json={"policy": {"domains": [
+            {"domain": "api.test", "approvals": [{"timeout_s": 99999, "scope": "forever"}]}]}})
+        body = assert_problem(bad, 422, "validation_error")
+        messages = " ".join(e["message"] for e in body["errors"])
+        assert "approvals.0.timeout_s" in messages and "approvals.0.scope" in messages, body
+        bad = await a.put(f"/v1/sessions/{sid}/policy", json={"policy": {"domains": [
+            {"domain": "api.test", "download_content_types": ["nonsense"]}]}})
+        assert "not a media type" in json.dumps(assert_problem(bad, 422, "validation_error")["errors"])
+
         # The audit trail names who decided.
         trail = (await a.get(f"/v1/sessions/{sid}/audit", params={"limit": 100})).json()["items"]
         approvals = [e for e in trail if e["kind"] == "approval"]
