@@ -156,8 +156,8 @@ class DomainRule(BaseModel):
     download_content_types: list[str] | None = Field(default=None, min_length=1, max_length=64)
     """Media types a response may have (``type/subtype``, ``type/*`` or ``*/*``); a response of another (or
     no) Content-Type is refused (403) without relaying its body. ``None``: any."""
-    approvals: list[ApprovalRule] = Field(default_factory=list, max_length=32)
-    """Requests to hold for approval; the first matching rule applies."""
+    approvals: list[ApprovalRule] | None = Field(default=None, min_length=1, max_length=32)
+    """Requests to hold for approval; the first matching rule applies. ``None``: none are held."""
 
     @field_validator("download_content_types")
     @classmethod
@@ -173,7 +173,7 @@ class DomainRule(BaseModel):
     @model_validator(mode="after")
     def _name_approvals(self) -> DomainRule:
         names: set[str] = set()
-        for index, rule in enumerate(self.approvals):
+        for index, rule in enumerate(self.approvals or ()):
             if rule.name is None:
                 rule.name = f"{self.domain}#{index}"
             if rule.name in names:

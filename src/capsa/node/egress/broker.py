@@ -891,7 +891,7 @@ class EgressBroker:
             self._check_upload(rule, length)
             self._inject(sbx, req, tls)
             plain_path = req.path.split("?", 1)[0]
-            holds = [a for a in rule.approvals if a.matches(method, plain_path, length)]
+            holds = [a for a in rule.approvals or () if a.matches(method, plain_path, length)]
             # With a declared length the first match is certain: a session approval of it needs no body.
             covered = not holds or (length is not None
                                     and self.approvals.granted(sbx.sandbox_id, _grant_key(rule, holds[0])))
