@@ -216,6 +216,7 @@ async def test_held_post_goes_through_once_approved(world: tuple[World, list[dic
     assert w.upstream.seen == [("POST", "/v1/charges?idem=1", body)]
     events = w.sink.find(kind="approval")
     assert [e.detail["decision"] for e in events if e.detail] == ["pending", "approved"]
+    assert [e.detail["action"] for e in events if e.detail] == ["requested", "approved"]
     decided = events[-1]
     assert decided.decision == "allow" and decided.detail is not None
     assert decided.detail["decided_by"] == "key_alice" and decided.detail["approval_id"] == approval.id

@@ -76,6 +76,9 @@ _HOP_BY_HOP = {
     b"te", b"trailer", b"transfer-encoding", b"upgrade", b"content-length", b"http2-settings",
 }
 DNS_QUERIES_PER_SECOND = 100
+_APPROVAL_ACTIONS = {"pending": "requested", "approved": "approved", "denied": "denied", "timeout": "timed_out",
+                     "cancelled": "cancelled"}
+"""The ``action`` of an approval event (its ``detail``), by the approval's state."""
 _STREAM_LIMIT = 64 * 1024
 _SMALL_BODY = 256 * 1024
 """A bound destination's response up to this declared length is redacted whole and keeps a length."""
@@ -502,7 +505,8 @@ class EgressBroker:
             destination=approval.destination, method=approval.method, path=approval.path,
             decision="allow" if state == "approved" else "deny", rule=approval.rule, reason=reason,
             bytes_out=approval.body_bytes,
-            detail={"approval_id": approval.id, "decision": state, "decided_by": approval.decided_by,
+            detail={"action": _APPROVAL_ACTIONS[state], "approval_id": approval.id, "decision": state,
+                    "decided_by": approval.decided_by,
                     "scope": approval.scope, "approval_rule": approval.approval_rule,
                     "reason": approval.reason, "expires_at": approval.expires_at}))
 
