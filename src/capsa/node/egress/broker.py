@@ -76,8 +76,8 @@ _HOP_BY_HOP = {
     b"te", b"trailer", b"transfer-encoding", b"upgrade", b"content-length", b"http2-settings",
 }
 DNS_QUERIES_PER_SECOND = 100
-_APPROVAL_ACTIONS = {"pending": "requested", "approved": "approved", "denied": "denied", "timeout": "timed_out",
-                     "cancelled": "cancelled"}
+_APPROVAL_ACTIONS = {"pending": "requested", "approved": "approved", "denied": "denied",
+                     "timeout": "timed_out", "cancelled": "cancelled"}
 """The ``action`` of an approval event (its ``detail``), by the approval's state."""
 _STREAM_LIMIT = 64 * 1024
 _SMALL_BODY = 256 * 1024
