@@ -418,3 +418,18 @@ def test_approval_rules_are_validated() -> None:
     assert [a.name for a in rule.approvals] == ["a.test#0", "n"] and rule.approvals[0].timeout_s == 300
     assert rule.allows_download("text/plain; charset=utf-8") and not rule.allows_download(None)
     assert not rule.allows_download("application/json")
+
+
+async def test_held_requests_per_sandbox_are_capped(world: tuple[World, list[dict[str, object]]]) -> None:
+    from capsa.node.egress.approvals import PENDING_PER_SANDBOX
+
+    w, _ = world
+    calls = [asyncio.create_task(_send(w.port, "POST", f"/v1/charges/{i}", b"{}"))
+             for i in range(PENDING_PER_SANDBOX)]
+    held = await w.pending(PENDING_PER_SANDBOX)
+    over = await _send(w.port, "POST", "/v1/charges/over", b"{}")
+    assert over.status == 429 and b"requests of this sandbox await approval" in over.body
+    for approval in held:
+        w.broker.approvals.decide(approval.id, approve=False, decided_by="key_d")
+    assert {r.status for r in await asyncio.gather(*calls)} == {403}
+    assert w.sbx is not None and w.sbx.budget is not None and w.sbx.budget.used == 0  # held bodies released
