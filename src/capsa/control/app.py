@@ -22,6 +22,7 @@ from capsa.control.ratelimit import RateLimiter
 from capsa.control.reaper import run_reaper
 from capsa.control.rolling import run_rolling
 from capsa.control.routes import commands, files, health, keys, nodes, ports, sessions, snapshots, terminals
+from capsa.control.routes import connections as connection_routes
 from capsa.control.routes import egress as egress_routes
 from capsa.control.routes import secrets as secret_routes
 from capsa.control.settings import ControlSettings
@@ -78,6 +79,8 @@ def create_app(settings: ControlSettings | None = None,
         app.include_router(module.router, prefix="/v1")
     for egress_module in (secret_routes, egress_routes):
         app.include_router(egress_module.router, prefix="/v1")
+    app.include_router(connection_routes.providers_router, prefix="/v1")
+    app.include_router(connection_routes.router, prefix="/v1")
     mcp_lifetime = install_mcp(app)
     if settings.e2b_compat:
         app.mount(E2B_PATH, create_e2b_app(lambda: _plane_of(app)))

@@ -175,6 +175,10 @@ class NodeClient:
                                 json={"policy": dict(policy), "secrets": dict(secrets),
                                       "placeholders": dict(placeholders or {})})
 
+    async def revoke_connection(self, connection_id: str) -> None:
+        """Stop injecting the connection's token into any request on this node, at once."""
+        await self._request("POST", f"/connections/{connection_id}/revoke")
+
     async def audit(self, *, after: int, epoch: str | None, limit: int) -> AuditPage:
         params: dict[str, str | int] = {"after": after, "limit": limit}
         if epoch is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -21,7 +21,7 @@ _log = logging.getLogger(__name__)
 
 
 class EgressEvent(BaseModel):
-    kind: Literal["http", "connect", "tls", "dns", "net"]
+    kind: Literal["http", "connect", "tls", "dns", "net", "approval", "connection"]
     session_id: str | None = None
     sandbox_id: str
     time: float = Field(default_factory=time.time)
@@ -44,6 +44,7 @@ class EgressEvent(BaseModel):
     secret_ids: list[str] = Field(default_factory=list)
     count: int = 1
     """For ``net`` events: packets dropped since the previous event of this class."""
+    detail: dict[str, Any] | None = None
 
 
 AuditSink = Callable[[EgressEvent], None]

@@ -43,6 +43,7 @@ from capsa.node.egress.limits import BrokerLimits, ByteBudget, Pace
 from capsa.node.egress.policy import DomainRule, EgressPolicy, SecretBinding
 from capsa.node.egress.redaction import SecretLeak, SecretPatterns, StreamRedactor
 from capsa.node.egress.secrets import SecretStore, is_placeholder, new_placeholder
+from capsa.node.egress.tokens import ConnectionRevoked, ConnectionTokens, TokenUnavailable
 from capsa.node.net.nsexec import open_listener
 from capsa.node.net.sandbox_net import ServicePorts
 
@@ -153,6 +154,8 @@ class SandboxEgress:
     listen_socks: list[socket.socket] = field(default_factory=list)
     patterns: SecretPatterns | None = None
     """Redaction forms of the secrets this sandbox binds; built on first use, dropped on policy change."""
+    patterns_tokens: int = -1
+    """The token generation (ConnectionTokens.generation) ``patterns`` was built at."""
 
     @property
     def placeholder_env(self) -> dict[str, str]:
@@ -280,6 +283,7 @@ class _Request:
     headers: list[tuple[bytes, bytes]]
     rule: DomainRule | None = None
     secret_ids: list[str] = field(default_factory=list)
+    connection_ids: list[str] = field(default_factory=list)
     bytes_out: int = 0
 
 
@@ -298,11 +302,14 @@ class EgressBroker:
         upstream_https_port: int = 443,
         connect_timeout: float = 10.0,
         limits: BrokerLimits | None = None,
+        tokens: ConnectionTokens | None = None,
     ) -> None:
         """``allow_networks`` lets destinations resolve into otherwise refused ranges (private, loopback…);
         it is empty by default and meant for tests and deliberate on-premises exceptions."""
         self.secrets = secrets
         self.sink = sink
+        self.tokens = tokens if tokens is not None else ConnectionTokens()
+        """Access tokens of the connections policies bind (fetched from the control plane)."""
         self.resolver: Resolver = resolver or SystemResolver()
         self.upstream_ssl = upstream_ssl or ssl.create_default_context()
         self.allow_networks = [ipaddress.ip_network(n) for n in allow_networks]
@@ -336,6 +343,10 @@ class EgressBroker:
         self._sandboxes[sandbox_id] = sbx
         self._tls_contexts[sandbox_id] = self._make_sni_context(sbx)
         return sbx
+
+    def bound_connections(self) -> set[str]:
+        """The connections some registered sandbox's policy binds."""
+        return {c.connection for sbx in self._sandboxes.values() for c in sbx.policy.connections}
 
     def get(self, sandbox_id: str) -> SandboxEgress:
         try:
@@ -407,6 +418,7 @@ class EgressBroker:
     def _forget_patterns(sbx: SandboxEgress) -> None:
         if sbx.patterns is not None:
             sbx.patterns = None
+            sbx.patterns_tokens = -1
             re.purge()  # the compiled forms (which spell the secrets) also sit in re's cache
 
     async def _close_listeners(self, sbx: SandboxEgress) -> None:
@@ -819,6 +831,7 @@ class EgressBroker:
             limit = sbx.policy.request_limit(rule)
             length = self._body_length(req, limit)
             self._inject(sbx, req, tls)
+            await self._inject_tokens(sbx, req, tls, source)
             upstream, resolved = await self._upstream_for(req, tls, upstream)
             status, resp_len = await self._exchange(sbx, client, upstream, req, length, limit)
         except _Deny as deny:
@@ -892,6 +905,44 @@ class EgressBroker:
                 req.secret_ids.append(binding.secret)
             req.headers = new_headers
 
+    async def _inject_tokens(self, sbx: SandboxEgress, req: _Request, tls: bool, source: str) -> None:
+        """Put the current access token of every connection bound to the destination in its header
+        (replacing whatever the sandbox sent under that name), over verified HTTPS only."""
+        bindings = sbx.policy.connections_for(req.host)
+        if not bindings:
+            return
+        rule = req.rule.domain if req.rule else None
+        for binding in bindings:
+            cid = binding.connection
+            base = {"kind": "connection", "source": source, "destination": req.host, "method": req.method,
+                    "path": _scrub(sbx, req.path), "rule": rule}
+            if not tls:
+                self._audit(sbx, decision="deny", reason=f"connection {cid}: token only sent over HTTPS",
+                            detail={"connection_id": cid, "action": "inject"}, status=403, **base)
+                raise _Deny(403, f"connection {cid} is bound to {req.host} over HTTPS only", rule=rule)
+            if sbx.session_id is None:
+                raise _Deny(403, f"connection {cid} needs a session", rule=rule)
+            try:
+                issued = await self.tokens.current(cid, sbx.session_id)
+            except ConnectionRevoked:
+                self._audit(sbx, decision="deny", reason=f"connection {cid}: revoked", status=403,
+                            detail={"connection_id": cid, "action": "revoked"}, **base)
+                raise _Deny(403, f"connection {cid} was revoked", rule=rule) from None
+            except TokenUnavailable as exc:
+                self._audit(sbx, decision="error", reason=f"connection {cid}: {exc.code}", status=503,
+                            detail={"connection_id": cid, "action": "refresh"}, **base)
+                raise _Deny(503, f"no access token for connection {cid} now ({exc.code})", rule=rule) \
+                    from None
+            if issued.fetched:
+                self._audit(sbx, decision="allow", reason=f"connection {cid}: token fetched",
+                            detail={"connection_id": cid, "action": "refresh"}, **base)
+            name = binding.header.lower().encode()
+            req.headers = [(k, v) for k, v in req.headers if k != name]
+            req.headers.append((name, binding.header_value(issued.value).encode()))
+            req.connection_ids.append(cid)
+            self._audit(sbx, decision="allow", reason=f"connection {cid}: token injected",
+                        detail={"connection_id": cid, "action": "inject"}, **base)
+
     async def _resolve(self, host: str) -> str:
         try:
             addresses = await self.resolver.resolve(host)
@@ -928,15 +979,24 @@ class EgressBroker:
     def _is_bound(self, sbx: SandboxEgress, host: str) -> bool:
         """Only a destination a secret is bound to can ever have received one: its responses are
         redacted (and must come unencoded); every other response streams through untouched."""
-        return any(b.domain == host for b in sbx.placeholders.values())
+        return (any(b.domain == host for b in sbx.placeholders.values())
+                or bool(sbx.policy.connections_for(host)))
 
     def _patterns(self, sbx: SandboxEgress) -> SecretPatterns:
+        generation = self.tokens.generation() if sbx.policy.connections else -1
+        if sbx.patterns is not None and sbx.patterns_tokens != generation:
+            self._forget_patterns(sbx)  # a token it binds changed: the old one's forms must go too
         if sbx.patterns is None:
             values: list[bytes] = []
             for binding in sbx.placeholders.values():
                 with contextlib.suppress(CapsaError):
                     values.append(self.secrets.reveal(binding.secret).encode())
+            for conn in sbx.policy.connections:
+                token = self.tokens.peek(conn.connection)
+                if token:
+                    values.append(token.encode())
             sbx.patterns = SecretPatterns(values)
+            sbx.patterns_tokens = generation
         return sbx.patterns
 
     async def _exchange(self, sbx: SandboxEgress, client: _Client, up: _Upstream, req: _Request,

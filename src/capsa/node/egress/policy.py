@@ -4,6 +4,7 @@ plane."""
 from __future__ import annotations
 
 from capsa.common.egress_policy import (
+    ConnectionBinding,
     DomainRule,
     EgressPolicy,
     PolicyError,
@@ -14,6 +15,7 @@ from capsa.common.egress_policy import (
 )
 
 __all__ = [
+    "ConnectionBinding",
     "DomainRule",
     "EgressPolicy",
     "PolicyError",
