@@ -53,8 +53,8 @@ class _Client(ClientMixin):  # type: ignore[misc]
     def get_default_redirect_uri(self) -> str | None:
         return None
 
-    def get_allowed_scope(self, scope: str) -> str:
-        return scope
+    def get_allowed_scope(self, scope: str | None) -> str:
+        return scope or ""
 
     def check_redirect_uri(self, redirect_uri: str) -> bool:
         return redirect_uri.endswith("/v1/connections/callback")
