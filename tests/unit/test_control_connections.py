@@ -100,7 +100,8 @@ async def test_code_sign_in_refresh_single_flight_and_revocation(
 
         revoked = await api.post("/v1/connections/gh/revoke")
         assert revoked.status_code == 200, revoked.text
-        assert revoked.json()["provider_revoked"] is True and revoked.json()["connection"]["state"] == "revoked"
+        assert revoked.json()["provider_revoked"] is True
+        assert revoked.json()["connection"]["state"] == "revoked"
         assert lab.revocations == 2 and lab.live_access_tokens() == []  # refresh and access token
         refused = await api.post("/v1/connections/gh/revoke")
         assert refused.status_code == 409 and refused.json()["code"] == "connection_revoked"

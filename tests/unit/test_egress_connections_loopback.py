@@ -1,8 +1,8 @@
 """Connection tokens in the broker, in-process on loopback: the broker adds the current access token to
 requests to bound destinations (overriding what the sandbox sent), fetches it once however many requests
 wait (single flight), fetches again before expiry, stops at once on revocation, never sends it over plain
-HTTP, and redacts it from responses. The token issuer here is the seam a node's link to the control plane
-plugs into (``ConnectionTokens.fetch``); the control plane's side is tests/unit/test_control_connections.py."""
+HTTP, and redacts it from responses. The token issuer here is the seam a node's link to the control
+plane plugs into (``ConnectionTokens.fetch``); the control plane's side is tests/unit/test_control_connections.py."""
 
 from __future__ import annotations
 
@@ -160,7 +160,8 @@ async def test_twenty_concurrent_requests_with_no_token_cause_one_fetch(lab: Lab
     results = await asyncio.gather(*(lab.get() for _ in range(20)))
     assert [s for s, _ in results] == [200] * 20
     assert len(lab.issuer.issued) == 1
-    fetched = [e for e in lab.sink.events if e.kind == "connection" and (e.detail or {}).get("action") == "refresh"]
+    fetched = [e for e in lab.sink.events
+               if e.kind == "connection" and (e.detail or {}).get("action") == "refresh"]
     assert len(fetched) == 1
 
 
