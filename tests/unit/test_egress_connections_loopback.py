@@ -2,7 +2,8 @@
 requests to bound destinations (overriding what the sandbox sent), fetches it once however many requests
 wait (single flight), fetches again before expiry, stops at once on revocation, never sends it over plain
 HTTP, and redacts it from responses. The token issuer here is the seam a node's link to the control
-plane plugs into (``ConnectionTokens.fetch``); the control plane's side is tests/unit/test_control_connections.py."""
+plane plugs into (``ConnectionTokens.fetch``); the control plane's side is
+tests/unit/test_control_connections.py."""
 
 from __future__ import annotations
 
