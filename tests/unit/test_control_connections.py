@@ -160,3 +160,35 @@ async def test_policy_refers_to_connections_by_name_and_refuses_unknown_ones(
             "domains": [{"domain": "api.example.com"}],
             "connections": [{"connection": "nope", "domains": ["api.example.com"]}]}})
         assert unknown.status_code == 422 and "nope" in unknown.text
+
+
+async def test_cli_add_login_ls_revoke(make_stack: Callable[..., Awaitable[ApiStack]], lab: OAuthLab) -> None:
+    from click.testing import CliRunner
+
+    from capsa.cli.main import cli
+
+    stack = await make_stack(settings={"secret_key": KEY})
+    env = {"CAPSA_API_URL": stack.url, "CAPSA_API_KEY": await stack.tenant_key("acme"),
+           "LAB_SECRET": CLIENT_SECRET}
+
+    def run(*args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
+        return result.exit_code, result.output
+
+    code, out = await asyncio.to_thread(run, "connections", "add", "gh", "--issuer", lab.base_url,
+                                        "--client-id", CLIENT_ID, "--client-secret-from-env", "LAB_SECRET",
+                                        "--scope", "repo")
+    assert code == 0, out
+    code, out = await asyncio.to_thread(run, "connections", "login", "gh", "--no-browser", "--no-wait")
+    assert code == 0, out
+    url = next(line for line in out.splitlines() if line.startswith(lab.base_url + "/authorize?"))
+    async with httpx.AsyncClient(follow_redirects=True) as browser:
+        assert (await browser.get(url)).status_code == 200
+    code, out = await asyncio.to_thread(run, "connections", "ls", "--json")
+    assert code == 0 and '"state": "active"' in out
+    for credential in lab.all_secrets():
+        assert credential not in out
+    code, out = await asyncio.to_thread(run, "connections", "revoke", "gh")
+    assert code == 0, out
+    code, out = await asyncio.to_thread(run, "connections", "revoke", "gh")
+    assert code == 1 and out.count("\n") == 1 and "revoked" in out

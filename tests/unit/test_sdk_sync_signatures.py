@@ -18,6 +18,8 @@ import pytest
 from capsa.sdk import (
     AsyncClient,
     AsyncCommands,
+    AsyncConnectionProviders,
+    AsyncConnections,
     AsyncEgress,
     AsyncFiles,
     AsyncKeys,
@@ -33,6 +35,8 @@ from capsa.sdk import (
     AsyncWatch,
     Client,
     Commands,
+    ConnectionProviders,
+    Connections,
     Egress,
     Files,
     Keys,
@@ -153,6 +157,8 @@ PAIRS: list[tuple[type, type, dict[str, Any]]] = [
     (Snapshots, AsyncSnapshots, {}),
     (Egress, AsyncEgress, {}),
     (Secrets, AsyncSecrets, {}),
+    (Connections, AsyncConnections, {}),
+    (ConnectionProviders, AsyncConnectionProviders, {}),
     (Keys, AsyncKeys, {}),
     (Nodes, AsyncNodes, {}),
     # A tunnel's methods are coroutines: blocking code reaches ports through forward() and url().

@@ -5,6 +5,16 @@ from __future__ import annotations
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import DEFAULT_API_URL, ClientConfig
+from capsa.sdk.connections import (
+    AsyncConnectionProviders,
+    AsyncConnections,
+    ConnectionInfo,
+    Login,
+    LoginPoll,
+    ProviderInfo,
+    Revocation,
+)
+from capsa.sdk.connections_sync import ConnectionProviders, Connections
 from capsa.sdk.egress import AsyncEgress, AsyncSecrets, AuditEvent, PolicyInfo, SecretInfo
 from capsa.sdk.egress_sync import Egress, Secrets
 from capsa.sdk.errors import (
@@ -58,6 +68,8 @@ __all__ = [
     "ApiKey",
     "AsyncClient",
     "AsyncCommands",
+    "AsyncConnectionProviders",
+    "AsyncConnections",
     "AsyncEgress",
     "AsyncFiles",
     "AsyncKeys",
@@ -81,6 +93,9 @@ __all__ = [
     "ClientConfig",
     "CommandResult",
     "Commands",
+    "ConnectionInfo",
+    "ConnectionProviders",
+    "Connections",
     "Egress",
     "EnrolToken",
     "FieldError",
@@ -91,6 +106,8 @@ __all__ = [
     "InternalError",
     "InvalidState",
     "Keys",
+    "Login",
+    "LoginPoll",
     "NoCapacity",
     "NodeInfo",
     "NodeUnreachable",
@@ -108,8 +125,10 @@ __all__ = [
     "Process",
     "ProcessInfo",
     "ProcessOutput",
+    "ProviderInfo",
     "Pty",
     "RateLimited",
+    "Revocation",
     "SecretInfo",
     "Secrets",
     "Session",

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import httpx
 
 from capsa.sdk.config import ClientConfig
+from capsa.sdk.connections import AsyncConnectionProviders, AsyncConnections
 from capsa.sdk.egress import AsyncSecrets
 from capsa.sdk.errors import (
     CapsaAPIError,
@@ -91,6 +92,8 @@ class AsyncClient:
         self.keys = AsyncKeys(self)
         self.nodes = AsyncNodes(self)
         self.secrets = AsyncSecrets(self)
+        self.connections = AsyncConnections(self)
+        self.connection_providers = AsyncConnectionProviders(self)
 
     # -- plumbing -------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import httpx
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import ClientConfig
+from capsa.sdk.connections_sync import ConnectionProviders, Connections
 from capsa.sdk.egress import AuditEvent, PolicyInfo
 from capsa.sdk.egress_sync import Egress, Secrets
 from capsa.sdk.files import AsyncFiles, AsyncWatch, UploadSource
@@ -68,6 +69,8 @@ class Client:
         self.keys = Keys(self.aio.keys, self._portal)
         self.nodes = Nodes(self.aio.nodes, self._portal)
         self.secrets = Secrets(self.aio.secrets, self._portal)
+        self.connections = Connections(self.aio.connections, self._portal)
+        self.connection_providers = ConnectionProviders(self.aio.connection_providers, self._portal)
 
     @property
     def config(self) -> ClientConfig:
