@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
+import ipaddress
 import secrets
+import shutil
 import socket
 import ssl
+import subprocess
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -30,12 +36,19 @@ from authlib.oauth2.rfc6750 import BearerTokenGenerator
 from authlib.oauth2.rfc7009 import RevocationEndpoint
 from authlib.oauth2.rfc7636 import CodeChallenge
 from authlib.oauth2.rfc8628 import DeviceAuthorizationEndpoint, DeviceCodeGrant, DeviceCredentialDict
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-__all__ = ["CLIENT_ID", "CLIENT_SECRET", "OAuthLab", "start_oauth_server"]
+from capsa.node.egress.dns import DnsServerProtocol, static_dns_handler
+from capsa.node.net.nsexec import open_listener
+
+__all__ = ["CLIENT_ID", "CLIENT_SECRET", "OAuthLab", "OAuthWorld", "oauth_world", "start_oauth_server"]
 
 CLIENT_ID = "capsa-test-client"
 CLIENT_SECRET = "cs-" + secrets.token_hex(16)
@@ -369,3 +382,99 @@ async def start_oauth_server(sock: socket.socket, base_url: str, *, ssl_context:
             raise RuntimeError("the OAuth server did not start")
         await asyncio.sleep(0.01)
     return lab
+
+
+def _lab_certificates(tmp: Path, ip: str, names: list[str]) -> tuple[Path, ssl.SSLContext]:
+    """A CA (its PEM at the returned path) and a server context with a leaf for ``names`` and ``ip``."""
+    now = dt.datetime.now(dt.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "capsa oauth lab CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+          .not_valid_after(now + dt.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False,
+                                       data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False),
+                         critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    leaf = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [*(x509.DNSName(n) for n in names), x509.IPAddress(ipaddress.ip_address(ip))]),
+                critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    ca_file, cert_file, key_file = tmp / "lab-ca.pem", tmp / "leaf.pem", tmp / "leaf.key"
+    ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    cert_file.write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert_file, key_file)
+    return ca_file, ctx
+
+
+@dataclass
+class OAuthWorld:
+    """The authorization server (and its protected API, ``https://<api_name>/api/whoami``) in a namespace
+    of its own joined to the host by a veth, with a DNS server naming the API host."""
+
+    lab: OAuthLab
+    ns: str
+    ip: str
+    net: str
+    ca_file: Path
+    api_name: str
+
+    @property
+    def issuer(self) -> str:
+        return self.lab.base_url
+
+
+def _sh(*argv: str, check: bool = True) -> None:
+    subprocess.run(list(argv), check=check, capture_output=True, text=True)
+
+
+@contextlib.asynccontextmanager
+async def oauth_world(octet: int, *, expires_in: int = 3600,
+                      api_name: str = "api.lab.test") -> AsyncIterator[OAuthWorld]:
+    """The OAuth server on HTTPS port 443 of 10.250.<octet>.2 in a test-made namespace (its issuer is
+    ``https://10.250.<octet>.2``; its certificate also names ``api_name``), DNS on port 53 there."""
+    tag = secrets.token_hex(3)
+    ns, veth_root, veth_ns = f"ctest-oa-{tag}", f"cor{tag}", f"con{tag}"
+    net, root_ip, ip = f"10.250.{octet}.0/24", f"10.250.{octet}.1", f"10.250.{octet}.2"
+    tmp = Path(tempfile.mkdtemp(prefix="capsa-oauth-lab-"))
+    _sh("ip", "netns", "add", ns)
+    lab: OAuthLab | None = None
+    dns: asyncio.DatagramTransport | None = None
+    try:
+        _sh("ip", "link", "add", veth_root, "type", "veth", "peer", "name", veth_ns, "netns", ns)
+        _sh("ip", "addr", "add", f"{root_ip}/24", "dev", veth_root)
+        _sh("ip", "link", "set", veth_root, "up")
+        _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", veth_ns)
+        _sh("ip", "-n", ns, "link", "set", veth_ns, "up")
+        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        ca_file, ctx = _lab_certificates(tmp, ip, [api_name])
+        lab = await start_oauth_server(open_listener(ns, ip, 443), f"https://{ip}", ssl_context=ctx,
+                                       expires_in=expires_in)
+        dns, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: DnsServerProtocol(static_dns_handler({api_name: [ip]})),
+            sock=open_listener(ns, ip, 53, socket.SOCK_DGRAM))
+        yield OAuthWorld(lab, ns, ip, net, ca_file, api_name)
+    finally:
+        if dns is not None:
+            dns.close()
+        if lab is not None:
+            await lab.stop()
+        _sh("ip", "netns", "del", ns, check=False)
+        _sh("ip", "link", "del", veth_root, check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
