@@ -102,7 +102,8 @@ async def test_connection_sign_in_injection_refresh_and_revocation_with_a_real_v
                     ).status_code == 201
             login = await api.post("/v1/connections/lab/login", json={"mode": "code"})
             assert login.status_code == 200, login.text
-            async with httpx.AsyncClient(verify=str(world.ca_file)) as browser:
+            lab_ca = ssl.create_default_context(cafile=str(world.ca_file))
+            async with httpx.AsyncClient(verify=lab_ca) as browser:
                 redirect = await browser.get(login.json()["authorization_url"])
                 assert redirect.status_code == 302
                 done = await browser.get(redirect.headers["location"])
