@@ -98,6 +98,17 @@ async def test_code_sign_in_refresh_single_flight_and_revocation(
         assert {a.access_token for a in answers} == {answers[0].access_token} != {first.access_token}
         assert (await api.get(f"/v1/connections/{conn_id}")).json()["refreshes"] == 1
 
+        # Two replicas asked at once for a token that is due: the refresh lease lets one refresh.
+        replica = await stack.add_replica()
+        other: ControlPlane = replica.app.state.plane
+        async with plane.db() as db:
+            row = await db.get(ConnectionRow, conn_id, populate_existing=True)
+            assert row is not None
+            row.access_expires_at = 0.0
+            await db.commit()
+        answers = await asyncio.gather(*(current_token(p, conn_id) for p in [plane, other] * 10))
+        assert lab.refreshes == 2 and len({a.access_token for a in answers}) == 1
+
         revoked = await api.post("/v1/connections/gh/revoke")
         assert revoked.status_code == 200, revoked.text
         assert revoked.json()["provider_revoked"] is True

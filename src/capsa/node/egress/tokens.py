@@ -128,6 +128,8 @@ class ConnectionTokens:
                 self.revoke(connection_id)
                 raise ConnectionRevoked(f"connection {connection_id} was revoked") from None
             raise TokenUnavailable(f"no token for {connection_id}: {exc.code}") from None
+        except (OSError, TimeoutError, ValueError) as exc:  # transport failures, malformed answers
+            raise TokenUnavailable(f"no token for {connection_id}: {exc.__class__.__name__}") from None
         if self._generation.get(connection_id, 0) == generation and connection_id not in self._revoked:
             self._version += 1
             self._held[connection_id] = _Held(self._box.encrypt(connection_id, out.access_token),
