@@ -43,7 +43,8 @@ from capsa.node.egress.limits import BrokerLimits, ByteBudget, Pace
 from capsa.node.egress.policy import DomainRule, EgressPolicy, SecretBinding
 from capsa.node.egress.redaction import SecretLeak, SecretPatterns, StreamRedactor
 from capsa.node.egress.secrets import SecretStore, is_placeholder, new_placeholder
-from capsa.node.egress.tokens import ConnectionRevoked, ConnectionTokens, TokenUnavailable
+from capsa.node.egress.token_injection import TokenRefused, TokenRequest, inject_tokens
+from capsa.node.egress.tokens import ConnectionTokens
 from capsa.node.net.nsexec import open_listener
 from capsa.node.net.sandbox_net import ServicePorts
 
@@ -906,42 +907,17 @@ class EgressBroker:
             req.headers = new_headers
 
     async def _inject_tokens(self, sbx: SandboxEgress, req: _Request, tls: bool, source: str) -> None:
-        """Put the current access token of every connection bound to the destination in its header
-        (replacing whatever the sandbox sent under that name), over verified HTTPS only."""
-        bindings = sbx.policy.connections_for(req.host)
-        if not bindings:
+        """Connections' tokens into the head (token_injection.py); a refusal becomes a _Deny."""
+        if not sbx.policy.connections:
             return
         rule = req.rule.domain if req.rule else None
-        for binding in bindings:
-            cid = binding.connection
-            base = {"kind": "connection", "source": source, "destination": req.host, "method": req.method,
-                    "path": _scrub(sbx, req.path), "rule": rule}
-            if not tls:
-                self._audit(sbx, decision="deny", reason=f"connection {cid}: token only sent over HTTPS",
-                            detail={"connection_id": cid, "action": "inject"}, status=403, **base)
-                raise _Deny(403, f"connection {cid} is bound to {req.host} over HTTPS only", rule=rule)
-            if sbx.session_id is None:
-                raise _Deny(403, f"connection {cid} needs a session", rule=rule)
-            try:
-                issued = await self.tokens.current(cid, sbx.session_id)
-            except ConnectionRevoked:
-                self._audit(sbx, decision="deny", reason=f"connection {cid}: revoked", status=403,
-                            detail={"connection_id": cid, "action": "revoked"}, **base)
-                raise _Deny(403, f"connection {cid} was revoked", rule=rule) from None
-            except TokenUnavailable as exc:
-                self._audit(sbx, decision="error", reason=f"connection {cid}: {exc.code}", status=503,
-                            detail={"connection_id": cid, "action": "refresh"}, **base)
-                raise _Deny(503, f"no access token for connection {cid} now ({exc.code})", rule=rule) \
-                    from None
-            if issued.fetched:
-                self._audit(sbx, decision="allow", reason=f"connection {cid}: token fetched",
-                            detail={"connection_id": cid, "action": "refresh"}, **base)
-            name = binding.header.lower().encode()
-            req.headers = [(k, v) for k, v in req.headers if k != name]
-            req.headers.append((name, binding.header_value(issued.value).encode()))
-            req.connection_ids.append(cid)
-            self._audit(sbx, decision="allow", reason=f"connection {cid}: token injected",
-                        detail={"connection_id": cid, "action": "inject"}, **base)
+        head = TokenRequest(req.host, req.method, _scrub(sbx, req.path), req.headers, tls, source, rule)
+        try:
+            req.connection_ids += await inject_tokens(self.tokens, sbx.policy, sbx.session_id, head,
+                                                      lambda **fields: self._audit(sbx, **fields))
+        except TokenRefused as refused:
+            raise _Deny(refused.status, refused.reason, rule=rule) from None
+        req.headers = head.headers
 
     async def _resolve(self, host: str) -> str:
         try:
