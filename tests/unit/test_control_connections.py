@@ -203,3 +203,28 @@ async def test_cli_add_login_ls_revoke(make_stack: Callable[..., Awaitable[ApiSt
     assert code == 0, out
     code, out = await asyncio.to_thread(run, "connections", "revoke", "gh")
     assert code == 1 and out.count("\n") == 1 and "revoked" in out
+
+
+async def test_sdk_sign_in_waits_for_the_callback(make_stack: Callable[..., Awaitable[ApiStack]],
+                                                 lab: OAuthLab) -> None:
+    from capsa.sdk import AsyncClient
+
+    stack = await make_stack(settings={"secret_key": KEY})
+    async with AsyncClient(stack.url, await stack.tenant_key("acme")) as client:
+        await client.connection_providers.create("lab", client_id=CLIENT_ID, client_secret=CLIENT_SECRET,
+                                                 issuer=lab.base_url)
+        await client.connections.create("gh", "lab")
+        for _ in range(2):  # a second sign-in must wait for its own callback, not return at once
+            before = (await client.connections.get("gh")).connected_at
+            login = await client.connections.login("gh")
+            assert login.authorization_url is not None
+            waiting = asyncio.create_task(client.connections.wait_until_active(
+                "gh", after=before, deadline=30, interval=0.1))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()
+            async with httpx.AsyncClient(follow_redirects=True) as browser:
+                assert (await browser.get(login.authorization_url)).status_code == 200
+            info = await waiting
+            assert info.state == "active" and info.connected_at is not None
+            assert before is None or info.connected_at > before
+        assert lab.issued == 2

@@ -105,6 +105,7 @@ def login(name: str, device: bool, no_browser: bool, no_wait: bool, wait: float,
     """Sign in to connection NAME: open the authorization URL (the provider redirects back to capsa),
     or with --device show the user code and verification URI and poll until it is approved."""
     with reports_errors(), api.client() as client:
+        before = client.connections.get(name).connected_at
         started = client.connections.login(name, device=device)
         if device:
             where = started.verification_uri_complete or started.verification_uri
@@ -122,7 +123,7 @@ def login(name: str, device: bool, no_browser: bool, no_wait: bool, wait: float,
         if device:
             info = client.connections.wait_for_device(name, started, deadline=wait)
         else:
-            info = client.connections.wait_until_active(name, deadline=wait)
+            info = client.connections.wait_until_active(name, after=before, deadline=wait)
     if as_json:
         emit_json(info)
         return

@@ -165,13 +165,15 @@ class AsyncConnections:
                 raise CapsaClientError(f"the device sign-in of {connection} was not approved in time")
             await asyncio.sleep(interval)
 
-    async def wait_until_active(self, connection: str, *, deadline: float = 600.0,
-                                interval: float = 1.0) -> ConnectionInfo:
-        """Wait for a code sign-in to come back through the callback (the connection turns ``active``)."""
+    async def wait_until_active(self, connection: str, *, after: datetime | None = None,
+                                deadline: float = 600.0, interval: float = 1.0) -> ConnectionInfo:
+        """Wait for a code sign-in to come back through the callback (the connection turns ``active``);
+        ``after``: the ``connected_at`` it had before this sign-in, which must change."""
         end = time.monotonic() + deadline
         while True:
             info = await self.get(connection)
-            if info.state == "active" and info.connected_at is not None:
+            if info.state == "active" and info.connected_at is not None and (
+                    after is None or info.connected_at > after):
                 return info
             if info.state == "revoked":
                 raise CapsaClientError(f"connection {connection} is revoked")

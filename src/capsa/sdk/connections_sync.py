@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import builtins
+from datetime import datetime
 
 from capsa.sdk.connections import (
     AsyncConnectionProviders,
@@ -64,9 +65,9 @@ class Connections:
                         deadline: float | None = None) -> ConnectionInfo:
         return self._portal.call(self._inner.wait_for_device(connection, login, deadline=deadline))
 
-    def wait_until_active(self, connection: str, *, deadline: float = 600.0,
-                          interval: float = 1.0) -> ConnectionInfo:
-        return self._portal.call(self._inner.wait_until_active(connection, deadline=deadline,
+    def wait_until_active(self, connection: str, *, after: datetime | None = None,
+                          deadline: float = 600.0, interval: float = 1.0) -> ConnectionInfo:
+        return self._portal.call(self._inner.wait_until_active(connection, after=after, deadline=deadline,
                                                                interval=interval))
 
     def revoke(self, connection: str) -> Revocation:
