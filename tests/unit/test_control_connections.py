@@ -228,3 +228,22 @@ async def test_sdk_sign_in_waits_for_the_callback(make_stack: Callable[..., Awai
             assert info.state == "active" and info.connected_at is not None
             assert before is None or info.connected_at > before
         assert lab.issued == 2
+
+
+async def test_sdk_device_sign_in_polls_until_approved(make_stack: Callable[..., Awaitable[ApiStack]],
+                                                       lab: OAuthLab) -> None:
+    from capsa.sdk import AsyncClient
+
+    stack = await make_stack(settings={"secret_key": KEY})
+    async with AsyncClient(stack.url, await stack.tenant_key("acme")) as client:
+        await client.connection_providers.create("lab", client_id=CLIENT_ID, client_secret=CLIENT_SECRET,
+                                                 issuer=lab.base_url)
+        await client.connections.create("tv", "lab")
+        login = await client.connections.login("tv", device=True)
+        waiting = asyncio.create_task(client.connections.wait_for_device("tv", login, deadline=30))
+        await asyncio.sleep(1.5)  # at least one poll answered "pending"
+        assert not waiting.done()
+        async with httpx.AsyncClient() as person:
+            await person.post(lab.base_url + "/device/approve", data={"user_code": login.user_code})
+        info = await waiting
+        assert info.state == "active" and lab.issued == 1
