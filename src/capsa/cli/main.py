@@ -28,6 +28,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "branch": ("capsa.cli.snapshots", "branch"),
     "snapshots": ("capsa.cli.snapshots", "snapshots"),
     "secrets": ("capsa.cli.egress", "secrets"),
+    "connections": ("capsa.cli.connections", "connections"),
     "audit": ("capsa.cli.egress", "audit"),
     "policy": ("capsa.cli.egress", "policy"),
     "approvals": ("capsa.cli.approvals", "approvals"),

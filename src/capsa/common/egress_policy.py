@@ -26,6 +26,7 @@ __all__ = [
     "MAX_RESPONSE_BYTES",
     "ApprovalRule",
     "ApprovalScope",
+    "ConnectionBinding",
     "DomainRule",
     "EgressPolicy",
     "PolicyError",
@@ -260,6 +261,53 @@ class SecretBinding(BaseModel):
         return value
 
 
+class ConnectionBinding(BaseModel):
+    """A connection (an OAuth 2.0 sign-in held by the control plane) whose current access token the broker
+    puts in ``header`` of every request to ``domains``, over verified HTTPS. The sandbox never holds the
+    token (nor a placeholder): a header of that name the sandbox sends is replaced."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    connection: str
+    """Reference of a connection (``con_…`` or, in what users send, its name)."""
+    domains: list[str] = Field(min_length=1, max_length=64)
+    """Exact DNS names the token is sent to; each must be allowed by the policy's ``domains``."""
+    header: str = "Authorization"
+    format: str = "Bearer {token}"
+    """The header's value; ``{token}`` (exactly once) stands for the access token."""
+
+    @field_validator("header")
+    @classmethod
+    def _check_header(cls, value: str) -> str:
+        if not _HEADER_RE.match(value) or value.lower() in _FORBIDDEN_BINDING_HEADERS:
+            raise ValueError(f"header {value!r} cannot carry a token")
+        return value
+
+    @field_validator("domains")
+    @classmethod
+    def _check_domains(cls, value: list[str]) -> list[str]:
+        out: list[str] = []
+        for raw in value:
+            name = raw.strip().lower().rstrip(".")
+            if not _HOST_RE.match(name) or _is_ip_literal(name):
+                raise ValueError(f"a connection is bound to exact DNS names, got {raw!r}")
+            if name not in out:
+                out.append(name)
+        return out
+
+    @field_validator("format")
+    @classmethod
+    def _check_format(cls, value: str) -> str:
+        if value.count("{token}") != 1 or len(value) > 256:
+            raise ValueError("format must hold {token} exactly once (at most 256 characters)")
+        if any(not (0x20 <= ord(c) < 0x7F) for c in value):
+            raise ValueError("format must be printable ASCII")
+        return value
+
+    def header_value(self, token: str) -> str:
+        return self.format.replace("{token}", token)
+
+
 class EgressPolicy(BaseModel):
     """Everything a sandbox may do on the network. An empty policy allows nothing."""
 
@@ -268,6 +316,7 @@ class EgressPolicy(BaseModel):
     # Bounded so a policy stays cheap to check on every request and to store with the session.
     domains: list[DomainRule] = Field(default_factory=list, max_length=1000)
     secrets: list[SecretBinding] = Field(default_factory=list, max_length=64)
+    connections: list[ConnectionBinding] = Field(default_factory=list, max_length=64)
     max_request_bytes: int = Field(default=10 * 1024 * 1024, ge=0, le=MAX_REQUEST_BYTES)
     max_response_bytes: int = Field(default=50 * 1024 * 1024, ge=0, le=MAX_RESPONSE_BYTES)
     approval_webhook: str | None = Field(default=None, max_length=2048)
@@ -299,7 +348,22 @@ class EgressPolicy(BaseModel):
             if self.rule_for(binding.domain) is None:
                 raise ValueError(f"secret {binding.secret} is bound to {binding.domain}, "
                                  "which the policy does not allow")
+        targets: set[tuple[str, str]] = {(b.domain, b.header.lower()) for b in self.secrets}
+        for conn in self.connections:
+            for domain in conn.domains:
+                if self.rule_for(domain) is None:
+                    raise ValueError(f"connection {conn.connection} is bound to {domain}, "
+                                     "which the policy does not allow")
+                key = (domain, conn.header.lower())
+                if key in targets:
+                    raise ValueError(f"header {conn.header} to {domain} is bound twice")
+                targets.add(key)
         return self
+
+    def connections_for(self, host: str) -> list[ConnectionBinding]:
+        """The connection bindings whose token goes to ``host`` (an exact name)."""
+        host = host.lower().rstrip(".")
+        return [c for c in self.connections if host in c.domains]
 
     def rule_for(self, host: str) -> DomainRule | None:
         """The most specific rule matching ``host``: an exact name beats the longest wildcard."""

@@ -33,6 +33,7 @@ from capsa.control.routes import (
     snapshots,
     terminals,
 )
+from capsa.control.routes import connections as connection_routes
 from capsa.control.routes import egress as egress_routes
 from capsa.control.routes import secrets as secret_routes
 from capsa.control.settings import ControlSettings
@@ -89,6 +90,8 @@ def create_app(settings: ControlSettings | None = None,
         app.include_router(module.router, prefix="/v1")
     for egress_module in (secret_routes, egress_routes, approvals):
         app.include_router(egress_module.router, prefix="/v1")
+    app.include_router(connection_routes.providers_router, prefix="/v1")
+    app.include_router(connection_routes.router, prefix="/v1")
     mcp_lifetime = install_mcp(app)
     if settings.e2b_compat:
         app.mount(E2B_PATH, create_e2b_app(lambda: _plane_of(app)))

@@ -20,6 +20,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from capsa.common.ids import is_id, new_id
 from capsa.common.placeholders import new_placeholder
+from capsa.control.connection_tokens import resolve_connections
 from capsa.control.egress_schemas import (
     AuditEventOut,
     AuditList,
@@ -137,6 +138,7 @@ async def resolve_policy(plane: ControlPlane, tenant: str, policy: Mapping[str, 
                 binding["secret"] = row.id
                 values[row.id] = sealer.open(tenant, row.id, row.ciphertext)
         document["secrets"] = bindings
+    await resolve_connections(plane, tenant, document)
     return document, values
 
 

@@ -190,6 +190,9 @@ class NodeClient:
     async def decide_approval(self, approval_id: str, decision: ApprovalDecision) -> ApprovalInfo:
         return await self._call(ApprovalInfo, "POST", f"/approvals/{approval_id}/decision",
                                 json=decision.model_dump(mode="json"))
+    async def revoke_connection(self, connection_id: str) -> None:
+        """Stop injecting the connection's token into any request on this node, at once."""
+        await self._request("POST", f"/connections/{connection_id}/revoke")
 
     async def audit(self, *, after: int, epoch: str | None, limit: int) -> AuditPage:
         params: dict[str, str | int] = {"after": after, "limit": limit}

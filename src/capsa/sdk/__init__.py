@@ -7,6 +7,16 @@ from capsa.sdk.approvals_sync import Approvals
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import DEFAULT_API_URL, ClientConfig
+from capsa.sdk.connections import (
+    AsyncConnectionProviders,
+    AsyncConnections,
+    ConnectionInfo,
+    Login,
+    LoginPoll,
+    ProviderInfo,
+    Revocation,
+)
+from capsa.sdk.connections_sync import ConnectionProviders, Connections
 from capsa.sdk.egress import AsyncEgress, AsyncSecrets, AuditEvent, PolicyInfo, SecretInfo
 from capsa.sdk.egress_sync import Egress, Secrets
 from capsa.sdk.errors import (
@@ -63,6 +73,8 @@ __all__ = [
     "AsyncApprovals",
     "AsyncClient",
     "AsyncCommands",
+    "AsyncConnectionProviders",
+    "AsyncConnections",
     "AsyncEgress",
     "AsyncFiles",
     "AsyncKeys",
@@ -86,6 +98,9 @@ __all__ = [
     "ClientConfig",
     "CommandResult",
     "Commands",
+    "ConnectionInfo",
+    "ConnectionProviders",
+    "Connections",
     "Egress",
     "EnrolToken",
     "FieldError",
@@ -96,6 +111,8 @@ __all__ = [
     "InternalError",
     "InvalidState",
     "Keys",
+    "Login",
+    "LoginPoll",
     "NoCapacity",
     "NodeInfo",
     "NodeUnreachable",
@@ -113,8 +130,10 @@ __all__ = [
     "Process",
     "ProcessInfo",
     "ProcessOutput",
+    "ProviderInfo",
     "Pty",
     "RateLimited",
+    "Revocation",
     "SecretInfo",
     "Secrets",
     "Session",

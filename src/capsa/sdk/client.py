@@ -19,6 +19,7 @@ import httpx
 
 from capsa.sdk.approvals import AsyncApprovals
 from capsa.sdk.config import ClientConfig
+from capsa.sdk.connections import AsyncConnectionProviders, AsyncConnections
 from capsa.sdk.egress import AsyncSecrets
 from capsa.sdk.errors import (
     CapsaAPIError,
@@ -93,6 +94,8 @@ class AsyncClient:
         self.nodes = AsyncNodes(self)
         self.secrets = AsyncSecrets(self)
         self.approvals = AsyncApprovals(self)
+        self.connections = AsyncConnections(self)
+        self.connection_providers = AsyncConnectionProviders(self)
 
     # -- plumbing -------------------------------------------------------------------------------------
 

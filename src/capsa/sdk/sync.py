@@ -18,6 +18,7 @@ from capsa.sdk.approvals_sync import Approvals
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import ClientConfig
+from capsa.sdk.connections_sync import ConnectionProviders, Connections
 from capsa.sdk.egress import AuditEvent, PolicyInfo
 from capsa.sdk.egress_sync import Egress, Secrets
 from capsa.sdk.files import AsyncFiles, AsyncWatch, UploadSource
@@ -70,6 +71,8 @@ class Client:
         self.nodes = Nodes(self.aio.nodes, self._portal)
         self.secrets = Secrets(self.aio.secrets, self._portal)
         self.approvals = Approvals(self.aio.approvals, self._portal)
+        self.connections = Connections(self.aio.connections, self._portal)
+        self.connection_providers = ConnectionProviders(self.aio.connection_providers, self._portal)
 
     @property
     def config(self) -> ClientConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query, Response
 
 from capsa.common.egress_policy import EgressPolicy
 from capsa.common.node_api import AuditEvent, AuditPage, PolicyUpdate, PolicyUpdated
@@ -21,6 +21,15 @@ async def update_policy(agent: Agent, sandbox_id: str, body: PolicyUpdate) -> Po
                                          {k: v.get_secret_value() for k, v in body.secrets.items()},
                                          body.placeholders)
     return PolicyUpdated(ca_reissued=reissued)
+
+
+@router.post("/connections/{connection_id}/revoke", status_code=204, response_class=Response)
+async def revoke_connection(agent: Agent,
+                            connection_id: Annotated[str, Path(max_length=64)]) -> Response:
+    """The connection was revoked: stop injecting its token into any sandbox's request, at once."""
+    if agent.egress is not None:
+        agent.egress.revoke_connection(connection_id)
+    return Response(status_code=204)
 
 
 @router.get("/audit", response_model=AuditPage)

@@ -21,7 +21,7 @@ _log = logging.getLogger(__name__)
 
 
 class EgressEvent(BaseModel):
-    kind: Literal["http", "connect", "tls", "dns", "net", "approval"]
+    kind: Literal["http", "connect", "tls", "dns", "net", "approval", "connection"]
     session_id: str | None = None
     sandbox_id: str
     time: float = Field(default_factory=time.time)

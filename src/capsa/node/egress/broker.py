@@ -56,6 +56,8 @@ from capsa.node.egress.limits import BrokerLimits, ByteBudget, Pace
 from capsa.node.egress.policy import ApprovalRule, DomainRule, EgressPolicy, SecretBinding
 from capsa.node.egress.redaction import SecretLeak, SecretPatterns, StreamRedactor
 from capsa.node.egress.secrets import SecretStore, is_placeholder, new_placeholder
+from capsa.node.egress.token_injection import TokenRefused, TokenRequest, inject_tokens
+from capsa.node.egress.tokens import ConnectionTokens
 from capsa.node.net.nsexec import open_listener
 from capsa.node.net.sandbox_net import ServicePorts
 
@@ -172,6 +174,8 @@ class SandboxEgress:
     listen_socks: list[socket.socket] = field(default_factory=list)
     patterns: SecretPatterns | None = None
     """Redaction forms of the secrets this sandbox binds; built on first use, dropped on policy change."""
+    patterns_tokens: int = -1
+    """The token generation (ConnectionTokens.generation) ``patterns`` was built at."""
 
     @property
     def placeholder_env(self) -> dict[str, str]:
@@ -310,6 +314,7 @@ class _Request:
     headers: list[tuple[bytes, bytes]]
     rule: DomainRule | None = None
     secret_ids: list[str] = field(default_factory=list)
+    connection_ids: list[str] = field(default_factory=list)
     bytes_out: int = 0
     approval_id: str | None = None
     """The approval that let the request through (None: none was needed)."""
@@ -332,12 +337,15 @@ class EgressBroker:
         limits: BrokerLimits | None = None,
         approvals: ApprovalBook | None = None,
         webhook: Callable[[str, dict[str, Any]], Coroutine[Any, Any, None]] = post_webhook,
+        tokens: ConnectionTokens | None = None,
     ) -> None:
         """``allow_networks`` lets destinations resolve into otherwise refused ranges (private, loopback…);
         it is empty by default and meant for tests and deliberate on-premises exceptions. ``webhook`` sends
         a policy's ``approval_webhook`` notifications."""
         self.secrets = secrets
         self.sink = sink
+        self.tokens = tokens if tokens is not None else ConnectionTokens()
+        """Access tokens of the connections policies bind (fetched from the control plane)."""
         self.resolver: Resolver = resolver or SystemResolver()
         self.upstream_ssl = upstream_ssl or ssl.create_default_context()
         self.allow_networks = [ipaddress.ip_network(n) for n in allow_networks]
@@ -375,6 +383,10 @@ class EgressBroker:
         self._sandboxes[sandbox_id] = sbx
         self._tls_contexts[sandbox_id] = self._make_sni_context(sbx)
         return sbx
+
+    def bound_connections(self) -> set[str]:
+        """The connections some registered sandbox's policy binds."""
+        return {c.connection for sbx in self._sandboxes.values() for c in sbx.policy.connections}
 
     def get(self, sandbox_id: str) -> SandboxEgress:
         try:
@@ -456,6 +468,7 @@ class EgressBroker:
     def _forget_patterns(sbx: SandboxEgress) -> None:
         if sbx.patterns is not None:
             sbx.patterns = None
+            sbx.patterns_tokens = -1
             re.purge()  # the compiled forms (which spell the secrets) also sit in re's cache
 
     async def _close_listeners(self, sbx: SandboxEgress) -> None:
@@ -907,6 +920,7 @@ class EgressBroker:
                 match = next((a for a in holds if a.matches(method, plain_path, length)), None)
                 if match is not None and not self.approvals.granted(sbx.sandbox_id, _grant_key(rule, match)):
                     await self._hold(sbx, client, req, rule, match, body, source)
+            await self._inject_tokens(sbx, req, tls, source)
             upstream, resolved = await self._upstream_for(req, tls, upstream)
             status, resp_len = await self._exchange(sbx, client, upstream, req, length, limit, body)
         except _Deny as deny:
@@ -1108,6 +1122,19 @@ class EgressBroker:
                 req.secret_ids.append(binding.secret)
             req.headers = new_headers
 
+    async def _inject_tokens(self, sbx: SandboxEgress, req: _Request, tls: bool, source: str) -> None:
+        """Connections' tokens into the head (token_injection.py); a refusal becomes a _Deny."""
+        if not sbx.policy.connections:
+            return
+        rule = req.rule.domain if req.rule else None
+        head = TokenRequest(req.host, req.method, _scrub(sbx, req.path), req.headers, tls, source, rule)
+        try:
+            req.connection_ids += await inject_tokens(self.tokens, sbx.policy, sbx.session_id, head,
+                                                      lambda **fields: self._audit(sbx, **fields))
+        except TokenRefused as refused:
+            raise _Deny(refused.status, refused.reason, rule=rule) from None
+        req.headers = head.headers
+
     async def _resolve(self, host: str) -> str:
         try:
             addresses = await self.resolver.resolve(host)
@@ -1144,15 +1171,24 @@ class EgressBroker:
     def _is_bound(self, sbx: SandboxEgress, host: str) -> bool:
         """Only a destination a secret is bound to can ever have received one: its responses are
         redacted (and must come unencoded); every other response streams through untouched."""
-        return any(b.domain == host for b in sbx.placeholders.values())
+        return (any(b.domain == host for b in sbx.placeholders.values())
+                or bool(sbx.policy.connections_for(host)))
 
     def _patterns(self, sbx: SandboxEgress) -> SecretPatterns:
+        generation = self.tokens.generation() if sbx.policy.connections else -1
+        if sbx.patterns is not None and sbx.patterns_tokens != generation:
+            self._forget_patterns(sbx)  # a token it binds changed: the old one's forms must go too
         if sbx.patterns is None:
             values: list[bytes] = []
             for binding in sbx.placeholders.values():
                 with contextlib.suppress(CapsaError):
                     values.append(self.secrets.reveal(binding.secret).encode())
+            for conn in sbx.policy.connections:
+                token = self.tokens.peek(conn.connection)
+                if token:
+                    values.append(token.encode())
             sbx.patterns = SecretPatterns(values)
+            sbx.patterns_tokens = generation
         return sbx.patterns
 
     async def _exchange(self, sbx: SandboxEgress, client: _Client, up: _Upstream, req: _Request,

@@ -24,6 +24,7 @@ from capsa.node.egress.limits import raise_nofile
 from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import AttachedNetwork, EgressService
+from capsa.node.egress.tokens import ConnectionTokens
 from capsa.node.egress.trust_store import CA_BUNDLE, CA_PATH
 from capsa.node.net.sandbox_net import NETNS_PREFIX, NetworkManager, SandboxNet
 
@@ -59,7 +60,7 @@ class NodeEgress:
         store = InMemorySecretStore(SecretBox(os.urandom(32)))
         raise_nofile()  # the broker's node-wide connection cap is bounded by the open-file limit
         broker = EgressBroker(secrets=store, sink=audit, resolver=resolver, upstream_ssl=upstream_ssl,
-                              allow_networks=allow_networks)
+                              allow_networks=allow_networks, tokens=ConnectionTokens())
         return cls(EgressService(NetworkManager(pool=pool, netns_prefix=netns_prefix), broker, audit), store,
                    audit)
 
@@ -67,6 +68,16 @@ class NodeEgress:
     def approvals(self) -> ApprovalBook:
         """Requests the broker holds for approval."""
         return self.service.broker.approvals
+
+    @property
+    def tokens(self) -> ConnectionTokens:
+        """Access tokens of the connections its sandboxes bind; ``tokens.fetch`` is set by whoever links
+        the node to the control plane."""
+        return self.service.broker.tokens
+
+    def revoke_connection(self, connection_id: str) -> None:
+        """The control plane revoked the connection: no request of any sandbox here gets its token again."""
+        self.tokens.revoke(connection_id)
 
     def network(self, sandbox_id: str) -> SandboxNet | None:
         """The sandbox's namespace, tap and addressing while it is attached."""
@@ -93,6 +104,10 @@ class NodeEgress:
         for secret_id in list(self.store.ids()):
             if secret_id not in used:
                 self.store.delete(secret_id)
+        bound = self.service.broker.bound_connections()
+        for connection_id in self.tokens.held():
+            if connection_id not in bound:
+                self.tokens.forget(connection_id)
 
     async def attach(self, sandbox_id: str, policy: EgressPolicy, values: Mapping[str, str], *,
                      session_id: str | None, placeholders: Mapping[str, str] | None = None,

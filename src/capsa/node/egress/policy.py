@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from capsa.common.egress_policy import (
     ApprovalRule,
+    ConnectionBinding,
     DomainRule,
     EgressPolicy,
     PolicyError,
@@ -16,6 +17,7 @@ from capsa.common.egress_policy import (
 
 __all__ = [
     "ApprovalRule",
+    "ConnectionBinding",
     "DomainRule",
     "EgressPolicy",
     "PolicyError",
