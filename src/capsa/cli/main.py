@@ -28,7 +28,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "branch": ("capsa.cli.snapshots", "branch"),
     "snapshots": ("capsa.cli.snapshots", "snapshots"),
     "secrets": ("capsa.cli.egress", "secrets"),
-    "audit": ("capsa.cli.egress", "audit"),
+    "audit": ("capsa.cli.audit", "audit"),
     "policy": ("capsa.cli.egress", "policy"),
     "port-forward": ("capsa.cli.ports", "port_forward"),
     "e2b": ("capsa.cli.e2b", "e2b"),

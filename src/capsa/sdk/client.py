@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import httpx
 
+from capsa.sdk.audit import AsyncAudit
 from capsa.sdk.config import ClientConfig
 from capsa.sdk.egress import AsyncSecrets
 from capsa.sdk.errors import (
@@ -91,6 +92,7 @@ class AsyncClient:
         self.keys = AsyncKeys(self)
         self.nodes = AsyncNodes(self)
         self.secrets = AsyncSecrets(self)
+        self.audit = AsyncAudit(self)
 
     # -- plumbing -------------------------------------------------------------------------------------
 

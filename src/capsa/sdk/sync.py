@@ -14,6 +14,7 @@ from typing import IO, Any, Literal, overload
 
 import httpx
 
+from capsa.sdk.audit_sync import Audit
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import ClientConfig
@@ -68,6 +69,7 @@ class Client:
         self.keys = Keys(self.aio.keys, self._portal)
         self.nodes = Nodes(self.aio.nodes, self._portal)
         self.secrets = Secrets(self.aio.secrets, self._portal)
+        self.audit = Audit(self.aio.audit, self._portal)
 
     @property
     def config(self) -> ClientConfig:
