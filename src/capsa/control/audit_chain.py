@@ -47,7 +47,10 @@ def _dumps(value: Any) -> str:
 def normalize_detail(detail: Mapping[str, Any] | None) -> dict[str, Any]:
     """The detail as it reads back from a JSON column (tuples become lists, keys strings), so the hash
     of what is stored is the hash that was computed. Raises ``ValueError`` for what JSON cannot hold."""
-    normalized = json.loads(_dumps(dict(detail or {})))
+    try:
+        normalized = json.loads(json.dumps(dict(detail or {}), ensure_ascii=True, allow_nan=False))
+    except TypeError as exc:
+        raise ValueError(f"audit detail is not JSON: {exc}") from None
     assert isinstance(normalized, dict)
     return normalized
 

@@ -1,0 +1,49 @@
+"""The canonical form and hash of an audit-chain event (capsa.control.audit_chain)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from capsa.control.audit_chain import GENESIS, ChainFields, canonical_bytes, event_hash, normalize_detail
+
+
+def _fields(**changes: object) -> ChainFields:
+    values: dict[str, object] = {
+        "tenant": "acme", "seq": 1, "time_us": 1_700_000_000_123_456, "kind": "command", "action": "run",
+        "key_id": "csk_abcdefghijkl", "request_id": "req_0123456789abcdefghij",
+        "session_id": "ses_0123456789abcdefghij", "detail": {"argv": ["ls", "-l"], "exit_code": 0},
+        "prev_hash": GENESIS}
+    values.update(changes)
+    return ChainFields(**values)  # type: ignore[arg-type]
+
+
+def test_canonical_form_is_sorted_compact_ascii_json() -> None:
+    raw = canonical_bytes(_fields(detail={"b": 1, "a": {"z": "é", "y": None}}))
+    assert raw == (b'{"action":"run","detail":{"a":{"y":null,"z":"\\u00e9"},"b":1},"key_id":"csk_abcdefghijkl",'
+                   b'"kind":"command","prev_hash":"' + GENESIS.encode() + b'","request_id":'
+                   b'"req_0123456789abcdefghij","seq":1,"session_id":"ses_0123456789abcdefghij",'
+                   b'"tenant":"acme","time_us":1700000000123456,"v":1}')
+    assert event_hash(_fields()) == hashlib.sha256(canonical_bytes(_fields())).hexdigest()
+    # Key order in the detail does not matter; every value does.
+    assert event_hash(_fields(detail={"exit_code": 0, "argv": ["ls", "-l"]})) == event_hash(_fields())
+
+
+@pytest.mark.parametrize("change", [
+    {"tenant": "other"}, {"seq": 2}, {"time_us": 1_700_000_000_123_457}, {"kind": "file"},
+    {"action": "start"}, {"key_id": None}, {"request_id": "req_x"}, {"session_id": None},
+    {"detail": {"argv": ["ls"], "exit_code": 0}}, {"prev_hash": "f" * 64},
+])
+def test_every_field_is_covered(change: dict[str, object]) -> None:
+    assert event_hash(_fields(**change)) != event_hash(_fields())
+
+
+def test_detail_normalized_as_a_json_column_reads_it_back() -> None:
+    assert normalize_detail({"t": (1, 2), 3: "x", "n": None}) == {"t": [1, 2], "3": "x", "n": None}
+    assert normalize_detail(None) == {}
+    with pytest.raises(ValueError):
+        normalize_detail({"x": float("nan")})
+    detail = normalize_detail({"f": 0.1, "big": 2**62})
+    assert json.loads(json.dumps(detail)) == detail
