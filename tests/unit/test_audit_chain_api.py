@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -36,11 +38,8 @@ async def _sql(db_url: str, statement: str, **params: object) -> None:
         await engine.dispose()
 
 
-async def _chain(client: object, **params: object) -> list[dict[str, object]]:
-    import httpx
-
-    assert isinstance(client, httpx.AsyncClient)
-    items: list[dict[str, object]] = []
+async def _chain(client: Any, **params: Any) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
     cursor = None
     while True:
         query = {**params, **({"cursor": cursor} if cursor else {}), "limit": 50}
@@ -63,7 +62,8 @@ async def test_a_run_is_one_linked_chain_and_tampering_is_named(
         sid = created.json()["id"]
         create_request = created.headers["x-request-id"]
         assert create_request.startswith("req_")
-        ran = await a.post(f"/v1/sessions/{sid}/commands", json={"cmd": ["sh", "-c", "exit 3"], "cwd": "/tmp"})
+        ran = await a.post(f"/v1/sessions/{sid}/commands",
+                           json={"cmd": ["sh", "-c", "exit 3"], "cwd": "/tmp"})
         assert ran.json()["exit_code"] == 3
         streamed = await a.post(f"/v1/sessions/{sid}/commands", json={"cmd": "echo hi"},
                                 headers={"Accept": "application/x-ndjson"})
@@ -79,35 +79,38 @@ async def test_a_run_is_one_linked_chain_and_tampering_is_named(
         events = await _chain(a)
     ids = [e["id"] for e in events]
     assert ids == list(range(1, len(ids) + 1))
-    for before, after in zip(events, events[1:], strict=False):
+    for before, after in itertools.pairwise(events):
         assert after["prev_hash"] == before["hash"]
     kinds = [(e["kind"], e["action"]) for e in events]
     for wanted in (("session", "create"), ("command", "run"), ("file", "upload"), ("file", "download"),
                    ("file", "delete"), ("session", "close"), ("api", "call")):
         assert wanted in kinds, (wanted, kinds)
-    by_request: dict[object, list[dict[str, object]]] = {}
+    by_request: dict[str, list[dict[str, Any]]] = {}
     for e in events:
         by_request.setdefault(e["request_id"], []).append(e)
     assert {(e["kind"], e["action"]) for e in by_request[create_request]} == {("api", "call"),
                                                                              ("session", "create")}
     assert all(e["session_id"] == sid for e in by_request[create_request])
     commands = [e for e in events if e["kind"] == "command"]
-    assert commands[0]["detail"]["argv"] == ["sh", "-c", "exit 3"]  # type: ignore[index]
-    assert commands[0]["detail"]["exit_code"] == 3 and commands[0]["detail"]["cwd"] == "/tmp"  # type: ignore[index]
-    assert commands[1]["detail"]["exit_code"] == 0  # type: ignore[index]
+    assert commands[0]["detail"]["argv"] == ["sh", "-c", "exit 3"]
+    assert commands[0]["detail"]["exit_code"] == 3 and commands[0]["detail"]["cwd"] == "/tmp"
+    assert commands[1]["detail"]["exit_code"] == 0
     digest = hashlib.sha256(payload).hexdigest()
     transfers = {e["action"]: e["detail"] for e in events if e["kind"] == "file"}
-    assert transfers["upload"]["sha256"] == digest and transfers["upload"]["size"] == len(payload)  # type: ignore[index]
-    assert transfers["download"]["sha256"] == digest  # type: ignore[index]
+    assert transfers["upload"]["sha256"] == digest and transfers["upload"]["size"] == len(payload)
+    assert transfers["download"]["sha256"] == digest
     api = [e for e in events if e["kind"] == "api"]
     assert all(e["key_id"] == key.rsplit("_", 1)[0] for e in api)
-    assert {"POST /v1/sessions/{session_id}/commands"} <= {f"{e['detail']['method']} {e['detail']['route']}"  # type: ignore[index]
-                                                           for e in api}
+    routes = {f"{e['detail']['method']} {e['detail']['route']}" for e in api}
+    assert {"POST /v1/sessions", "POST /v1/sessions/{session_id}/commands",
+            "PUT /v1/sessions/{session_id}/files/content", "POST /v1/sessions/{session_id}/close"} <= routes
+    assert all(e["detail"]["outcome"] == "ok" for e in api if e["detail"]["status"] < 400)
 
     ok = await _cli(stack, key, "audit", "verify")
     assert ok.exit_code == 0, ok.output
     export = tmp_path / "out.jsonl"
-    done = await _cli(stack, key, "audit", "export", "--session", sid, "--kind", "file", "--output", str(export))
+    done = await _cli(stack, key, "audit", "export", "--session", sid, "--kind", "file",
+                      "--output", str(export))
     assert done.exit_code == 0, done.output
     lines = [json.loads(line) for line in export.read_text().splitlines()]
     assert [x["action"] for x in lines] == ["upload", "download", "delete"]

@@ -22,7 +22,8 @@ def _fields(**changes: object) -> ChainFields:
 
 def test_canonical_form_is_sorted_compact_ascii_json() -> None:
     raw = canonical_bytes(_fields(detail={"b": 1, "a": {"z": "é", "y": None}}))
-    assert raw == (b'{"action":"run","detail":{"a":{"y":null,"z":"\\u00e9"},"b":1},"key_id":"csk_abcdefghijkl",'
+    assert raw == (b'{"action":"run","detail":{"a":{"y":null,"z":"\\u00e9"},"b":1},'
+                   b'"key_id":"csk_abcdefghijkl",'
                    b'"kind":"command","prev_hash":"' + GENESIS.encode() + b'","request_id":'
                    b'"req_0123456789abcdefghij","seq":1,"session_id":"ses_0123456789abcdefghij",'
                    b'"tenant":"acme","time_us":1700000000123456,"v":1}')

@@ -76,3 +76,15 @@ def test_compaction_keeps_the_file_small(tmp_path: Path) -> None:
     assert len(path.read_text().splitlines()) < 2200
     log.close()
     assert len(AuditLog(path=path)) == 0
+
+
+def test_hammered_denials_cost_no_disk_write_each(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path=path)
+    for _ in range(5000):
+        log(_dns("refused.test", "deny"))
+    assert len(path.read_text().splitlines()) == 2  # header + the one event
+    page = log.read(0, log.epoch, 10)  # the aggregated count reaches the file before it is handed out
+    assert page.events[0][1].count == 5000
+    log.close()
+    assert AuditLog(path=path).read(0, "x", 10).events[0][1].count == 5000

@@ -80,6 +80,7 @@ class AuditLog:
         self.path = path
         self._file: IO[str] | None = None
         self._lines = 0
+        self._dirty: set[int] = set()  # aggregated events whose new count is not on disk yet
         self.capacity = capacity
         share = per_sandbox if per_sandbox is not None else max(capacity // 10, min(capacity, 1000))
         self.per_sandbox = max(1, min(capacity, share))
@@ -136,6 +137,7 @@ class AuditLog:
             out.flush()
             os.fsync(out.fileno())
         os.replace(temporary, self.path)
+        self._dirty.clear()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self._file = os.fdopen(fd, "a", encoding="utf-8")
         self._lines = 1 + len(self._events)
@@ -146,6 +148,15 @@ class AuditLog:
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
         self._lines += 1
+        if self._lines > 2 * len(self._events) + 1000:  # mostly dead lines: amortised O(1) per line
+            self._rewrite()
+
+    def _write_dirty(self) -> None:
+        for seq in sorted(self._dirty):
+            held = self._events.get(seq)
+            if held is not None:
+                self._log_event(seq, held)
+        self._dirty.clear()
 
     def _log_event(self, seq: int, event: EgressEvent) -> None:
         if self._file is not None:
@@ -168,13 +179,13 @@ class AuditLog:
                 if not mine:
                     del self._by_sandbox[event.sandbox_id]
         self._handed_out = max(self._handed_out, upto)
+        self._dirty.difference_update(gone)
         self._log({"upto": upto})
-        if self._file is not None and self._lines > 2 * len(self._events) + 1000:
-            self._rewrite()
         return len(gone)
 
     def close(self) -> None:
         if self._file is not None:
+            self._write_dirty()
             self._file.close()
             self._file = None
 
@@ -213,7 +224,8 @@ class AuditLog:
             return False
         held.count += event.count
         held.time = max(held.time, event.time)
-        self._log_event(seq, held)
+        if self._file is not None:
+            self._dirty.add(seq)  # written before it is handed out: a hammered denial costs no disk write
         return True
 
     def _evict(self, sandbox_id: str) -> None:
@@ -235,6 +247,7 @@ class AuditLog:
             self._dropped.popitem(last=False)
 
     def read(self, after: int, epoch: str | None, limit: int) -> AuditPage:
+        self._write_dirty()
         if epoch != self.epoch:
             after = 0  # a cursor from another node process: everything here is new to the reader
         page: list[tuple[int, EgressEvent]] = []
