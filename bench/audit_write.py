@@ -55,14 +55,14 @@ async def store_bench(url: str, events: int) -> dict[str, Any]:
 
         t0 = time.perf_counter()
         for _ in range(events):
-            await audit_trail.write(factories[0], "single", [entry])
+            await audit_trail.write(engines[0], "single", [entry])
         out["one_writer_events_per_s"] = events / (time.perf_counter() - t0)
 
         writers = 8
 
         async def writer(n: int) -> None:
             for _ in range(events // writers):
-                await audit_trail.write(factories[n % 2], "concurrent", [entry])
+                await audit_trail.write(engines[n % 2], "concurrent", [entry])
 
         t0 = time.perf_counter()
         await asyncio.gather(*(writer(n) for n in range(writers)))
@@ -75,7 +75,7 @@ async def store_bench(url: str, events: int) -> dict[str, Any]:
         pages = max(2, events // 1000)
         t0 = time.perf_counter()
         for _ in range(pages):
-            await audit_trail.write(factories[0], "pages", page)
+            await audit_trail.write(engines[0], "pages", page)
         out["pages_of_1000_events_per_s"] = pages * 1000 / (time.perf_counter() - t0)
 
         async with factories[0]() as db:

@@ -22,7 +22,7 @@ async def test_concurrent_replicas_append_one_chain_per_tenant(db_url: str) -> N
         factories = [session_factory(e) for e in engines]
 
         async def writer(n: int) -> None:
-            db = factories[n % len(factories)]
+            db = engines[n % len(engines)]
             for i in range(10):
                 tenant = "acme" if (n + i) % 3 else "other"
                 await audit_trail.write(db, tenant, [AuditEntry("api", "call", detail={"w": n, "i": i}),

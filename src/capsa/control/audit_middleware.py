@@ -103,6 +103,6 @@ class AuditMiddleware:
         api = AuditEntry("api", "call", session_id=session_id or context.session_id, detail=detail,
                          key_id=context.key_id, request_id=context.request_id)
         try:
-            await audit_trail.write(plane.db, context.tenant, [api, *context.events])
+            await audit_trail.write(plane.engine, context.tenant, [api, *context.events])
         except Exception:
             log.exception("could not write the audit events of request %s", context.request_id)

@@ -2,9 +2,9 @@
 
 Every event belongs to one tenant's chain (``audit_trail``), numbered from 1 (its ``id``) and carrying the
 hash of the tenant's previous event (:mod:`capsa.control.audit_chain`). Appends are serialized per tenant
-by the tenant's ``audit_heads`` row, locked (``SELECT ... FOR UPDATE`` on PostgreSQL; SQLite's database
-write lock, taken by the head's upsert) and updated in the same transaction as the inserts, so replicas
-and concurrent requests append one after another and never fork the chain.
+by the tenant's ``audit_heads`` row, locked (an upsert ``... ON CONFLICT DO UPDATE ... RETURNING``: a row
+lock on PostgreSQL, the database write lock on SQLite) and updated in the same transaction as the
+inserts, so replicas and concurrent requests append one after another and never fork the chain.
 
 Two ways in:
 
@@ -30,7 +30,7 @@ from typing import Any, Literal, get_args
 from sqlalchemy import insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.ext.asyncio import async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from capsa.control.audit_chain import GENESIS, ChainFields, event_hash, normalize_detail
 from capsa.control.store.audit_models import AuditHeadRow, AuditTrailRow
@@ -41,6 +41,7 @@ __all__ = [
     "AuditEntry",
     "AuditKind",
     "ChainBreak",
+    "Executor",
     "RequestAudit",
     "VerifyResult",
     "append",
@@ -132,24 +133,32 @@ def note(kind: AuditKind, action: str, *, session_id: str | None = None,
     return True
 
 
-def _upsert_head(db: DbSession, tenant: str) -> Any:
-    dialect = db.get_bind().dialect.name
-    insert_fn = pg_insert if dialect == "postgresql" else sqlite_insert
-    return insert_fn(AuditHeadRow).values(tenant=tenant, seq=0, hash=GENESIS) \
-        .on_conflict_do_nothing(index_elements=["tenant"])
+Executor = DbSession | AsyncConnection
+"""What appends run on: an ORM session (the caller's transaction) or a Core connection."""
 
 
-async def append(db: DbSession, tenant: str, entries: Sequence[AuditEntry]) -> list[tuple[int, str]]:
+def _dialect(db: Executor) -> str:
+    return db.dialect.name if isinstance(db, AsyncConnection) else db.get_bind().dialect.name
+
+
+def _lock_head(db: Executor, tenant: str) -> Any:
+    """One statement that creates the tenant's head if missing, locks it and returns it: an upsert whose
+    conflict branch rewrites the row unchanged. On PostgreSQL ``ON CONFLICT DO UPDATE`` locks the row
+    like ``SELECT ... FOR UPDATE``; on SQLite any write takes the database's write lock (waiting out other
+    writers), so the head read cannot be stale."""
+    insert_fn = pg_insert if _dialect(db) == "postgresql" else sqlite_insert
+    stmt = insert_fn(AuditHeadRow).values(tenant=tenant, seq=0, hash=GENESIS)
+    return stmt.on_conflict_do_update(index_elements=["tenant"], set_={"seq": AuditHeadRow.seq}) \
+        .returning(AuditHeadRow.seq, AuditHeadRow.hash)
+
+
+async def append(db: Executor, tenant: str, entries: Sequence[AuditEntry]) -> list[tuple[int, str]]:
     """Chain ``entries`` onto the tenant's stream inside the caller's transaction; returns (id, hash) of
     each. The tenant's head stays locked until the caller commits or rolls back."""
     if not entries:
         return []
     context = _current.get()
-    # The upsert takes SQLite's write lock (waiting out other writers) before the head is read, so the
-    # read cannot be stale; on PostgreSQL the head row's lock does the same.
-    await db.execute(_upsert_head(db, tenant))
-    seq, prev = (await db.execute(select(AuditHeadRow.seq, AuditHeadRow.hash)
-                                  .where(AuditHeadRow.tenant == tenant).with_for_update())).one()
+    seq, prev = (await db.execute(_lock_head(db, tenant))).one()
     now = time.time()
     rows: list[dict[str, Any]] = []
     out: list[tuple[int, str]] = []
@@ -167,12 +176,12 @@ async def append(db: DbSession, tenant: str, entries: Sequence[AuditEntry]) -> l
         rows.append({**fields.__dict__, "detail": dict(fields.detail), "hash": digest})
         out.append((seq, digest))
         prev = digest
-    await db.execute(insert(AuditTrailRow), rows)
+    await db.execute(insert(AuditTrailRow).values(rows))  # one multi-row statement
     await db.execute(update(AuditHeadRow).where(AuditHeadRow.tenant == tenant).values(seq=seq, hash=prev))
     return out
 
 
-async def record(db: DbSession, *, tenant: str, kind: AuditKind, action: str, key_id: str | None = None,
+async def record(db: Executor, *, tenant: str, kind: AuditKind, action: str, key_id: str | None = None,
                  request_id: str | None = None, session_id: str | None = None,
                  detail: Mapping[str, Any] | None = None, time: float | None = None) -> int:
     """Append one event inside the caller's transaction (the caller commits); returns its id."""
@@ -182,13 +191,10 @@ async def record(db: DbSession, *, tenant: str, kind: AuditKind, action: str, ke
     return seq
 
 
-async def write(db: async_sessionmaker[DbSession], tenant: str, entries: Sequence[AuditEntry]
-                ) -> list[tuple[int, str]]:
-    """Append ``entries`` in a transaction of their own."""
-    async with db() as session:
-        out = await append(session, tenant, entries)
-        await session.commit()
-    return out
+async def write(engine: AsyncEngine, tenant: str, entries: Sequence[AuditEntry]) -> list[tuple[int, str]]:
+    """Append ``entries`` in a transaction of their own (a Core connection: no ORM session to build)."""
+    async with engine.begin() as conn:
+        return await append(conn, tenant, entries)
 
 
 def row_fields(row: AuditTrailRow) -> ChainFields:
