@@ -48,3 +48,28 @@ def test_detail_normalized_as_a_json_column_reads_it_back() -> None:
         normalize_detail({"x": float("nan")})
     detail = normalize_detail({"f": 0.1, "big": 2**62})
     assert json.loads(json.dumps(detail)) == detail
+
+
+async def test_node_calls_carry_the_api_request_id() -> None:
+    import httpx
+
+    from capsa.control import audit_trail
+    from capsa.control.nodeclient import NodeClient
+
+    seen: list[str | None] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("x-request-id"))
+        return httpx.Response(200, json={"epoch": "e", "items": [], "last_seq": 0, "lost": 0})
+
+    client = NodeClient("http://node.test", "tok", transport=httpx.MockTransport(answer))
+    try:
+        await client.audit(after=0, epoch=None, limit=10)
+        token = audit_trail.bind(audit_trail.RequestAudit(request_id="req_0123456789abcdefghij"))
+        try:
+            await client.audit(after=0, epoch=None, limit=10)
+        finally:
+            audit_trail.unbind(token)
+    finally:
+        await client.aclose()
+    assert seen == [None, "req_0123456789abcdefghij"]
