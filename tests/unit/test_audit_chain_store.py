@@ -69,3 +69,27 @@ async def test_record_inside_a_rolled_back_transaction_leaves_nothing(db_url: st
             assert (await audit_trail.verify(session, "acme")).head == 1
     finally:
         await engine.dispose()
+
+
+async def test_group_commit_shares_transactions_between_concurrent_requests(db_url: str) -> None:
+    from capsa.control.audit_writer import AuditWriter
+
+    engine = create_engine(db_url)
+    try:
+        await migrate(engine)
+        writer = AuditWriter(engine)
+        await asyncio.gather(*(writer.write("acme" if i % 2 else "other",
+                                            [AuditEntry("api", "call", request_id=f"req_{i}"),
+                                             AuditEntry("command", "run", request_id=f"req_{i}")])
+                               for i in range(40)))
+        assert writer.transactions < 40  # the first alone, then the 39 that queued meanwhile together
+        async with session_factory(engine)() as db:
+            for tenant in ("acme", "other"):
+                result = await audit_trail.verify(db, tenant)
+                assert result.ok and result.head == 40
+                events = await audit_trail.list_events(db, tenant, limit=100)
+                # A request's events stay together and in order.
+                assert all(events[i].request_id == events[i + 1].request_id and events[i].kind == "api"
+                           for i in range(0, 40, 2))
+    finally:
+        await engine.dispose()

@@ -1,7 +1,9 @@
 """ASGI middleware: gives every HTTP request an id (``X-Request-Id`` on the response) and writes its
 ``api`` audit event, with the events noted while it ran (:func:`capsa.control.audit_trail.note`), into
 the caller's tenant chain just before the response's last body message goes out (so a client that has
-read the whole response finds its events recorded).
+read the whole response finds its events recorded). Writes go through the replica's
+:class:`~capsa.control.audit_writer.AuditWriter` (group commit: requests finishing together share one
+transaction).
 
 Requests that never authenticate (health checks, wrong keys) belong to no tenant and are not chained.
 A failing audit write is logged and does not change the answer: the effect has already happened.
@@ -19,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from capsa.common.ids import new_id
 from capsa.control import audit_trail
 from capsa.control.audit_trail import AuditEntry, RequestAudit
+from capsa.control.audit_writer import AuditWriter
 from capsa.control.plane import ControlPlane
 
 __all__ = ["REQUEST_ID_HEADER", "AuditMiddleware"]
@@ -44,6 +47,13 @@ class AuditMiddleware:
     def __init__(self, app: ASGIApp, plane: Callable[[], ControlPlane | None]) -> None:
         self.app = app
         self.plane = plane
+        self._writer: AuditWriter | None = None
+
+    def writer(self, plane: ControlPlane) -> AuditWriter:
+        """This replica's group-commit writer (a new one when the plane, i.e. the engine, changed)."""
+        if self._writer is None or self._writer.engine is not plane.engine:
+            self._writer = AuditWriter(plane.engine)
+        return self._writer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -103,6 +113,6 @@ class AuditMiddleware:
         api = AuditEntry("api", "call", session_id=session_id or context.session_id, detail=detail,
                          key_id=context.key_id, request_id=context.request_id)
         try:
-            await audit_trail.write(plane.engine, context.tenant, [api, *context.events])
+            await self.writer(plane).write(context.tenant, [api, *context.events])
         except Exception:
             log.exception("could not write the audit events of request %s", context.request_id)
