@@ -10,7 +10,8 @@ recording adds to each command through the API.
   default ``synchronous``).
 * ``per_command``: ``POST /v1/sessions/{id}/commands`` (``true``) over HTTP with the fake runtime (no VM),
   SQLite, with the chain recorded (an ``api`` + a ``command`` event in one transaction per call) and with
-  the middleware's write replaced by a no-op in the same run, rounds interleaved.
+  the middleware's write replaced by a no-op in the same run, rounds interleaved; sequential round trips,
+  then commands/s from 8 concurrent clients (where group commit shares transactions).
 
     .venv/bin/python bench/audit_write.py [--events 2000] [--commands 300] [--no-postgres]
 """
@@ -125,8 +126,24 @@ async def per_command(commands: int, tmp: Path) -> dict[str, Any]:
                             response = await c.post(f"/v1/sessions/{sid}/commands", json={"cmd": ["true"]})
                             times[name].append((time.perf_counter() - t0) * 1000)
                             assert response.status_code == 200, response.text
+            throughput: dict[str, list[float]] = {"with_audit": [], "without_audit": []}
+            clients = 8
+
+            async def loop(count: int) -> None:
+                for _ in range(count):
+                    response = await c.post(f"/v1/sessions/{sid}/commands", json={"cmd": ["true"]})
+                    assert response.status_code == 200, response.text
+
+            for _ in range(3):
+                for name in throughput:
+                    with _recording(name == "with_audit"):
+                        t0 = time.perf_counter()
+                        await asyncio.gather(*(loop(commands // clients // 3 or 1) for _ in range(clients)))
+                        elapsed = time.perf_counter() - t0
+                        throughput[name].append(clients * (commands // clients // 3 or 1) / elapsed)
             chained = (await c.get("/v1/audit/verify")).json()
         out: dict[str, Any] = {name: summary(values) for name, values in times.items()}
+        out["concurrent_8_clients_commands_per_s"] = {name: summary(v) for name, v in throughput.items()}
         out["added_p50_ms"] = out["with_audit"]["p50"] - out["without_audit"]["p50"]
         out["added_mean_ms"] = out["with_audit"]["mean"] - out["without_audit"]["mean"]
         out["chain_after"] = chained
@@ -166,6 +183,9 @@ def main() -> None:
     print(f"per command (true, fake runtime, SQLite): with audit p50 {pc['with_audit']['p50']:.2f} ms, "
           f"without {pc['without_audit']['p50']:.2f} ms, added p50 {pc['added_p50_ms']:.2f} ms "
           f"mean {pc['added_mean_ms']:.2f} ms")
+    conc = pc["concurrent_8_clients_commands_per_s"]
+    print(f"8 concurrent clients: with audit {conc['with_audit']['p50']:.1f} commands/s, without "
+          f"{conc['without_audit']['p50']:.1f}")
     print(f"results written to {args.out}")
 
 

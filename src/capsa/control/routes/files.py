@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from typing import Annotated
@@ -12,6 +11,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from capsa.control import audit_trail, process_io
+from capsa.control.audit_digest import StreamDigest
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import PayloadTooLarge
 from capsa.control.nodeclient import NodeError
@@ -47,29 +47,9 @@ def _check_length(request: Request, limit: int) -> None:
         raise PayloadTooLarge(f"body larger than {limit} bytes")
 
 
-class _Digest:
-    """Size and SHA-256 of a body as it streams through (nothing is buffered)."""
-
-    def __init__(self) -> None:
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-        self.complete = False
-
-    async def through(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        async for chunk in chunks:
-            self.sha256.update(chunk)
-            self.size += len(chunk)
-            yield chunk
-        self.complete = True
-
-    def detail(self, path: str, **extra: object) -> dict[str, object]:
-        return {"path": path, "size": self.size, "sha256": self.sha256.hexdigest(),
-                "complete": self.complete, **extra}
-
-
 async def _relay(chunks: AsyncIterator[bytes], stack: AsyncExitStack, row: SessionRow, action: str,
                  path: str) -> AsyncIterator[bytes]:
-    digest = _Digest()
+    digest = StreamDigest()
     try:
         async for chunk in digest.through(chunks):
             yield chunk
@@ -111,7 +91,7 @@ async def write_file(session_id: str, path: GuestPath, request: Request, plane: 
     _check_length(request, plane.settings.max_file_bytes)
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
-    digest = _Digest()
+    digest = StreamDigest()
     try:
         info = await client.write_file(row.sandbox_id, path, int(mode, 8) if mode else None,
                                        digest.through(_bounded(request, plane.settings.max_file_bytes)))
@@ -187,7 +167,7 @@ async def import_archive(session_id: str, path: GuestPath, request: Request, pla
     _check_length(request, plane.settings.max_file_bytes)
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
-    digest = _Digest()
+    digest = StreamDigest()
     try:
         await client.import_archive(row.sandbox_id, path,
                                     digest.through(_bounded(request, plane.settings.max_file_bytes)))
