@@ -176,7 +176,7 @@ async def append(db: Executor, tenant: str, entries: Sequence[AuditEntry]) -> li
         rows.append({**fields.__dict__, "detail": dict(fields.detail), "hash": digest})
         out.append((seq, digest))
         prev = digest
-    await db.execute(insert(AuditTrailRow).values(rows))  # one multi-row statement
+    await db.execute(insert(AuditTrailRow), rows)  # executemany: one compiled (cached) statement
     await db.execute(update(AuditHeadRow).where(AuditHeadRow.tenant == tenant).values(seq=seq, hash=prev))
     return out
 
