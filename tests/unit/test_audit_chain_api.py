@@ -116,6 +116,21 @@ async def test_a_run_is_one_linked_chain_and_tampering_is_named(
     assert [x["action"] for x in lines] == ["upload", "download", "delete"]
     assert all(x["kind"] == "file" for x in lines)
 
+    # The whole export checks out offline; an edited or a removed line is named.
+    full = tmp_path / "all.jsonl"
+    assert (await _cli(stack, key, "audit", "export", "-o", str(full))).exit_code == 0
+    offline = await _cli(stack, key, "audit", "verify", "--file", str(full))
+    assert offline.exit_code == 0 and "ok: " in offline.output, offline.output
+    lines = full.read_text().splitlines()
+    edited = json.loads(lines[3])
+    edited["detail"]["route"] = "/v1/forged"
+    (tmp_path / "edited.jsonl").write_text("\n".join([*lines[:3], json.dumps(edited), *lines[4:]]) + "\n")
+    bad_file = await _cli(stack, key, "audit", "verify", "--file", str(tmp_path / "edited.jsonl"))
+    assert bad_file.exit_code == 1 and f"event {edited['id']}:" in bad_file.output, bad_file.output
+    (tmp_path / "cut.jsonl").write_text("\n".join([*lines[:2], *lines[3:]]) + "\n")
+    cut = await _cli(stack, key, "audit", "verify", "--file", str(tmp_path / "cut.jsonl"))
+    assert cut.exit_code == 1 and "event 3 is missing" in cut.output, cut.output
+
     # Tenant isolation: another tenant sees and verifies only its own (empty) chain.
     other = await stack.tenant_key("other")
     async with stack.client(other) as o:

@@ -1,4 +1,4 @@
-"""The canonical form and hash of an audit-chain event (capsa.control.audit_chain)."""
+"""The canonical form and hash of an audit-chain event (capsa.common.audit_chain)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from capsa.control.audit_chain import GENESIS, ChainFields, canonical_bytes, event_hash, normalize_detail
+from capsa.common.audit_chain import GENESIS, ChainFields, canonical_bytes, event_hash, normalize_detail
 
 
 def _fields(**changes: object) -> ChainFields:

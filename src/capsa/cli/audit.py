@@ -13,6 +13,7 @@ import click
 
 from capsa.cli.egress import audit as session_audit
 from capsa.cli.output import ApiOptions, api_options, emit_json, fail, json_option, reports_errors
+from capsa.common.audit_chain import verify_export
 from capsa.sdk import AUDIT_KINDS
 
 __all__ = ["audit"]
@@ -37,19 +38,36 @@ audit.add_command(session_audit, name="show")
 
 
 @audit.command("verify")
+@click.option("--file", "export_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="Check this export (JSON lines of `capsa audit export`) offline instead "
+                                 "of asking the server.")
 @json_option
 @api_options
-def verify(as_json: bool, api: ApiOptions) -> None:
-    """Check the caller's tenant chain; exits 1 naming the first missing or altered event."""
-    with reports_errors(), api.client() as client:
-        result = client.audit.verify()
-    if as_json:
-        emit_json(result)
-    if not result.ok:
-        fail(f"audit chain broken at event {result.broken_id}: {result.reason} "
-             f"({result.checked} events checked before it)")
+def verify(export_file: Path | None, as_json: bool, api: ApiOptions) -> None:
+    """Check the caller's tenant chain (or an exported file); exits 1 naming the first missing or altered
+    event."""
+    if export_file is not None:
+        with export_file.open(encoding="utf-8") as lines:
+            try:
+                offline = verify_export(json.loads(line) for line in lines if line.strip())
+            except ValueError as exc:
+                fail(f"{export_file} is not JSON lines: {exc}")
+                return
+        ok, checked, broken, reason = offline.ok, offline.checked, offline.broken_id, offline.reason
+        head = None
+        if as_json:
+            emit_json({"ok": ok, "checked": checked, "broken_id": broken, "reason": reason})
+    else:
+        with reports_errors(), api.client() as client:
+            result = client.audit.verify()
+        ok, checked, broken, reason, head = result.ok, result.checked, result.broken_id, result.reason, \
+            result.head
+        if as_json:
+            emit_json(result)
+    if not ok:
+        fail(f"audit chain broken at event {broken}: {reason} ({checked} events checked before it)")
     if not as_json:
-        click.echo(f"ok: {result.checked} events, head {result.head}")
+        click.echo(f"ok: {checked} events" + (f", head {head}" if head is not None else ""))
 
 
 _Time = click.DateTime(formats=["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M:%S%z",

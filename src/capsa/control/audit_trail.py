@@ -1,7 +1,7 @@
 """The tenant audit chain: appending events, the per-request audit context, reading and verifying.
 
 Every event belongs to one tenant's chain (``audit_trail``), numbered from 1 (its ``id``) and carrying the
-hash of the tenant's previous event (:mod:`capsa.control.audit_chain`). Appends are serialized per tenant
+hash of the tenant's previous event (:mod:`capsa.common.audit_chain`). Appends are serialized per tenant
 by the tenant's ``audit_heads`` row, locked (an upsert ``... ON CONFLICT DO UPDATE ... RETURNING``: a row
 lock on PostgreSQL, the database write lock on SQLite) and updated in the same transaction as the
 inserts, so replicas and concurrent requests append one after another and never fork the chain.
@@ -32,7 +32,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from capsa.control.audit_chain import GENESIS, ChainFields, event_hash, normalize_detail
+from capsa.common.audit_chain import GENESIS, ChainFields, event_hash, normalize_detail
 from capsa.control.store.audit_models import AuditHeadRow, AuditTrailRow
 from capsa.control.store.db import DbSession
 

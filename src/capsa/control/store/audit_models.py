@@ -18,7 +18,7 @@ __all__ = ["AuditHeadRow", "AuditTrailRow"]
 
 
 class AuditTrailRow(Base):
-    """One event of a tenant's chain (see :mod:`capsa.control.audit_chain` for its hash)."""
+    """One event of a tenant's chain (see :mod:`capsa.common.audit_chain` for its hash)."""
 
     __tablename__ = "audit_trail"
     __table_args__ = (

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CANONICAL_VERSION", "GENESIS", "ChainFields", "canonical_bytes", "event_hash",
-           "normalize_detail"]
+__all__ = ["CANONICAL_VERSION", "GENESIS", "ChainFields", "OfflineResult", "canonical_bytes", "event_hash",
+           "normalize_detail", "verify_export"]
 
 CANONICAL_VERSION = 1
 GENESIS = "0" * 64
@@ -66,3 +66,47 @@ def canonical_bytes(fields: ChainFields) -> bytes:
 
 def event_hash(fields: ChainFields) -> str:
     return hashlib.sha256(canonical_bytes(fields)).hexdigest()
+
+
+@dataclass(frozen=True)
+class OfflineResult:
+    checked: int
+    broken_id: int | None = None
+    reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.broken_id is None
+
+
+def verify_export(records: Iterable[Mapping[str, Any]]) -> OfflineResult:
+    """Check exported events (``capsa audit export`` of a whole chain, or of a contiguous stretch of it)
+    without the server: ids consecutive, each ``prev_hash`` the previous ``hash`` (64 zeros before event
+    1), each ``hash`` recomputed from the event's fields."""
+    checked = 0
+    expected: int | None = None
+    prev: str | None = None
+    for record in records:
+        try:
+            fields = ChainFields(tenant=str(record["tenant"]), seq=int(record["id"]),
+                                 time_us=int(record["time_us"]), kind=str(record["kind"]),
+                                 action=str(record["action"]), key_id=record.get("key_id"),
+                                 request_id=record.get("request_id"), session_id=record.get("session_id"),
+                                 detail=dict(record.get("detail") or {}), prev_hash=str(record["prev_hash"]))
+            stored = str(record["hash"])
+        except (KeyError, TypeError, ValueError) as exc:
+            return OfflineResult(checked, int(record.get("id", expected or 0) or 0),
+                                 f"malformed event: {exc}")
+        if expected is not None and fields.seq != expected:
+            return OfflineResult(checked, expected, f"event {expected} is missing (the next exported "
+                                                    f"event is {fields.seq})")
+        if prev is None and fields.seq == 1:
+            prev = GENESIS
+        if prev is not None and fields.prev_hash != prev:
+            return OfflineResult(checked, fields.seq, "prev_hash does not match the hash of event "
+                                                      f"{fields.seq - 1}")
+        if event_hash(fields) != stored:
+            return OfflineResult(checked, fields.seq, "hash does not match the event's content (edited)")
+        checked += 1
+        expected, prev = fields.seq + 1, stored
+    return OfflineResult(checked)
