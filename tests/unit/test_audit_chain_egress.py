@@ -1,8 +1,8 @@
 """Node-side events in the tenant chain: egress events (DNS answers included), approval and connection
 events pulled from the node become chain events of kinds ``egress``/``approval``/``connection``, linked to
 their session (and request, when the node names one), once each even when collected twice; and the node's
-buffer is durable: events a node process had not handed out are collected after a new process starts on
-the same state file, with the control plane's cursor still valid."""
+buffer is durable: events a node agent had not handed out are collected after it is restarted (a new
+agent, egress and node API server on the same state file), with the control plane's cursor still valid."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from capsa.node.egress.audit import EgressEvent
-from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.node_egress import NodeEgress
 from tests.support.api_stack import ApiStack
+from tests.support.fake_runtime import FakeRuntime
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -70,11 +70,12 @@ async def test_node_events_join_the_chain_once_and_survive_a_node_restart(
         node_egress.audit(EgressEvent(kind="dns", session_id=sid, sandbox_id=record.id,
                                       destination="late.test", decision="deny", reason="not allowed"))
         epoch = node_egress.audit.epoch
-        node_egress.audit.close()
-        restarted = AuditLog(path=state_file)  # what a new node agent on the same state dir opens
+        # A new node agent process on the same state dir (its egress opens the same buffer file).
+        restarted_egress = NodeEgress.create(netns_prefix=f"cua{secrets.token_hex(3)}-",
+                                             audit_path=state_file)
+        await stack.restart_node(FakeRuntime(), restarted_egress)
+        restarted = restarted_egress.audit
         assert restarted.epoch == epoch
-        node_egress.audit = restarted
-        node_egress.service.broker.sink = restarted
         events = await _chain(a, session_id=sid, kind="egress")
         assert [e["detail"]["destination"] for e in events] == ["api.test", "api.test:443", "late.test"]
         assert (await a.get("/v1/audit/verify")).json()["ok"] is True
