@@ -73,3 +73,16 @@ async def test_node_calls_carry_the_api_request_id() -> None:
     finally:
         await client.aclose()
     assert seen == [None, "req_0123456789abcdefghij"]
+
+
+def test_long_command_lines_are_recorded_cut_with_the_hash_of_the_whole() -> None:
+    from capsa.control.routes.commands import AUDIT_ARGV_BYTES, argv_detail
+
+    assert argv_detail(["ls", "-l"]) == {"argv": ["ls", "-l"], "shell": False}
+    huge = ["python3", "-c", "x" * (2 * AUDIT_ARGV_BYTES)]
+    cut = argv_detail(huge)
+    assert cut["argv_truncated"] is True
+    assert cut["argv_sha256"] == hashlib.sha256(json.dumps(huge).encode()).hexdigest()
+    assert len(json.dumps(cut["argv"])) <= AUDIT_ARGV_BYTES and cut["argv"][:2] == ["python3", "-c"]
+    line = argv_detail("y" * (3 * AUDIT_ARGV_BYTES))
+    assert line["shell"] is True and len(str(line["argv"])) == AUDIT_ARGV_BYTES // 2

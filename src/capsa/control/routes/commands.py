@@ -4,6 +4,8 @@ NDJSON stream from byte offsets (``/stream``). The logic is in :mod:`capsa.contr
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Annotated, Any
@@ -42,7 +44,7 @@ from capsa.sdk.models import (
     StreamError,
 )
 
-__all__ = ["router"]
+__all__ = ["AUDIT_ARGV_BYTES", "argv_detail", "router"]
 
 router = APIRouter(prefix="/sessions/{session_id}", tags=["commands"], responses=PROBLEMS)
 
@@ -56,10 +58,35 @@ def _node_request(plane: ControlPlane, body: CommandRequest) -> node_api.ExecReq
                                 timeout=timeout)
 
 
+AUDIT_ARGV_BYTES = 64 * 1024
+"""A command line longer than this (JSON-encoded) is recorded cut, with the SHA-256 of the whole."""
+
+
+def argv_detail(cmd: str | list[str]) -> dict[str, object]:
+    """The command as its audit event records it: the argv (or shell line), cut past
+    :data:`AUDIT_ARGV_BYTES` with ``argv_truncated`` and the whole one's ``argv_sha256``."""
+    encoded = json.dumps(cmd)
+    if len(encoded) <= AUDIT_ARGV_BYTES:
+        return {"argv": cmd, "shell": isinstance(cmd, str)}
+    digest = hashlib.sha256(encoded.encode()).hexdigest()
+    if isinstance(cmd, str):
+        cut: str | list[str] = cmd[:AUDIT_ARGV_BYTES // 2]
+    else:
+        kept, size = [], 0
+        for arg in cmd:
+            piece = arg[:max(0, AUDIT_ARGV_BYTES // 2 - size)]
+            kept.append(piece)
+            size += len(piece) + 4
+            if size >= AUDIT_ARGV_BYTES // 2:
+                break
+        cut = kept
+    return {"argv": cut, "shell": isinstance(cmd, str), "argv_truncated": True, "argv_sha256": digest}
+
+
 def _note_command(row: SessionRow, body: CommandRequest, outcome: dict[str, object]) -> None:
     """The ``command`` audit event: what ran, where, as whom, and how it ended."""
     audit_trail.note("command", "run", session_id=row.id, detail={
-        "argv": body.cmd if isinstance(body.cmd, str) else list(body.cmd), "shell": isinstance(body.cmd, str),
+        **argv_detail(body.cmd if isinstance(body.cmd, str) else list(body.cmd)),
         "cwd": body.cwd, "user": body.user, "env_keys": sorted(body.env), **outcome})
 
 
@@ -120,8 +147,8 @@ async def run_command(session_id: str, body: CommandRequest, plane: Plane, calle
             plane, caller.tenant, session_id, body.cmd if isinstance(body.cmd, str) else list(body.cmd),
             env=dict(body.env), cwd=body.cwd, user=body.user, open_stdin=body.open_stdin)
         audit_trail.note("command", "start", session_id=session_id, detail={
-            "argv": body.cmd if isinstance(body.cmd, str) else list(body.cmd),
-            "shell": isinstance(body.cmd, str), "cwd": body.cwd, "user": body.user,
+            **argv_detail(body.cmd if isinstance(body.cmd, str) else list(body.cmd)),
+            "cwd": body.cwd, "user": body.user,
             "env_keys": sorted(body.env), "pid": process.pid, "background": True})
         return JSONResponse(process.model_dump(mode="json"), status_code=201)
     row, client = await running_session(plane, caller.tenant, session_id)
