@@ -160,6 +160,21 @@ class ApiStack:
             self.egress.tokens.fetch = fetch
         return self
 
+    async def restart_node(self, runtime: Runtime, egress: NodeEgress | None = None) -> None:
+        """What a node process restart does: the agent (and its sandboxes) and its API server stop, then a
+        new agent on ``runtime`` with ``egress`` serves the same socket under the same id and token."""
+        assert self.agent is not None and self._node is not None and self._tmp is not None
+        await self._node.stop()
+        await self.agent.close()
+        self.runtime, self.egress = runtime, egress
+        source = ColdBootSource(self.runtime, {"base": self.image})
+        self.agent = NodeAgent(self.runtime, self.image, node_id=self.node_id, capacity=self.capacity,
+                               egress=self.egress, source=source, trust=self.trust)
+        await self.agent.start()
+        self._node = await serve_app(
+            create_node_app(self.agent, self.node_token), uds=str(self._tmp / "node.sock"), lifespan="off"
+        )
+
     async def add_replica(self, **overrides: Any) -> Replica:
         replica = await serve_app(create_app(self.control_settings(**overrides)))
         self.replicas.append(replica)

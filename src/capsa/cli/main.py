@@ -29,7 +29,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "snapshots": ("capsa.cli.snapshots", "snapshots"),
     "secrets": ("capsa.cli.egress", "secrets"),
     "connections": ("capsa.cli.connections", "connections"),
-    "audit": ("capsa.cli.egress", "audit"),
+    "audit": ("capsa.cli.audit", "audit"),
     "policy": ("capsa.cli.egress", "policy"),
     "approvals": ("capsa.cli.approvals", "approvals"),
     "port-forward": ("capsa.cli.ports", "port_forward"),

@@ -185,6 +185,10 @@ class AuditEvent(_Answer):
     reason: str | None
     secret_ids: list[str]
     count: int
+    detail: dict[str, Any] | None = None
+    """Approval and connection events: what was decided or used (absent for plain egress events)."""
+    request_id: str | None = None
+    """The control-plane API request that caused the event, when one did."""
 
 
 class ApprovalInfo(_Answer):

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 from capsa.compat.e2b import MOUNT_PATH as E2B_PATH
 from capsa.compat.e2b import create_e2b_app
+from capsa.control.audit_middleware import AuditMiddleware
 from capsa.control.auth import ensure_bootstrap_key
 from capsa.control.mcp import install_mcp
 from capsa.control.node_secrets import node_sealer
@@ -33,6 +34,7 @@ from capsa.control.routes import (
     snapshots,
     terminals,
 )
+from capsa.control.routes import audit as audit_routes
 from capsa.control.routes import connections as connection_routes
 from capsa.control.routes import egress as egress_routes
 from capsa.control.routes import secrets as secret_routes
@@ -86,9 +88,10 @@ def create_app(settings: ControlSettings | None = None,
     app = FastAPI(title="capsa", version=version("capsa"), lifespan=lifespan,
                   description="Self-hostable microVM sandboxes for AI agents (docs/api-contract.md).")
     install_problem_handlers(app)
+    app.add_middleware(AuditMiddleware, plane=lambda: getattr(app.state, "plane", None))
     for module in (health, sessions, snapshots, commands, files, ports, terminals, keys, nodes):
         app.include_router(module.router, prefix="/v1")
-    for egress_module in (secret_routes, egress_routes, approvals):
+    for egress_module in (secret_routes, egress_routes, approvals, audit_routes):
         app.include_router(egress_module.router, prefix="/v1")
     app.include_router(connection_routes.providers_router, prefix="/v1")
     app.include_router(connection_routes.router, prefix="/v1")

@@ -52,6 +52,7 @@ from capsa.common.node_api import (
 from capsa.common.port_tunnel import PortTunnel, open_tunnel
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
 from capsa.common.websocket import SocketStream
+from capsa.control import audit_trail
 
 __all__ = ["EgressArgs", "NodeClient", "NodeClientPool", "NodeError"]
 
@@ -110,6 +111,14 @@ def _unreachable(exc: httpx.TransportError) -> NodeError:
     return NodeError("node_unreachable", 503, f"node unreachable: {exc}")
 
 
+async def _carry_request_id(request: httpx.Request) -> None:
+    """Node calls made for an API request carry its id (``X-Request-Id``), for node-side events it causes
+    (:attr:`capsa.node.egress.audit.EgressEvent.request_id`)."""
+    context = audit_trail.current()
+    if context is not None:
+        request.headers["X-Request-Id"] = context.request_id
+
+
 class NodeClient:
     """One node's API. ``transport`` replaces the network (e.g. ``httpx.ASGITransport(app=node_app)``)."""
 
@@ -125,7 +134,7 @@ class NodeClient:
             base = url.rstrip("/")
         self._client = httpx.AsyncClient(
             transport=transport, base_url=base + _PREFIX, timeout=httpx.Timeout(timeout, connect=5.0),
-            headers={"Authorization": f"Bearer {token}"},
+            headers={"Authorization": f"Bearer {token}"}, event_hooks={"request": [_carry_request_id]},
         )
 
     async def aclose(self) -> None:

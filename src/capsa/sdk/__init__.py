@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from capsa.sdk.approvals import ApprovalInfo, AsyncApprovals
 from capsa.sdk.approvals_sync import Approvals
+from capsa.sdk.audit import AUDIT_KINDS, AsyncAudit, AuditPage, AuditRecord, AuditVerification
+from capsa.sdk.audit_sync import Audit
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import DEFAULT_API_URL, ClientConfig
@@ -66,11 +68,13 @@ from capsa.sdk.terminals import AsyncPty, AsyncTerminal
 from capsa.sdk.terminals_sync import Pty, Terminal
 
 __all__ = [
+    "AUDIT_KINDS",
     "DEFAULT_API_URL",
     "ApiKey",
     "ApprovalInfo",
     "Approvals",
     "AsyncApprovals",
+    "AsyncAudit",
     "AsyncClient",
     "AsyncCommands",
     "AsyncConnectionProviders",
@@ -88,7 +92,11 @@ __all__ = [
     "AsyncSnapshots",
     "AsyncTerminal",
     "AsyncWatch",
+    "Audit",
     "AuditEvent",
+    "AuditPage",
+    "AuditRecord",
+    "AuditVerification",
     "BadRequest",
     "CapsaAPIError",
     "CapsaClientError",

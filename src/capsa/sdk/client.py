@@ -18,6 +18,7 @@ from typing import Any, Literal
 import httpx
 
 from capsa.sdk.approvals import AsyncApprovals
+from capsa.sdk.audit import AsyncAudit
 from capsa.sdk.config import ClientConfig
 from capsa.sdk.connections import AsyncConnectionProviders, AsyncConnections
 from capsa.sdk.egress import AsyncSecrets
@@ -96,6 +97,7 @@ class AsyncClient:
         self.approvals = AsyncApprovals(self)
         self.connections = AsyncConnections(self)
         self.connection_providers = AsyncConnectionProviders(self)
+        self.audit = AsyncAudit(self)
 
     # -- plumbing -------------------------------------------------------------------------------------
 

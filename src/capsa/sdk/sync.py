@@ -15,6 +15,7 @@ from typing import IO, Any, Literal, overload
 import httpx
 
 from capsa.sdk.approvals_sync import Approvals
+from capsa.sdk.audit_sync import Audit
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import ClientConfig
@@ -73,6 +74,7 @@ class Client:
         self.approvals = Approvals(self.aio.approvals, self._portal)
         self.connections = Connections(self.aio.connections, self._portal)
         self.connection_providers = ConnectionProviders(self.aio.connection_providers, self._portal)
+        self.audit = Audit(self.aio.audit, self._portal)
 
     @property
     def config(self) -> ClientConfig:

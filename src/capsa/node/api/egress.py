@@ -38,6 +38,8 @@ async def audit(agent: Agent, after: Annotated[int, Query(ge=0)] = 0,
                 limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> AuditPage:
     if agent.egress is None:
         return AuditPage(epoch="none", items=[], last_seq=0, lost=0)
+    # The cursor is what the control plane has stored: the node's (durable) buffer may let it go.
+    agent.egress.audit.acknowledge(epoch, after)
     page = agent.egress.audit.read(after, epoch, limit)
     items = [AuditEvent.model_validate({"seq": seq, **ev.model_dump()}) for seq, ev in page.events]
     return AuditPage(epoch=page.epoch, last_seq=page.last_seq, lost=page.lost, dropped=page.dropped,

@@ -22,6 +22,8 @@ _log = logging.getLogger(__name__)
 
 class EgressEvent(BaseModel):
     kind: Literal["http", "connect", "tls", "dns", "net", "approval", "connection"]
+    """Egress (``http`` ... ``net``); ``approval`` (a held request decided) and ``connection`` (an OAuth
+    connection's token injected, refreshed or revoked) go into the tenant chain under those kinds."""
     session_id: str | None = None
     sandbox_id: str
     time: float = Field(default_factory=time.time)
@@ -45,7 +47,10 @@ class EgressEvent(BaseModel):
     count: int = 1
     """For ``net`` events: packets dropped since the previous event of this class."""
     detail: dict[str, Any] | None = None
-    """Kind-specific structured facts (``approval``: id, decision, decided_by, scope, rule)."""
+    """Approval and connection events: what was decided or used (JSON values; an ``action`` string, if
+    present, becomes the chain event's action). Never a secret or token value."""
+    request_id: str | None = None
+    """The control-plane API request that caused the event (e.g. the approval decision), when one did."""
 
 
 AuditSink = Callable[[EgressEvent], None]

@@ -13,6 +13,7 @@ import os
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
@@ -53,10 +54,11 @@ class NodeEgress:
     @classmethod
     def create(cls, *, pool: str = "10.231.0.0/16", netns_prefix: str = NETNS_PREFIX,
                resolver: Resolver | None = None, upstream_ssl: ssl.SSLContext | None = None,
-               allow_networks: Sequence[str] = ()) -> NodeEgress:
+               allow_networks: Sequence[str] = (), audit_path: Path | None = None) -> NodeEgress:
         """``netns_prefix`` names this node agent's namespaces; each agent on a host needs its own, since
-        :meth:`cleanup_stale` removes every namespace with the prefix."""
-        audit = AuditLog()
+        :meth:`cleanup_stale` removes every namespace with the prefix. ``audit_path``: the file that makes
+        the audit buffer durable across node processes (memory only without one)."""
+        audit = AuditLog(path=audit_path)
         store = InMemorySecretStore(SecretBox(os.urandom(32)))
         raise_nofile()  # the broker's node-wide connection cap is bounded by the open-file limit
         broker = EgressBroker(secrets=store, sink=audit, resolver=resolver, upstream_ssl=upstream_ssl,
@@ -188,5 +190,6 @@ class NodeEgress:
             await self.release_network(net)
         await self.service.close()
         await self.service.broker.close()
+        self.audit.close()
         self._uses.clear()
         self._drop_unused()

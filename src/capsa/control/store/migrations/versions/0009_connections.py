@@ -1,8 +1,8 @@
 """Connections: OAuth 2.0 providers, connections (sign-ins, refresh and access tokens sealed) and sign-ins
 under way.
 
-Revision ID: 0010
-Revises: 0007
+Revision ID: 0009
+Revises: 0008
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0010"
-down_revision = "0007"
+revision = "0009"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 
