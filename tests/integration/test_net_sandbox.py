@@ -153,6 +153,7 @@ async def test_egress_service_attach_detach() -> None:
             assert f"{with_net.net.gateway_ip}:{port}" in listening
         assert _sh("ip", "netns", "exec", without.net.netns, "ss", "-ltnuH").strip() == ""
         assert with_net.env["HTTPS_PROXY"] == with_net.net.proxy_url
+        assert with_net.env["NO_PROXY"] == with_net.env["no_proxy"] == "localhost,127.0.0.1,::1"
         assert with_net.env["EXAMPLE_KEY"].startswith("capsa_ph_")
         assert "the-real-value" not in repr(with_net)
         assert with_net.ca_pem.startswith(b"-----BEGIN CERTIFICATE-----")

@@ -21,6 +21,9 @@ from capsa.node.egress.netaudit import DropAuditor
 from capsa.node.egress.policy import EgressPolicy
 from capsa.node.net.sandbox_net import NetError, NetworkManager, SandboxNet
 
+LOOPBACK_NAMES = "localhost,127.0.0.1,::1"
+"""``NO_PROXY`` in a networked sandbox: its loopback stays direct."""
+
 __all__ = ["AttachedNetwork", "EgressService"]
 
 _log = logging.getLogger(__name__)
@@ -60,8 +63,12 @@ class EgressService:
                                            placeholders=placeholders)
                 await self.broker.listen(sandbox_id, net.gateway_ip, netns=net.netns, ports=net.ports)
                 ca_pem = sbx.ca.cert_pem
+                # The sandbox's own loopback is not the outside: without NO_PROXY, a tool that honours
+                # the proxy variables sends requests for 127.0.0.1 (a dev server, the browser's DevTools)
+                # to the broker, which refuses them.
                 env = {"HTTP_PROXY": net.proxy_url, "HTTPS_PROXY": net.proxy_url,
-                       "http_proxy": net.proxy_url, "https_proxy": net.proxy_url, **sbx.placeholder_env}
+                       "http_proxy": net.proxy_url, "https_proxy": net.proxy_url,
+                       "NO_PROXY": LOOPBACK_NAMES, "no_proxy": LOOPBACK_NAMES, **sbx.placeholder_env}
         except BaseException:
             await self.broker.unregister(sandbox_id)
             await self.manager.destroy(net)
