@@ -206,7 +206,8 @@ class NodeAgent:
         if update.ca_reissued:
             await self.trust.install(record.sandbox.guest, update.ca_pem)
         placeholder_env = self.egress.placeholder_env(sandbox_id)
-        proxy = {k: v for k, v in record.egress_env.items() if k.lower() in ("http_proxy", "https_proxy", "no_proxy")}
+        proxy = {k: v for k, v in record.egress_env.items()
+                 if k.lower() in ("http_proxy", "https_proxy", "no_proxy")}
         for key in record.egress_env:
             record.env.pop(key, None)
         record.egress_env = {**proxy, **placeholder_env}
