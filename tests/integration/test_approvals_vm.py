@@ -132,3 +132,20 @@ async def test_approvals_with_a_real_vm(guest_image: GuestImage, state_dir: Path
                 assert f"approval {second['id']} denied by {key_id} (scope once): no" in reasons
                 assert f"approval {timed_id} timed out" in reasons
                 assert (await api.post(f"/v1/sessions/{sid}/close")).status_code == 200
+
+                # One linked chain: create -> commands -> egress -> approvals -> close, each event of the
+                # session, the decisions naming who decided, and the tenant's chain intact.
+                chain = (await api.get("/v1/audit", params={"session_id": sid, "limit": 1000})
+                         ).json()["items"]
+                kinds = [e["kind"] for e in chain]
+                assert {"api", "session", "command", "egress", "approval"} <= set(kinds), kinds
+                assert all(e["session_id"] == sid for e in chain)
+                actions = [(e["kind"], e["action"]) for e in chain]
+                assert actions.index(("session", "create")) < actions.index(("approval", "approved")) \
+                    < actions.index(("session", "close")), actions
+                decided = [e for e in chain
+                           if e["kind"] == "approval" and e["action"] in ("approved", "denied")]
+                # A node event's own facts are under detail.detail (beside its egress fields).
+                assert {e["detail"]["detail"].get("decided_by") for e in decided} == {key_id}, decided
+                verified = (await api.get("/v1/audit/verify")).json()
+                assert verified["ok"] and verified["checked"] == verified["head"] > len(chain), verified
