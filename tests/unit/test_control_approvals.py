@@ -26,42 +26,19 @@ from capsa.node.egress.policy import EgressPolicy
 from capsa.node.net.sandbox_net import ServicePorts
 from capsa.sdk import ApprovalInfo, AsyncClient, InvalidState, NotFound
 from tests.support.api_stack import ApiStack, serve_app
+from tests.support.h11_server import Answer, h11_handler
 from tests.support.problems import assert_problem
 
 pytestmark = pytest.mark.timeout(120)
 
 
-async def _upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def _charged(request: h11.Request, body: bytes) -> Answer:
     """Answers every request with 200 and a JSON body naming what it received."""
-    conn = h11.Connection(h11.SERVER)
-    received = b""
-    target = b""
-    try:
-        while True:
-            ev = conn.next_event()
-            if ev is h11.NEED_DATA:
-                data = await reader.read(65536)
-                if not data:
-                    return
-                conn.receive_data(data)
-            elif isinstance(ev, h11.Request):
-                target, received = ev.target, b""
-            elif isinstance(ev, h11.Data):
-                received += ev.data
-            elif isinstance(ev, h11.EndOfMessage):
-                answer = json.dumps({"charged": target.decode(), "body": received.decode()}).encode()
-                writer.write((conn.send(h11.Response(status_code=200, headers=[
-                    (b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]))
-                              or b"") + (conn.send(h11.Data(data=answer)) or b"")
-                             + (conn.send(h11.EndOfMessage()) or b""))
-                await writer.drain()
-                conn.start_next_cycle()
-            else:
-                return
-    except (ConnectionError, h11.ProtocolError):
-        pass
-    finally:
-        writer.close()
+    answer = json.dumps({"charged": request.target.decode(), "body": body.decode()}).encode()
+    return 200, [(b"content-type", b"application/json")], answer
+
+
+_upstream = h11_handler(_charged)
 
 
 @pytest.fixture

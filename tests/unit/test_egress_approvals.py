@@ -23,6 +23,7 @@ from capsa.node.egress.dns import StaticResolver
 from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.net.sandbox_net import ServicePorts
+from tests.support.h11_server import Answer, h11_handler
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,41 +42,12 @@ class Upstream:
         assert self.server is not None
         return int(self.server.sockets[0].getsockname()[1])
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER)
-        request: h11.Request | None = None
-        body = b""
-        try:
-            while True:
-                ev = conn.next_event()
-                if ev is h11.NEED_DATA:
-                    data = await reader.read(65536)
-                    if not data:
-                        return
-                    conn.receive_data(data)
-                elif isinstance(ev, h11.Request):
-                    request, body = ev, b""
-                elif isinstance(ev, h11.Data):
-                    body += ev.data
-                elif isinstance(ev, h11.EndOfMessage):
-                    assert request is not None
-                    method, path = request.method.decode(), request.target.decode()
-                    self.seen.append((method, path, body))
-                    kind = b"text/html" if path.startswith("/html") else b"application/json"
-                    answer = json.dumps({"upstream": "ok", "method": method, "path": path,
-                                         "received": len(body)}).encode()
-                    writer.write((conn.send(h11.Response(status_code=201, headers=[
-                        (b"content-type", kind), (b"content-length", str(len(answer)).encode())])) or b"")
-                                 + (conn.send(h11.Data(data=answer)) or b"")
-                                 + (conn.send(h11.EndOfMessage()) or b""))
-                    await writer.drain()
-                    conn.start_next_cycle()
-                else:
-                    return
-        except (ConnectionError, h11.ProtocolError):
-            pass
-        finally:
-            writer.close()
+    def answer(self, request: h11.Request, body: bytes) -> Answer:
+        method, path = request.method.decode(), request.target.decode()
+        self.seen.append((method, path, body))
+        kind = b"text/html" if path.startswith("/html") else b"application/json"
+        answer = {"upstream": "ok", "method": method, "path": path, "received": len(body)}
+        return 201, [(b"content-type", kind)], json.dumps(answer).encode()
 
 
 @dataclass
@@ -175,7 +147,7 @@ POLICY = EgressPolicy.from_data({
 @pytest.fixture
 async def upstream() -> AsyncIterator[Upstream]:
     up = Upstream()
-    up.server = await asyncio.start_server(up.handle, "127.0.0.1", 0)
+    up.server = await asyncio.start_server(h11_handler(up.answer), "127.0.0.1", 0)
     yield up
     up.server.close()
 

@@ -27,6 +27,7 @@ from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.tokens import ConnectionTokens
 from capsa.node.net.sandbox_net import ServicePorts
+from tests.support.h11_server import Answer, h11_handler
 
 PORTS = ServicePorts(http=0, tls=0, proxy=0, dns=0)
 CONN = "con_" + "a" * 20
@@ -50,32 +51,12 @@ class Issuer:
         return ConnectionTokenOut(access_token=token, expires_in=self.lifetime, lifetime=self.lifetime)
 
 
-async def _api(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def _saw_authorization(request: h11.Request, _body: bytes) -> Answer:
     """The protected API: answers with the Authorization header it received (so redaction shows)."""
-    conn = h11.Connection(h11.SERVER)
-    try:
-        while True:
-            ev = conn.next_event()
-            if ev is h11.NEED_DATA:
-                data = await reader.read(65536)
-                if not data:
-                    return
-                conn.receive_data(data)
-            elif isinstance(ev, h11.Request):
-                body = b"saw " + dict(ev.headers).get(b"authorization", b"nothing")
-                writer.write(conn.send(h11.Response(status_code=200, headers=[
-                    (b"content-length", str(len(body)).encode())])) or b"")
-                writer.write(conn.send(h11.Data(data=body)) or b"")
-            elif isinstance(ev, h11.EndOfMessage):
-                writer.write(conn.send(h11.EndOfMessage()) or b"")
-                await writer.drain()
-                conn.start_next_cycle()
-            else:
-                return
-    except (ConnectionError, h11.ProtocolError):
-        pass
-    finally:
-        writer.close()
+    return 200, [], b"saw " + dict(request.headers).get(b"authorization", b"nothing")
+
+
+_api = h11_handler(_saw_authorization)
 
 
 class Lab:
