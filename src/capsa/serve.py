@@ -18,10 +18,11 @@ from pathlib import Path
 
 import uvicorn
 
+from capsa.common.connection_wire import ConnectionTokenOut
 from capsa.common.node_wire import HeartbeatOut, NodeHeartbeat, NodeRegister
 from capsa.common.service import QuietServer, bind_tcp, wait_started
 from capsa.common.settings import Settings
-from capsa.control import nodes
+from capsa.control import connection_tokens, nodes
 from capsa.control.app import create_app
 from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import ensure_key_file
@@ -56,6 +57,9 @@ class LocalControlLink:
 
     async def leave(self, node_id: str) -> None:
         await nodes.leave_node(self._plane, node_id)
+
+    async def connection_token(self, node_id: str, session_id: str, connection_id: str) -> ConnectionTokenOut:
+        return await connection_tokens.token_for_node(self._plane, node_id, session_id, connection_id)
 
     async def aclose(self) -> None:
         return None

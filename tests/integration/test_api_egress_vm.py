@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import json
 import os
 import secrets
@@ -291,6 +292,18 @@ async def _audit(client: httpx.AsyncClient, sid: str) -> list[dict[str, Any]]:
             return events
 
 
+async def _tenant_chain(api: httpx.AsyncClient) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    cursor: str | None = None
+    while True:
+        page = await api.get("/v1/audit", params={"limit": 1000, **({"cursor": cursor} if cursor else {})})
+        assert page.status_code == 200, page.text
+        events += page.json()["items"]
+        cursor = page.json()["next_cursor"]
+        if cursor is None:
+            return events
+
+
 def _sh(*argv: str) -> str:
     return subprocess.run(list(argv), check=True, capture_output=True, text=True).stdout
 
@@ -473,6 +486,10 @@ async def test_egress_through_the_api_with_a_real_vm(guest_image: GuestImage, st
                                     json={"policy": {"domains": [{"domain": "1.2.3.4"}]}})
                 assert bad.status_code == 422
 
+                written = await api.put(f"/v1/sessions/{sid}/files/content",
+                                        params={"path": "/tmp/audit.txt"}, content=b"audited\n" * 64)
+                assert written.status_code == 200, written.text
+
                 # 5. Close: namespace, tap, rules, CA, placeholders and the node's copy of the secret go.
                 assert egress.holds_secret(secret_id)
                 closed = await api.post(f"/v1/sessions/{sid}/close")
@@ -486,3 +503,23 @@ async def test_egress_through_the_api_with_a_real_vm(guest_image: GuestImage, st
                 assert egress.network(sandbox_id) is None
                 final = await _audit(api, sid)
                 assert len(final) >= len(events)
+
+                # 6. The tenant audit chain: one linked stream, create -> commands -> file -> egress -> close.
+                chain = await _tenant_chain(api)
+                assert [e["id"] for e in chain] == list(range(1, len(chain) + 1))
+                assert all(b["prev_hash"] == a["hash"] for a, b in itertools.pairwise(chain))
+                mine = [e for e in chain if e["session_id"] == sid]
+                kinds = {(e["kind"], e["action"]) for e in mine}
+                assert {("session", "create"), ("command", "run"), ("file", "upload"), ("egress", "http"),
+                        ("egress", "dns"), ("egress", "net"), ("session", "close")} <= kinds, kinds
+                create_request = response.headers["x-request-id"]
+                assert ("session", "create") in {(e["kind"], e["action"]) for e in mine
+                                                 if e["request_id"] == create_request}
+                injected_chain = [e for e in mine if e["kind"] == "egress"
+                                  and e["detail"]["secret_ids"] == [secret_id]]
+                assert injected_chain and injected_chain[0]["detail"]["decision"] == "allow"
+                assert SECRET not in json.dumps(chain)
+                egress_count = sum(1 for e in mine if e["kind"] == "egress")
+                assert egress_count == len(final)  # every egress event of the session, once
+                verified = (await api.get("/v1/audit/verify")).json()
+                assert verified["ok"] is True and verified["head"] >= len(chain), verified

@@ -19,12 +19,14 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from capsa.common.connection_wire import ConnectionTokenOut
 from capsa.common.image import GuestImage
 from capsa.control.app import create_app
 from capsa.control.keys import generate_key
 from capsa.control.settings import ControlSettings
 from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.api import create_node_app
+from capsa.node.daemon import IDENTITY_FILE, HttpControlLink, NodeIdentity
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.trust_store import TrustStore
 from capsa.node.runtime.base import Runtime, SnapshotCapable
@@ -93,6 +95,7 @@ class ApiStack:
     agent: NodeAgent | None = None
     replicas: list[Replica] = field(default_factory=list)
     _node: Replica | None = None
+    _link: HttpControlLink | None = None
     _tmp: Path | None = None
 
     @property
@@ -146,7 +149,33 @@ class ApiStack:
                 },
             )
             response.raise_for_status()
+        if self.egress is not None:
+            # The node's control link (as `capsa node` has it, with this node's credential) fetches the
+            # access tokens of connections its sessions bind.
+            NodeIdentity(self.node_id, self.node_token, self.url).save(self._tmp / IDENTITY_FILE)
+            self._link = HttpControlLink(self.url, self._tmp, enrol_token=None)
+            link, node_id = self._link, self.node_id
+
+            async def fetch(session_id: str, connection_id: str) -> ConnectionTokenOut:
+                return await link.connection_token(node_id, session_id, connection_id)
+
+            self.egress.tokens.fetch = fetch
         return self
+
+    async def restart_node(self, runtime: Runtime, egress: NodeEgress | None = None) -> None:
+        """What a node process restart does: the agent (and its sandboxes) and its API server stop, then a
+        new agent on ``runtime`` with ``egress`` serves the same socket under the same id and token."""
+        assert self.agent is not None and self._node is not None and self._tmp is not None
+        await self._node.stop()
+        await self.agent.close()
+        self.runtime, self.egress = runtime, egress
+        source = ColdBootSource(self.runtime, {"base": self.image})
+        self.agent = NodeAgent(self.runtime, self.image, node_id=self.node_id, capacity=self.capacity,
+                               egress=self.egress, source=source, trust=self.trust)
+        await self.agent.start()
+        self._node = await serve_app(
+            create_node_app(self.agent, self.node_token), uds=str(self._tmp / "node.sock"), lifespan="off"
+        )
 
     async def add_replica(self, **overrides: Any) -> Replica:
         replica = await serve_app(create_app(self.control_settings(**overrides)))
@@ -181,6 +210,8 @@ class ApiStack:
         return response
 
     async def stop(self) -> None:
+        if self._link is not None:
+            await self._link.aclose()
         for replica in self.replicas:
             with contextlib.suppress(Exception):
                 await replica.stop()

@@ -49,9 +49,12 @@ async def test_shell_runs_tty_resizes_and_passes_the_exit_status(stack: ApiStack
         term.set_size(123, 45)
         term.send(b"stty size\r")
         end = await term.expect(b"45 123", after=end)
-        term.send(b"sleep 100\r")
-        await term.expect(b"sleep 100", after=end)
-        term.send(b"\x03")  # raw mode: Ctrl-C goes to the remote shell, which stays
+        # The foreground program says when it runs: the echo of the typed line came back before the shell
+        # had started it, and a Ctrl-C sent then could reach the shell between reading the line and
+        # starting the program, which then slept its 100 s (failed under load).
+        term.send(b"python3 -c 'import time; print(\"started-\" + str(2+3), flush=True); time.sleep(100)'\r")
+        end = await term.expect(b"started-5", after=end)
+        term.send(b"\x03")  # raw mode: Ctrl-C goes to the remote shell's foreground program; the shell stays
         term.send(b"echo after-$((1+1))\r")
         await term.expect(b"after-2", after=end)
         term.send(b"exit 3\r")

@@ -22,37 +22,17 @@ from capsa.node.egress.dns import StaticResolver
 from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.net.sandbox_net import ServicePorts
+from tests.support.h11_server import Answer, h11_handler
 
 ANY_PORTS = ServicePorts(http=0, tls=0, proxy=0, dns=0)
 
 
-async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    conn = h11.Connection(h11.SERVER)
-    try:
-        while True:
-            ev = conn.next_event()
-            if ev is h11.NEED_DATA:
-                data = await reader.read(65536)
-                if not data:
-                    return
-                conn.receive_data(data)
-                continue
-            if isinstance(ev, h11.Request):
-                auth = dict(ev.headers).get(b"authorization", b"-")
-                body = b"host=" + dict(ev.headers)[b"host"] + b" auth=" + auth
-                writer.write(conn.send(h11.Response(status_code=200, headers=[
-                    (b"content-length", str(len(body)).encode())])) or b"")
-                writer.write(conn.send(h11.Data(data=body)) or b"")
-            elif isinstance(ev, h11.EndOfMessage):
-                writer.write(conn.send(h11.EndOfMessage()) or b"")
-                await writer.drain()
-                conn.start_next_cycle()
-            else:
-                return
-    except (ConnectionError, h11.ProtocolError):
-        pass
-    finally:
-        writer.close()
+def _host_and_auth(request: h11.Request, _body: bytes) -> Answer:
+    headers = dict(request.headers)
+    return 200, [], b"host=" + headers[b"host"] + b" auth=" + headers.get(b"authorization", b"-")
+
+
+_echo = h11_handler(_host_and_auth)
 
 
 class World:

@@ -16,8 +16,12 @@ from typing import Any, get_overloads
 import pytest
 
 from capsa.sdk import (
+    Approvals,
+    AsyncApprovals,
     AsyncClient,
     AsyncCommands,
+    AsyncConnectionProviders,
+    AsyncConnections,
     AsyncEgress,
     AsyncFiles,
     AsyncKeys,
@@ -33,6 +37,8 @@ from capsa.sdk import (
     AsyncWatch,
     Client,
     Commands,
+    ConnectionProviders,
+    Connections,
     Egress,
     Files,
     Keys,
@@ -153,6 +159,9 @@ PAIRS: list[tuple[type, type, dict[str, Any]]] = [
     (Snapshots, AsyncSnapshots, {}),
     (Egress, AsyncEgress, {}),
     (Secrets, AsyncSecrets, {}),
+    (Approvals, AsyncApprovals, {}),
+    (Connections, AsyncConnections, {}),
+    (ConnectionProviders, AsyncConnectionProviders, {}),
     (Keys, AsyncKeys, {}),
     (Nodes, AsyncNodes, {}),
     # A tunnel's methods are coroutines: blocking code reaches ports through forward() and url().

@@ -11,7 +11,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -19,8 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from capsa.common.errors import CapsaError
 
 __all__ = [
+    "APPROVAL_TIMEOUT_DEFAULT",
+    "APPROVAL_TIMEOUT_MAX",
     "MAX_REQUEST_BYTES",
     "MAX_RESPONSE_BYTES",
+    "ApprovalRule",
+    "ApprovalScope",
+    "ConnectionBinding",
     "DomainRule",
     "EgressPolicy",
     "PolicyError",
@@ -38,6 +44,12 @@ _METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 # connection: the limits a policy may set are bounded.
 MAX_REQUEST_BYTES = 1 << 30
 MAX_RESPONSE_BYTES = 1 << 32
+APPROVAL_TIMEOUT_DEFAULT = 300
+APPROVAL_TIMEOUT_MAX = 3600
+"""A held request keeps its connection (and its buffered body) for at most this long."""
+_MEDIA_RE = re.compile(r"^([a-z0-9][a-z0-9!#$&^_.+-]*|\*)/([a-z0-9][a-z0-9!#$&^_.+-]*|\*)$")
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+ApprovalScope = Literal["once", "session"]
 # Headers a binding may not target: they steer routing or framing, not credentials.
 _FORBIDDEN_BINDING_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "upgrade", "te"}
 
@@ -63,6 +75,71 @@ class RateLimit(BaseModel):
     """Requests allowed at once before the per-minute rate applies; defaults to the per-minute figure."""
 
 
+def _check_methods_list(value: list[str] | None) -> list[str] | None:
+    if value is None:
+        return None
+    out = [m.upper() for m in value]
+    bad = [m for m in out if m not in _METHODS]
+    if bad:
+        raise ValueError(f"unsupported methods {bad}; choose from {sorted(_METHODS)}")
+    return out
+
+
+def _check_prefixes(value: list[str] | None) -> list[str] | None:
+    if value is None:
+        return None
+    for p in value:
+        if not p.startswith("/") or any(c in p for c in "?#\r\n\t "):
+            raise ValueError(f"path prefix must start with '/' and hold no query or spaces: {p!r}")
+    return value
+
+
+class ApprovalRule(BaseModel):
+    """Requests to the domain that a person (or a service) must approve before the broker forwards them.
+
+    Every criterion given must match (``None``: any); a rule with none holds every request to the domain."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = None
+    """Identifies the rule in approvals and audit events (and what a ``session`` approval covers); defaults
+    to ``<domain>#<index>``."""
+    methods: list[str] | None = None
+    path_prefixes: list[str] | None = Field(default=None, max_length=256)
+    min_body_bytes: int | None = Field(default=None, ge=0, le=MAX_REQUEST_BYTES)
+    """Only requests whose body has at least this many bytes."""
+    timeout_s: int = Field(default=APPROVAL_TIMEOUT_DEFAULT, ge=1, le=APPROVAL_TIMEOUT_MAX)
+    """How long the request is held waiting for a decision; no decision by then is a denial."""
+    scope: ApprovalScope = "once"
+    """What an approval covers when the decision does not say: ``once`` (this request) or ``session`` (every
+    later request of the session matching this rule, while its sandbox runs)."""
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str | None) -> str | None:
+        if value is not None and not _NAME_RE.match(value):
+            raise ValueError(f"approval rule name must be 1-64 of a-z 0-9 _ . - : {value!r}")
+        return value
+
+    @field_validator("methods")
+    @classmethod
+    def _check_methods(cls, value: list[str] | None) -> list[str] | None:
+        return _check_methods_list(value)
+
+    @field_validator("path_prefixes")
+    @classmethod
+    def _check_paths(cls, value: list[str] | None) -> list[str] | None:
+        return _check_prefixes(value)
+
+    def matches(self, method: str, path: str, body_bytes: int | None) -> bool:
+        """Whether a request matches; ``body_bytes`` None means not known yet (counted as matching)."""
+        if self.methods is not None and method.upper() not in self.methods:
+            return False
+        if self.path_prefixes is not None and not any(path.startswith(p) for p in self.path_prefixes):
+            return False
+        return self.min_body_bytes is None or body_bytes is None or body_bytes >= self.min_body_bytes
+
+
 class DomainRule(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -75,6 +152,35 @@ class DomainRule(BaseModel):
     rate_limit: RateLimit | None = None
     max_request_bytes: int | None = Field(default=None, ge=0, le=MAX_REQUEST_BYTES)
     max_response_bytes: int | None = Field(default=None, ge=0, le=MAX_RESPONSE_BYTES)
+    forbid_uploads_above: int | None = Field(default=None, ge=0, le=MAX_REQUEST_BYTES)
+    """Uploads forbidden: a request body of more than this many bytes is refused (403); 0 refuses any body."""
+    download_content_types: list[str] | None = Field(default=None, min_length=1, max_length=64)
+    """Media types a response may have (``type/subtype``, ``type/*`` or ``*/*``); a response of another (or
+    no) Content-Type is refused (403) without relaying its body. ``None``: any."""
+    approvals: list[ApprovalRule] | None = Field(default=None, min_length=1, max_length=32)
+    """Requests to hold for approval; the first matching rule applies. ``None``: none are held."""
+
+    @field_validator("download_content_types")
+    @classmethod
+    def _check_media_types(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        out = [v.strip().lower() for v in value]
+        bad = [v for v in out if not _MEDIA_RE.match(v) or (v.startswith("*/") and v != "*/*")]
+        if bad:
+            raise ValueError(f"not a media type (type/subtype, type/*, */*): {bad}")
+        return out
+
+    @model_validator(mode="after")
+    def _name_approvals(self) -> DomainRule:
+        names: set[str] = set()
+        for index, rule in enumerate(self.approvals or ()):
+            if rule.name is None:
+                rule.name = f"{self.domain}#{index}"
+            if rule.name in names:
+                raise ValueError(f"approval rule name used twice: {rule.name}")
+            names.add(rule.name)
+        return self
 
     @field_validator("domain")
     @classmethod
@@ -90,23 +196,12 @@ class DomainRule(BaseModel):
     @field_validator("methods")
     @classmethod
     def _check_methods(cls, value: list[str] | None) -> list[str] | None:
-        if value is None:
-            return None
-        out = [m.upper() for m in value]
-        bad = [m for m in out if m not in _METHODS]
-        if bad:
-            raise ValueError(f"unsupported methods {bad}; choose from {sorted(_METHODS)}")
-        return out
+        return _check_methods_list(value)
 
     @field_validator("path_prefixes")
     @classmethod
     def _check_paths(cls, value: list[str] | None) -> list[str] | None:
-        if value is None:
-            return None
-        for p in value:
-            if not p.startswith("/") or any(c in p for c in "?#\r\n\t "):
-                raise ValueError(f"path prefix must start with '/' and hold no query or spaces: {p!r}")
-        return value
+        return _check_prefixes(value)
 
     @property
     def is_wildcard(self) -> bool:
@@ -119,6 +214,16 @@ class DomainRule(BaseModel):
         if self.path_prefixes is None:
             return True
         return any(path.startswith(p) for p in self.path_prefixes)
+
+    def allows_download(self, content_type: str | None) -> bool:
+        """Whether a response of this Content-Type (header value, parameters allowed) may be relayed."""
+        if self.download_content_types is None:
+            return True
+        media = (content_type or "").split(";", 1)[0].strip().lower()
+        if "/" not in media:
+            return False
+        kind = media.split("/", 1)[0]
+        return any(a in (media, f"{kind}/*", "*/*") for a in self.download_content_types)
 
 
 class SecretBinding(BaseModel):
@@ -156,6 +261,53 @@ class SecretBinding(BaseModel):
         return value
 
 
+class ConnectionBinding(BaseModel):
+    """A connection (an OAuth 2.0 sign-in held by the control plane) whose current access token the broker
+    puts in ``header`` of every request to ``domains``, over verified HTTPS. The sandbox never holds the
+    token (nor a placeholder): a header of that name the sandbox sends is replaced."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    connection: str
+    """Reference of a connection (``con_…`` or, in what users send, its name)."""
+    domains: list[str] = Field(min_length=1, max_length=64)
+    """Exact DNS names the token is sent to; each must be allowed by the policy's ``domains``."""
+    header: str = "Authorization"
+    format: str = "Bearer {token}"
+    """The header's value; ``{token}`` (exactly once) stands for the access token."""
+
+    @field_validator("header")
+    @classmethod
+    def _check_header(cls, value: str) -> str:
+        if not _HEADER_RE.match(value) or value.lower() in _FORBIDDEN_BINDING_HEADERS:
+            raise ValueError(f"header {value!r} cannot carry a token")
+        return value
+
+    @field_validator("domains")
+    @classmethod
+    def _check_domains(cls, value: list[str]) -> list[str]:
+        out: list[str] = []
+        for raw in value:
+            name = raw.strip().lower().rstrip(".")
+            if not _HOST_RE.match(name) or _is_ip_literal(name):
+                raise ValueError(f"a connection is bound to exact DNS names, got {raw!r}")
+            if name not in out:
+                out.append(name)
+        return out
+
+    @field_validator("format")
+    @classmethod
+    def _check_format(cls, value: str) -> str:
+        if value.count("{token}") != 1 or len(value) > 256:
+            raise ValueError("format must hold {token} exactly once (at most 256 characters)")
+        if any(not (0x20 <= ord(c) < 0x7F) for c in value):
+            raise ValueError("format must be printable ASCII")
+        return value
+
+    def header_value(self, token: str) -> str:
+        return self.format.replace("{token}", token)
+
+
 class EgressPolicy(BaseModel):
     """Everything a sandbox may do on the network. An empty policy allows nothing."""
 
@@ -164,8 +316,26 @@ class EgressPolicy(BaseModel):
     # Bounded so a policy stays cheap to check on every request and to store with the session.
     domains: list[DomainRule] = Field(default_factory=list, max_length=1000)
     secrets: list[SecretBinding] = Field(default_factory=list, max_length=64)
+    connections: list[ConnectionBinding] = Field(default_factory=list, max_length=64)
     max_request_bytes: int = Field(default=10 * 1024 * 1024, ge=0, le=MAX_REQUEST_BYTES)
     max_response_bytes: int = Field(default=50 * 1024 * 1024, ge=0, le=MAX_RESPONSE_BYTES)
+    approval_webhook: str | None = Field(default=None, max_length=2048)
+    """``http(s)://`` URL the node POSTs a JSON notification to whenever a request is held for approval."""
+
+    @field_validator("approval_webhook")
+    @classmethod
+    def _check_webhook(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 - raises on a malformed port
+        except ValueError:
+            raise ValueError(f"approval_webhook is not a URL: {value!r}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password \
+                or any(c in value for c in "\r\n\t "):
+            raise ValueError("approval_webhook must be an http:// or https:// URL without credentials")
+        return value
 
     @model_validator(mode="after")
     def _check_consistency(self) -> EgressPolicy:
@@ -178,7 +348,22 @@ class EgressPolicy(BaseModel):
             if self.rule_for(binding.domain) is None:
                 raise ValueError(f"secret {binding.secret} is bound to {binding.domain}, "
                                  "which the policy does not allow")
+        targets: set[tuple[str, str]] = {(b.domain, b.header.lower()) for b in self.secrets}
+        for conn in self.connections:
+            for domain in conn.domains:
+                if self.rule_for(domain) is None:
+                    raise ValueError(f"connection {conn.connection} is bound to {domain}, "
+                                     "which the policy does not allow")
+                key = (domain, conn.header.lower())
+                if key in targets:
+                    raise ValueError(f"header {conn.header} to {domain} is bound twice")
+                targets.add(key)
         return self
+
+    def connections_for(self, host: str) -> list[ConnectionBinding]:
+        """The connection bindings whose token goes to ``host`` (an exact name)."""
+        host = host.lower().rstrip(".")
+        return [c for c in self.connections if host in c.domains]
 
     def rule_for(self, host: str) -> DomainRule | None:
         """The most specific rule matching ``host``: an exact name beats the longest wildcard."""

@@ -13,12 +13,16 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter
 
 __all__ = [
+    "APPROVAL_ID_PATTERN",
     "EXEC_EVENT",
     "GUEST_PATH_PATTERN",
     "MAX_EXEC_OUTPUT",
     "NDJSON",
     "OUTPUT_EVENT",
     "WATCH_EVENT",
+    "ApprovalDecision",
+    "ApprovalInfo",
+    "ApprovalList",
     "AuditEvent",
     "AuditPage",
     "BranchEgress",
@@ -66,6 +70,8 @@ NDJSON = "application/x-ndjson"
 """Media type of the exec event stream (one :data:`ExecEvent` per line)."""
 GUEST_PATH_PATTERN = r"^/[^\x00]*$"
 """An absolute path inside the sandbox (query parameter ``path`` of the file routes, at most 4096 chars)."""
+APPROVAL_ID_PATTERN = r"^apr_[a-z0-9]{20}$"
+"""An approval's id (made by the node that holds its request)."""
 MAX_EXEC_OUTPUT = 1 << 30
 """Upper bound of :attr:`ExecRequest.max_output` (bytes kept per stream)."""
 
@@ -179,6 +185,49 @@ class AuditEvent(_Answer):
     reason: str | None
     secret_ids: list[str]
     count: int
+    detail: dict[str, Any] | None = None
+    """Approval and connection events: what was decided or used (absent for plain egress events)."""
+    request_id: str | None = None
+    """The control-plane API request that caused the event, when one did."""
+
+
+class ApprovalInfo(_Answer):
+    """A request held by a node's egress broker for approval (pending), or one decided recently."""
+
+    id: str
+    sandbox_id: str
+    session_id: str | None
+    destination: str
+    method: str
+    path: str
+    rule: str
+    """The policy's domain rule the request matched."""
+    approval_rule: str
+    scope: Literal["once", "session"]
+    preview: str
+    """The start of the request body (at most 2 KiB), secrets and placeholders redacted."""
+    body_bytes: int
+    created_at: float
+    expires_at: float
+    state: Literal["pending", "approved", "denied", "timeout", "cancelled"]
+    decided_by: str | None = None
+    decided_at: float | None = None
+    reason: str | None = None
+
+
+class ApprovalList(_Answer):
+    items: list[ApprovalInfo]
+
+
+class ApprovalDecision(_Request):
+    approve: bool
+    decided_by: Annotated[str, Field(min_length=1, max_length=128)]
+    """Who decided (the control plane sends the API key id); named in the audit events."""
+    scope: Literal["once", "session"] | None = None
+    """What an approval covers; None: the rule's scope."""
+    reason: Annotated[str, Field(max_length=1024)] | None = None
+    session_id: str | None = None
+    """When given, the approval must be this session's (else ``approval_not_found``)."""
 
 
 class AuditPage(_Answer):

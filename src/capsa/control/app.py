@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 from capsa.compat.e2b import MOUNT_PATH as E2B_PATH
 from capsa.compat.e2b import create_e2b_app
+from capsa.control.audit_middleware import AuditMiddleware
 from capsa.control.auth import ensure_bootstrap_key
 from capsa.control.mcp import install_mcp
 from capsa.control.node_secrets import node_sealer
@@ -21,8 +22,21 @@ from capsa.control.problems import install_problem_handlers
 from capsa.control.ratelimit import RateLimiter
 from capsa.control.reaper import run_reaper
 from capsa.control.rolling import run_rolling
+from capsa.control.routes import (
+    approvals,
+    commands,
+    files,
+    health,
+    keys,
+    nodes,
+    ports,
+    sessions,
+    snapshots,
+    terminals,
+)
+from capsa.control.routes import audit as audit_routes
 from capsa.control.routes import browser as browser_routes
-from capsa.control.routes import commands, files, health, keys, nodes, ports, sessions, snapshots, terminals
+from capsa.control.routes import connections as connection_routes
 from capsa.control.routes import egress as egress_routes
 from capsa.control.routes import secrets as secret_routes
 from capsa.control.settings import ControlSettings
@@ -75,10 +89,13 @@ def create_app(settings: ControlSettings | None = None,
     app = FastAPI(title="capsa", version=version("capsa"), lifespan=lifespan,
                   description="Self-hostable microVM sandboxes for AI agents (docs/api-contract.md).")
     install_problem_handlers(app)
+    app.add_middleware(AuditMiddleware, plane=lambda: getattr(app.state, "plane", None))
     for module in (health, sessions, snapshots, commands, files, ports, terminals, keys, nodes):
         app.include_router(module.router, prefix="/v1")
-    for egress_module in (secret_routes, egress_routes, browser_routes):
+    for egress_module in (secret_routes, egress_routes, approvals, audit_routes, browser_routes):
         app.include_router(egress_module.router, prefix="/v1")
+    app.include_router(connection_routes.providers_router, prefix="/v1")
+    app.include_router(connection_routes.router, prefix="/v1")
     mcp_lifetime = install_mcp(app)
     if settings.e2b_compat:
         app.mount(E2B_PATH, create_e2b_app(lambda: _plane_of(app)))

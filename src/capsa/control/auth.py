@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
+from capsa.control import audit_trail
 from capsa.control.errors import Forbidden, Unauthorized
 from capsa.control.keys import generate_key, hash_key, parse_key, verify_key
 from capsa.control.store.db import DbSession
@@ -40,6 +41,7 @@ async def authenticate(db: DbSession, token: str | None) -> Principal:
     # public anyway (it is shown in key lists).
     if row is None or row.revoked_at is not None or not verify_key(parsed.full, row.secret_hash):
         raise Unauthorized()
+    audit_trail.identify(row.tenant, row.id)
     return Principal(row.id, row.tenant, row.admin)
 
 

@@ -49,6 +49,8 @@ _DESCRIPTIONS = {
     422: "Validation error (`validation_error`)",
     429: "Rate limited (`rate_limited`, see Retry-After)",
     503: "No capacity or node unreachable (`no_capacity`, `node_unreachable`)",
+    400: "Bad request (`login_state_invalid`, `login_denied`)",
+    502: "The OAuth provider refused or could not be reached (`provider_error`)",
 }
 
 

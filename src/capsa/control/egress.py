@@ -19,7 +19,11 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from capsa.common.ids import is_id, new_id
+from capsa.common.node_api import AuditEvent as NodeAuditEvent
 from capsa.common.placeholders import new_placeholder
+from capsa.control.audit_trail import AuditEntry, AuditKind
+from capsa.control.audit_trail import append as audit_append
+from capsa.control.connection_tokens import resolve_connections
 from capsa.control.egress_schemas import (
     AuditEventOut,
     AuditList,
@@ -137,6 +141,7 @@ async def resolve_policy(plane: ControlPlane, tenant: str, policy: Mapping[str, 
                 binding["secret"] = row.id
                 values[row.id] = sealer.open(tenant, row.id, row.ciphertext)
         document["secrets"] = bindings
+    await resolve_connections(plane, tenant, document)
     return document, values
 
 
@@ -268,7 +273,8 @@ async def collect_audit(plane: ControlPlane, node: NodeRow, client: NodeClient |
                     SessionRow.id.in_(named), SessionRow.node_id == node.id))).all()} if named else {}
             now = time.time()
             rows: list[dict[str, Any]] = [{
-                **i.model_dump(exclude={"seq"}), "tenant": placed[i.session_id], "node_id": node.id,
+                **i.model_dump(exclude={"seq", "detail", "request_id"}), "tenant": placed[i.session_id],
+                "node_id": node.id,
                 "node_epoch": page.epoch, "node_seq": i.seq,
                 # The node's clock, but never in the future: retention by age must be able to reach it.
                 "time": min(i.time, now),
@@ -277,7 +283,12 @@ async def collect_audit(plane: ControlPlane, node: NodeRow, client: NodeClient |
                 log.warning("node %s reported %d audit events of sessions not placed on it; ignored",
                             node.id, len(items) - len(rows))
             if rows:
-                await db.execute(_insert_ignoring_duplicates(plane, rows))
+                # Only the rows this call inserted go into the tenant chains: a replica collecting the
+                # same page at once inserts (and chains) none of them twice.
+                fresh = set((await db.execute(_insert_ignoring_duplicates(plane, rows)
+                                              .returning(AuditEventRow.node_seq))).scalars())
+                await _chain_egress(db, node.id, page.epoch, [i for i in items if i.seq in fresh],
+                                    placed, now)
             dropped = [{"session_id": sid, "node_id": node.id, "node_epoch": page.epoch,
                         "count": min(max(0, n), 1 << 62)}
                        for sid, n in sorted(page.dropped.items()) if number == 0 and sid in placed]
@@ -290,6 +301,31 @@ async def collect_audit(plane: ControlPlane, node: NodeRow, client: NodeClient |
         if len(items) < _AUDIT_PAGE:
             break
     return added
+
+
+_CHAIN_KINDS: dict[str, AuditKind] = {"approval": "approval", "connection": "connection"}
+
+
+async def _chain_egress(db: DbSession, node_id: str, epoch: str, items: list[NodeAuditEvent],
+                        placed: Mapping[str, str], now: float) -> None:
+    by_tenant: dict[str, list[AuditEntry]] = {}
+    for item in items:
+        if item.session_id is None or item.session_id not in placed:
+            continue
+        kind: AuditKind = _CHAIN_KINDS.get(item.kind, "egress")
+        detail: dict[str, Any] = item.model_dump(exclude={"seq", "session_id", "time", "detail",
+                                                          "request_id"})
+        detail.update(node_id=node_id, node_epoch=epoch, node_seq=item.seq)
+        action = item.kind
+        if item.detail:
+            detail["detail"] = item.detail
+            named = item.detail.get("action")
+            action = named if isinstance(named, str) and named and kind != "egress" else item.kind
+        by_tenant.setdefault(placed[item.session_id], []).append(AuditEntry(
+            kind, action[:64], session_id=item.session_id, detail=detail, request_id=item.request_id,
+            time=min(item.time, now)))
+    for tenant in sorted(by_tenant):  # one lock order for every replica: no deadlock between them
+        await audit_append(db, tenant, by_tenant[tenant])
 
 
 async def collect_audit_quietly(plane: ControlPlane, node: NodeRow) -> None:

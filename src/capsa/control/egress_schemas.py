@@ -92,7 +92,7 @@ class AuditEventOut(BaseModel):
     session_id: str
     sandbox_id: str
     time: datetime
-    kind: Literal["http", "connect", "tls", "dns", "net"]
+    kind: Literal["http", "connect", "tls", "dns", "net", "approval", "connection"]
     decision: Literal["allow", "deny", "error"]
     source: str | None
     destination: str | None

@@ -8,6 +8,8 @@ from capsa.common.errors import CapsaError
 
 __all__ = [
     "ApiError",
+    "ApprovalDecided",
+    "ApprovalNotFound",
     "EnrolTokenInvalid",
     "Forbidden",
     "InvalidState",
@@ -52,6 +54,14 @@ class Forbidden(ApiError):
 
 class NotFound(ApiError):
     code, status, title = "not_found", 404, "Not found"
+
+
+class ApprovalNotFound(ApiError):
+    code, status, title = "approval_not_found", 404, "Approval not found"
+
+
+class ApprovalDecided(ApiError):
+    code, status, title = "approval_decided", 409, "Approval already decided"
 
 
 class TemplateNotFound(ApiError):

@@ -23,6 +23,9 @@ from capsa.common.node_api import (
     NDJSON,
     OUTPUT_EVENT,
     WATCH_EVENT,
+    ApprovalDecision,
+    ApprovalInfo,
+    ApprovalList,
     AuditPage,
     BranchRequest,
     ExecEvent,
@@ -49,6 +52,7 @@ from capsa.common.node_api import (
 from capsa.common.port_tunnel import PortTunnel, open_tunnel
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
 from capsa.common.websocket import SocketStream
+from capsa.control import audit_trail
 
 __all__ = ["EgressArgs", "NodeClient", "NodeClientPool", "NodeError"]
 
@@ -107,6 +111,14 @@ def _unreachable(exc: httpx.TransportError) -> NodeError:
     return NodeError("node_unreachable", 503, f"node unreachable: {exc}")
 
 
+async def _carry_request_id(request: httpx.Request) -> None:
+    """Node calls made for an API request carry its id (``X-Request-Id``), for node-side events it causes
+    (:attr:`capsa.node.egress.audit.EgressEvent.request_id`)."""
+    context = audit_trail.current()
+    if context is not None:
+        request.headers["X-Request-Id"] = context.request_id
+
+
 class NodeClient:
     """One node's API. ``transport`` replaces the network (e.g. ``httpx.ASGITransport(app=node_app)``)."""
 
@@ -122,7 +134,7 @@ class NodeClient:
             base = url.rstrip("/")
         self._client = httpx.AsyncClient(
             transport=transport, base_url=base + _PREFIX, timeout=httpx.Timeout(timeout, connect=5.0),
-            headers={"Authorization": f"Bearer {token}"},
+            headers={"Authorization": f"Bearer {token}"}, event_hooks={"request": [_carry_request_id]},
         )
 
     async def aclose(self) -> None:
@@ -174,6 +186,22 @@ class NodeClient:
         return await self._call(PolicyUpdated, "PUT", f"/sandboxes/{sandbox_id}/policy",
                                 json={"policy": dict(policy), "secrets": dict(secrets),
                                       "placeholders": dict(placeholders or {})})
+
+    async def list_approvals(self, session_ids: list[str], *, include_decided: bool = False) -> ApprovalList:
+        params: list[tuple[str, str]] = [("session", sid) for sid in session_ids]
+        if include_decided:
+            params.append(("include_decided", "true"))
+        return await self._call(ApprovalList, "GET", "/approvals", params=params)
+
+    async def get_approval(self, approval_id: str) -> ApprovalInfo:
+        return await self._call(ApprovalInfo, "GET", f"/approvals/{approval_id}")
+
+    async def decide_approval(self, approval_id: str, decision: ApprovalDecision) -> ApprovalInfo:
+        return await self._call(ApprovalInfo, "POST", f"/approvals/{approval_id}/decision",
+                                json=decision.model_dump(mode="json"))
+    async def revoke_connection(self, connection_id: str) -> None:
+        """Stop injecting the connection's token into any request on this node, at once."""
+        await self._request("POST", f"/connections/{connection_id}/revoke")
 
     async def audit(self, *, after: int, epoch: str | None, limit: int) -> AuditPage:
         params: dict[str, str | int] = {"after": after, "limit": limit}

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsa.common.errors import CapsaError
+from capsa.control import audit_trail
 
 __all__ = ["install_problem_handlers", "problem_response", "refuse_websocket"]
 
@@ -30,6 +31,7 @@ def problem_response(status: int, code: str, detail: str, *, title: str | None =
             title = HTTPStatus(status).phrase
         except ValueError:
             title = "Error"
+    audit_trail.note_error(code)
     body = {"type": f"https://capsa.dev/errors/{code}", "title": title, "status": status, "detail": detail,
             "code": code, **extra}
     return JSONResponse(body, status_code=status, headers=headers, media_type="application/problem+json")

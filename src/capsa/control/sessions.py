@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import and_, delete, or_, select, update
 
 from capsa.common.ids import is_id, new_id
-from capsa.control import egress
+from capsa.control import audit_trail, egress
 from capsa.control.auth import Principal
 from capsa.control.errors import ApiError, InvalidState, NotFound, SessionFailed, ValidationFailed
 from capsa.control.lifecycle import transition
@@ -219,6 +219,10 @@ async def finish_session(plane: ControlPlane, session_id: str, target: str, reas
         # Read what to destroy before committing, so the sandbox is gone as soon after the state
         # change becomes visible as possible.
         row = await db.get(SessionRow, session_id, populate_existing=True) if done else None
+        if row is not None:  # in the same transaction as the state change: recorded iff it happened
+            await audit_trail.record(db, tenant=row.tenant, kind="session",
+                                     action="close" if target == "closed" else "fail",
+                                     session_id=session_id, detail={"state": target, "reason": reason})
         node = await node_of(db, row) if row else None
         await db.commit()
         if not done:

@@ -72,6 +72,11 @@ class ControlSettings(BaseSettings):
     (``CAPSA_E2B_COMPAT=false`` turns it off)."""
     public_url: str | None = None
     """The base URL clients reach the API at (port token URLs); none: the URL of the request that asks."""
+    oauth_ca_file: Path | None = None
+    """Extra CA certificates (PEM) trusted for connection providers' endpoints, beside the system's (an
+    identity provider on a private CA); ``CAPSA_OAUTH_CA_FILE``."""
+    connection_login_ttl: Annotated[float, Field(gt=0, le=3600)] = 600.0
+    """Seconds a sign-in (its ``state``, PKCE verifier or device code) stays usable."""
     allow_insecure_node_urls: bool = False
     """Accept plain ``http://`` node URLs off loopback (``CAPSA_ALLOW_INSECURE_NODE_URLS=1``, labs and
     tests only): the node's API token and every session's secrets would cross the network in clear."""

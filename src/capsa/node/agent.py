@@ -27,8 +27,9 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, cast
 
-from capsa.common.egress_policy import EgressPolicy
+from capsa.common.egress_policy import ApprovalScope, EgressPolicy
 from capsa.common.errors import CapsaError
+from capsa.node.egress.approvals import ApprovalError
 from capsa.node.egress.node_egress import EgressRequest, NodeEgress
 from capsa.node.egress.trust_store import TrustStore
 from capsa.node.guest_client import (
@@ -212,6 +213,27 @@ class NodeAgent:
         record.egress_env = {**proxy, **placeholder_env}
         record.env.update(record.egress_env)
         return update.ca_reissued
+
+    # -- approvals -----------------------------------------------------------------------------------------
+    def approvals(self, session_ids: Sequence[str] | None = None, *, include_decided: bool = False
+                  ) -> builtins.list[dict[str, Any]]:
+        """Requests the egress broker holds for approval (of ``session_ids``; all when None)."""
+        if self.egress is None:
+            return []
+        return [a.as_dict() for a in self.egress.approvals.list(session_ids, include_decided=include_decided)]
+
+    def approval(self, approval_id: str) -> dict[str, Any]:
+        if self.egress is None:
+            raise ApprovalError(f"approval {approval_id} not found")
+        return self.egress.approvals.get(approval_id).as_dict()
+
+    def decide_approval(self, approval_id: str, *, approve: bool, decided_by: str,
+                        scope: ApprovalScope | None = None, reason: str | None = None,
+                        session_id: str | None = None) -> dict[str, Any]:
+        if self.egress is None:
+            raise ApprovalError(f"approval {approval_id} not found")
+        return self.egress.approvals.decide(approval_id, approve=approve, decided_by=decided_by, scope=scope,
+                                            reason=reason, session_id=session_id).as_dict()
 
     def get(self, sandbox_id: str) -> SandboxRecord:
         """The live sandbox; a dead one raises ``sandbox_failed``, an unknown one ``sandbox_not_found``."""

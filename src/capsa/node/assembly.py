@@ -16,6 +16,7 @@ from pathlib import Path
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.agent import NodeAgent
+from capsa.node.egress.audit_log import AUDIT_FILE
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
 from capsa.node.sources import TemplateSource
@@ -56,8 +57,9 @@ async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> 
         pool_cfg = PoolSettings()
         # Sandbox namespaces and nftables need root; without it, sessions with a policy are refused
         # (egress_unavailable) and sessions without one run with no network, as always.
-        egress = (NodeEgress.create(netns_prefix=netns_prefix(settings.state_dir)) if os.geteuid() == 0
-                  else None)
+        egress = (NodeEgress.create(netns_prefix=netns_prefix(settings.state_dir),
+                                    audit_path=Path(settings.state_dir) / AUDIT_FILE)
+                  if os.geteuid() == 0 else None)
         # Node-built templates are cached beside the image: a fresh state dir restores from them at once.
         source = TemplateSource(runtime, image, egress=egress, pool_size=pool_cfg.size,
                                 pool_sizes=pool_cfg.sizes, cache=TemplateCache(settings.cache_dir))

@@ -27,6 +27,7 @@ from typing import Protocol
 import httpx
 import uvicorn
 
+from capsa.common.connection_wire import ConnectionTokenOut, ConnectionTokenRequest
 from capsa.common.errors import CapsaError
 from capsa.common.node_wire import (
     Capacity,
@@ -65,6 +66,11 @@ class ControlLink(Protocol):
 
     async def leave(self, node_id: str) -> None:
         """The node is stopping: it takes no new sessions and its sessions lose their sandboxes now."""
+        ...
+
+    async def connection_token(self, node_id: str, session_id: str, connection_id: str) -> ConnectionTokenOut:
+        """A current access token of a connection the session (on this node) binds; the control plane
+        refreshes it when due. Raises a CapsaError coded ``connection_revoked`` once it is revoked."""
         ...
 
     async def aclose(self) -> None: ...
@@ -158,6 +164,13 @@ class HttpControlLink:
         assert self._identity is not None
         await self._post(f"/nodes/{node_id}/leave", self._identity.credential, None)
 
+    async def connection_token(self, node_id: str, session_id: str, connection_id: str) -> ConnectionTokenOut:
+        assert self._identity is not None
+        body = ConnectionTokenRequest(session_id=session_id).model_dump()
+        response = await self._post(f"/nodes/{node_id}/connections/{connection_id}/token",
+                                    self._identity.credential, body)
+        return ConnectionTokenOut.model_validate(response.json())
+
 
 
 class NodeService:
@@ -226,6 +239,13 @@ class NodeService:
         await self.parts.agent.wait_ready()
         self.node_id = await self.link.register(self._registration())
         self.parts.agent.node_id = self.node_id
+        if self.parts.agent.egress is not None:
+            node_id, link = self.node_id, self.link
+
+            async def fetch(session_id: str, connection_id: str) -> ConnectionTokenOut:
+                return await link.connection_token(node_id, session_id, connection_id)
+
+            self.parts.agent.egress.tokens.fetch = fetch
         self._beats = asyncio.create_task(self._heartbeats(), name="capsa-node-heartbeat")
         if self._on_registered is not None:
             done = self._on_registered(self.node_id)

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from capsa.sdk.approvals import ApprovalInfo, AsyncApprovals
+from capsa.sdk.approvals_sync import Approvals
+from capsa.sdk.audit import AUDIT_KINDS, AsyncAudit, AuditPage, AuditRecord, AuditVerification
+from capsa.sdk.audit_sync import Audit
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import DEFAULT_API_URL, ClientConfig
+from capsa.sdk.connections import (
+    AsyncConnectionProviders,
+    AsyncConnections,
+    ConnectionInfo,
+    Login,
+    LoginPoll,
+    ProviderInfo,
+    Revocation,
+)
+from capsa.sdk.connections_sync import ConnectionProviders, Connections
 from capsa.sdk.egress import AsyncEgress, AsyncSecrets, AuditEvent, PolicyInfo, SecretInfo
 from capsa.sdk.egress_sync import Egress, Secrets
 from capsa.sdk.errors import (
@@ -54,10 +68,17 @@ from capsa.sdk.terminals import AsyncPty, AsyncTerminal
 from capsa.sdk.terminals_sync import Pty, Terminal
 
 __all__ = [
+    "AUDIT_KINDS",
     "DEFAULT_API_URL",
     "ApiKey",
+    "ApprovalInfo",
+    "Approvals",
+    "AsyncApprovals",
+    "AsyncAudit",
     "AsyncClient",
     "AsyncCommands",
+    "AsyncConnectionProviders",
+    "AsyncConnections",
     "AsyncEgress",
     "AsyncFiles",
     "AsyncKeys",
@@ -71,7 +92,11 @@ __all__ = [
     "AsyncSnapshots",
     "AsyncTerminal",
     "AsyncWatch",
+    "Audit",
     "AuditEvent",
+    "AuditPage",
+    "AuditRecord",
+    "AuditVerification",
     "BadRequest",
     "CapsaAPIError",
     "CapsaClientError",
@@ -81,6 +106,9 @@ __all__ = [
     "ClientConfig",
     "CommandResult",
     "Commands",
+    "ConnectionInfo",
+    "ConnectionProviders",
+    "Connections",
     "Egress",
     "EnrolToken",
     "FieldError",
@@ -91,6 +119,8 @@ __all__ = [
     "InternalError",
     "InvalidState",
     "Keys",
+    "Login",
+    "LoginPoll",
     "NoCapacity",
     "NodeInfo",
     "NodeUnreachable",
@@ -108,8 +138,10 @@ __all__ = [
     "Process",
     "ProcessInfo",
     "ProcessOutput",
+    "ProviderInfo",
     "Pty",
     "RateLimited",
+    "Revocation",
     "SecretInfo",
     "Secrets",
     "Session",

@@ -17,7 +17,10 @@ from typing import Any, Literal
 
 import httpx
 
+from capsa.sdk.approvals import AsyncApprovals
+from capsa.sdk.audit import AsyncAudit
 from capsa.sdk.config import ClientConfig
+from capsa.sdk.connections import AsyncConnectionProviders, AsyncConnections
 from capsa.sdk.egress import AsyncSecrets
 from capsa.sdk.errors import (
     CapsaAPIError,
@@ -91,6 +94,10 @@ class AsyncClient:
         self.keys = AsyncKeys(self)
         self.nodes = AsyncNodes(self)
         self.secrets = AsyncSecrets(self)
+        self.approvals = AsyncApprovals(self)
+        self.connections = AsyncConnections(self)
+        self.connection_providers = AsyncConnectionProviders(self)
+        self.audit = AsyncAudit(self)
 
     # -- plumbing -------------------------------------------------------------------------------------
 

@@ -14,11 +14,14 @@ from typing import IO, Any, Literal, overload
 
 import httpx
 
+from capsa.sdk.approvals_sync import Approvals
+from capsa.sdk.audit_sync import Audit
 from capsa.sdk.browser import BrowserInfo
 from capsa.sdk.browser_sync import Computer
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
 from capsa.sdk.config import ClientConfig
+from capsa.sdk.connections_sync import ConnectionProviders, Connections
 from capsa.sdk.egress import AuditEvent, PolicyInfo
 from capsa.sdk.egress_sync import Egress, Secrets
 from capsa.sdk.files import AsyncFiles, AsyncWatch, UploadSource
@@ -70,6 +73,10 @@ class Client:
         self.keys = Keys(self.aio.keys, self._portal)
         self.nodes = Nodes(self.aio.nodes, self._portal)
         self.secrets = Secrets(self.aio.secrets, self._portal)
+        self.approvals = Approvals(self.aio.approvals, self._portal)
+        self.connections = Connections(self.aio.connections, self._portal)
+        self.connection_providers = ConnectionProviders(self.aio.connection_providers, self._portal)
+        self.audit = Audit(self.aio.audit, self._portal)
 
     @property
     def config(self) -> ClientConfig:

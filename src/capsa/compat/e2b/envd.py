@@ -32,6 +32,8 @@ from capsa.compat.e2b.connect import (
     stream_response,
     unary_response,
 )
+from capsa.control import audit_trail
+from capsa.control.audit_digest import StreamDigest
 from capsa.control.errors import ApiError, PayloadTooLarge
 from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
@@ -199,11 +201,14 @@ async def health(request: Request) -> Response:
     return Response(status_code=204)
 
 
-async def _relay(chunks: AsyncIterator[bytes], stack: AsyncExitStack) -> AsyncIterator[bytes]:
+async def _relay(chunks: AsyncIterator[bytes], stack: AsyncExitStack, session_id: str,
+                 path: str) -> AsyncIterator[bytes]:
+    digest = StreamDigest()
     try:
-        async for chunk in chunks:
+        async for chunk in digest.through(chunks):
             yield chunk
     finally:
+        audit_trail.note("file", "download", session_id=session_id, detail=digest.detail(path))
         await stack.aclose()
 
 
@@ -227,7 +232,8 @@ async def download(request: Request, path: _PathQuery = None, username: _PathQue
             raise
     except (ApiError, ConnectError) as exc:
         return _files_error(exc)
-    return StreamingResponse(_relay(chunks, stack), media_type="application/octet-stream",
+    return StreamingResponse(_relay(chunks, stack, target.row.id, guest_path),
+                             media_type="application/octet-stream",
                              background=BackgroundTask(stack.aclose))
 
 
@@ -283,7 +289,12 @@ async def upload(request: Request, path: _PathQuery = None, username: _PathQuery
 
 
 async def _write(control: ControlPlane, target: EnvdTarget, path: str, body: AsyncIterator[bytes]) -> Any:
+    digest = StreamDigest()
     try:
-        return await target.client.write_file(target.sandbox_id, path, None, body)
+        info = await target.client.write_file(target.sandbox_id, path, None, digest.through(body))
     except NodeError as exc:
+        audit_trail.note("file", "upload", session_id=target.row.id,
+                         detail=digest.detail(path, error=exc.code))
         raise await node_call_failed(control, target.row, exc) from exc
+    audit_trail.note("file", "upload", session_id=target.row.id, detail=digest.detail(path))
+    return info

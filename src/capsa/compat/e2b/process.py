@@ -29,7 +29,7 @@ from capsa.common.errors import CapsaError
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
 from capsa.compat.e2b.access import EnvdTarget
 from capsa.compat.e2b.connect import ConnectError, paced
-from capsa.control import process_io
+from capsa.control import audit_trail, process_io
 from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.port_access import keep_active
@@ -216,6 +216,12 @@ async def stream_process(control: ControlPlane, terminals: Terminals, target: En
 
         async def on_deadline() -> None:
             await _guest(control, target, target.client.kill_process(target.sandbox_id, pid, 9))
+    if start is not None:
+        spec = start.process
+        audit_trail.note("command", "start", session_id=target.row.id, detail={
+            "argv": spec.cmd if isinstance(spec.cmd, str) else list(spec.cmd),
+            "shell": isinstance(spec.cmd, str), "cwd": spec.cwd, "user": spec.user,
+            "env_keys": sorted(spec.env), "pid": pid, "pty": start.pty is not None, "via": "e2b"})
     yield {"event": {"start": {"pid": pid}}}
     async for event in paced(source, {"event": {"keepalive": {}}}, deadline=deadline, on_deadline=on_deadline,
                              deadline_message="the command ran past its timeout and was killed"):

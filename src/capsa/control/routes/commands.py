@@ -4,6 +4,8 @@ NDJSON stream from byte offsets (``/stream``). The logic is in :mod:`capsa.contr
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Annotated, Any
@@ -15,7 +17,7 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from capsa.common import node_api
-from capsa.control import process_io
+from capsa.control import audit_trail, process_io
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import PayloadTooLarge
 from capsa.control.nodeclient import NodeError
@@ -42,7 +44,7 @@ from capsa.sdk.models import (
     StreamError,
 )
 
-__all__ = ["router"]
+__all__ = ["AUDIT_ARGV_BYTES", "argv_detail", "router"]
 
 router = APIRouter(prefix="/sessions/{session_id}", tags=["commands"], responses=PROBLEMS)
 
@@ -56,13 +58,51 @@ def _node_request(plane: ControlPlane, body: CommandRequest) -> node_api.ExecReq
                                 timeout=timeout)
 
 
+AUDIT_ARGV_BYTES = 64 * 1024
+"""A command line longer than this (JSON-encoded) is recorded cut, with the SHA-256 of the whole."""
+
+
+def argv_detail(cmd: str | list[str]) -> dict[str, object]:
+    """The command as its audit event records it: the argv (or shell line), cut past
+    :data:`AUDIT_ARGV_BYTES` with ``argv_truncated`` and the whole one's ``argv_sha256``."""
+    encoded = json.dumps(cmd)
+    if len(encoded) <= AUDIT_ARGV_BYTES:
+        return {"argv": cmd, "shell": isinstance(cmd, str)}
+    digest = hashlib.sha256(encoded.encode()).hexdigest()
+    if isinstance(cmd, str):
+        cut: str | list[str] = cmd[:AUDIT_ARGV_BYTES // 2]
+    else:
+        kept, size = [], 0
+        for arg in cmd:
+            piece = arg[:max(0, AUDIT_ARGV_BYTES // 2 - size)]
+            kept.append(piece)
+            size += len(piece) + 4
+            if size >= AUDIT_ARGV_BYTES // 2:
+                break
+        cut = kept
+    return {"argv": cut, "shell": isinstance(cmd, str), "argv_truncated": True, "argv_sha256": digest}
+
+
+def _note_command(row: SessionRow, body: CommandRequest, outcome: dict[str, object]) -> None:
+    """The ``command`` audit event: what ran, where, as whom, and how it ended."""
+    audit_trail.note("command", "run", session_id=row.id, detail={
+        **argv_detail(body.cmd if isinstance(body.cmd, str) else list(body.cmd)),
+        "cwd": body.cwd, "user": body.user, "env_keys": sorted(body.env), **outcome})
+
+
+def _finished(status: ExecFinished | CommandResult) -> dict[str, object]:
+    return {"exit_code": status.exit_code, "signal": status.signal, "timed_out": status.timed_out,
+            "duration_ms": status.duration_ms}
+
+
 def _line(event: ExecOutput | ExecFinished | ExecError) -> str:
     return EXEC_EVENT.dump_json(event).decode() + "\n"
 
 
 async def _stream(plane: ControlPlane, row: SessionRow, node_events: AsyncIterator[node_api.ExecEvent],
-                  stack: AsyncExitStack) -> AsyncIterator[str]:
+                  stack: AsyncExitStack, body: CommandRequest) -> AsyncIterator[str]:
     failed = False
+    outcome: dict[str, object] = {"error": "stream_closed"}
     try:
         async for node_event in node_events:
             try:
@@ -77,10 +117,16 @@ async def _stream(plane: ControlPlane, row: SessionRow, node_events: AsyncIterat
                 event = ExecError(code="session_failed" if state == "failed" else "invalid_state",
                                   detail=f"session {row.id} lost its sandbox ({state}): {event.detail}")
                 failed = True
+            if isinstance(event, ExecFinished):
+                outcome = _finished(event)
+            elif isinstance(event, ExecError):
+                outcome = {"error": event.code}
             yield _line(event)
+        _note_command(row, body, outcome)
         if not failed:
             await command_finished(plane, row)
     except (NodeError, httpx.HTTPError) as exc:
+        _note_command(row, body, {"error": "node_unreachable"})
         yield _line(ExecError(code="node_unreachable",
                               detail=f"lost the node while streaming: {type(exc).__name__}"))
     finally:
@@ -100,6 +146,10 @@ async def run_command(session_id: str, body: CommandRequest, plane: Plane, calle
         process = await process_io.start_background(
             plane, caller.tenant, session_id, body.cmd if isinstance(body.cmd, str) else list(body.cmd),
             env=dict(body.env), cwd=body.cwd, user=body.user, open_stdin=body.open_stdin)
+        audit_trail.note("command", "start", session_id=session_id, detail={
+            **argv_detail(body.cmd if isinstance(body.cmd, str) else list(body.cmd)),
+            "cwd": body.cwd, "user": body.user,
+            "env_keys": sorted(body.env), "pid": process.pid, "background": True})
         return JSONResponse(process.model_dump(mode="json"), status_code=201)
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
@@ -114,14 +164,17 @@ async def run_command(session_id: str, body: CommandRequest, plane: Plane, calle
         except BaseException:
             await stack.aclose()
             raise
-        return StreamingResponse(_stream(plane, row, events, stack), media_type=_NDJSON,
+        return StreamingResponse(_stream(plane, row, events, stack, body), media_type=_NDJSON,
                                  background=BackgroundTask(stack.aclose))
     try:
         result = await client.exec(row.sandbox_id, node_request)
     except NodeError as exc:
+        _note_command(row, body, {"error": exc.code})
         raise await node_call_failed(plane, row, exc) from exc
     await command_finished(plane, row)
-    return CommandResult.model_validate(result.model_dump())
+    answer = CommandResult.model_validate(result.model_dump())
+    _note_command(row, body, _finished(answer))
+    return answer
 
 
 @router.get("/processes", response_model=ProcessList)
@@ -162,7 +215,9 @@ async def kill_process(session_id: str, pid: _Pid, plane: Plane, caller: Caller,
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
     try:
-        killed = await client.kill_process(row.sandbox_id, pid, (body or KillRequest()).signal)
+        signal = (body or KillRequest()).signal
+        killed = await client.kill_process(row.sandbox_id, pid, signal)
+        audit_trail.note("command", "kill", session_id=session_id, detail={"pid": pid, "signal": signal})
         return ProcessInfo.model_validate(killed.model_dump())
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc

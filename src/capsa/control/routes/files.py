@@ -10,7 +10,8 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from capsa.control import process_io
+from capsa.control import audit_trail, process_io
+from capsa.control.audit_digest import StreamDigest
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import PayloadTooLarge
 from capsa.control.nodeclient import NodeError
@@ -46,11 +47,15 @@ def _check_length(request: Request, limit: int) -> None:
         raise PayloadTooLarge(f"body larger than {limit} bytes")
 
 
-async def _relay(chunks: AsyncIterator[bytes], stack: AsyncExitStack) -> AsyncIterator[bytes]:
+async def _relay(chunks: AsyncIterator[bytes], stack: AsyncExitStack, row: SessionRow, action: str,
+                 path: str) -> AsyncIterator[bytes]:
+    digest = StreamDigest()
     try:
-        async for chunk in chunks:
+        async for chunk in digest.through(chunks):
             yield chunk
     finally:
+        # Noted before the response's last message, so it is written with the request's api event.
+        audit_trail.note("file", action, session_id=row.id, detail=digest.detail(path))
         await stack.aclose()
 
 
@@ -74,7 +79,8 @@ async def read_file(session_id: str, path: GuestPath, plane: Plane, caller: Call
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
     chunks, stack = await _open_stream(plane, row, client.read_file(row.sandbox_id, path))
-    return StreamingResponse(_relay(chunks, stack), media_type="application/octet-stream",
+    return StreamingResponse(_relay(chunks, stack, row, "download", path),
+                             media_type="application/octet-stream",
                              background=BackgroundTask(stack.aclose))
 
 
@@ -85,11 +91,14 @@ async def write_file(session_id: str, path: GuestPath, request: Request, plane: 
     _check_length(request, plane.settings.max_file_bytes)
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
+    digest = StreamDigest()
     try:
         info = await client.write_file(row.sandbox_id, path, int(mode, 8) if mode else None,
-                                       _bounded(request, plane.settings.max_file_bytes))
+                                       digest.through(_bounded(request, plane.settings.max_file_bytes)))
     except NodeError as exc:
+        audit_trail.note("file", "upload", session_id=row.id, detail=digest.detail(path, error=exc.code))
         raise await node_call_failed(plane, row, exc) from exc
+    audit_trail.note("file", "upload", session_id=row.id, detail=digest.detail(path, mode=mode))
     return FileInfo.model_validate(info.model_dump())
 
 
@@ -120,9 +129,11 @@ async def mkdir(session_id: str, path: GuestPath, plane: Plane, caller: Caller,
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
     try:
-        return FileInfo.model_validate((await client.mkdir(row.sandbox_id, path, parents)).model_dump())
+        made = FileInfo.model_validate((await client.mkdir(row.sandbox_id, path, parents)).model_dump())
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
+    audit_trail.note("file", "mkdir", session_id=row.id, detail={"path": path, "parents": parents})
+    return made
 
 
 @router.delete("", status_code=204, response_class=Response)
@@ -134,6 +145,7 @@ async def remove(session_id: str, path: GuestPath, plane: Plane, caller: Caller,
         await client.remove(row.sandbox_id, path, recursive)
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
+    audit_trail.note("file", "delete", session_id=row.id, detail={"path": path, "recursive": recursive})
     return Response(status_code=204)
 
 
@@ -143,7 +155,8 @@ async def export_archive(session_id: str, path: GuestPath, plane: Plane,
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
     chunks, stack = await _open_stream(plane, row, client.export_archive(row.sandbox_id, path))
-    return StreamingResponse(_relay(chunks, stack), media_type="application/x-tar",
+    return StreamingResponse(_relay(chunks, stack, row, "archive_download", path),
+                             media_type="application/x-tar",
                              background=BackgroundTask(stack.aclose))
 
 
@@ -154,10 +167,15 @@ async def import_archive(session_id: str, path: GuestPath, request: Request, pla
     _check_length(request, plane.settings.max_file_bytes)
     row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
+    digest = StreamDigest()
     try:
-        await client.import_archive(row.sandbox_id, path, _bounded(request, plane.settings.max_file_bytes))
+        await client.import_archive(row.sandbox_id, path,
+                                    digest.through(_bounded(request, plane.settings.max_file_bytes)))
     except NodeError as exc:
+        audit_trail.note("file", "archive_upload", session_id=row.id,
+                         detail=digest.detail(path, error=exc.code))
         raise await node_call_failed(plane, row, exc) from exc
+    audit_trail.note("file", "archive_upload", session_id=row.id, detail=digest.detail(path))
     return Response(status_code=204)
 
 

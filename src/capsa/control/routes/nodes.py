@@ -8,7 +8,8 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from capsa.control import nodes
+from capsa.common.connection_wire import ConnectionTokenOut, ConnectionTokenRequest
+from capsa.control import connection_tokens, nodes
 from capsa.control.auth import authenticate, require_admin
 from capsa.control.deps import Admin, Plane, problems
 from capsa.control.errors import Unauthorized
@@ -102,3 +103,13 @@ async def leave_node(node_id: str, plane: Plane, _node: _Node) -> NodeOut:
     """The node is stopping: no new sessions go to it; its sessions are paused at their latest snapshot or
     failed now."""
     return await nodes.leave_node(plane, node_id)
+
+
+@router.post("/{node_id}/connections/{connection_id}/token", response_model=ConnectionTokenOut,
+             responses=problems(409, 503))
+async def connection_token(node_id: str, connection_id: str, body: ConnectionTokenRequest, plane: Plane,
+                           _node: _Node) -> ConnectionTokenOut:
+    """A current access token of a connection that a live session on this node binds (refreshed here
+    when due, once however many ask). Only for the node's own sessions; ``connection_revoked`` once it
+    is revoked."""
+    return await connection_tokens.token_for_node(plane, node_id, body.session_id, connection_id)

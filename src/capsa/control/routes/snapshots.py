@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from capsa.control import snapshots
+from capsa.control import audit_trail, snapshots
 from capsa.control.auth import Principal
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.schemas import (
@@ -31,7 +31,9 @@ async def _count_start(plane: Plane, caller: Principal, sandboxes: int = 1) -> N
 @router.post("/pause", response_model=SessionOut)
 async def pause_session(session_id: str, plane: Plane, caller: Caller) -> SessionOut:
     """Snapshot the session and destroy its sandbox (state ``paused``)."""
-    return await snapshots.pause_session(plane, caller.tenant, session_id)
+    out = await snapshots.pause_session(plane, caller.tenant, session_id)
+    audit_trail.note("session", "pause", session_id=session_id, detail={"state": out.state})
+    return out
 
 
 @router.post("/resume", response_model=SessionOut, responses=problems(403))
@@ -39,7 +41,10 @@ async def resume_session(session_id: str, plane: Plane, caller: Caller) -> Sessi
     """Start a new sandbox from the paused session's latest snapshot (state ``running``); within the
     tenant's quota (``quota_exceeded``)."""
     await _count_start(plane, caller)
-    return await snapshots.resume_session(plane, caller.tenant, session_id)
+    out = await snapshots.resume_session(plane, caller.tenant, session_id)
+    audit_trail.note("session", "resume", session_id=session_id,
+                     detail={"state": out.state, "node_id": out.node_id})
+    return out
 
 
 @router.post("/branch", status_code=201, response_model=BranchOut, responses=problems(403))
@@ -47,7 +52,14 @@ async def branch_session(session_id: str, body: BranchRequest, plane: Plane, cal
     """``n`` new sessions from this session's current state (a running session is snapshotted first);
     they count ``n`` against the rate limit and must fit the tenant's quota (``quota_exceeded``)."""
     await _count_start(plane, caller, body.n)
-    return await snapshots.branch_session(plane, caller.tenant, session_id, body.n)
+    out = await snapshots.branch_session(plane, caller.tenant, session_id, body.n)
+    audit_trail.note("session", "branch", session_id=session_id,
+                     detail={"snapshot_id": out.snapshot_id, "branches": [s.id for s in out.items]})
+    for branch in out.items:
+        audit_trail.note("session", "create", session_id=branch.id,
+                         detail={"state": branch.state, "branched_from": session_id,
+                                 "snapshot_id": out.snapshot_id})
+    return out
 
 
 @router.get("/snapshots", response_model=SnapshotList)
@@ -59,11 +71,15 @@ async def list_snapshots(session_id: str, plane: Plane, caller: Caller) -> Snaps
 async def take_snapshot(session_id: str, plane: Plane, caller: Caller,
                         body: SnapshotCreate | None = None) -> SnapshotOut:
     """Snapshot the running session now; it keeps running."""
-    return await snapshots.take_snapshot(plane, caller.tenant, session_id)
+    out = await snapshots.take_snapshot(plane, caller.tenant, session_id)
+    audit_trail.note("session", "snapshot", session_id=session_id, detail={"snapshot_id": out.id})
+    return out
 
 
 @router.post("/restore", response_model=SessionOut)
 async def restore_session(session_id: str, body: RestoreRequest, plane: Plane, caller: Caller) -> SessionOut:
     """Roll the session back to one of its snapshots (a new sandbox replaces the current one)."""
     await _count_start(plane, caller)
-    return await snapshots.restore_session(plane, caller.tenant, session_id, body.snapshot_id)
+    out = await snapshots.restore_session(plane, caller.tenant, session_id, body.snapshot_id)
+    audit_trail.note("session", "restore", session_id=session_id, detail={"snapshot_id": body.snapshot_id})
+    return out

@@ -9,7 +9,18 @@ from fastapi import Depends, FastAPI
 
 from capsa.common.node_api import EXEC_EVENT
 from capsa.node.agent import NodeAgent
-from capsa.node.api import commands, egress, files, node, ports, sandboxes, snapshots, templates, terminals
+from capsa.node.api import (
+    approvals,
+    commands,
+    egress,
+    files,
+    node,
+    ports,
+    sandboxes,
+    snapshots,
+    templates,
+    terminals,
+)
 from capsa.node.api.deps import require_node_token
 from capsa.node.api.errors import install_error_handlers
 
@@ -43,7 +54,7 @@ def create_node_app(agent: NodeAgent, token: str) -> FastAPI:
     install_error_handlers(app)
     app.include_router(node.public, prefix=PREFIX)
     authorized = [Depends(require_node_token)]
-    for module in (node, sandboxes, egress, commands, files, snapshots, templates):
+    for module in (node, sandboxes, egress, approvals, commands, files, snapshots, templates):
         app.include_router(module.router, prefix=PREFIX, dependencies=authorized)
     app.include_router(node.metrics, dependencies=authorized)
     app.include_router(ports.router, prefix=PREFIX)  # a WebSocket: it checks the node token itself

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -21,7 +21,9 @@ _log = logging.getLogger(__name__)
 
 
 class EgressEvent(BaseModel):
-    kind: Literal["http", "connect", "tls", "dns", "net"]
+    kind: Literal["http", "connect", "tls", "dns", "net", "approval", "connection"]
+    """Egress (``http`` ... ``net``); ``approval`` (a held request decided) and ``connection`` (an OAuth
+    connection's token injected, refreshed or revoked) go into the tenant chain under those kinds."""
     session_id: str | None = None
     sandbox_id: str
     time: float = Field(default_factory=time.time)
@@ -44,6 +46,11 @@ class EgressEvent(BaseModel):
     secret_ids: list[str] = Field(default_factory=list)
     count: int = 1
     """For ``net`` events: packets dropped since the previous event of this class."""
+    detail: dict[str, Any] | None = None
+    """Approval and connection events: what was decided or used (JSON values; an ``action`` string, if
+    present, becomes the chain event's action). Never a secret or token value."""
+    request_id: str | None = None
+    """The control-plane API request that caused the event (e.g. the approval decision), when one did."""
 
 
 AuditSink = Callable[[EgressEvent], None]

@@ -11,7 +11,10 @@ verifies the upstream certificate, redacts secrets from the response and writes 
 
 Bodies stream in both directions (injection touches headers only; redaction of a bound destination's
 response works on a bounded sliding window, see redaction.py). What one sandbox and the node may hold —
-connections, descriptors, buffered bytes, time — is in limits.py.
+connections, descriptors, buffered bytes, time — is in limits.py. The exception: a request an approval rule
+may match is read whole (within the request limit, charged to the buffer budget) and held, unforwarded,
+until it is approved, denied, timed out or its sandbox stops (approvals.py, docs/approvals.md). Per-domain
+upload bans and download content-type lists are checked on the request's size and the response's head.
 """
 
 from __future__ import annotations
@@ -19,15 +22,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import logging
 import re
 import socket
 import ssl
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 import h11
@@ -35,14 +39,25 @@ import h11
 from capsa.common.errors import CapsaError
 from capsa.node.egress import dnswire
 from capsa.node.egress.addresses import is_ip_literal, is_public_address
+from capsa.node.egress.approvals import (
+    PENDING_PER_SANDBOX,
+    PREVIEW_BYTES,
+    Approval,
+    ApprovalBook,
+    new_approval_id,
+    post_webhook,
+    webhook_payload,
+)
 from capsa.node.egress.audit import AuditSink, EgressEvent, emit_safely
 from capsa.node.egress.ca import SandboxCA, leaf_name
 from capsa.node.egress.clienthello import MAX_HELLO, UNRECOGNIZED_NAME_ALERT, Hello, parse_client_hello
 from capsa.node.egress.dns import DnsAnswer, DnsServerProtocol, ResolveError, Resolver, SystemResolver
 from capsa.node.egress.limits import BrokerLimits, ByteBudget, Pace
-from capsa.node.egress.policy import DomainRule, EgressPolicy, SecretBinding
+from capsa.node.egress.policy import ApprovalRule, DomainRule, EgressPolicy, SecretBinding
 from capsa.node.egress.redaction import SecretLeak, SecretPatterns, StreamRedactor
 from capsa.node.egress.secrets import SecretStore, is_placeholder, new_placeholder
+from capsa.node.egress.token_injection import TokenRefused, TokenRequest, inject_tokens
+from capsa.node.egress.tokens import ConnectionTokens
 from capsa.node.net.nsexec import open_listener
 from capsa.node.net.sandbox_net import ServicePorts
 
@@ -63,6 +78,9 @@ _HOP_BY_HOP = {
     b"te", b"trailer", b"transfer-encoding", b"upgrade", b"content-length", b"http2-settings",
 }
 DNS_QUERIES_PER_SECOND = 100
+_APPROVAL_ACTIONS = {"pending": "requested", "approved": "approved", "denied": "denied",
+                     "timeout": "timed_out", "cancelled": "cancelled"}
+"""The ``action`` of an approval event (its ``detail``), by the approval's state."""
 _STREAM_LIMIT = 64 * 1024
 _SMALL_BODY = 256 * 1024
 """A bound destination's response up to this declared length is redacted whole and keeps a length."""
@@ -93,11 +111,14 @@ class BrokerError(CapsaError):
 
 
 class _Deny(Exception):
-    """A request the broker refuses: answered with ``status`` and audited with ``reason``."""
+    """A request the broker refuses: answered with ``status`` and audited with ``reason``; ``body`` (when
+    given) is answered as JSON instead of the plain-text reason."""
 
-    def __init__(self, status: int, reason: str, *, rule: str | None = None, close: bool = True) -> None:
+    def __init__(self, status: int, reason: str, *, rule: str | None = None, close: bool = True,
+                 body: dict[str, Any] | None = None, detail: dict[str, Any] | None = None) -> None:
         super().__init__(reason)
         self.status, self.reason, self.rule, self.close = status, reason, rule, close
+        self.body, self.detail = body, detail
 
 
 @dataclass(frozen=True)
@@ -153,6 +174,8 @@ class SandboxEgress:
     listen_socks: list[socket.socket] = field(default_factory=list)
     patterns: SecretPatterns | None = None
     """Redaction forms of the secrets this sandbox binds; built on first use, dropped on policy change."""
+    patterns_tokens: int = -1
+    """The token generation (ConnectionTokens.generation) ``patterns`` was built at."""
 
     @property
     def placeholder_env(self) -> dict[str, str]:
@@ -219,6 +242,17 @@ def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
     return [v for k, v in headers if k == name]
 
 
+def _grant_key(rule: DomainRule, approval: ApprovalRule) -> str:
+    """What a ``session`` approval covers: this approval rule of this domain rule."""
+    return f"{rule.domain}/{approval.name}"
+
+
+def _printable(value: bytes, limit: int = 100) -> str:
+    """A header value as it may appear in an audit reason: ASCII, printable, bounded."""
+    text = value.decode("latin-1")[:limit]
+    return "".join(c if " " <= c <= "~" else "?" for c in text)
+
+
 class _Client:
     """The sandbox side of one connection, spoken with h11."""
 
@@ -280,7 +314,10 @@ class _Request:
     headers: list[tuple[bytes, bytes]]
     rule: DomainRule | None = None
     secret_ids: list[str] = field(default_factory=list)
+    connection_ids: list[str] = field(default_factory=list)
     bytes_out: int = 0
+    approval_id: str | None = None
+    """The approval that let the request through (None: none was needed)."""
 
 
 class EgressBroker:
@@ -298,11 +335,17 @@ class EgressBroker:
         upstream_https_port: int = 443,
         connect_timeout: float = 10.0,
         limits: BrokerLimits | None = None,
+        approvals: ApprovalBook | None = None,
+        webhook: Callable[[str, dict[str, Any]], Coroutine[Any, Any, None]] = post_webhook,
+        tokens: ConnectionTokens | None = None,
     ) -> None:
         """``allow_networks`` lets destinations resolve into otherwise refused ranges (private, loopback…);
-        it is empty by default and meant for tests and deliberate on-premises exceptions."""
+        it is empty by default and meant for tests and deliberate on-premises exceptions. ``webhook`` sends
+        a policy's ``approval_webhook`` notifications."""
         self.secrets = secrets
         self.sink = sink
+        self.tokens = tokens if tokens is not None else ConnectionTokens()
+        """Access tokens of the connections policies bind (fetched from the control plane)."""
         self.resolver: Resolver = resolver or SystemResolver()
         self.upstream_ssl = upstream_ssl or ssl.create_default_context()
         self.allow_networks = [ipaddress.ip_network(n) for n in allow_networks]
@@ -317,6 +360,10 @@ class EgressBroker:
         self._sandboxes: dict[str, SandboxEgress] = {}
         self._sni: weakref.WeakKeyDictionary[ssl.SSLObject, str] = weakref.WeakKeyDictionary()
         self._tls_contexts: dict[str, ssl.SSLContext] = {}
+        self.approvals = approvals or ApprovalBook()
+        self.approvals.on_change = self._audit_approval
+        self.webhook = webhook
+        self._notifications: set[asyncio.Task[None]] = set()
 
     # -- sandbox lifecycle -------------------------------------------------------------------------
 
@@ -337,6 +384,10 @@ class EgressBroker:
         self._tls_contexts[sandbox_id] = self._make_sni_context(sbx)
         return sbx
 
+    def bound_connections(self) -> set[str]:
+        """The connections some registered sandbox's policy binds."""
+        return {c.connection for sbx in self._sandboxes.values() for c in sbx.policy.connections}
+
     def get(self, sandbox_id: str) -> SandboxEgress:
         try:
             return self._sandboxes[sandbox_id]
@@ -355,6 +406,7 @@ class EgressBroker:
         sbx.placeholders = kept
         self._forget_patterns(sbx)
         sbx.buckets.clear()
+        self.approvals.clear_grants(sandbox_id)  # session approvals were given under the old rules
         if reissue:
             # The TLS paths read sbx.ca on every handshake, so listeners pick the new CA up at once.
             sbx.ca = SandboxCA(sandbox_id, [r.domain for r in policy.domains])
@@ -393,6 +445,11 @@ class EgressBroker:
         """Close the sandbox's listeners and connections and forget its CA and placeholders."""
         sbx = self._sandboxes.pop(sandbox_id, None)
         self._tls_contexts.pop(sandbox_id, None)
+        # Held requests are denied (their connections get the 403 if they are still there to read it).
+        closed = self.approvals.cancel_sandbox(sandbox_id, "the sandbox stopped")
+        waiters = [a.waiter for a in closed if a.waiter is not None]
+        if waiters:
+            await asyncio.wait(waiters, timeout=1.0)
         if sbx is None:
             return
         await self._close_listeners(sbx)
@@ -402,11 +459,16 @@ class EgressBroker:
     async def close(self) -> None:
         for sid in list(self._sandboxes):
             await self.unregister(sid)
+        for task in list(self._notifications):
+            task.cancel()
+        if self._notifications:
+            await asyncio.gather(*self._notifications, return_exceptions=True)
 
     @staticmethod
     def _forget_patterns(sbx: SandboxEgress) -> None:
         if sbx.patterns is not None:
             sbx.patterns = None
+            sbx.patterns_tokens = -1
             re.purge()  # the compiled forms (which spell the secrets) also sit in re's cache
 
     async def _close_listeners(self, sbx: SandboxEgress) -> None:
@@ -437,6 +499,29 @@ class EgressBroker:
     def _audit(self, sbx: SandboxEgress, **fields: object) -> None:
         emit_safely(self.sink, EgressEvent(session_id=sbx.session_id, sandbox_id=sbx.sandbox_id,
                                            **fields))  # type: ignore[arg-type]
+
+    def _audit_approval(self, approval: Approval) -> None:
+        """One ``approval`` event per transition: opened (pending), approved, denied, timed out, cancelled."""
+        state = approval.state
+        if state == "pending":
+            reason = f"approval {approval.id} pending (rule {approval.approval_rule})"
+        elif state == "timeout":
+            reason = f"approval {approval.id} timed out"
+        elif state == "cancelled":
+            reason = f"approval {approval.id} cancelled: {approval.reason or ''}".rstrip(": ")
+        else:
+            reason = f"approval {approval.id} {state} by {approval.decided_by} (scope {approval.scope})"
+            if approval.reason:
+                reason += f": {approval.reason[:200]}"
+        emit_safely(self.sink, EgressEvent(
+            kind="approval", session_id=approval.session_id, sandbox_id=approval.sandbox_id,
+            destination=approval.destination, method=approval.method, path=approval.path,
+            decision="allow" if state == "approved" else "deny", rule=approval.rule, reason=reason,
+            bytes_out=approval.body_bytes,
+            detail={"action": _APPROVAL_ACTIONS[state], "approval_id": approval.id, "decision": state,
+                    "decided_by": approval.decided_by,
+                    "scope": approval.scope, "approval_rule": approval.approval_rule,
+                    "reason": approval.reason, "expires_at": approval.expires_at}))
 
     # -- DNS stub ----------------------------------------------------------------------------------
 
@@ -769,6 +854,8 @@ class EgressBroker:
         target = ev.target.decode("latin-1")
         req = _Request(method, target, target, pinned or "", 0, list(ev.headers))
         resolved: str | None = None
+        body: bytes | None = None
+        reserved = 0
         try:
             self._check_framing(req)
             host_values = _header(req.headers, b"host")
@@ -818,22 +905,41 @@ class EgressBroker:
                     raise _Deny(429, "rate limit exceeded", rule=rule.domain, close=False)
             limit = sbx.policy.request_limit(rule)
             length = self._body_length(req, limit)
+            self._check_upload(rule, length)
             self._inject(sbx, req, tls)
+            plain_path = req.path.split("?", 1)[0]
+            holds = [a for a in rule.approvals or () if a.matches(method, plain_path, length)]
+            # With a declared length the first match is certain: a session approval of it needs no body.
+            covered = not holds or (length is not None
+                                    and self.approvals.granted(sbx.sandbox_id, _grant_key(rule, holds[0])))
+            if not covered:
+                # The body decides (min_body_bytes) and is shown: it is read whole (within the request
+                # limit, charged to the buffer budget) and forwarded only once the request may go.
+                body, reserved = await self._read_body(sbx, client, req, limit)
+                length = len(body)
+                match = next((a for a in holds if a.matches(method, plain_path, length)), None)
+                if match is not None and not self.approvals.granted(sbx.sandbox_id, _grant_key(rule, match)):
+                    await self._hold(sbx, client, req, rule, match, body, source)
+            await self._inject_tokens(sbx, req, tls, source)
             upstream, resolved = await self._upstream_for(req, tls, upstream)
-            status, resp_len = await self._exchange(sbx, client, upstream, req, length, limit)
+            status, resp_len = await self._exchange(sbx, client, upstream, req, length, limit, body)
         except _Deny as deny:
             if upstream is not None and deny.status != 429:
                 upstream.close()  # it may have seen part of a request or response: never reuse it
                 upstream = None
             self._audit(sbx, kind="http", decision="deny", source=source, destination=req.host or pinned,
                         resolved_ip=resolved, method=method, path=_scrub(sbx, req.path), status=deny.status,
-                        rule=deny.rule, reason=deny.reason, bytes_out=req.bytes_out)
+                        rule=deny.rule, reason=deny.reason, bytes_out=req.bytes_out, detail=deny.detail)
             await self._deny(client, deny)
             return (not deny.close and client.conn.their_state is h11.DONE), pinned, upstream
+        finally:
+            if reserved and sbx.budget is not None:
+                sbx.budget.release(reserved)
         self._audit(sbx, kind="http", decision="allow", source=source, destination=req.host,
                     resolved_ip=resolved, method=method, path=_scrub(sbx, req.path), status=status,
                     rule=req.rule.domain if req.rule else None, bytes_out=req.bytes_out, bytes_in=resp_len,
-                    secret_ids=req.secret_ids)
+                    secret_ids=req.secret_ids,
+                    detail={"approval_id": req.approval_id} if req.approval_id else None)
         return True, pinned, upstream
 
     @staticmethod
@@ -853,6 +959,130 @@ class EgressBroker:
         segments = decoded.split("/")
         if ".." in segments or "." in segments or "\\" in decoded or "\x00" in decoded or "//" in raw:
             raise _Deny(400, "path with dot segments, backslashes or empty segments refused")
+
+    @staticmethod
+    def _check_upload(rule: DomainRule, size: int | None) -> None:
+        """Refuse a body over the rule's ``forbid_uploads_above`` (declared or counted so far)."""
+        cap = rule.forbid_uploads_above
+        if cap is not None and size is not None and size > cap:
+            what = "any request body" if cap == 0 else f"request bodies over {cap} bytes"
+            raise _Deny(403, f"uploads to {rule.domain} are forbidden ({what})", rule=rule.domain)
+
+    async def _read_body(self, sbx: SandboxEgress, client: _Client, req: _Request, limit: int
+                         ) -> tuple[bytes, int]:
+        """The whole request body (a request held for approval, or one whose size decides whether it is
+        held), and the bytes reserved from the sandbox's budget for it, which the caller releases."""
+        assert req.rule is not None and sbx.budget is not None
+        pace = Pace(self.limits.min_rate, self.limits.rate_grace)
+        if client.conn.they_are_waiting_for_100_continue:
+            await client.send(h11.InformationalResponse(status_code=100, headers=[]), left=pace.remaining)
+        chunks: list[bytes] = []
+        reserved = 0
+        try:
+            while True:
+                try:
+                    event = await client.next_event(pace.remaining)
+                except TimeoutError:
+                    raise _Deny(408, "request body below the minimum rate", rule=req.rule.domain) from None
+                except h11.RemoteProtocolError:
+                    raise _Deny(400, "malformed request body") from None
+                if isinstance(event, h11.Data):
+                    data = bytes(event.data)
+                    req.bytes_out += len(data)
+                    pace.add(len(data))
+                    if req.bytes_out > limit:
+                        raise _Deny(413, f"request body over {limit} bytes", rule=req.rule.domain)
+                    self._check_upload(req.rule, req.bytes_out)
+                    try:
+                        await sbx.budget.reserve(len(data), self.limits.head_timeout)
+                    except TimeoutError:
+                        raise _Deny(503, "egress buffer budget exhausted", rule=req.rule.domain) from None
+                    reserved += len(data)
+                    chunks.append(data)
+                elif isinstance(event, h11.EndOfMessage):
+                    body = b"".join(chunks)
+                    req.bytes_out = 0  # counted again as it is sent upstream
+                    return body, reserved
+                else:
+                    raise _Deny(400, "request body ended early")
+        except BaseException:
+            sbx.budget.release(reserved)
+            raise
+
+    def _preview(self, sbx: SandboxEgress, body: bytes) -> str:
+        """The start of a held body as an approver sees it: placeholders and secrets redacted."""
+        patterns = self._patterns(sbx)
+        head = body[:PREVIEW_BYTES + patterns.window]
+        for ph in sbx.placeholders:
+            head = head.replace(ph.encode(), b"[PLACEHOLDER]")
+        try:
+            head = patterns.redact(head)
+            patterns.check_leak(head)
+        except SecretLeak:
+            return "[preview withheld: the body holds part of a secret]"
+        return head[:PREVIEW_BYTES].decode("utf-8", "replace")
+
+    async def _hold(self, sbx: SandboxEgress, client: _Client, req: _Request, rule: DomainRule,
+                    match: ApprovalRule, body: bytes, source: str) -> None:
+        """Hold the request until its approval is decided; returns when approved, else raises a 403."""
+        assert match.name is not None
+        for ph, binding in sbx.placeholders.items():
+            if ph.encode() in body:
+                raise _Deny(403, f"placeholder of {binding.secret} in the request body", rule=rule.domain)
+        if self.approvals.pending_of(sbx.sandbox_id) >= PENDING_PER_SANDBOX:
+            raise _Deny(429, f"more than {PENDING_PER_SANDBOX} requests of this sandbox await approval",
+                        rule=rule.domain)
+        now = time.time()
+        approval = self.approvals.open(Approval(
+            id=new_approval_id(), sandbox_id=sbx.sandbox_id, session_id=sbx.session_id,
+            destination=req.host, method=req.method, path=_scrub(sbx, req.path), rule=rule.domain,
+            approval_rule=match.name, scope=match.scope, preview=self._preview(sbx, body),
+            body_bytes=len(body), created_at=now, expires_at=now + match.timeout_s))
+        if sbx.policy.approval_webhook:
+            task = asyncio.create_task(self.webhook(sbx.policy.approval_webhook, webhook_payload(approval)))
+            self._notifications.add(task)
+            task.add_done_callback(self._notifications.discard)
+        approval.waiter = asyncio.current_task()
+        waiter = asyncio.ensure_future(self.approvals.wait(approval, _grant_key(rule, match)))
+        watcher = asyncio.ensure_future(self._watch_client(client))
+        try:
+            await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not waiter.done():
+                waiter.cancel()  # the connection went away: the approval is cancelled as abandoned
+            await asyncio.gather(watcher, waiter, return_exceptions=True)
+        if waiter.cancelled() or waiter.exception() is not None:
+            raise _Deny(403, f"approval {approval.id} abandoned: the client went away", rule=rule.domain)
+        outcome = waiter.result()
+        if outcome.approved:
+            req.approval_id = approval.id
+            return
+        messages = {"denied": "approval denied", "timeout": f"approval timed out after {match.timeout_s} s",
+                    "cancelled": "approval cancelled"}
+        message = messages.get(outcome.state, "approval refused")
+        if outcome.state == "denied" and outcome.decided_by:
+            message += f" by {outcome.decided_by}"
+        raise _Deny(403, f"{message} (approval {approval.id})"
+                    + (f": {outcome.reason[:200]}" if outcome.reason else ""), rule=rule.domain,
+                    body={"error": f"approval_{outcome.state}", "approval_id": approval.id,
+                          "message": message, "reason": outcome.reason, "decided_by": outcome.decided_by},
+                    detail={"approval_id": approval.id, "decision": outcome.state,
+                            "decided_by": outcome.decided_by})
+
+    @staticmethod
+    async def _watch_client(client: _Client) -> None:
+        """Returns when the held request's client closes its connection. Bytes it pipelines meanwhile are
+        kept for h11 (bounded: a client that sends more while waiting is treated as gone)."""
+        extra = 0
+        while True:
+            data = await client.reader.read(_STREAM_LIMIT)
+            if not data:
+                return
+            extra += len(data)
+            if extra > _STREAM_LIMIT:
+                return
+            client.conn.receive_data(data)
 
     @staticmethod
     def _body_length(req: _Request, limit: int) -> int | None:
@@ -892,6 +1122,19 @@ class EgressBroker:
                 req.secret_ids.append(binding.secret)
             req.headers = new_headers
 
+    async def _inject_tokens(self, sbx: SandboxEgress, req: _Request, tls: bool, source: str) -> None:
+        """Connections' tokens into the head (token_injection.py); a refusal becomes a _Deny."""
+        if not sbx.policy.connections:
+            return
+        rule = req.rule.domain if req.rule else None
+        head = TokenRequest(req.host, req.method, _scrub(sbx, req.path), req.headers, tls, source, rule)
+        try:
+            req.connection_ids += await inject_tokens(self.tokens, sbx.policy, sbx.session_id, head,
+                                                      lambda **fields: self._audit(sbx, **fields))
+        except TokenRefused as refused:
+            raise _Deny(refused.status, refused.reason, rule=rule) from None
+        req.headers = head.headers
+
     async def _resolve(self, host: str) -> str:
         try:
             addresses = await self.resolver.resolve(host)
@@ -928,20 +1171,30 @@ class EgressBroker:
     def _is_bound(self, sbx: SandboxEgress, host: str) -> bool:
         """Only a destination a secret is bound to can ever have received one: its responses are
         redacted (and must come unencoded); every other response streams through untouched."""
-        return any(b.domain == host for b in sbx.placeholders.values())
+        return (any(b.domain == host for b in sbx.placeholders.values())
+                or bool(sbx.policy.connections_for(host)))
 
     def _patterns(self, sbx: SandboxEgress) -> SecretPatterns:
+        generation = self.tokens.generation() if sbx.policy.connections else -1
+        if sbx.patterns is not None and sbx.patterns_tokens != generation:
+            self._forget_patterns(sbx)  # a token it binds changed: the old one's forms must go too
         if sbx.patterns is None:
             values: list[bytes] = []
             for binding in sbx.placeholders.values():
                 with contextlib.suppress(CapsaError):
                     values.append(self.secrets.reveal(binding.secret).encode())
+            for conn in sbx.policy.connections:
+                token = self.tokens.peek(conn.connection)
+                if token:
+                    values.append(token.encode())
             sbx.patterns = SecretPatterns(values)
+            sbx.patterns_tokens = generation
         return sbx.patterns
 
     async def _exchange(self, sbx: SandboxEgress, client: _Client, up: _Upstream, req: _Request,
-                        length: int | None, limit: int) -> tuple[int, int]:
-        """Send the request (streaming its body) and stream the response back; (status, body bytes)."""
+                        length: int | None, limit: int, body: bytes | None = None) -> tuple[int, int]:
+        """Send the request (streaming its body, or ``body`` when it was read already) and stream the
+        response back; (status, body bytes)."""
         assert req.rule is not None and sbx.budget is not None
         patterns = self._patterns(sbx) if self._is_bound(sbx, req.host) else None
         # The most this exchange buffers at once: a read chunk in each direction plus the redaction window.
@@ -951,7 +1204,7 @@ class EgressBroker:
         except TimeoutError:
             raise _Deny(503, "egress buffer budget exhausted", rule=req.rule.domain) from None
         try:
-            await self._send_request(sbx, client, up, req, length, limit, patterns is not None)
+            await self._send_request(sbx, client, up, req, length, limit, patterns is not None, body)
             return await self._stream_response(sbx, client, up, req, patterns)
         except (OSError, TimeoutError, h11.RemoteProtocolError, ssl.SSLError) as exc:
             raise _Deny(502, f"upstream error: {exc.__class__.__name__}", rule=req.rule.domain) from None
@@ -959,7 +1212,7 @@ class EgressBroker:
             sbx.budget.release(hold)
 
     async def _send_request(self, sbx: SandboxEgress, client: _Client, up: _Upstream, req: _Request,
-                            length: int | None, limit: int, bound: bool) -> None:
+                            length: int | None, limit: int, bound: bool, body: bytes | None = None) -> None:
         assert req.rule is not None
         headers = [(k, v) for k, v in req.headers if k not in _HOP_BY_HOP and k != b"expect"]
         if bound:
@@ -982,9 +1235,12 @@ class EgressBroker:
         needles = [(ph.encode(), b.secret) for ph, b in sbx.placeholders.items()]
         carry_len = max((len(n) for n, _ in needles), default=1) - 1
         carry = b""
+        read: list[h11.Event] | None = None
+        if body is not None:
+            read = [h11.Data(data=body), h11.EndOfMessage()] if body else [h11.EndOfMessage()]
         while True:
             try:
-                event = await client.next_event(pace.remaining)
+                event = read.pop(0) if read is not None else await client.next_event(pace.remaining)
             except TimeoutError:
                 raise _Deny(408, "request body below the minimum rate", rule=req.rule.domain) from None
             except h11.RemoteProtocolError:
@@ -995,6 +1251,7 @@ class EgressBroker:
                 pace.add(len(data))
                 if req.bytes_out > limit:
                     raise _Deny(413, f"request body over {limit} bytes", rule=req.rule.domain)
+                self._check_upload(req.rule, req.bytes_out)
                 window = carry + data
                 for needle, secret_id in needles:
                     if needle in window:
@@ -1018,6 +1275,12 @@ class EgressBroker:
             raise _Deny(502, "upstream closed without a response", rule=rule)
         limit = sbx.policy.response_limit(req.rule)
         no_body = req.method == "HEAD" or response.status_code in (204, 304)
+        if not no_body and req.rule.download_content_types is not None:
+            types = _header(response.headers, b"content-type")
+            value = types[0].decode("latin-1") if len(types) == 1 else None
+            if not req.rule.allows_download(value):
+                shown = _printable(types[0]) if len(types) == 1 else ("none" if not types else "several")
+                raise _Deny(403, f"download of content type {shown} is not allowed for {rule}", rule=rule)
         lengths = _header(response.headers, b"content-length")
         if len(lengths) == 1 and int(lengths[0]) > limit and not no_body:
             raise _Deny(502, f"response body over {limit} bytes", rule=rule)
@@ -1129,8 +1392,13 @@ class EgressBroker:
         return response.status_code, len(body)
 
     async def _deny(self, client: _Client, deny: _Deny) -> None:
-        body = f"capsa egress: {deny.reason}\n".encode()
-        headers = [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode()),
+        if deny.body is not None:
+            body = json.dumps(deny.body).encode() + b"\n"
+            kind = b"application/json"
+        else:
+            body = f"capsa egress: {deny.reason}\n".encode()
+            kind = b"text/plain"
+        headers = [(b"content-type", kind), (b"content-length", str(len(body)).encode()),
                    (b"x-capsa-egress", b"denied")]
         if deny.close or client.conn.their_state is not h11.DONE:
             headers.append((b"connection", b"close"))

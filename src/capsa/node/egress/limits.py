@@ -6,7 +6,8 @@ buffered bytes and time.
   lifts to the hard limit at node start.
 * Buffered bytes: every body transfer reserves the most it can hold in memory (read chunk, write buffer,
   redaction window) from its sandbox's budget and from the node's before it moves a byte, and waits
-  (bounded by its deadline) while either is spent. Bodies stream; nothing reads a whole body.
+  (bounded by its deadline) while either is spent. Bodies stream; nothing reads a whole body, except a
+  request held for approval, whose bytes are charged to the same budgets while it is held.
 * Time: a request head must arrive whole within ``head_timeout`` (``idle_timeout`` for later requests on a
   kept-alive connection), whatever the pace of its bytes; a body must keep ``min_rate`` bytes/s, with at most
   ``rate_grace`` seconds of slack. Trickling cannot hold a connection open for long.

@@ -13,9 +13,11 @@ import os
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
+from capsa.node.egress.approvals import ApprovalBook
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker, PolicyUpdate
 from capsa.node.egress.dns import Resolver
@@ -23,6 +25,7 @@ from capsa.node.egress.limits import raise_nofile
 from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import AttachedNetwork, EgressService
+from capsa.node.egress.tokens import ConnectionTokens
 from capsa.node.egress.trust_store import CA_BUNDLE, CA_PATH
 from capsa.node.net.sandbox_net import NETNS_PREFIX, NetworkManager, SandboxNet
 
@@ -51,16 +54,32 @@ class NodeEgress:
     @classmethod
     def create(cls, *, netns_prefix: str = NETNS_PREFIX,
                resolver: Resolver | None = None, upstream_ssl: ssl.SSLContext | None = None,
-               allow_networks: Sequence[str] = ()) -> NodeEgress:
+               allow_networks: Sequence[str] = (), audit_path: Path | None = None) -> NodeEgress:
         """``netns_prefix`` names this node agent's namespaces; each agent on a host needs its own, since
-        :meth:`cleanup_stale` removes every namespace with the prefix."""
-        audit = AuditLog()
+        :meth:`cleanup_stale` removes every namespace with the prefix. ``audit_path``: the file that makes
+        the audit buffer durable across node processes (memory only without one)."""
+        audit = AuditLog(path=audit_path)
         store = InMemorySecretStore(SecretBox(os.urandom(32)))
         raise_nofile()  # the broker's node-wide connection cap is bounded by the open-file limit
         broker = EgressBroker(secrets=store, sink=audit, resolver=resolver, upstream_ssl=upstream_ssl,
-                              allow_networks=allow_networks)
+                              allow_networks=allow_networks, tokens=ConnectionTokens())
         return cls(EgressService(NetworkManager(netns_prefix=netns_prefix), broker, audit), store,
                    audit)
+
+    @property
+    def approvals(self) -> ApprovalBook:
+        """Requests the broker holds for approval."""
+        return self.service.broker.approvals
+
+    @property
+    def tokens(self) -> ConnectionTokens:
+        """Access tokens of the connections its sandboxes bind; ``tokens.fetch`` is set by whoever links
+        the node to the control plane."""
+        return self.service.broker.tokens
+
+    def revoke_connection(self, connection_id: str) -> None:
+        """The control plane revoked the connection: no request of any sandbox here gets its token again."""
+        self.tokens.revoke(connection_id)
 
     def network(self, sandbox_id: str) -> SandboxNet | None:
         """The sandbox's namespace, tap and addressing while it is attached."""
@@ -87,6 +106,10 @@ class NodeEgress:
         for secret_id in list(self.store.ids()):
             if secret_id not in used:
                 self.store.delete(secret_id)
+        bound = self.service.broker.bound_connections()
+        for connection_id in self.tokens.held():
+            if connection_id not in bound:
+                self.tokens.forget(connection_id)
 
     async def attach(self, sandbox_id: str, policy: EgressPolicy, values: Mapping[str, str], *,
                      session_id: str | None, placeholders: Mapping[str, str] | None = None,
@@ -167,5 +190,6 @@ class NodeEgress:
             await self.release_network(net)
         await self.service.close()
         await self.service.broker.close()
+        self.audit.close()
         self._uses.clear()
         self._drop_unused()

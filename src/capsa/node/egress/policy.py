@@ -4,6 +4,8 @@ plane."""
 from __future__ import annotations
 
 from capsa.common.egress_policy import (
+    ApprovalRule,
+    ConnectionBinding,
     DomainRule,
     EgressPolicy,
     PolicyError,
@@ -14,6 +16,8 @@ from capsa.common.egress_policy import (
 )
 
 __all__ = [
+    "ApprovalRule",
+    "ConnectionBinding",
     "DomainRule",
     "EgressPolicy",
     "PolicyError",

@@ -1,0 +1,207 @@
+"""The OAuth 2.0 client side of connections, on authlib's httpx client: discovery, the authorization URL
+with PKCE (S256), the code exchange, the device authorization grant, refresh and revocation.
+
+Only the control plane runs this: it holds the provider's client secret and every refresh token.
+Provider errors become :class:`ProviderError` with the provider's ``error`` code; nothing here logs a token.
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from authlib.integrations.httpx_client import AsyncOAuth2Client, OAuthError
+
+from capsa.control.errors import ApiError
+
+__all__ = ["DEVICE_GRANT", "DeviceStart", "Endpoints", "OAuthClient", "ProviderError", "TokenSet",
+           "discover"]
+
+DEVICE_GRANT = "urn:ietf:params:oauth:grant-type:device_code"
+_DEFAULT_LIFETIME = 3600.0
+
+
+class ProviderError(ApiError):
+    """The provider refused or could not be reached; ``error`` is its OAuth error code."""
+
+    code, status, title = "provider_error", 502, "Provider error"
+
+    def __init__(self, message: str, error: str = "server_error", status: int = 502) -> None:
+        super().__init__(message, status=status)
+        self.error = error
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    token: str
+    authorization: str | None = None
+    revocation: str | None = None
+    device_authorization: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenSet:
+    access_token: str
+    refresh_token: str | None
+    expires_at: float
+    lifetime: float
+
+    def __repr__(self) -> str:
+        return f"TokenSet(expires_at={self.expires_at:.0f})"
+
+
+@dataclass(frozen=True)
+class DeviceStart:
+    device_code: str
+    user_code: str
+    verification_uri: str
+    verification_uri_complete: str | None
+    expires_in: float
+    interval: float
+
+    def __repr__(self) -> str:
+        return f"DeviceStart(user_code={self.user_code!r})"
+
+
+def _tokens(token: dict[str, Any]) -> TokenSet:
+    access = token.get("access_token")
+    if not isinstance(access, str) or not access:
+        raise ProviderError("the provider's token answer has no access_token", "invalid_response")
+    try:
+        lifetime = float(token.get("expires_in") or _DEFAULT_LIFETIME)
+    except (TypeError, ValueError):
+        lifetime = _DEFAULT_LIFETIME
+    refresh = token.get("refresh_token")
+    return TokenSet(access, refresh if isinstance(refresh, str) and refresh else None,
+                    time.time() + lifetime, lifetime)
+
+
+def _verify(ca_file: str | None) -> ssl.SSLContext | bool:
+    if ca_file is None:
+        return True
+    ctx = ssl.create_default_context()
+    ctx.load_verify_locations(cafile=ca_file)
+    return ctx
+
+
+async def discover(issuer: str, *, ca_file: str | None = None, wait: float = 15.0) -> dict[str, Any]:
+    """The provider's metadata: OpenID Connect discovery, else RFC 8414 authorization-server metadata."""
+    base = issuer.rstrip("/")
+    async with httpx.AsyncClient(verify=_verify(ca_file), timeout=wait) as client:
+        for path in ("/.well-known/openid-configuration", "/.well-known/oauth-authorization-server"):
+            try:
+                response = await client.get(base + path)
+            except httpx.HTTPError as exc:
+                raise ProviderError(f"discovery at {base} failed: {exc.__class__.__name__}") from None
+            if response.status_code == 200:
+                try:
+                    data = response.json()
+                except ValueError:
+                    break
+                if isinstance(data, dict) and data.get("token_endpoint"):
+                    if str(data.get("issuer", "")).rstrip("/") != base:
+                        raise ProviderError(f"discovery at {base} names another issuer", "invalid_issuer")
+                    return data
+    raise ProviderError(f"no OAuth/OpenID metadata found at {base}", "discovery_failed")
+
+
+class OAuthClient:
+    """One provider's client (``client_secret`` None: a public client, PKCE only)."""
+
+    def __init__(self, endpoints: Endpoints, client_id: str, client_secret: str | None, *,
+                 scopes: list[str], ca_file: str | None = None, timeout: float = 15.0) -> None:
+        self.endpoints = endpoints
+        self._client_id, self._secret = client_id, client_secret
+        self._scope = " ".join(scopes) or None
+        self._verify = _verify(ca_file)
+        self._timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"OAuthClient({self._client_id!r}, <secret hidden>)"
+
+    def _session(self, redirect_uri: str | None = None) -> AsyncOAuth2Client:
+        return AsyncOAuth2Client(
+            client_id=self._client_id, client_secret=self._secret, scope=self._scope,
+            redirect_uri=redirect_uri, code_challenge_method="S256",
+            token_endpoint_auth_method="client_secret_basic" if self._secret else "none",
+            verify=self._verify, timeout=self._timeout)
+
+    async def _call(self, what: str, coro: Any) -> Any:
+        try:
+            return await coro
+        except OAuthError as exc:
+            status = 409 if exc.error in ("invalid_grant", "access_denied", "expired_token") else 502
+            raise ProviderError(f"the provider refused the {what}: {exc.error}", exc.error or "error",
+                                status) from None
+        except httpx.HTTPError as exc:
+            raise ProviderError(f"the provider's {what} failed: {exc.__class__.__name__}") from None
+        except ValueError:
+            raise ProviderError(f"the provider's {what} answer is not valid", "invalid_response") from None
+
+    def authorization_url(self, redirect_uri: str, state: str, code_verifier: str) -> str:
+        if not self.endpoints.authorization:
+            raise ApiError("the provider has no authorization endpoint; sign in with --device",
+                           code="login_unsupported", status=409)
+        client = self._session(redirect_uri)
+        url, _ = client.create_authorization_url(self.endpoints.authorization, state=state,
+                                                 code_verifier=code_verifier)
+        return str(url)
+
+    async def exchange_code(self, redirect_uri: str, code: str, code_verifier: str) -> TokenSet:
+        async with self._session(redirect_uri) as client:
+            token = await self._call("code exchange", client.fetch_token(
+                self.endpoints.token, grant_type="authorization_code", code=code,
+                code_verifier=code_verifier))
+        return _tokens(dict(token))
+
+    async def refresh(self, refresh_token: str) -> TokenSet:
+        async with self._session() as client:
+            token = await self._call("refresh", client.refresh_token(self.endpoints.token,
+                                                                     refresh_token=refresh_token))
+        out = _tokens(dict(token))
+        return out if out.refresh_token != refresh_token else TokenSet(out.access_token, None,
+                                                                       out.expires_at, out.lifetime)
+
+    async def start_device(self) -> DeviceStart:
+        if not self.endpoints.device_authorization:
+            raise ApiError("the provider has no device authorization endpoint", code="login_unsupported",
+                           status=409)
+        data = {"client_id": self._client_id, **({"scope": self._scope} if self._scope else {})}
+        auth = httpx.BasicAuth(self._client_id, self._secret) if self._secret else None
+        async with httpx.AsyncClient(verify=self._verify, timeout=self._timeout) as client:
+            try:
+                response = await client.post(self.endpoints.device_authorization, data=data,
+                                             auth=auth or httpx.USE_CLIENT_DEFAULT)
+                body = response.json()
+            except httpx.HTTPError as exc:
+                raise ProviderError(f"the device authorization failed: {exc.__class__.__name__}") from None
+            except ValueError:
+                raise ProviderError("the device authorization answer is not JSON", "invalid_response") \
+                    from None
+        if not response.is_success or not isinstance(body, dict) or "device_code" not in body:
+            error = str(body.get("error", "error")) if isinstance(body, dict) else "error"
+            raise ProviderError(f"the provider refused the device authorization: {error}", error)
+        return DeviceStart(str(body["device_code"]), str(body["user_code"]), str(body["verification_uri"]),
+                           body.get("verification_uri_complete"), float(body.get("expires_in", 600)),
+                           float(body.get("interval", 5)))
+
+    async def poll_device(self, device_code: str) -> TokenSet:
+        """Raises ProviderError with ``error`` authorization_pending / slow_down until the person approves."""
+        async with self._session() as client:
+            token = await self._call("device grant", client.fetch_token(
+                self.endpoints.token, grant_type=DEVICE_GRANT, device_code=device_code))
+        return _tokens(dict(token))
+
+    async def revoke(self, token: str, hint: str) -> bool:
+        """RFC 7009; False when the provider has no revocation endpoint."""
+        if not self.endpoints.revocation:
+            return False
+        async with self._session() as client:
+            response = await self._call("revocation", client.revoke_token(
+                self.endpoints.revocation, token=token, token_type_hint=hint))
+        if not response.is_success:
+            raise ProviderError(f"the provider's revocation answered {response.status_code}")
+        return True

@@ -1,0 +1,39 @@
+"""``/v1/audit``: the caller's tenant audit chain (paged, filtered) and its verification."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query
+
+from capsa.control import audit_api
+from capsa.control.audit_schemas import AuditChainList, AuditVerifyOut
+from capsa.control.deps import Caller, Plane, problems
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/audit", tags=["audit"], responses=problems())
+
+Kind = Literal["api", "session", "command", "file", "egress", "approval", "connection"]
+
+
+@router.get("", response_model=AuditChainList)
+async def list_audit(plane: Plane, caller: Caller,
+                     session_id: Annotated[str | None, Query(max_length=32)] = None,
+                     kind: Annotated[list[Kind] | None, Query()] = None,
+                     since: datetime | None = None, until: datetime | None = None,
+                     cursor: Annotated[str | None, Query(max_length=20)] = None,
+                     limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> AuditChainList:
+    """The tenant's audit chain, oldest first: every API call, session change, command, file transfer,
+    egress request and DNS answer, approval and connection use. Filters: ``session_id``, ``kind``
+    (repeatable), ``since`` (inclusive) and ``until`` (exclusive)."""
+    return await audit_api.list_chain(plane, caller.tenant, session_id=session_id, kinds=kind or [],
+                                      since=since, until=until, cursor=cursor, limit=limit)
+
+
+@router.get("/verify", response_model=AuditVerifyOut)
+async def verify_audit(plane: Plane, caller: Caller) -> AuditVerifyOut:
+    """Recompute the tenant's chain; ``ok`` false names the first missing or altered event
+    (``broken_id``)."""
+    return await audit_api.verify_chain(plane, caller.tenant)

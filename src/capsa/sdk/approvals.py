@@ -1,0 +1,84 @@
+"""Approvals from the SDK (``client.approvals``): egress requests a session's policy holds until someone
+approves or denies them.
+
+A policy rule with ``approvals`` makes the node's broker hold matching requests; :meth:`AsyncApprovals.list`
+shows the pending ones (with a redacted preview of the body), :meth:`AsyncApprovals.approve` lets one through
+(the sandbox gets the upstream's answer) and :meth:`AsyncApprovals.deny` answers it with a 403. The decision
+is recorded under the API key that made it.
+"""
+
+from __future__ import annotations
+
+import builtins
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from capsa.sdk.models import parse, parse_items
+from capsa.sdk.paths import seg
+
+if TYPE_CHECKING:
+    from capsa.sdk.client import AsyncClient
+
+__all__ = ["ApprovalInfo", "AsyncApprovals"]
+
+
+class ApprovalInfo(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    id: str
+    session_id: str
+    destination: str
+    method: str
+    path: str
+    rule: str
+    approval_rule: str
+    scope: str
+    """``once`` or ``session``."""
+    preview: str
+    """The start of the request body (at most 2 KiB), secrets and placeholders redacted."""
+    body_bytes: int
+    created_at: datetime
+    expires_at: datetime
+    state: str
+    """``pending``, ``approved``, ``denied``, ``timeout`` or ``cancelled``."""
+    decided_by: str | None = None
+    decided_at: datetime | None = None
+    reason: str | None = None
+
+
+class AsyncApprovals:
+    """The tenant's held egress requests (``client.approvals``)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def list(self, *, session_id: str | None = None, include_decided: bool = False
+                   ) -> builtins.list[ApprovalInfo]:
+        """Pending approvals, oldest first (of one session; with recently decided ones)."""
+        params: dict[str, Any] = {}
+        if session_id is not None:
+            params["session_id"] = session_id
+        if include_decided:
+            params["include_decided"] = "true"
+        return parse_items(ApprovalInfo, await self._client.json("GET", "/approvals", params=params))
+
+    async def get(self, approval_id: str) -> ApprovalInfo:
+        return parse(ApprovalInfo, await self._client.json("GET", f"/approvals/{seg(approval_id)}"))
+
+    async def approve(self, approval_id: str, *, scope: Literal["once", "session"] | None = None,
+                      reason: str | None = None) -> ApprovalInfo:
+        """Let the held request through; ``scope="session"`` also lets later requests of the session that
+        the same rule matches through without asking."""
+        return await self._decide(approval_id, "approve", scope, reason)
+
+    async def deny(self, approval_id: str, *, reason: str | None = None) -> ApprovalInfo:
+        """Refuse the held request (the sandbox gets a 403 naming the approval and ``reason``)."""
+        return await self._decide(approval_id, "deny", None, reason)
+
+    async def _decide(self, approval_id: str, verb: str, scope: str | None, reason: str | None
+                      ) -> ApprovalInfo:
+        body = {k: v for k, v in {"scope": scope, "reason": reason}.items() if v is not None}
+        data = await self._client.json("POST", f"/approvals/{seg(approval_id)}/{verb}", json=body)
+        return parse(ApprovalInfo, data)

@@ -1,0 +1,186 @@
+"""Connections from the SDK (``client.connections``, ``client.connection_providers``): OAuth 2.0 providers,
+connections (a person's sign-in, held by the control plane), sign-in and revocation.
+
+Nothing here ever returns a credential: the client secret is sent once with the provider, tokens never
+leave the control plane and the node. A session's policy binds a connection to destinations
+(``{"connection": "github", "domains": ["api.github.com"]}``); the node's broker adds the current access
+token to those requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import time
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from capsa.sdk.errors import CapsaClientError
+from capsa.sdk.models import parse, parse_items
+from capsa.sdk.paths import seg
+
+if TYPE_CHECKING:
+    from capsa.sdk.client import AsyncClient
+
+__all__ = ["AsyncConnectionProviders", "AsyncConnections", "ConnectionInfo", "Login", "LoginPoll",
+           "ProviderInfo", "Revocation"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class ProviderInfo(_Model):
+    id: str
+    name: str
+    issuer: str | None = None
+    authorization_endpoint: str | None = None
+    token_endpoint: str
+    revocation_endpoint: str | None = None
+    device_authorization_endpoint: str | None = None
+    client_id: str
+    has_client_secret: bool
+    scopes: list[str]
+    created_at: datetime
+
+
+class ConnectionInfo(_Model):
+    id: str
+    name: str
+    provider_id: str
+    provider: str
+    scopes: list[str]
+    state: str
+    """``pending``, ``active`` or ``revoked``."""
+    access_expires_at: datetime | None = None
+    refreshes: int = 0
+    created_at: datetime
+    connected_at: datetime | None = None
+    revoked_at: datetime | None = None
+
+
+class Login(_Model):
+    mode: Literal["code", "device"]
+    login_id: str | None = None
+    authorization_url: str | None = None
+    """Code sign-in: open it in a browser; the provider sends the browser back to capsa."""
+    user_code: str | None = None
+    verification_uri: str | None = None
+    verification_uri_complete: str | None = None
+    interval: float | None = None
+    expires_at: datetime
+
+
+class LoginPoll(_Model):
+    status: Literal["pending", "connected", "denied", "expired"]
+    interval: float | None = None
+    connection: ConnectionInfo
+
+
+class Revocation(_Model):
+    connection: ConnectionInfo
+    nodes_notified: list[str]
+    nodes_unreached: list[str]
+    provider_revoked: bool
+
+
+class AsyncConnectionProviders:
+    """OAuth 2.0 providers of the tenant (``client.connection_providers``)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def create(self, name: str, *, client_id: str, client_secret: str | None = None,
+                     issuer: str | None = None, authorization_endpoint: str | None = None,
+                     token_endpoint: str | None = None, revocation_endpoint: str | None = None,
+                     device_authorization_endpoint: str | None = None,
+                     scopes: builtins.list[str] | None = None) -> ProviderInfo:
+        """Give the endpoints, or ``issuer`` to find them by discovery. The client secret is write-only."""
+        body: dict[str, Any] = {"name": name, "client_id": client_id, "scopes": scopes or []}
+        for key, value in (("client_secret", client_secret), ("issuer", issuer),
+                           ("authorization_endpoint", authorization_endpoint),
+                           ("token_endpoint", token_endpoint), ("revocation_endpoint", revocation_endpoint),
+                           ("device_authorization_endpoint", device_authorization_endpoint)):
+            if value is not None:
+                body[key] = value
+        return parse(ProviderInfo, await self._client.json("POST", "/connection-providers", json=body))
+
+    async def list(self) -> builtins.list[ProviderInfo]:
+        return parse_items(ProviderInfo, await self._client.json("GET", "/connection-providers"))
+
+    async def delete(self, provider: str) -> None:
+        await self._client.request("DELETE", f"/connection-providers/{seg(provider)}")
+
+
+class AsyncConnections:
+    """The tenant's connections (``client.connections``)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def create(self, name: str, provider: str, *,
+                     scopes: builtins.list[str] | None = None) -> ConnectionInfo:
+        body: dict[str, Any] = {"name": name, "provider": provider}
+        if scopes is not None:
+            body["scopes"] = scopes
+        return parse(ConnectionInfo, await self._client.json("POST", "/connections", json=body))
+
+    async def list(self) -> builtins.list[ConnectionInfo]:
+        return parse_items(ConnectionInfo, await self._client.json("GET", "/connections"))
+
+    async def get(self, connection: str) -> ConnectionInfo:
+        return parse(ConnectionInfo, await self._client.json("GET", f"/connections/{seg(connection)}"))
+
+    async def login(self, connection: str, *, device: bool = False) -> Login:
+        """Start a sign-in: the authorization URL to open (code with PKCE) or, with ``device``, the code
+        a person enters at the verification URI (then :meth:`wait_for_device`)."""
+        body = {"mode": "device" if device else "code"}
+        return parse(Login, await self._client.json("POST", f"/connections/{seg(connection)}/login",
+                                                    json=body))
+
+    async def poll(self, connection: str, login_id: str) -> LoginPoll:
+        """Ask once whether a device sign-in was approved."""
+        path = f"/connections/{seg(connection)}/logins/{seg(login_id)}/poll"
+        return parse(LoginPoll, await self._client.json("POST", path))
+
+    async def wait_for_device(self, connection: str, login: Login, *,
+                              deadline: float | None = None) -> ConnectionInfo:
+        """Poll a device sign-in at the provider's interval until it is approved (or refused, or expires:
+        CapsaClientError). ``deadline``: seconds to wait at most (default: until the sign-in expires)."""
+        if login.login_id is None:
+            raise CapsaClientError("not a device sign-in")
+        end = time.monotonic() + (deadline if deadline is not None
+                                  else max(0.0, login.expires_at.timestamp() - time.time()))
+        interval = login.interval or 5.0
+        while True:
+            answer = await self.poll(connection, login.login_id)
+            if answer.status == "connected":
+                return answer.connection
+            if answer.status != "pending":
+                raise CapsaClientError(f"the device sign-in of {connection} ended: {answer.status}")
+            interval = answer.interval or interval
+            if time.monotonic() + interval > end:
+                raise CapsaClientError(f"the device sign-in of {connection} was not approved in time")
+            await asyncio.sleep(interval)
+
+    async def wait_until_active(self, connection: str, *, after: datetime | None = None,
+                                deadline: float = 600.0, interval: float = 1.0) -> ConnectionInfo:
+        """Wait for a code sign-in to come back through the callback (the connection turns ``active``);
+        ``after``: the ``connected_at`` it had before this sign-in, which must change."""
+        end = time.monotonic() + deadline
+        while True:
+            info = await self.get(connection)
+            if info.state == "active" and info.connected_at is not None and (
+                    after is None or info.connected_at > after):
+                return info
+            if info.state == "revoked":
+                raise CapsaClientError(f"connection {connection} is revoked")
+            if time.monotonic() + interval > end:
+                raise CapsaClientError(f"nobody signed in to {connection} in time")
+            await asyncio.sleep(interval)
+
+    async def revoke(self, connection: str) -> Revocation:
+        """Stop injection on every node at once and revoke the tokens at the provider. Final."""
+        return parse(Revocation, await self._client.json("POST", f"/connections/{seg(connection)}/revoke"))
