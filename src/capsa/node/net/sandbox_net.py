@@ -180,9 +180,8 @@ class NetworkManager:
         # One /30 for all: a sandbox's tap, rules and broker listeners live in its own namespace, so two
         # sandboxes' equal addresses never meet, and a guest restored from a snapshot (a template, a paused
         # session, a branch) keeps the address it was snapshotted with. Programs running at snapshot time
-        # then see no address change: Chromium restored from the browser template failed its first
-        # navigations after one (net::ERR_TIMED_OUT), and sockets bound to the old address went on sending
-        # from it (dropped as spoofed).
+        # then see no address change: sockets made before the snapshot went on sending from the old
+        # address (dropped as spoofed).
         subnet = GUEST_SUBNET
         self._used[sandbox_id] = subnet
         return subnet
