@@ -16,7 +16,6 @@ import os
 
 __all__ = [
     "AGENT",
-    "AGENT_MEMORY_MIN",
     "ROOT",
     "WORK",
     "WORK_PIDS_MAX",
@@ -33,9 +32,6 @@ ROOT = "/sys/fs/cgroup"
 AGENT = ROOT + "/agent"
 WORK = ROOT + "/work"
 WORK_PIDS_MAX = 2048
-AGENT_MEMORY_MIN = 64 * 1024 * 1024
-"""Memory of init and the daemon that reclaim never takes for user commands (protection up to this much of
-what they use; nothing is reserved beyond their use)."""
 
 
 def _write(path: str, value: str) -> bool:
@@ -70,11 +66,6 @@ def setup(mount: bool = True) -> bool:
     _write(AGENT + "/cpu.weight", "10000")
     _write(WORK + "/cpu.weight", "100")
     _write(WORK + "/pids.max", str(WORK_PIDS_MAX))
-    # The daemon's pages (the interpreter, its heap, the code it runs) are never reclaimed for user
-    # commands: a fork bomb's 2048 processes (their kernel memory) in a 256 MiB guest pushed it into
-    # reclaim, the daemon was paged out and answered nothing for minutes (a CI run). Protected, the
-    # daemon keeps running and the OOM killer, not reclaim, settles the bomb.
-    _write(AGENT + "/memory.min", str(AGENT_MEMORY_MIN))
     # Per-command groups get the memory controller, for memory.oom.group (see enter_work).
     _write(WORK + "/cgroup.subtree_control", "+memory")
     moved = _write(AGENT + "/cgroup.procs", "0")
