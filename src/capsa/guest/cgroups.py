@@ -16,10 +16,10 @@ import os
 
 __all__ = [
     "AGENT",
-    "AGENT_MEMORY_MIN",
     "ROOT",
     "WORK",
     "WORK_PIDS_MAX",
+    "WORK_PIDS_MIN",
     "enter_work",
     "forget_command",
     "kill_command",
@@ -27,15 +27,34 @@ __all__ = [
     "place_command",
     "setup",
     "sweep",
+    "work_pids_max",
 ]
 
 ROOT = "/sys/fs/cgroup"
 AGENT = ROOT + "/agent"
 WORK = ROOT + "/work"
-WORK_PIDS_MAX = 2048
-AGENT_MEMORY_MIN = 64 * 1024 * 1024
-"""Memory of init and the daemon that reclaim never takes for user commands (protection up to this much of
-what they use; nothing is reserved beyond their use)."""
+WORK_PIDS_MAX = 4096
+WORK_PIDS_MIN = 128
+"""User commands may hold one process per MiB of guest memory, within these bounds (see work_pids_max)."""
+
+
+def work_pids_max(mem_total_kib: int) -> int:
+    """The process cap of ``work`` for a guest with ``mem_total_kib`` of memory: one per MiB. A flat 2048 let
+    a fork bomb's processes (their kernel memory) overrun a 256 MiB guest: the daemon then answered health
+    after 5-20 s and ended the 15 s-timeout bomb after up to 57 s (once, in CI, not within 75 s). With 256
+    the daemon answered within 0.04 s and the bomb ended at 15.3 s (3 runs each, TCG)."""
+    return max(WORK_PIDS_MIN, min(WORK_PIDS_MAX, mem_total_kib // 1024))
+
+
+def _mem_total_kib() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return WORK_PIDS_MAX * 1024
 
 
 def _write(path: str, value: str) -> bool:
@@ -69,12 +88,7 @@ def setup(mount: bool = True) -> bool:
         return False
     _write(AGENT + "/cpu.weight", "10000")
     _write(WORK + "/cpu.weight", "100")
-    _write(WORK + "/pids.max", str(WORK_PIDS_MAX))
-    # The daemon's pages (the interpreter, its heap, the code it runs) are never reclaimed for user
-    # commands: a fork bomb's 2048 processes (their kernel memory) in a 256 MiB guest pushed it into
-    # reclaim, the daemon was paged out and answered nothing for minutes (a CI run). Protected, the
-    # daemon keeps running and the OOM killer, not reclaim, settles the bomb.
-    _write(AGENT + "/memory.min", str(AGENT_MEMORY_MIN))
+    _write(WORK + "/pids.max", str(work_pids_max(_mem_total_kib())))
     # Per-command groups get the memory controller, for memory.oom.group (see enter_work).
     _write(WORK + "/cgroup.subtree_control", "+memory")
     moved = _write(AGENT + "/cgroup.procs", "0")
