@@ -108,6 +108,27 @@ async def test_tls_interception_with_injection(world: World) -> None:
         await broker.close()
 
 
+async def test_failed_client_handshake_is_audited(world: World) -> None:
+    """A client that refuses the session CA (or stalls) mid-handshake leaves an audit event with the
+    reason, not a silently dropped connection."""
+    broker = world.broker()
+    sbx = broker.register("sbx_h", "127.0.0.1", POLICY, session_id="ses_h")
+    await broker.listen("sbx_h", "127.0.0.1", ports=ANY_PORTS)
+    try:
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await _tls_get(sbx.bound["tls"][1], world.world_ca.cert_pem, "api.test", "api.test")
+        for _ in range(100):
+            if world.sink.find(kind="tls", decision="error"):
+                break
+            await asyncio.sleep(0.02)
+        (ev,) = world.sink.find(kind="tls", decision="error")
+        assert ev.destination == "api.test" and ev.session_id == "ses_h"
+        assert ev.reason is not None and "TLS handshake with the sandbox's client failed" in ev.reason
+        assert not world.sink.find(kind="http")
+    finally:
+        await broker.close()
+
+
 async def test_default_refuses_loopback_answers(world: World) -> None:
     broker = world.broker(allow_loopback=False)
     sbx = broker.register("sbx_b", "127.0.0.1", POLICY)

@@ -500,6 +500,18 @@ class EgressBroker:
         emit_safely(self.sink, EgressEvent(session_id=sbx.session_id, sandbox_id=sbx.sandbox_id,
                                            **fields))  # type: ignore[arg-type]
 
+    def _audit_handshake(self, sbx: SandboxEgress, host: str, exc: BaseException) -> None:
+        """Allowed by policy, but the sandbox's client did not finish its side of the TLS handshake (it gave
+        up, distrusts the session CA, or was too slow): on the record rather than dropped silently."""
+        if isinstance(exc, TimeoutError):
+            why = f"did not complete within {self.limits.head_timeout:g} s"
+        else:
+            why = f"failed: {exc.__class__.__name__}"
+            if isinstance(exc, ssl.SSLError) and exc.reason:
+                why += f" ({exc.reason})"
+        self._audit(sbx, kind="tls", decision="error", source=sbx.guest_ip, destination=host[:255],
+                    reason=f"the TLS handshake with the sandbox's client {why}")
+
     def _audit_approval(self, approval: Approval) -> None:
         """One ``approval`` event per transition: opened (pending), approved, denied, timed out, cancelled."""
         state = approval.state
@@ -590,7 +602,8 @@ class EgressBroker:
             # Nothing may be awaited before start_tls: a ClientHello read into the stream would be lost.
             # (_connect issued the leaf before answering the CONNECT.)
             await asyncio.wait_for(client.writer.start_tls(ctx), self.limits.head_timeout)
-        except (ssl.SSLError, OSError, TimeoutError, ConnectionError):
+        except (ssl.SSLError, OSError, TimeoutError, ConnectionError) as exc:
+            self._audit_handshake(sbx, host, exc)
             return None
         sslobj = client.writer.get_extra_info("ssl_object")
         return self._sni.get(sslobj) if isinstance(sslobj, ssl.SSLObject) else None
@@ -678,8 +691,12 @@ class EgressBroker:
             reader = asyncio.StreamReader(limit=_STREAM_LIMIT, loop=loop)
             protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
             owned = True  # from here on the transport (or its failed handshake) closes the socket
-            transport, _ = await loop.connect_accepted_socket(
-                lambda: protocol, conn, ssl=ctx, ssl_handshake_timeout=self.limits.head_timeout)
+            try:
+                transport, _ = await loop.connect_accepted_socket(
+                    lambda: protocol, conn, ssl=ctx, ssl_handshake_timeout=self.limits.head_timeout)
+            except (TimeoutError, ssl.SSLError, OSError) as exc:
+                self._audit_handshake(sbx, host, exc)
+                return
             writer = asyncio.StreamWriter(transport, protocol, reader, loop)
             sbx.writers.add(writer)
             try:
