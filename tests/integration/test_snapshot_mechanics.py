@@ -218,6 +218,32 @@ async def test_save_restore_private_and_copy_and_resave(pool: StoragePool, tmp_p
     assert _qemu_pids_under(tmp_path) == []
 
 
+async def test_clone_mode_maps_its_own_copy_privately(pool: StoragePool, tmp_path: Path) -> None:
+    """CLONE: the sandbox gets its own reflink of the RAM file, mapped privately (no write-back to the pool
+    while it runs); a snapshot of it carries the RAM in the stream, like a PRIVATE one."""
+    pattern = os.urandom(4096)
+    ram, disk = await _boot_shared(pool, "sbx_src", pattern)
+    snap = pool.snapshot_dir("snap_k")
+    async with launch(tmp_path / "src", memory_backend_args(MEM_MIB, ram, share=True)) as vm:
+        await save_snapshot(vm.qmp, snap, disk=disk, ram=ram, clone=pool.clone, memory_mib=MEM_MIB, vcpus=1,
+                            accel="tcg", image_digest="sha256:test", resume=False)
+    sdir = pool.sandbox_dir("sbx_clone", create=True)
+    plan = plan_restore(snap, sdir, clone=pool.clone, mode=RamMode.CLONE, memory_mib=MEM_MIB)
+    assert plan.ram == sdir / "memory.ram" and not plan.shared_ram
+    backend = plan.extra_args[plan.extra_args.index("-object") + 1]
+    assert f"mem-path={sdir / 'memory.ram'}" in backend and "share=off" in backend
+    async with launch(tmp_path / "vm", plan.extra_args) as vm:
+        await plan.load(vm.qmp)
+        assert await vm.read_guest(PATTERN_OFFSET, 4096) == pattern
+        again = pool.snapshot_dir("snap_k2")
+        manifest = await save_snapshot(vm.qmp, again, disk=plan.disk, ram=None, clone=pool.clone,
+                                       memory_mib=MEM_MIB, vcpus=1, accel="tcg", image_digest="sha256:test",
+                                       resume=False)
+    assert manifest.ram is None and pattern in (again / manifest.device_state.path).read_bytes()
+    assert _read_at(snap / "memory.ram", PATTERN_OFFSET, 4096) == pattern
+    assert _qemu_pids_under(tmp_path) == []
+
+
 async def test_branches_share_one_frozen_file_and_diverge(pool: StoragePool, tmp_path: Path) -> None:
     pattern = os.urandom(4096)
     ram, disk = await _boot_shared(pool, "sbx_src", pattern)

@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from capsa.node.runtime.base import Accelerator
-from capsa.node.runtime.qemu.cmdline import SANDBOX_OPTIONS, QemuConfig, build_argv, kernel_cmdline
+from capsa.node.runtime.qemu.cmdline import (
+    SANDBOX_OPTIONS,
+    QemuConfig,
+    build_argv,
+    kernel_cmdline,
+    tcg_cache_mib,
+)
 
 
 def _config(**overrides: object) -> QemuConfig:
@@ -44,6 +50,12 @@ def test_tcg_command_line() -> None:
     assert "socket,id=agent,path=/vm/run/agent.sock,server=on,wait=off" in _option(argv, "-chardev")
     assert "virtserialport,chardev=agent,name=agent0,nr=1" in _option(argv, "-device")
     assert any(d.startswith("id=root,file=/vm/disk.img,format=raw") for d in _option(argv, "-drive"))
+
+
+def test_translation_cache_follows_guest_memory() -> None:
+    assert [tcg_cache_mib(m) for m in (128, 256, 512, 1024, 2048, 4096)] == [128, 128, 128, 512, 1024, 1024]
+    argv = build_argv(_config(memory_mib=1024, tcg_tb_mib=tcg_cache_mib(1024)))
+    assert _option(argv, "-accel") == ["tcg,thread=multi,tb-size=512"]
 
 
 def test_no_network_device_unless_asked() -> None:

@@ -36,6 +36,13 @@ env: {X: "1"}
     record = spec_record(spec, sources)
     # The record keeps a host file's hash, not its bytes.
     assert record["files"][0]["source_sha256"] and "print" not in str(record)
+    # The default RAM mode is left out of the record (records made before the field existed stay equal).
+    assert spec.ram == "shared" and "ram" not in record
+
+
+def test_private_ram_is_recorded(tmp_path: Path) -> None:
+    spec, sources = load_spec(_write(tmp_path, "name: web\nnetwork: true\nram: private\n"))
+    assert spec.ram == "private" and spec_record(spec, sources)["ram"] == "private"
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -47,6 +54,7 @@ env: {X: "1"}
     ("name: x\nfiles: [{path: /a, content: a, source: b}]\n", "exactly one of content or source"),
     ("name: x\nfiles: [{path: /a, source: missing.bin}]\n", "cannot read missing.bin"),
     ("name: x\nunknown: 1\n", "unknown"),
+    ("name: x\nram: huge\n", "ram"),
     ("name: [unclosed\n", "cannot read template spec"),
     ("- just a list\n", "invalid template spec"),
 ])

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -94,6 +94,10 @@ class TemplateSpec(BaseModel):
               Annotated[str, Field(max_length=4096)]] = Field(default_factory=dict, max_length=256)
     network: bool = False
     """Snapshot it with a NIC, so sessions with an egress policy can use it (a cold-booted build VM)."""
+    ram: Literal["shared", "private"] = "shared"
+    """How its sandboxes hold their RAM. ``shared``: a file on the storage pool, so pausing or branching
+    one is a reflink; ``private``: anonymous memory copied on write from the template (no write-back to
+    the pool while it runs, a snapshot writes the whole RAM). Busy guests such as browsers want private."""
 
     @model_validator(mode="after")
     def _not_base(self) -> TemplateSpec:
@@ -143,6 +147,8 @@ def spec_record(spec: TemplateSpec, sources: dict[str, bytes]) -> dict[str, Any]
     import hashlib
 
     body = spec.model_dump(mode="json")
+    if body["ram"] == "shared":
+        del body["ram"]  # the default is left out, so records (and cache keys) made before it stay valid
     for f in body["files"]:
         if f["source"] is not None:
             f["source_sha256"] = hashlib.sha256(sources[f["source"]]).hexdigest()

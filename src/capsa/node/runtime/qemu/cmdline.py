@@ -18,6 +18,7 @@ __all__ = [
     "build_argv",
     "kernel_cmdline",
     "machine_fingerprint",
+    "tcg_cache_mib",
 ]
 
 AGENT_PORT_NAME = "agent0"
@@ -62,8 +63,9 @@ class QemuConfig:
     kernel_args: Sequence[str] = ()
     name: str | None = None
     tcg_tb_mib: int | None = 128
-    """TCG translation cache size. QEMU's default (1 GiB) lets an idle VM's RSS grow by hundreds of MiB
-    of translated code; a smaller cache costs some retranslation. None keeps QEMU's default."""
+    """TCG translation cache size (:func:`tcg_cache_mib` picks it per guest). QEMU's default (1 GiB) lets an
+    idle VM's RSS grow by hundreds of MiB of translated code; a smaller cache costs some retranslation.
+    None keeps QEMU's default. Not part of the migration stream, so not of :func:`machine_fingerprint`."""
     tap_fd: int | None = None  # an already-open tap device (networking); None = no NIC at all
     mac: str | None = None
     extra_args: Sequence[str] = field(default_factory=tuple)
@@ -82,6 +84,15 @@ class QemuConfig:
             # QEMU's option parser treats ',' as a separator; a path containing one would change the meaning.
             if "," in str(path):
                 raise ValueError(f"path {path} contains ',', which QEMU options cannot express")
+
+
+def tcg_cache_mib(memory_mib: int) -> int:
+    """The TCG translation cache for a guest of ``memory_mib``: 128 MiB up to 512 MiB of memory (a base
+    guest's working set of code fits), half the memory above (at most 1 GiB). A guest running a browser
+    executes far more code: when the cache fills, QEMU drops every translation and starts over, so a cache
+    smaller than the working set makes each page load and screenshot pay for translation again. The host
+    memory is only spent as code is translated."""
+    return 128 if memory_mib <= 512 else min(1024, memory_mib // 2)
 
 
 def kernel_cmdline(config: QemuConfig) -> str:
@@ -144,6 +155,7 @@ def machine_fingerprint(accel: Accelerator, *, memory_mib: int, vcpus: int, kern
 
     A NIC counts with its MAC (which travels in the device state), not with its tap descriptor."""
     placeholder = Path("/p")
+    # tcg_tb_mib stays at its default: the translation cache's size does not change the stream.
     config = QemuConfig(binary="qemu", accel=accel, kernel=placeholder, initrd=placeholder, disk=placeholder,
                         qmp_socket=placeholder, agent_socket=placeholder, memory_mib=memory_mib, vcpus=vcpus,
                         kernel_args=tuple(kernel_args), tap_fd=3 if nic else None, mac=mac)

@@ -22,7 +22,7 @@ from capsa.node.guest_client import ChannelClosed, GuestClient, GuestError
 from capsa.node.runtime.base import Accelerator, BootError, GuestImage, TapNetwork, VMSpec
 from capsa.node.runtime.hostinfo import tsc_khz
 from capsa.node.runtime.qemu.agent_socket import WrongPeer, connect_agent
-from capsa.node.runtime.qemu.cmdline import QemuConfig, build_argv
+from capsa.node.runtime.qemu.cmdline import QemuConfig, build_argv, tcg_cache_mib
 from capsa.node.runtime.qemu.network import configure_guest_network, open_tap
 from capsa.node.runtime.qemu.process import BACKGROUND_NICE, QemuProcess, QemuProcessError
 from capsa.node.runtime.qemu.sandbox import QemuSandbox
@@ -87,6 +87,7 @@ async def launch(req: LaunchRequest, *, started: float) -> QemuSandbox:
             qmp_socket=vmdir.qmp_socket, agent_socket=vmdir.agent_socket, memory_mib=spec.memory_mib,
             vcpus=spec.vcpus, tsc_khz=tsc_khz(), kernel_args=spec.kernel_args, name=sid,
             extra_args=req.files.qemu_args, tap_fd=tap_fd, mac=network.mac if network is not None else None,
+            tcg_tb_mib=tcg_cache_mib(spec.memory_mib),
         )
         process = QemuProcess(build_argv(config), vmdir, user=req.owner, extra_groups=req.groups,
                               console_limit=req.console_limit,

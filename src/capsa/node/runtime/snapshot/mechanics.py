@@ -358,8 +358,8 @@ def plan_restore(
 ) -> RestorePlan:
     """Check the snapshot against what the caller wants and lay out the sandbox's files.
 
-    Creates ``sandbox_dir/disk.img`` (and ``memory.ram`` in COPY mode), owned by ``owner``. The caller
-    starts QEMU with ``extra_args`` and then calls :func:`load_state` with ``state``.
+    Creates ``sandbox_dir/disk.img`` (and ``memory.ram`` in COPY and CLONE modes), owned by ``owner``. The
+    caller starts QEMU with ``extra_args`` and then calls :func:`load_state` with ``state``.
     """
     manifest = load_manifest(snapshot_dir)
     for what, want, have in (("memory_mib", memory_mib, manifest.memory_mib),
@@ -378,7 +378,7 @@ def plan_restore(
         if owner is not None:
             os.chown(disk, *owner, follow_symlinks=False)
         ram: Path | None
-        if mode is RamMode.COPY:
+        if mode in (RamMode.COPY, RamMode.CLONE):
             ram = sandbox_dir / RAM_FILE
             if manifest.ram is not None:
                 clone(snapshot_dir / manifest.ram.path, ram)
@@ -388,7 +388,7 @@ def plan_restore(
             else:
                 create_ram_file(ram, manifest.memory_mib, owner=owner)
                 created.append(ram)
-            shared = True
+            shared = mode is RamMode.COPY
         else:
             ram = snapshot_dir / manifest.ram.path if manifest.ram is not None else None
             shared = False
