@@ -3,8 +3,10 @@ latencies through ``capsa serve`` (control plane + local node in this process, e
 the SDK.
 
 1. the first ``browser`` session (builds the template, or imports it from the template cache: ``origin``);
-2. ``--sessions`` more sessions, each timed from create to its first screenshot (a cold restore of the
-   template and the first CDP round trip: no warm pool for ``browser``);
+2. ``--sessions`` more sessions, each timed from create to its first screenshot: a cold restore of the
+   template and the first CDP round trip (``restore_to_first_screenshot_s``), then as many from the warm
+   pool (``pool_to_first_screenshot_s``; before each, the bench waits for the pool's VM to be restored and
+   idle);
 3. per action latency on one session: screenshot, left_click, type of 100 characters, key;
 4. PSS of each idle browser sandbox's QEMU process after ``--idle`` seconds.
 
@@ -52,11 +54,70 @@ async def _timed(n: int, action: Any) -> dict[str, float]:
     return summary(times)
 
 
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _cpu_s(pid: int) -> float:
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _pool_settled(state: Path, live: int, limit_s: float = 1800.0) -> None:
+    """Wait until one more QEMU than the ``live`` sessions runs and has gone idle (under 10% of a core
+    over 5 s): the pool's VM is restored and warmed."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        pids = _qemu_pids(state)
+        if len(pids) > live:
+            with contextlib.suppress(OSError):
+                newest = max(pids, key=lambda p: int(_stat(p)[19]))  # start time
+                before = _cpu_s(newest)
+                await asyncio.sleep(5)
+                if _cpu_s(newest) - before < 0.5:
+                    return
+                continue
+        await asyncio.sleep(1)
+    raise TimeoutError(f"the pool did not refill within {limit_s:.0f} s")
+
+
+async def measure_pool(template: str, state: Path, accel: str, sessions: int) -> dict[str, Any]:
+    """A second ``capsa serve`` (fresh state dir, template from the cache) with a warm pool of one
+    ``template`` VM: each session is bound from the pool (the bench waits for the refill in between)."""
+    key = generate_key().full
+    os.environ["CAPSA_BOOTSTRAP_KEY"] = key
+    os.environ["CAPSA_POOL_SIZE"] = "0"  # only this template's pool: its VM is the one QEMU more
+    os.environ["CAPSA_POOL_SIZES"] = f'{{"{template}": 1}}'
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = asyncio.create_task(serve.run("127.0.0.1", port, state / "serve", None, accel))
+    made: list[AsyncSession] = []
+    try:
+        await _wait_ready(url, server)
+        made.append(await _create(template, url, key))  # imports the template; the pool then fills
+        pooled: list[float] = []
+        for _ in range(sessions):
+            await _pool_settled(state, live=len(made))
+            t0 = time.perf_counter()
+            s = await _create(template, url, key)
+            made.append(s)
+            await s.computer.screenshot()
+            pooled.append(time.perf_counter() - t0)
+        return {"pool_to_first_screenshot_s": summary(pooled)}
+    finally:
+        for s in made:
+            with contextlib.suppress(CapsaAPIError):
+                await s.close()
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+
+
 async def measure(template: str, state: Path, accel: str, sessions: int, actions: int,
                   idle_s: float) -> dict[str, Any]:
     key = generate_key().full
     os.environ["CAPSA_BOOTSTRAP_KEY"] = key
-    os.environ.setdefault("CAPSA_POOL_SIZES", f'{{"{template}": 0}}')
+    os.environ["CAPSA_POOL_SIZES"] = f'{{"{template}": 0}}'  # every session a cold restore
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     server = asyncio.create_task(serve.run("127.0.0.1", port, state / "serve", None, accel))
@@ -111,6 +172,9 @@ def main() -> None:
         facts = host_facts()
         result = asyncio.run(measure(args.template, state, args.accel, args.sessions, args.actions,
                                      args.idle))
+        shutil.rmtree(state, ignore_errors=True)
+        state.mkdir(mode=0o755)
+        result |= asyncio.run(measure_pool(args.template, state, args.accel, args.sessions))
     finally:
         shutil.rmtree(state, ignore_errors=True)
     data = {"host": facts, "end_load": os.getloadavg(), "args": vars(args) | {"out": str(args.out)},

@@ -5,6 +5,8 @@
   page's script posts the name to ``/api/login`` with ``Authorization: Bearer <key>`` and shows the answer
   in ``#result``. The agent types the session's *placeholder*; the egress broker swaps in the real secret,
   so the site answers ``welcome <name>`` only when the real value arrived (and never echoes it).
+- ``/report.csv`` a download (``Content-Disposition: attachment``) of :data:`REPORT`, linked from ``/``
+  as ``#report``.
 - ``/big`` a page with a large button (``#big``) that turns the whole page black when clicked, and a text
   field (``#field``) at the top left: pixels a screenshot can compare.
 """
@@ -16,13 +18,16 @@ from collections.abc import Awaitable, Callable
 
 import h11
 
-__all__ = ["BIG_PAGE", "LOGIN_PAGE", "site_handler"]
+__all__ = ["BIG_PAGE", "LOGIN_PAGE", "REPORT", "site_handler"]
+
+REPORT = b"month,orders\n2026-11,42\n"
 
 LOGIN_PAGE = """<!doctype html><html><head><title>capsa shop</title></head><body>
 <h1>Sign in</h1>
 <input id="key" placeholder="api key"> <input id="name" placeholder="name">
 <button id="go" onclick="go()">Sign in</button>
 <p id="result">not signed in</p>
+<a id="report" href="/report.csv">monthly report</a>
 <script>
 async function go() {
   const key = document.getElementById("key").value;
@@ -78,6 +83,8 @@ def site_handler(secret: str) -> Handler:
                     status, text, kind = 200, LOGIN_PAGE, "text/html"
                 elif path == "/big":
                     status, text, kind = 200, BIG_PAGE, "text/html"
+                elif path == "/report.csv":
+                    status, text, kind = 200, REPORT.decode(), "text/csv"
                 elif path == "/api/login" and event.method == b"POST":
                     if headers.get("authorization") == f"Bearer {secret}":
                         status, text = 200, "welcome " + body.decode(errors="replace")
@@ -86,9 +93,10 @@ def site_handler(secret: str) -> Handler:
                 else:
                     status, text = 404, "not found"
                 payload = text.encode()
+                extra = [("Content-Disposition", 'attachment; filename="report.csv"')] * (kind == "text/csv")
                 writer.write(conn.send(h11.Response(status_code=status, headers=[
                     ("Content-Type", f"{kind}; charset=utf-8"), ("Content-Length", str(len(payload))),
-                    ("Cache-Control", "no-store")])))
+                    ("Cache-Control", "no-store"), *extra])))
                 writer.write(conn.send(h11.Data(data=payload)))
                 writer.write(conn.send(h11.EndOfMessage()))
                 await writer.drain()

@@ -9,6 +9,7 @@ tests/integration/test_networked_snapshots_vm.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import secrets
 import subprocess
@@ -25,6 +26,7 @@ from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.egress.node_egress import EgressRequest, NodeEgress
 from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.trust_store import TrustStore
+from capsa.node.runtime.base import VMSpec
 from capsa.node.snapshots import LABEL_NIC
 from capsa.node.sources import NET_TEMPLATE, NET_TEMPLATE_MAC, TemplateSource
 from tests.support.fake_runtime import FakeRuntime, fake_image
@@ -220,3 +222,32 @@ async def test_hundred_networked_create_pause_resume_close_cycles_leave_nothing(
         assert not egress.holds_secret(SECRET) and egress.service._attached == {}
     assert cycles == 100 and "pool" in sources
     assert agent.list() == [] and agent.used()["sandboxes"] == 0 and agent.list_snapshots() == []
+
+
+async def test_a_template_with_a_nic_is_pooled_on_a_network_of_its_own(
+        node: tuple[NodeAgent, NodeEgress, str]) -> None:
+    """Templates with ``network: true`` (browser, desktop) have a warm pool like base: the idle VM waits on
+    a network of its own with no broker, and a session binds it by attaching its egress."""
+    agent, egress, _prefix = node
+    source = agent.source
+    assert isinstance(source, TemplateSource)
+    async with egress.throwaway_network() as net:
+        spec = VMSpec(image=source.image, memory_mib=256, vcpus=1,
+                      network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC), labels={"template": "webby"})
+        await source.store.store("webby", await source.runtime.boot(spec), spec={"network": True})
+    first_id = new_id("sbx")
+    first = await agent.create(first_id, "webby", 256, 1, {}, policy=_policy(with_secret=False),
+                               session_id="ses_one")
+    assert first.source == "restore" and first.networked  # the first one is restored; the pool then fills
+    await _pool_ready(agent, "webby")
+    idle = {n.sandbox_id for n in egress.pool_networks()}  # base-net's and webby's idle VMs
+    sid = new_id("sbx")
+    second = await agent.create(sid, "webby", 256, 1, {}, policy=_policy(with_secret=False),
+                                session_id="ses_two")
+    assert second.source == "pool" and second.networked and second.nic_mac == NET_TEMPLATE_MAC
+    bound = egress.network(sid)
+    assert bound is not None and bound.sandbox_id in idle
+    assert bound.sandbox_id not in {n.sandbox_id for n in egress.pool_networks()}
+    assert (await second.sandbox.guest.exec(["true"])).exit_code == 0
+    for done in (first_id, sid):
+        assert await agent.destroy(done)

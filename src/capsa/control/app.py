@@ -14,6 +14,7 @@ from capsa.compat.e2b import MOUNT_PATH as E2B_PATH
 from capsa.compat.e2b import create_e2b_app
 from capsa.control.audit_middleware import AuditMiddleware
 from capsa.control.auth import ensure_bootstrap_key
+from capsa.control.cdp import CdpPages
 from capsa.control.mcp import install_mcp
 from capsa.control.node_secrets import node_sealer
 from capsa.control.nodeclient import NodeClientPool
@@ -71,6 +72,7 @@ def create_app(settings: ControlSettings | None = None,
             if plane.bootstrap_key and on_bootstrap_key:
                 on_bootstrap_key(plane.bootstrap_key)
             app.state.plane = plane
+            app.state.cdp_pages = CdpPages()
             if settings.reaper_interval > 0:
                 reaper = asyncio.create_task(run_reaper(plane), name="capsa-reaper")
             if settings.rolling_snapshot_interval > 0:
@@ -83,6 +85,9 @@ def create_app(settings: ControlSettings | None = None,
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
+            pages = getattr(app.state, "cdp_pages", None)
+            if isinstance(pages, CdpPages):
+                await pages.aclose()
             await plane.nodes.aclose()
             await engine.dispose()
 

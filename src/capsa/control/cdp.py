@@ -11,10 +11,13 @@ to a CDP WebSocket (a page's ``/devtools/page/<id>``) and exchanges JSON command
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import h11
 
@@ -22,9 +25,16 @@ from capsa.common.port_tunnel import PortTunnel
 from capsa.common.websocket import WebSocketClient, WebSocketRejected
 from capsa.control.errors import ApiError
 
-__all__ = ["CDP_HOST", "CDP_PORT", "BrowserUnavailable", "CdpError", "CdpPage", "OpenTunnel", "devtools_json"]
+__all__ = ["CDP_HOST", "CDP_PORT", "DOWNLOADS_DIR", "BrowserUnavailable", "CdpError", "CdpPage", "CdpPages",
+           "OpenTunnel", "active_page", "devtools_json", "pin_downloads"]
+
+_T = TypeVar("_T")
 
 CDP_PORT = 9222
+DOWNLOADS_DIR = "/root/Downloads"
+"""Where the browser saves downloads (Chromium's default for its user, and what :func:`pin_downloads` keeps
+CDP clients to), readable through the files API."""
+_DOWNLOAD_METHODS = frozenset({"Browser.setDownloadBehavior", "Page.setDownloadBehavior"})
 CDP_HOST = f"localhost:{CDP_PORT}"
 _MAX_JSON = 4 << 20
 CALL_TIMEOUT = 120.0
@@ -39,6 +49,11 @@ class BrowserUnavailable(ApiError):
 
 class CdpError(ApiError):
     code, status, title = "browser_error", 502, "The browser refused the action"
+
+    def __init__(self, message: str, *, closed: bool = False) -> None:
+        super().__init__(message)
+        self.closed = closed
+        """The connection was gone (not the command refused)."""
 
 
 async def devtools_json(tunnel: PortTunnel, path: str) -> Any:
@@ -87,12 +102,11 @@ class CdpPage:
     async def open(cls, open_tunnel: OpenTunnel) -> CdpPage:
         """The most recently active page of the browser behind ``open_tunnel`` (two tunnels: one to list
         the targets, one for the WebSocket)."""
-        targets = await devtools_json(await open_tunnel(), "/json/list")
-        pages = [t for t in targets if isinstance(t, dict) and t.get("type") == "page"] \
-            if isinstance(targets, list) else []
-        if not pages:
-            raise BrowserUnavailable("the browser has no open page")
-        target_id = str(pages[0].get("id", ""))
+        return await cls.connect(open_tunnel, await active_page(open_tunnel))
+
+    @classmethod
+    async def connect(cls, open_tunnel: OpenTunnel, target_id: str) -> CdpPage:
+        """A CDP WebSocket to page ``target_id`` (one tunnel)."""
         tunnel = await open_tunnel()
         try:
             ws = await WebSocketClient.connect(tunnel, CDP_HOST, f"/devtools/page/{target_id}")
@@ -109,7 +123,7 @@ class CdpPage:
                 while True:
                     raw = await self._ws.receive()
                     if raw is None:
-                        raise CdpError(f"the browser closed the CDP connection during {method}")
+                        raise CdpError(f"the browser closed the CDP connection during {method}", closed=True)
                     try:
                         message = json.loads(raw)
                     except ValueError:
@@ -125,3 +139,105 @@ class CdpPage:
 
     async def aclose(self) -> None:
         await self._ws.close()
+
+
+async def active_page(open_tunnel: OpenTunnel) -> str:
+    """The target id of the browser's most recently active page (``/json/list`` lists it first)."""
+    targets = await devtools_json(await open_tunnel(), "/json/list")
+    pages = [t for t in targets if isinstance(t, dict) and t.get("type") == "page"] \
+        if isinstance(targets, list) else []
+    if not pages:
+        raise BrowserUnavailable("the browser has no open page")
+    return str(pages[0].get("id", ""))
+
+
+@dataclass
+class _Kept:
+    key: tuple[str, str]  # (sandbox id, target id)
+    page: CdpPage
+    screen: object | None = None
+    used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class CdpPages:
+    """CDP connections to sessions' active pages, kept between computer actions (per control-plane
+    process).
+
+    A connection per action costs a port tunnel more and, since a device-metrics override lasts only as
+    long as the CDP connection that set it, a relayout of the page to the session's screen and back each
+    time. Kept, an action costs the ``/json/list`` that finds the active page and its own commands. A
+    connection is replaced when the active page or the session's sandbox (a resume) changes, dropped when
+    the browser closed it (the action fails once), and closed after ``idle_s`` unused."""
+
+    def __init__(self, idle_s: float = 300.0) -> None:
+        self.idle_s = idle_s
+        self._kept: dict[str, _Kept] = {}
+
+    async def use(self, session_id: str, sandbox_id: str, open_tunnel: OpenTunnel, screen: object,
+                  set_screen: Callable[[CdpPage], Awaitable[None]],
+                  act: Callable[[CdpPage], Awaitable[_T]]) -> _T:
+        """Run ``act`` on the session's active page, after ``set_screen`` if this connection has not set
+        ``screen`` yet. Actions on one session run one at a time."""
+        await self._evict_idle()
+        key = (sandbox_id, await active_page(open_tunnel))
+        kept = self._kept.get(session_id)
+        if kept is not None and kept.key != key:
+            self._kept.pop(session_id, None)
+            await _quietly_close(kept.page)
+            kept = None
+        if kept is None:
+            kept = _Kept(key, await CdpPage.connect(open_tunnel, key[1]))
+            self._kept[session_id] = kept
+        async with kept.lock:
+            kept.used = time.monotonic()
+            try:
+                if kept.screen != screen:
+                    await set_screen(kept.page)
+                    kept.screen = screen
+                return await act(kept.page)
+            except CdpError as exc:
+                if exc.closed and self._kept.get(session_id) is kept:
+                    del self._kept[session_id]
+                raise
+            finally:
+                kept.used = time.monotonic()
+
+    async def _evict_idle(self) -> None:
+        now = time.monotonic()
+        for sid, kept in list(self._kept.items()):
+            if now - kept.used > self.idle_s and not kept.lock.locked():
+                del self._kept[sid]
+                await _quietly_close(kept.page)
+
+    async def aclose(self) -> None:
+        kept, self._kept = list(self._kept.values()), {}
+        for k in kept:
+            await _quietly_close(k.page)
+
+
+async def _quietly_close(page: CdpPage) -> None:
+    with contextlib.suppress(Exception):
+        await page.aclose()
+
+
+def pin_downloads(message: str) -> str:
+    """A CDP client's message on its way to the browser, with any download directory it sets replaced by
+    :data:`DOWNLOADS_DIR` (and file names kept: ``allowAndName`` becomes ``allow``).
+
+    Playwright's ``connect_over_cdp`` points downloads at a temporary directory named on the client's host,
+    which does not exist in the guest; so does any client that sets its own path. Pinned, a download lands
+    under its own name where the files API finds it. Other messages pass unchanged (one substring test)."""
+    if "setDownloadBehavior" not in message:
+        return message
+    try:
+        command = json.loads(message)
+    except ValueError:
+        return message
+    if not isinstance(command, dict) or command.get("method") not in _DOWNLOAD_METHODS:
+        return message
+    params = command.get("params")
+    if not isinstance(params, dict) or params.get("behavior") not in ("allow", "allowAndName"):
+        return message
+    command["params"] = {**params, "behavior": "allow", "downloadPath": DOWNLOADS_DIR}
+    return json.dumps(command)

@@ -313,8 +313,7 @@ async def set_screen(page: CdpPage, screen: Screen) -> None:
 
 async def perform(page: CdpPage, session_id: str, screen: Screen, action: Any) -> ComputerResult:
     """Carry out ``action`` (one of :data:`ComputerAction`, already validated and checked against
-    ``screen``) on ``page``."""
-    await set_screen(page, screen)
+    ``screen``) on ``page``, whose viewport is ``screen`` already (:func:`set_screen`)."""
     empty = ComputerResult()
     match action:
         case Screenshot():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 from urllib.parse import urlencode
 
@@ -212,8 +212,9 @@ async def _stop(upload: asyncio.Task[None], tunnel: PortTunnel) -> None:
 
 
 async def proxy_websocket(websocket: WebSocket, access: PortAccess, port: int, path: str,
-                          tunnel: PortTunnel) -> None:
-    """Relay a client WebSocket (not yet accepted) to a WebSocket server on the port."""
+                          tunnel: PortTunnel, *, rewrite: Callable[[str], str] | None = None) -> None:
+    """Relay a client WebSocket (not yet accepted) to a WebSocket server on the port; ``rewrite`` (if
+    given) maps each of the client's text messages before it is sent on."""
     offered = [p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
     headers = _forward_headers(websocket, access, port, drop=_WS_HANDSHAKE)
     try:
@@ -238,7 +239,7 @@ async def proxy_websocket(websocket: WebSocket, access: PortAccess, port: int, p
             if message.get("bytes") is not None:
                 await upstream.send(message["bytes"])
             elif message.get("text") is not None:
-                await upstream.send(message["text"])
+                await upstream.send(rewrite(message["text"]) if rewrite else message["text"])
 
     async def app_to_client() -> None:
         while True:

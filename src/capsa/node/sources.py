@@ -163,6 +163,12 @@ class ColdBootSource:
                            nic_mac=network.mac if network is not None else None)
 
 
+def _ram_mode(template: Template, default: RamMode = RamMode.COPY) -> RamMode:
+    """How a sandbox restored from ``template`` holds its RAM: its spec's ``ram: private`` (busy guests:
+    browsers) maps a clone privately, otherwise ``default``."""
+    return RamMode.CLONE if (template.spec or {}).get("ram") == "private" else default
+
+
 class TemplateSource:
     """Sandboxes restored from template snapshots, through a warm pool; cold boot only as a fallback."""
 
@@ -273,12 +279,15 @@ class TemplateSource:
 
     async def _pool_restore(self, key: PoolKey) -> Sandbox:
         if key[0] == NET_TEMPLATE:
-            sandbox = await self._pool_restore_networked(key)
+            sandbox = await self._pool_restore_networked(key, await self.net_template(key[1], key[2]))
         else:
             template = await self.store.resolve(*key)
-            sandbox = await self.runtime.restore(template.snapshot,
-                                                 self._spec(template, {"template": key[0], "pooled": "1"}),
-                                                 ram_mode=self.ram_mode)
+            if (template.spec or {}).get("network"):  # browser, desktop: a NIC, so a network of its own
+                sandbox = await self._pool_restore_networked(key, template)
+            else:
+                spec = self._spec(template, {"template": key[0], "pooled": "1"})
+                sandbox = await self.runtime.restore(template.snapshot, spec,
+                                                     ram_mode=_ram_mode(template, self.ram_mode))
         try:
             # A restored guest starts with cold caches (under TCG: no translated code; its RAM pages are
             # faulted in from the snapshot on first touch), so its first command is slow. Spend that on
@@ -290,17 +299,17 @@ class TemplateSource:
             raise
         return sandbox
 
-    async def _pool_restore_networked(self, key: PoolKey) -> Sandbox:
-        """base-net restored onto a network of its own (firewalled, no broker until a session binds it:
-        the guest's address, route and DNS are set for it now, so a bind only attaches the broker)."""
+    async def _pool_restore_networked(self, key: PoolKey, template: Template) -> Sandbox:
+        """base-net (or a template with a NIC) restored onto a network of its own (firewalled, no broker
+        until a session binds it: the guest's address, route and DNS are the same on every sandbox's
+        network, so a bind only attaches the broker)."""
         if self.egress is None:
             raise CapsaError("this node has no egress service", code="egress_unavailable", status=503)
-        template = await self.net_template(key[1], key[2])
         net = await self.egress.pool_network()
         try:
-            spec = self._spec(template, {"template": NET_TEMPLATE, "pooled": "1"},
+            spec = self._spec(template, {"template": key[0], "pooled": "1"},
                               network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC))
-            sandbox = await self.runtime.restore(template.snapshot, spec, ram_mode=RamMode.COPY)
+            sandbox = await self.runtime.restore(template.snapshot, spec, ram_mode=_ram_mode(template))
         except BaseException:
             await asyncio.shield(self.egress.release_network(net))
             raise
@@ -334,7 +343,7 @@ class TemplateSource:
                 source = "restore"
                 labels = {"sandbox": request.sandbox_id, "template": request.template}
                 sandbox = await self.runtime.restore(tpl.snapshot, self._spec(tpl, labels),
-                                                     ram_mode=self.ram_mode)
+                                                     ram_mode=_ram_mode(tpl, self.ram_mode))
             try:
                 if source == "restore" and self.warm_restores:
                     await warm_up(sandbox, rounds=1, strict=True)
@@ -411,13 +420,28 @@ class TemplateSource:
         return await self.cold.boot(request, network, self.image)
 
     async def _make_networked_custom(self, request: SandboxRequest, tpl: Template) -> MadeSandbox:
-        """A template with a NIC (``network: true``) restored onto the request's new network."""
+        """A template with a NIC (``network: true``): bound from its warm pool (the request's egress
+        attached onto the pooled VM's network), or restored onto the request's new network."""
         assert request.attach is not None
-        network = await request.attach(None)
-        labels = {"sandbox": request.sandbox_id, "template": request.template}
-        spec = self._spec(tpl, labels, network=dataclasses.replace(network, mac=NET_TEMPLATE_MAC))
-        sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
-                                             ram_mode=RamMode.COPY)
+        try:
+            sandbox = self.warm.take(tpl.key)
+            if sandbox is not None:
+                source = "pool"
+                net, _ = self._pool_nets.pop(sandbox.id)
+                try:
+                    await request.attach(net)
+                except BaseException:
+                    await asyncio.shield(self.runtime.destroy(sandbox))
+                    raise
+            else:
+                source = "restore"
+                network = await request.attach(None)
+                labels = {"sandbox": request.sandbox_id, "template": request.template}
+                spec = self._spec(tpl, labels, network=dataclasses.replace(network, mac=NET_TEMPLATE_MAC))
+                sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
+                                                     ram_mode=_ram_mode(tpl))
+        finally:
+            self.warm.watch(tpl.key)
         try:
             steps = [self.bind(sandbox, hostname_for(request.sandbox_id))]
             if request.prepare is not None:
@@ -429,7 +453,7 @@ class TemplateSource:
         except BaseException:
             await asyncio.shield(self.runtime.destroy(sandbox))
             raise
-        return MadeSandbox(sandbox, "restore", tpl.snapshot.id, dict((tpl.spec or {}).get("env") or {}),
+        return MadeSandbox(sandbox, source, tpl.snapshot.id, dict((tpl.spec or {}).get("env") or {}),
                            nic_mac=NET_TEMPLATE_MAC)
 
     async def resolve(self, name: str, memory_mib: int | None, vcpus: int | None) -> Template:

@@ -35,6 +35,8 @@ class BrowserInfo(_Model):
 
     cdp_url: str
     live_url: str | None = None
+    downloads_dir: str = "/root/Downloads"
+    """Where the browser saves downloads under their own names: ``session.files.read(...)``."""
 
 
 class ActionResult(_Model):

@@ -28,8 +28,8 @@ from pydantic import BaseModel, Field
 from capsa.common.node_api import ExecRequest, ExecResult
 from capsa.common.port_tunnel import PortTunnel
 from capsa.control import desktop
-from capsa.control.cdp import CDP_PORT, BrowserUnavailable, CdpPage, OpenTunnel, devtools_json
-from capsa.control.computer import ComputerAction, ComputerResult, Screen, check_action, perform
+from capsa.control.cdp import CDP_PORT, DOWNLOADS_DIR, BrowserUnavailable, CdpPages, OpenTunnel, devtools_json
+from capsa.control.computer import ComputerAction, ComputerResult, Screen, check_action, perform, set_screen
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import ValidationFailed
 from capsa.control.nodeclient import NodeError
@@ -49,6 +49,8 @@ class BrowserInfo(BaseModel):
     cdp_url: str = Field(description="CDP WebSocket URL of the browser, through the ports proxy, with a port "
                                      "token: for playwright.chromium.connect_over_cdp and CDP clients")
     live_url: str | None = Field(default=None, description="A live view of the screen (desktop templates)")
+    downloads_dir: str = Field(default=DOWNLOADS_DIR, description="Where the browser saves downloads, "
+                                                                  "under their own names (files API)")
 
 
 def _opener(plane: ControlPlane, tenant: str, session_id: str) -> OpenTunnel:
@@ -140,7 +142,7 @@ async def browser_info(session_id: str, request: Request, plane: Plane, caller: 
 
 @router.post("/computer", response_model=ComputerResult, response_model_exclude_none=True,
              responses=problems(404, 409))
-async def computer(session_id: str, plane: Plane, caller: Caller,
+async def computer(session_id: str, request: Request, plane: Plane, caller: Caller,
                    action: Annotated[ComputerAction, Body()]) -> ComputerResult:
     """One computer-use action (Anthropic's computer-use tool shapes) on the browser's active page, or on
     a desktop session's X screen."""
@@ -155,8 +157,9 @@ async def computer(session_id: str, plane: Plane, caller: Caller,
         raise ValidationFailed(str(exc), [{"loc": "body", "msg": str(exc)}]) from None
     if on_desktop:
         return await desktop.perform(_guest(plane, caller.tenant, session_id), screen, action)
-    page = await CdpPage.open(_opener(plane, caller.tenant, session_id))
-    try:
-        return await perform(page, session_id, screen, action)
-    finally:
-        await page.aclose()
+    row, _ = await running_session(plane, caller.tenant, session_id)
+    assert row.sandbox_id is not None
+    pages: CdpPages = request.app.state.cdp_pages
+    return await pages.use(session_id, row.sandbox_id, _opener(plane, caller.tenant, session_id), screen,
+                           lambda page: set_screen(page, screen),
+                           lambda page: perform(page, session_id, screen, action))

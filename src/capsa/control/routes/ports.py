@@ -26,6 +26,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from capsa.common.errors import CapsaError
 from capsa.common.port_tunnel import OK_MESSAGE, PortTunnel, problem_message
+from capsa.control.cdp import CDP_PORT, pin_downloads
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
@@ -102,7 +103,9 @@ async def proxy_ws(websocket: WebSocket, session_id: str, port: Port, path: str)
         await refuse_websocket(websocket, exc)
         return
     async with keep_active(plane, session_id):
-        await proxy_websocket(websocket, access, port, path, tunnel)
+        # The browser templates' CDP port: downloads stay in the session's download directory.
+        await proxy_websocket(websocket, access, port, path, tunnel,
+                              rewrite=pin_downloads if port == CDP_PORT else None)
 
 
 @router.websocket("/tunnels/{port}")
