@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -81,29 +83,22 @@ async def _pool_settled(state: Path, live: int, limit_s: float = 1800.0) -> None
     raise TimeoutError(f"the pool did not refill within {limit_s:.0f} s")
 
 
-async def measure_pool(template: str, state: Path, accel: str, sessions: int) -> dict[str, Any]:
-    """A second ``capsa serve`` (fresh state dir, template from the cache) with a warm pool of one
-    ``template`` VM: each session is bound from the pool (the bench waits for the refill in between)."""
+@contextlib.asynccontextmanager
+async def _serving(state: Path, accel: str, pool_sizes: dict[str, int]
+                   ) -> AsyncIterator[tuple[str, str, list[AsyncSession]]]:
+    """``capsa serve`` in this process on ``state`` with those pool sizes (every other template 0):
+    (its URL, an admin key, a list whose sessions are closed at the end)."""
     key = generate_key().full
     os.environ["CAPSA_BOOTSTRAP_KEY"] = key
-    os.environ["CAPSA_POOL_SIZE"] = "0"  # only this template's pool: its VM is the one QEMU more
-    os.environ["CAPSA_POOL_SIZES"] = f'{{"{template}": 1}}'
+    os.environ["CAPSA_POOL_SIZE"] = "0"
+    os.environ["CAPSA_POOL_SIZES"] = json.dumps(pool_sizes)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     server = asyncio.create_task(serve.run("127.0.0.1", port, state / "serve", None, accel))
     made: list[AsyncSession] = []
     try:
         await _wait_ready(url, server)
-        made.append(await _create(template, url, key))  # imports the template; the pool then fills
-        pooled: list[float] = []
-        for _ in range(sessions):
-            await _pool_settled(state, live=len(made))
-            t0 = time.perf_counter()
-            s = await _create(template, url, key)
-            made.append(s)
-            await s.computer.screenshot()
-            pooled.append(time.perf_counter() - t0)
-        return {"pool_to_first_screenshot_s": summary(pooled)}
+        yield url, key, made
     finally:
         for s in made:
             with contextlib.suppress(CapsaAPIError):
@@ -113,32 +108,35 @@ async def measure_pool(template: str, state: Path, accel: str, sessions: int) ->
             await server
 
 
+async def _to_first_screenshot(template: str, url: str, key: str, made: list[AsyncSession]) -> float:
+    t0 = time.perf_counter()
+    s = await _create(template, url, key)
+    made.append(s)
+    await s.computer.screenshot()
+    return time.perf_counter() - t0
+
+
+async def measure_pool(template: str, state: Path, accel: str, sessions: int) -> dict[str, Any]:
+    """A second ``capsa serve`` (fresh state dir, template from the cache) with a warm pool of one
+    ``template`` VM (and no other pool, so its VM is the one QEMU more than the sessions): each session
+    is bound from the pool, the bench waiting for the refill in between."""
+    async with _serving(state, accel, {template: 1}) as (url, key, made):
+        made.append(await _create(template, url, key))  # imports the template; the pool then fills
+        pooled: list[float] = []
+        for _ in range(sessions):
+            await _pool_settled(state, live=len(made))
+            pooled.append(await _to_first_screenshot(template, url, key, made))
+        return {"pool_to_first_screenshot_s": summary(pooled)}
+
+
 async def measure(template: str, state: Path, accel: str, sessions: int, actions: int,
                   idle_s: float) -> dict[str, Any]:
-    key = generate_key().full
-    os.environ["CAPSA_BOOTSTRAP_KEY"] = key
-    os.environ["CAPSA_POOL_SIZES"] = f'{{"{template}": 0}}'  # every session a cold restore
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = asyncio.create_task(serve.run("127.0.0.1", port, state / "serve", None, accel))
-    made: list[AsyncSession] = []
     out: dict[str, Any] = {}
-    try:
-        await _wait_ready(url, server)
-        t0 = time.perf_counter()
-        first = await _create(template, url, key)
-        made.append(first)
-        await first.computer.screenshot()
-        out["first_session_to_screenshot_s"] = round(time.perf_counter() - t0, 2)
-        restore: list[float] = []
-        for _ in range(sessions):
-            t0 = time.perf_counter()
-            s = await _create(template, url, key)
-            made.append(s)
-            await s.computer.screenshot()
-            restore.append(time.perf_counter() - t0)
+    async with _serving(state, accel, {}) as (url, key, made):  # every session a cold restore
+        out["first_session_to_screenshot_s"] = round(await _to_first_screenshot(template, url, key, made), 2)
+        restore = [await _to_first_screenshot(template, url, key, made) for _ in range(sessions)]
         out["restore_to_first_screenshot_s"] = summary(restore)
-        c = first.computer
+        c = made[0].computer
         out["screenshot_s"] = await _timed(actions, c.screenshot)
         out["left_click_s"] = await _timed(actions, lambda: c.click(640, 400))
         out["type_100_chars_s"] = await _timed(actions, lambda: c.type("x" * 100))
@@ -146,13 +144,6 @@ async def measure(template: str, state: Path, accel: str, sessions: int, actions
         await asyncio.sleep(idle_s)
         pss = [memory_kib(p).get("pss", 0) / 1024 for p in _qemu_pids(state)]
         out["idle_pss_mib_per_sandbox"] = summary(pss) if pss else None
-    finally:
-        for s in made:
-            with contextlib.suppress(CapsaAPIError):
-                await s.close()
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
     return out
 
 

@@ -18,9 +18,7 @@ import base64
 import os
 import secrets
 import ssl
-import struct
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +43,7 @@ from tests.support.api_stack import ApiStack
 from tests.support.browser_site import REPORT, site_handler
 from tests.support.leftovers import netns_with, pool_sandbox_dirs, wait_for_nothing, wait_no_vm_leftovers
 from tests.support.outside import World, outside_world
+from tests.support.png import dark_fraction, differing, png_pixels
 from tests.support.scan import memory_contains
 
 pytestmark = [
@@ -73,62 +72,6 @@ def _egress(world: World, octet: int, prefix: str) -> NodeEgress:
                           allow_networks=[world.net])
     manager = NetworkManager(netns_prefix=prefix)
     return NodeEgress(EgressService(manager, broker, audit, poll_interval=0.5), store, audit)
-
-
-def png_pixels(data: bytes) -> tuple[int, int, list[bytes]]:
-    """Width, height and the rows (RGB or RGBA bytes) of an 8-bit truecolour PNG (what Chromium writes)."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
-    pos, idat, width, height, channels = 8, b"", 0, 0, 0
-    while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        chunk = data[pos + 8:pos + 8 + length]
-        if kind == b"IHDR":
-            width, height, depth, colour = struct.unpack(">IIBB", chunk[:10])
-            assert depth == 8 and colour in (2, 6), (depth, colour)
-            channels = 3 if colour == 2 else 4
-        elif kind == b"IDAT":
-            idat += chunk
-        pos += 12 + length
-    raw = zlib.decompress(idat)
-    stride = width * channels
-    rows: list[bytes] = []
-    prev = bytearray(stride)
-    for y in range(height):
-        f = raw[y * (stride + 1)]
-        line = bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
-        for i in range(stride):
-            a = line[i - channels] if i >= channels else 0
-            b = prev[i]
-            c = prev[i - channels] if i >= channels else 0
-            if f == 1:
-                line[i] = (line[i] + a) & 0xFF
-            elif f == 2:
-                line[i] = (line[i] + b) & 0xFF
-            elif f == 3:
-                line[i] = (line[i] + (a + b) // 2) & 0xFF
-            elif f == 4:
-                p = a + b - c
-                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
-                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
-        rows.append(bytes(line))
-        prev = line
-    return width, height, [bytes(r[i] for i in range(len(r)) if i % channels < 3) for r in rows]
-
-
-def dark_fraction(rows: list[bytes], box: tuple[int, int, int, int]) -> float:
-    x0, y0, x1, y1 = box
-    dark = total = 0
-    for row in rows[y0:y1]:
-        for x in range(x0, x1):
-            total += 1
-            dark += sum(row[3 * x:3 * x + 3]) < 120
-    return dark / total
-
-
-def differing(a: list[bytes], b: list[bytes], box: tuple[int, int, int, int]) -> int:
-    x0, y0, x1, y1 = box
-    return sum(ra[3 * x:3 * x + 3] != rb[3 * x:3 * x + 3] for ra, rb in zip(a[y0:y1], b[y0:y1], strict=True)
-               for x in range(x0, x1))
 
 
 async def _act(api: httpx.AsyncClient, sid: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -165,8 +165,8 @@ async def test_template_source_pool_bind_restore_on_demand_and_snapshots(tmp_pat
     await agent.start()
     try:
         await agent.wait_ready()  # base built: one cold boot, snapshotted into the template store
-        # browser: a shipped template, listed before it is built (on first use)
-        assert runtime.boots == 1 and agent.templates == ["base", "browser"]
+        # browser, desktop: shipped templates, listed before they are built (on first use)
+        assert runtime.boots == 1 and agent.templates == ["base", "browser", "desktop"]
         [base] = agent.list_templates()
         assert base["name"] == "base" and base["memory_mib"] == 256 and base["snapshot"]
         for _ in range(200):  # the pool fills in the background
