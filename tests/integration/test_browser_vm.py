@@ -17,7 +17,6 @@ import asyncio
 import base64
 import os
 import secrets
-import ssl
 import time
 from pathlib import Path
 from typing import Any
@@ -27,24 +26,14 @@ import pytest
 from playwright.async_api import async_playwright
 
 from capsa.common.image import GuestImage
-from capsa.common.settings import Settings
-from capsa.node.egress.audit_log import AuditLog
-from capsa.node.egress.broker import EgressBroker
-from capsa.node.egress.dns import DnsResolver
-from capsa.node.egress.node_egress import NodeEgress
-from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
-from capsa.node.egress.service import EgressService
-from capsa.node.net.sandbox_net import NetworkManager
-from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
-from capsa.node.sources import NET_TEMPLATE, TemplateSource
+from capsa.node.runtime.qemu import QemuSandbox
 from capsa.node.storage import StoragePool
-from capsa.node.template_cache import TemplateCache
-from tests.support.api_stack import ApiStack
 from tests.support.browser_site import REPORT, site_handler
 from tests.support.leftovers import netns_with, pool_sandbox_dirs, wait_for_nothing, wait_no_vm_leftovers
-from tests.support.outside import World, outside_world
+from tests.support.outside import outside_world
 from tests.support.png import dark_fraction, differing, png_pixels
 from tests.support.scan import memory_contains
+from tests.support.site_egress import site_egress, template_stack
 
 pytestmark = [
     pytest.mark.vm,
@@ -62,16 +51,6 @@ _LONG = 180_000  # ms: Playwright timeouts under TCG
 def _policy() -> dict[str, Any]:
     return {"domains": [{"domain": SITE}],
             "secrets": [{"secret": "shop-key", "header": "Authorization", "domain": SITE, "env": "SHOP_KEY"}]}
-
-
-def _egress(world: World, octet: int, prefix: str) -> NodeEgress:
-    audit = AuditLog()
-    store = InMemorySecretStore(SecretBox(os.urandom(32)))
-    broker = EgressBroker(secrets=store, sink=audit, resolver=DnsResolver(world.ip),
-                          upstream_ssl=ssl.create_default_context(cafile=str(world.ca_file)),
-                          allow_networks=[world.net])
-    manager = NetworkManager(netns_prefix=prefix)
-    return NodeEgress(EgressService(manager, broker, audit, poll_interval=0.5), store, audit)
 
 
 async def _act(api: httpx.AsyncClient, sid: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -118,14 +97,8 @@ async def test_browser_sessions_end_to_end(state_dir: Path, pool: StoragePool,
 async def _end_to_end(state_dir: Path, pool: StoragePool, guest_image: GuestImage, octet: int, prefix: str,
                       figures: dict[str, float]) -> None:
     async with outside_world(octet, site=site_handler(SECRET), site_names=(SITE,)) as world:
-        egress = _egress(world, octet, prefix)
-        settings = Settings(state_dir=state_dir, cache_dir=Settings().cache_dir)
-        runtime = QemuRuntime(settings, storage=PoolStorage(pool))
-        source = TemplateSource(runtime, guest_image, egress=egress, cache=TemplateCache(settings.cache_dir),
-                                pool_sizes={"base": 0, NET_TEMPLATE: 0, "browser": 0})
-        key = base64.b64encode(os.urandom(32)).decode()
-        stack = ApiStack(f"sqlite+aiosqlite:///{state_dir}/capsa.db", runtime, guest_image, egress=egress,
-                         source=source, settings={"secret_key": key, "reaper_interval": 0})
+        egress = site_egress(world, prefix)
+        source, stack = template_stack(state_dir, pool, guest_image, egress, "browser")
         async with stack, async_playwright() as pw:
             acme = await stack.tenant_key("acme")
             async with stack.client(acme, timeout=600) as api:

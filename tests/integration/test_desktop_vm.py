@@ -29,18 +29,13 @@ import pytest
 from playwright.async_api import async_playwright
 
 from capsa.common.image import GuestImage
-from capsa.common.settings import Settings
 from capsa.common.websocket import SocketStream, WebSocketClient
-from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
-from capsa.node.sources import NET_TEMPLATE, TemplateSource
 from capsa.node.storage import StoragePool
-from capsa.node.template_cache import TemplateCache
-from tests.support.api_stack import ApiStack
 from tests.support.browser_site import site_handler
 from tests.support.leftovers import netns_with, pool_sandbox_dirs, wait_for_nothing, wait_no_vm_leftovers
 from tests.support.outside import outside_world
 from tests.support.png import dark_fraction, differing, png_pixels
-from tests.support.site_egress import site_egress
+from tests.support.site_egress import site_egress, template_stack
 
 pytestmark = [
     pytest.mark.vm,
@@ -163,13 +158,7 @@ async def test_desktop_sessions_end_to_end(state_dir: Path, pool: StoragePool,
     width, height = SCREEN
     async with outside_world(octet, site=site_handler("unused"), site_names=(SITE,)) as world:
         egress = site_egress(world, prefix)
-        settings = Settings(state_dir=state_dir, cache_dir=Settings().cache_dir)
-        runtime = QemuRuntime(settings, storage=PoolStorage(pool))
-        source = TemplateSource(runtime, guest_image, egress=egress, cache=TemplateCache(settings.cache_dir),
-                                pool_sizes={"base": 0, NET_TEMPLATE: 0, "desktop": 0})
-        key = base64.b64encode(os.urandom(32)).decode()
-        stack = ApiStack(f"sqlite+aiosqlite:///{state_dir}/capsa.db", runtime, guest_image, egress=egress,
-                         source=source, settings={"secret_key": key, "reaper_interval": 0})
+        source, stack = template_stack(state_dir, pool, guest_image, egress, "desktop")
         async with stack, async_playwright() as pw:
             acme = await stack.tenant_key("acme")
             async with stack.client(acme, timeout=600) as api:
