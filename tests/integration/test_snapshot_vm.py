@@ -20,10 +20,11 @@ import pytest_asyncio
 
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
-from capsa.node.runtime.base import BootError, SandboxState, VMSpec
+from capsa.node.runtime.base import LABEL_PRIVATE_RAM, BootError, SandboxState, VMSpec
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.runtime.snapshot.manifest import Snapshot, write_manifest
 from capsa.node.runtime.snapshot.mechanics import RamMode, SnapshotError
+from capsa.node.snapshots import Snapshots
 from capsa.node.storage import StoragePool, StorageSettings
 
 pytestmark = [
@@ -128,6 +129,36 @@ async def test_pause_resume_keeps_files_and_the_counter_continues(
         await runtime.destroy(sb)
     assert runtime.pool.list_sandboxes() == []
     print(f"restore to guest answering: {restore_s:.3f}s")
+
+
+async def test_private_ram_stays_private_through_pause_and_resume(
+    runtime: QemuRuntime, spec: VMSpec, paused: tuple[Snapshot, int, int], state_dir: Path
+) -> None:
+    """A sandbox restored with RamMode.CLONE (a ``ram: private`` template's) maps its RAM privately; its
+    snapshot says so (the RAM travels in the stream) and Snapshots.restore keeps the next restore private:
+    a pause and resume does not bring back the shared mapping that a busy guest writes back to the pool."""
+    snap, _, _ = paused
+    first = await runtime.restore(snap, spec, ram_mode=RamMode.CLONE)
+    try:
+        assert isinstance(first, QemuSandbox) and first.files.private_ram and not first.files.shared_ram
+        await _sh(first, "echo kept > /root/private.txt; sync")
+        again = await runtime.snapshot(first, resume=False)
+    finally:
+        await runtime.destroy(first)
+    assert again.manifest.labels[LABEL_PRIVATE_RAM] == "private" and again.manifest.ram is None
+    snapshots = Snapshots(runtime, lambda _digest: spec.image)
+    resumed = await snapshots.restore(again, "sbx_privateresume")
+    try:
+        assert isinstance(resumed, QemuSandbox) and resumed.files.private_ram
+        assert resumed.pid is not None
+        argv = (await asyncio.to_thread(Path(f"/proc/{resumed.pid}/cmdline").read_bytes)).split(b"\0")
+        backend = next(a for a in argv if a.startswith(b"memory-backend-file"))
+        assert b"share=off" in backend and b"sbx_privateresume" in backend
+        assert await resumed.guest.read_file("/root/private.txt") == b"kept\n"
+    finally:
+        await runtime.destroy(resumed)
+        runtime.delete_snapshot(again)
+    assert runtime.pool.list_sandboxes() == []
 
 
 async def test_branch_into_three_sees_parent_files_then_diverges(

@@ -184,7 +184,8 @@ class CdpPages:
         kept = self._kept.get(session_id)
         if kept is not None and kept.key != key:
             self._kept.pop(session_id, None)
-            await _quietly_close(kept.page)
+            async with kept.lock:  # an action still running on it finishes first
+                await _quietly_close(kept.page)
             kept = None
         if kept is None:
             kept = _Kept(key, await CdpPage.connect(open_tunnel, key[1]))

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
 from capsa.common.image import GuestImage
-from capsa.node.runtime.base import RamMode, Runtime, Sandbox, SnapshotCapable, VMSpec
+from capsa.node.runtime.base import LABEL_PRIVATE_RAM, RamMode, Runtime, Sandbox, SnapshotCapable, VMSpec
 from capsa.node.runtime.snapshot.manifest import Snapshot
 from capsa.node.warm_pool import IdentityBinder, bind_sandbox
 
@@ -152,9 +152,13 @@ class Snapshots:
     async def restore(self, snap: Snapshot, sandbox_id: str, *, ram_mode: RamMode | None = None,
                       network: object | None = None) -> Sandbox:
         """A new sandbox from ``snap``, bound to its identity (hostname from ``sandbox_id``); ``network``:
-        the NIC's new tap (the runtime sets the guest's address for it)."""
+        the NIC's new tap (the runtime sets the guest's address for it). A snapshot of a sandbox with
+        private RAM (a ``ram: private`` template's) is restored with private RAM again."""
+        if ram_mode is None:
+            private = snap.manifest.labels.get(LABEL_PRIVATE_RAM) == "private"
+            ram_mode = RamMode.CLONE if private else self.ram_mode
         sandbox = await self.runtime.restore(snap, self.spec_for(snap, {"sandbox": sandbox_id}, network),
-                                             sandbox_id=sandbox_id, ram_mode=ram_mode or self.ram_mode)
+                                             sandbox_id=sandbox_id, ram_mode=ram_mode)
         try:
             await self.bind(sandbox, hostname_for(sandbox_id))
         except BaseException:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from capsa.node.runtime.snapshot.manifest import Snapshot
 
 __all__ = [
+    "LABEL_PRIVATE_RAM",
     "TAP_NETWORK_FIELDS",
     "Accelerator",
     "BootError",
@@ -64,6 +65,11 @@ class RamMode(enum.StrEnum):
     anonymous memory. A shared mapping's dirty pages are written back to the pool while the VM runs (a
     browser guest rewrote its 1 GiB about 12 times in 6 minutes, and its vCPU waited on those writes);
     a private one writes nothing, and a snapshot then writes the whole RAM instead of a reflink."""
+
+
+LABEL_PRIVATE_RAM = "capsa.ram"
+"""Snapshot label (value ``private``) a runtime sets on a snapshot of a sandbox running in
+:attr:`RamMode.CLONE`, so that restoring it keeps the RAM private (``capsa.node.snapshots``)."""
 
 
 class RuntimeError_(CapsaError):

@@ -31,6 +31,7 @@ from capsa.common.ids import is_id, new_id
 from capsa.common.settings import Settings
 from capsa.node.runtime.accel import AccelCache, AccelDecision, parse_accel
 from capsa.node.runtime.base import (
+    LABEL_PRIVATE_RAM,
     TAP_NETWORK_FIELDS,
     Accelerator,
     BootError,
@@ -371,6 +372,8 @@ class QemuRuntime:
         elif dest is None:
             dest = pool.snapshot_dir(new_id("snap"))
         spec, files = sandbox.spec, sandbox.files
+        if files.private_ram:  # its restores keep the RAM private too (a busy guest: no write-back)
+            labels = {**(labels or {}), LABEL_PRIVATE_RAM: "private"}
         # The disk and RAM file belong to the VM user, whose QEMU may be compromised: clone only regular
         # files of that user on the pool's filesystem, never a link planted in their place.
         owner = sandbox.vm_uid if sandbox.vm_uid is not None else os.geteuid()

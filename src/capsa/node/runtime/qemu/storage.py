@@ -63,6 +63,8 @@ class VmFiles:
     """Supplementary groups QEMU needs for these files (a snapshot's frozen RAM)."""
     restore: RestorePlan | None = None
     """The snapshot state to load once QEMU is up (None: a cold boot)."""
+    private_ram: bool = False
+    """The RAM is the sandbox's own clone mapped privately (:attr:`RamMode.CLONE`)."""
 
 
 class VmStorage(Protocol):
@@ -161,7 +163,8 @@ class PoolStorage:
             self._pool.remove_sandbox(sandbox_id)
             raise
         return VmFiles(disk=plan.disk, disk_cow=self._pool.cow, ram=plan.ram, shared_ram=plan.shared_ram,
-                       qemu_args=tuple(plan.extra_args), groups=groups, restore=plan)
+                       qemu_args=tuple(plan.extra_args), groups=groups, restore=plan,
+                       private_ram=mode is RamMode.CLONE)
 
     def release(self, sandbox_id: str) -> None:
         self._revoke_private_ram(sandbox_id)
