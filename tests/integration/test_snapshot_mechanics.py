@@ -156,6 +156,16 @@ async def _boot_shared(pool: StoragePool, name: str, pattern: bytes) -> tuple[Pa
     return ram, disk
 
 
+async def _frozen(pool: StoragePool, tmp_path: Path, name: str, pattern: bytes) -> Path:
+    """Snapshot ``name`` of a VM whose shared RAM file holds ``pattern`` (the VM stopped after it)."""
+    ram, disk = await _boot_shared(pool, "sbx_src", pattern)
+    snap = pool.snapshot_dir(name)
+    async with launch(tmp_path / "src", memory_backend_args(MEM_MIB, ram, share=True)) as vm:
+        await save_snapshot(vm.qmp, snap, disk=disk, ram=ram, clone=pool.clone, memory_mib=MEM_MIB, vcpus=1,
+                            accel="tcg", image_digest="sha256:test", resume=False)
+    return snap
+
+
 async def test_save_restore_private_and_copy_and_resave(pool: StoragePool, tmp_path: Path) -> None:
     pattern = os.urandom(4096)
     ram, disk = await _boot_shared(pool, "sbx_src", pattern)
@@ -222,11 +232,7 @@ async def test_clone_mode_maps_its_own_copy_privately(pool: StoragePool, tmp_pat
     """CLONE: the sandbox gets its own reflink of the RAM file, mapped privately (no write-back to the pool
     while it runs); a snapshot of it carries the RAM in the stream, like a PRIVATE one."""
     pattern = os.urandom(4096)
-    ram, disk = await _boot_shared(pool, "sbx_src", pattern)
-    snap = pool.snapshot_dir("snap_k")
-    async with launch(tmp_path / "src", memory_backend_args(MEM_MIB, ram, share=True)) as vm:
-        await save_snapshot(vm.qmp, snap, disk=disk, ram=ram, clone=pool.clone, memory_mib=MEM_MIB, vcpus=1,
-                            accel="tcg", image_digest="sha256:test", resume=False)
+    snap = await _frozen(pool, tmp_path, "snap_k", pattern)
     sdir = pool.sandbox_dir("sbx_clone", create=True)
     plan = plan_restore(snap, sdir, clone=pool.clone, mode=RamMode.CLONE, memory_mib=MEM_MIB)
     assert plan.ram == sdir / "memory.ram" and not plan.shared_ram
@@ -246,11 +252,7 @@ async def test_clone_mode_maps_its_own_copy_privately(pool: StoragePool, tmp_pat
 
 async def test_branches_share_one_frozen_file_and_diverge(pool: StoragePool, tmp_path: Path) -> None:
     pattern = os.urandom(4096)
-    ram, disk = await _boot_shared(pool, "sbx_src", pattern)
-    snap = pool.snapshot_dir("snap_x")
-    async with launch(tmp_path / "src", memory_backend_args(MEM_MIB, ram, share=True)) as vm:
-        await save_snapshot(vm.qmp, snap, disk=disk, ram=ram, clone=pool.clone, memory_mib=MEM_MIB, vcpus=1,
-                            accel="tcg", image_digest="sha256:test", resume=False)
+    snap = await _frozen(pool, tmp_path, "snap_x", pattern)
     plans = []
     for i in range(3):
         sdir = pool.sandbox_dir(f"sbx_b{i}", create=True)
