@@ -20,22 +20,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from capsa import serve
-from capsa.control.keys import generate_key
 from capsa.sdk import AsyncSession
-from capsa.sdk.errors import CapsaAPIError
 from density import _qemu_pids
 from harness import host_facts, memory_kib, summary, write_results
-from session_ops import _free_port, _wait_ready
+from session_ops import serving
 
 RESULTS = Path(__file__).with_name("results")
 TEMPLATES = ("browser", "desktop")
@@ -83,31 +78,6 @@ async def _pool_settled(state: Path, live: int, limit_s: float = 1800.0) -> None
     raise TimeoutError(f"the pool did not refill within {limit_s:.0f} s")
 
 
-@contextlib.asynccontextmanager
-async def _serving(state: Path, accel: str, pool_sizes: dict[str, int]
-                   ) -> AsyncIterator[tuple[str, str, list[AsyncSession]]]:
-    """``capsa serve`` in this process on ``state`` with those pool sizes (every other template 0):
-    (its URL, an admin key, a list whose sessions are closed at the end)."""
-    key = generate_key().full
-    os.environ["CAPSA_BOOTSTRAP_KEY"] = key
-    os.environ["CAPSA_POOL_SIZE"] = "0"
-    os.environ["CAPSA_POOL_SIZES"] = json.dumps(pool_sizes)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = asyncio.create_task(serve.run("127.0.0.1", port, state / "serve", None, accel))
-    made: list[AsyncSession] = []
-    try:
-        await _wait_ready(url, server)
-        yield url, key, made
-    finally:
-        for s in made:
-            with contextlib.suppress(CapsaAPIError):
-                await s.close()
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
-
-
 async def _to_first_screenshot(template: str, url: str, key: str, made: list[AsyncSession]) -> float:
     t0 = time.perf_counter()
     s = await _create(template, url, key)
@@ -120,7 +90,7 @@ async def measure_pool(template: str, state: Path, accel: str, sessions: int) ->
     """A second ``capsa serve`` (fresh state dir, template from the cache) with a warm pool of one
     ``template`` VM (and no other pool, so its VM is the one QEMU more than the sessions): each session
     is bound from the pool, the bench waiting for the refill in between."""
-    async with _serving(state, accel, {template: 1}) as (url, key, made):
+    async with serving(state, accel, {template: 1}) as (url, key, made):
         made.append(await _create(template, url, key))  # imports the template; the pool then fills
         pooled: list[float] = []
         for _ in range(sessions):
@@ -132,7 +102,7 @@ async def measure_pool(template: str, state: Path, accel: str, sessions: int) ->
 async def measure(template: str, state: Path, accel: str, sessions: int, actions: int,
                   idle_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    async with _serving(state, accel, {}) as (url, key, made):  # every session a cold restore
+    async with serving(state, accel, {}) as (url, key, made):  # every session a cold restore
         out["first_session_to_screenshot_s"] = round(await _to_first_screenshot(template, url, key, made), 2)
         restore = [await _to_first_screenshot(template, url, key, made) for _ in range(sessions)]
         out["restore_to_first_screenshot_s"] = summary(restore)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import shutil
 import tempfile
@@ -28,13 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from capsa import serve
 from capsa.common.service import run_service
-from capsa.control.keys import generate_key
 from capsa.sdk import AsyncSession
 from capsa.sdk.errors import CapsaAPIError, RateLimited
 from harness import host_facts, memory_kib, summary, write_results
-from session_ops import _free_port, _wait_ready
+from session_ops import serving
 
 RESULTS = Path(__file__).with_name("results") / "density.json"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -91,15 +88,8 @@ async def _trues(session: AsyncSession, n: int) -> list[float]:
 
 async def measure(state: Path, accel: str, sessions: int, execs: int, idle_s: float,
                   memory_mib: int) -> dict[str, Any]:
-    key = generate_key().full
-    os.environ["CAPSA_BOOTSTRAP_KEY"] = key
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = asyncio.create_task(serve.run("127.0.0.1", port, state / "serve", None, accel))
-    made: list[AsyncSession] = []
     out: dict[str, Any] = {}
-    try:
-        await _wait_ready(url, server)
+    async with serving(state, accel) as (url, key, made):
         probe = await _create(url, key, memory_mib)
         made.append(probe)
         await _trues(probe, 5)
@@ -142,13 +132,6 @@ async def measure(state: Path, accel: str, sessions: int, execs: int, idle_s: fl
         out["true_api_loaded_s"] = summary(await _trues(probe, execs))
         out["true_api_loaded_vs_empty"] = round(
             out["true_api_loaded_s"]["p50"] / out["true_api_empty_s"]["p50"], 3)
-    finally:
-        for s in made:
-            with contextlib.suppress(CapsaAPIError):
-                await s.close()
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
     return out
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,6 +27,7 @@ import httpx
 from capsa import serve
 from capsa.control.keys import generate_key
 from capsa.sdk import AsyncSession
+from capsa.sdk.errors import CapsaAPIError
 from harness import host_facts, summary, write_results
 
 RESULTS = Path(__file__).with_name("results") / "session_ops.json"
@@ -56,6 +58,33 @@ async def _wait_ready(url: str, server: asyncio.Task[None]) -> None:
                     return
             await asyncio.sleep(0.2)
     raise TimeoutError("capsa serve did not become ready")
+
+
+@contextlib.asynccontextmanager
+async def serving(state: Path, accel: str, pool_sizes: dict[str, int] | None = None
+                  ) -> AsyncIterator[tuple[str, str, list[AsyncSession]]]:
+    """``capsa serve`` in this process on ``state``: (its URL, an admin key, a list whose sessions are
+    closed at the end). ``pool_sizes``: the only warm pools (every other template 0); None keeps the
+    environment's (``CAPSA_POOL_SIZE``/``CAPSA_POOL_SIZES``) settings."""
+    key = generate_key().full
+    os.environ["CAPSA_BOOTSTRAP_KEY"] = key
+    if pool_sizes is not None:
+        os.environ["CAPSA_POOL_SIZE"] = "0"
+        os.environ["CAPSA_POOL_SIZES"] = json.dumps(pool_sizes)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = asyncio.create_task(serve.run("127.0.0.1", port, state / "serve", None, accel))
+    made: list[AsyncSession] = []
+    try:
+        await _wait_ready(url, server)
+        yield url, key, made
+    finally:
+        for s in made:
+            with contextlib.suppress(CapsaAPIError):
+                await s.close()
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
 
 
 async def measure(state: Path, accel: str, rounds: int, memory_mib: int) -> dict[str, list[float]]:
