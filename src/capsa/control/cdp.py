@@ -99,12 +99,6 @@ class CdpPage:
         self._lock = asyncio.Lock()
 
     @classmethod
-    async def open(cls, open_tunnel: OpenTunnel) -> CdpPage:
-        """The most recently active page of the browser behind ``open_tunnel`` (two tunnels: one to list
-        the targets, one for the WebSocket)."""
-        return await cls.connect(open_tunnel, await active_page(open_tunnel))
-
-    @classmethod
     async def connect(cls, open_tunnel: OpenTunnel, target_id: str) -> CdpPage:
         """A CDP WebSocket to page ``target_id`` (one tunnel)."""
         tunnel = await open_tunnel()

@@ -32,10 +32,11 @@ from capsa.control.cdp import CDP_PORT, DOWNLOADS_DIR, BrowserUnavailable, CdpPa
 from capsa.control.computer import ComputerAction, ComputerResult, Screen, check_action, perform, set_screen
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import ValidationFailed
-from capsa.control.nodeclient import NodeError
+from capsa.control.nodeclient import NodeClient, NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.port_access import create_token
 from capsa.control.sessions import get_session, node_call_failed, running_session
+from capsa.control.store.models import SessionRow
 
 __all__ = ["BrowserInfo", "router"]
 
@@ -53,15 +54,17 @@ class BrowserInfo(BaseModel):
                                                                   "under their own names (files API)")
 
 
-def _opener(plane: ControlPlane, tenant: str, session_id: str) -> OpenTunnel:
+def _opener(plane: ControlPlane, row: SessionRow, client: NodeClient) -> OpenTunnel:
+    """Port tunnels to the CDP port of ``row``'s sandbox (a running session, looked up once per request)."""
+    sandbox_id = row.sandbox_id
+    assert sandbox_id is not None
+
     async def open_tunnel() -> PortTunnel:
-        row, client = await running_session(plane, tenant, session_id)
-        assert row.sandbox_id is not None
         try:
-            return await client.open_port(row.sandbox_id, CDP_PORT)
+            return await client.open_port(sandbox_id, CDP_PORT)
         except NodeError as exc:
             if exc.code == "port_unreachable":
-                raise BrowserUnavailable(f"session {session_id} has no browser (nothing listens for CDP on "
+                raise BrowserUnavailable(f"session {row.id} has no browser (nothing listens for CDP on "
                                          f"port {CDP_PORT}; its template is {row.template!r})") from None
             raise await node_call_failed(plane, row, exc) from exc
 
@@ -122,7 +125,8 @@ async def browser_info(session_id: str, request: Request, plane: Plane, caller: 
                                        "only showing the screen")] = False) -> BrowserInfo:
     """The CDP URL of the session's browser (a new port token for the CDP port each call) and, on a
     desktop, the live view's URL (a new token for its VNC port)."""
-    version = await devtools_json(await _opener(plane, caller.tenant, session_id)(), "/json/version")
+    row, client = await running_session(plane, caller.tenant, session_id)
+    version = await devtools_json(await _opener(plane, row, client)(), "/json/version")
     ws = version.get("webSocketDebuggerUrl") if isinstance(version, dict) else None
     path = urlsplit(ws).path if isinstance(ws, str) else ""
     if not path.startswith("/devtools/browser/"):
@@ -157,9 +161,9 @@ async def computer(session_id: str, request: Request, plane: Plane, caller: Call
         raise ValidationFailed(str(exc), [{"loc": "body", "msg": str(exc)}]) from None
     if on_desktop:
         return await desktop.perform(_guest(plane, caller.tenant, session_id), screen, action)
-    row, _ = await running_session(plane, caller.tenant, session_id)
+    row, client = await running_session(plane, caller.tenant, session_id)
     assert row.sandbox_id is not None
     pages: CdpPages = request.app.state.cdp_pages
-    return await pages.use(session_id, row.sandbox_id, _opener(plane, caller.tenant, session_id), screen,
+    return await pages.use(session_id, row.sandbox_id, _opener(plane, row, client), screen,
                            lambda page: set_screen(page, screen),
                            lambda page: perform(page, session_id, screen, action))
