@@ -27,7 +27,7 @@ from capsa.guest.protocol import (
     encode_frame,
 )
 
-__all__ = ["ChannelGone", "Connection", "Stream", "StreamReader"]
+__all__ = ["WORKERS", "ChannelGone", "Connection", "Stream", "StreamReader", "Workers"]
 
 
 class ChannelGone(Exception):
@@ -340,12 +340,48 @@ class Connection:
                               f"more than {self._max_streams} concurrent requests")
             return
         args = {k: v for k, v in frame.meta.items() if k not in ("op", INSTANCE_KEY)}
-        thread = threading.Thread(target=_run, args=(handler, stream, args, frame.data),
-                                  name=f"capsa-{op}-{frame.stream}", daemon=True)
-        thread.start()
+        WORKERS.submit(_run, handler, stream, args, frame.data, f"capsa-{op}-{frame.stream}")
 
 
-def _run(handler: Handler, stream: Stream, args: dict[str, Any], data: bytes) -> None:
+class Workers:
+    """Threads that run requests: an idle one takes the next request, a new one starts only when none is
+    idle (a request may block for as long as its command runs, so there is no upper bound here: the
+    connection's stream cap is the bound). Starting a thread costs a few milliseconds in an emulated
+    guest, on every request before this. Idle workers block on the queue without a timeout, so they
+    never wake an idle guest; beyond ``keep_idle`` of them, a worker that finishes exits.
+
+    Hand-written: concurrent.futures.ThreadPoolExecutor's workers are not daemon threads (the
+    interpreter would wait at exit for requests blocked on commands) and it caps the worker count."""
+
+    def __init__(self, keep_idle: int = 8) -> None:
+        self._keep_idle = keep_idle
+        self._idle = 0
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+                self._jobs.put((fn, args))
+                return
+        threading.Thread(target=self._work, args=(fn, args), daemon=True).start()
+
+    def _work(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        while True:
+            fn(*args)
+            with self._lock:
+                if self._idle >= self._keep_idle:
+                    return
+                self._idle += 1
+            fn, args = self._jobs.get()
+
+
+WORKERS = Workers()
+
+
+def _run(handler: Handler, stream: Stream, args: dict[str, Any], data: bytes, name: str) -> None:
+    threading.current_thread().name = name
     try:
         handler(stream, args, data)
         if not stream.finished:
@@ -360,7 +396,7 @@ def _run(handler: Handler, stream: Stream, args: dict[str, Any], data: bytes) ->
         err = from_os_error(exc)
         _safe_error(stream, err.code, err.message)
     except Exception as exc:  # the daemon must survive any bug in one handler
-        print(f"capsa-guest: {threading.current_thread().name} crashed: {exc!r}", file=sys.stderr)
+        print(f"capsa-guest: {name} crashed: {exc!r}", file=sys.stderr)
         _safe_error(stream, "internal_error", f"{type(exc).__name__}: {exc}")
     finally:
         stream.conn.forget(stream)

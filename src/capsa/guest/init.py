@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from capsa.guest import cgroups
+from capsa.guest import cgroups, quiet
 
 __all__ = ["DEVICE", "cmdline_options", "main", "mount_all", "set_loopback_up"]
 
@@ -247,6 +247,9 @@ def main() -> int:
     # PID 1 in namespaces on a host, whose cgroups are not ours to rearrange.
     if "device" in options and not cgroups.setup():
         _log("cgroup2 unavailable: user commands share the daemon's CPU and process budget")
+    if "device" in options:
+        for problem in quiet.quiet():
+            _log(problem)
     device = options.get("device", DEVICE)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)

@@ -5,19 +5,31 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import grp
+import heapq
+import itertools
 import os
 import pwd
 import select
 import selectors
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from capsa.guest.cgroups import enter_work, forget_command, kill_command, oom_kills, place_command
+from capsa.guest.cgroups import (
+    Unplaced,
+    born_in_command_group,
+    enter_work,
+    forget_command,
+    kill_command,
+    oom_kills,
+    place_command,
+)
 from capsa.guest.channel import ChannelGone, Stream
 from capsa.guest.errors import OpError, from_os_error
 from capsa.guest.protocol import PROCESS_OUTPUT_KEPT, Kind
@@ -199,29 +211,38 @@ def spawn(spec: CommandSpec, *, stdin: int, stdout: int, stderr: int,
     descendants too) and in a cgroup of its own under ``work`` (see cgroups.py), before any of its code runs.
 
     Without ``preexec`` no Python runs between fork and exec, so CPython spawns with vfork (fork copies the
-    daemon's page tables, about twice the cost under an emulated MMU). The child first runs the shell shim
-    ``HOLD`` (for a shell command line, the shell itself with ``HOLD_PREFIX``), which stops itself; the
-    daemon moves the stopped process into the command's cgroup and continues it, and it runs the user's
-    code in place. ``preexec`` (terminals: the controlling tty) forks and joins the cgroup from inside the
-    child instead.
+    daemon's page tables, about twice the cost under an emulated MMU), and the child is born in its
+    command group (:func:`born_in_command_group`). When that is not possible (``work`` at its process cap)
+    the child first runs the shell shim ``HOLD`` (for a shell command line, the shell itself with
+    ``HOLD_PREFIX``), which stops itself; the daemon moves the stopped process into the command's cgroup
+    and continues it, and it runs the user's code in place. ``preexec`` (terminals: the controlling tty)
+    forks and joins the cgroup from inside the child instead.
     """
-    if preexec is not None:
-        def prepare() -> None:
-            enter_work()
-            preexec()
-
-        argv, preexec_fn = spec.argv, prepare
-    elif spec.script is not None:
-        argv, preexec_fn = [SHELL, "-c", HOLD_PREFIX + spec.script], None
-    else:
-        _check_program(spec)
-        argv, preexec_fn = [SHELL, "-c", HOLD, SHELL, *spec.argv], None
-    try:
-        proc = subprocess.Popen(
+    def popen(argv: list[str], preexec_fn: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
             argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=spec.cwd, env=spec.env,
             start_new_session=True, close_fds=True, user=spec.uid, group=spec.gid,
             extra_groups=spec.groups, preexec_fn=preexec_fn,
         )
+
+    held = False
+    try:
+        if preexec is not None:
+            def prepare() -> None:
+                enter_work()
+                preexec()
+
+            proc = popen(spec.argv, prepare)
+        else:
+            try:
+                proc = born_in_command_group(lambda: popen(spec.argv, None))
+            except Unplaced:
+                held = True
+                if spec.script is not None:
+                    proc = popen([SHELL, "-c", HOLD_PREFIX + spec.script], None)
+                else:
+                    _check_program(spec)
+                    proc = popen([SHELL, "-c", HOLD, SHELL, *spec.argv], None)
     except FileNotFoundError:
         raise OpError("not_found", f"command not found: {spec.argv[0]}") from None
     except PermissionError:
@@ -230,7 +251,7 @@ def spawn(spec: CommandSpec, *, stdin: int, stdout: int, stderr: int,
         raise from_os_error(exc, spec.argv[0]) from None
     with _LIVE_LOCK:
         _LIVE.add(proc)
-    if preexec is None:
+    if held:
         try:
             _release(proc)
         except BaseException:
@@ -299,6 +320,47 @@ def _feed_stdin(stream: Stream, proc: subprocess.Popen[bytes]) -> None:
             proc.stdin.close()
 
 
+class Deadlines:
+    """One thread that runs the callbacks of every command's timeout when they fall due (a
+    threading.Timer per command started a thread each time: milliseconds under TCG). With nothing
+    scheduled it waits without a timeout, so an idle guest is not woken."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> tuple[float, int, Callable[[], None]]:
+        entry = (time.monotonic() + delay, next(self._seq), fn)
+        with self._cond:
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="capsa-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return entry
+
+    def cancel(self, entry: tuple[float, int, Callable[[], None]]) -> None:
+        with self._cond, contextlib.suppress(ValueError):
+            self._heap.remove(entry)
+            heapq.heapify(self._heap)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                _, _, fn = heapq.heappop(self._heap)
+            try:
+                fn()
+            except Exception as exc:  # one command's timeout handling must not end everyone's
+                print(f"capsa-guest: timeout callback failed: {exc!r}", file=sys.stderr)
+
+
+DEADLINES = Deadlines()
+
+
 def op_exec(stream: Stream, args: dict[str, Any], data: bytes) -> None:
     spec = parse_command(args)
     timeout = _positive_number(args, "timeout")
@@ -320,10 +382,7 @@ def op_exec(stream: Stream, args: dict[str, Any], data: bytes) -> None:
         state["timed_out"] = True
         killpg(proc.pid)
 
-    timer = threading.Timer(timeout, on_timeout) if timeout else None
-    if timer:
-        timer.daemon = True
-        timer.start()
+    timer = DEADLINES.call_later(timeout, on_timeout) if timeout else None
     stream.on_cancel(lambda: killpg(proc.pid) if proc.returncode is None else None)
     stdin_thread = None
     if want_stdin:
@@ -337,7 +396,7 @@ def op_exec(stream: Stream, args: dict[str, Any], data: bytes) -> None:
         returncode = proc.wait()
     finally:
         if timer:
-            timer.cancel()
+            DEADLINES.cancel(timer)
         if proc.poll() is None:
             killpg(proc.pid)
             proc.wait()
