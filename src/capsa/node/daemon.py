@@ -37,7 +37,7 @@ from capsa.common.node_wire import (
     NodeHeartbeat,
     NodeRegister,
 )
-from capsa.common.service import QuietServer, wait_started
+from capsa.common.service import QuietServer, bind_tcp, wait_started
 from capsa.node.api import create_node_app
 from capsa.node.assembly import NodeParts
 
@@ -188,6 +188,7 @@ class NodeService:
         self._heartbeat_interval = heartbeat_interval
         self._on_registered = on_registered
         self._uds = uds
+        self._listen = listen
         app = create_node_app(parts.agent, self.api_token)
         if uds is not None:
             config = uvicorn.Config(app, uds=str(uds), log_level="warning", lifespan="off")
@@ -232,7 +233,12 @@ class NodeService:
         registered, so registering after the agent is ready is how the node reports readiness."""
         if self._uds is not None:
             self._uds.unlink(missing_ok=True)
-        self._server_task = asyncio.create_task(self._server.serve(), name="capsa-node-api")
+        sockets = None
+        if self._listen is not None:
+            # bind_tcp's listener turns Nagle off for every connection (uvicorn's own does not).
+            host, _, port = self._listen.rpartition(":")
+            sockets = [bind_tcp(host.strip("[]"), int(port))]
+        self._server_task = asyncio.create_task(self._server.serve(sockets=sockets), name="capsa-node-api")
         await wait_started(self._server, self._server_task, name="node API server")
         if self._uds is not None:
             self._uds.chmod(0o600)
