@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import shutil
 import tempfile
@@ -28,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from capsa.sdk import AsyncSession
-from density import _qemu_pids
-from harness import host_facts, memory_kib, summary, write_results
+from harness import host_facts, memory_kib, pool_settled, qemu_pids, summary, write_results
 from session_ops import serving
 
 RESULTS = Path(__file__).with_name("results")
@@ -51,33 +49,6 @@ async def _timed(n: int, action: Any) -> dict[str, float]:
     return summary(times)
 
 
-def _stat(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
-def _cpu_s(pid: int) -> float:
-    fields = _stat(pid)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def _pool_settled(state: Path, live: int, limit_s: float = 1800.0) -> None:
-    """Wait until one more QEMU than the ``live`` sessions runs and has gone idle (under 10% of a core
-    over 5 s): the pool's VM is restored and warmed."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        pids = _qemu_pids(state)
-        if len(pids) > live:
-            with contextlib.suppress(OSError):
-                newest = max(pids, key=lambda p: int(_stat(p)[19]))  # start time
-                before = _cpu_s(newest)
-                await asyncio.sleep(5)
-                if _cpu_s(newest) - before < 0.5:
-                    return
-                continue
-        await asyncio.sleep(1)
-    raise TimeoutError(f"the pool did not refill within {limit_s:.0f} s")
-
-
 async def _to_first_screenshot(template: str, url: str, key: str, made: list[AsyncSession]) -> float:
     t0 = time.perf_counter()
     s = await _create(template, url, key)
@@ -94,7 +65,7 @@ async def measure_pool(template: str, state: Path, accel: str, sessions: int) ->
         made.append(await _create(template, url, key))  # imports the template; the pool then fills
         pooled: list[float] = []
         for _ in range(sessions):
-            await _pool_settled(state, live=len(made))
+            await pool_settled(state, live=len(made))
             pooled.append(await _to_first_screenshot(template, url, key, made))
         return {"pool_to_first_screenshot_s": summary(pooled)}
 
@@ -112,7 +83,7 @@ async def measure(template: str, state: Path, accel: str, sessions: int, actions
         out["type_100_chars_s"] = await _timed(actions, lambda: c.type("x" * 100))
         out["key_s"] = await _timed(actions, lambda: c.key("ctrl+a"))
         await asyncio.sleep(idle_s)
-        pss = [memory_kib(p).get("pss", 0) / 1024 for p in _qemu_pids(state)]
+        pss = [memory_kib(p).get("pss", 0) / 1024 for p in qemu_pids(state)]
         out["idle_pss_mib_per_sandbox"] = summary(pss) if pss else None
     return out
 

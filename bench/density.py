@@ -30,35 +30,10 @@ from typing import Any
 from capsa.common.service import run_service
 from capsa.sdk import AsyncSession
 from capsa.sdk.errors import CapsaAPIError, RateLimited
-from harness import host_facts, memory_kib, summary, write_results
+from harness import cpu_seconds, host_facts, memory_kib, qemu_pids, summary, write_results
 from session_ops import serving
 
 RESULTS = Path(__file__).with_name("results") / "density.json"
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _qemu_pids(state: Path) -> list[int]:
-    """QEMU processes whose command line names a path under ``state`` (the node's own VMs)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if not (entry / "comm").read_text().startswith("qemu-system"):
-                continue
-            if str(state) in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
 def _machine_busy() -> tuple[float, float]:
@@ -112,14 +87,14 @@ async def measure(state: Path, accel: str, sessions: int, execs: int, idle_s: fl
         out["refused"] = refused
         out["create_and_first_true_s"] = summary(create_s)
         await asyncio.sleep(10)  # let the pool refill and the last guests settle before measuring idle cost
-        pids = _qemu_pids(state)
+        pids = qemu_pids(state)
         ours = [os.getpid(), *pids]
-        cpu0 = sum(_cpu_seconds(p) for p in ours)
+        cpu0 = sum(cpu_seconds(p) for p in ours)
         busy0, total0 = _machine_busy()
         t0 = time.monotonic()
         await asyncio.sleep(idle_s)
         elapsed = time.monotonic() - t0
-        cpu1 = sum(_cpu_seconds(p) for p in ours)
+        cpu1 = sum(cpu_seconds(p) for p in ours)
         busy1, total1 = _machine_busy()
         ncpu = os.cpu_count() or 1
         out["qemu_processes"] = len(pids)

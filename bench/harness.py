@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -10,7 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["host_facts", "memory_kib", "summary", "write_results"]
+__all__ = ["cpu_seconds", "host_facts", "memory_kib", "pool_settled", "qemu_pids", "summary", "write_results"]
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -52,3 +56,51 @@ def write_results(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
+
+
+def qemu_pids(state: Path) -> list[int]:
+    """QEMU processes whose command line names a path under ``state`` (a node's own VMs)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if not (entry / "comm").read_text().startswith("qemu-system"):
+                continue
+            if str(state) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` (0 once it is gone)."""
+    try:
+        fields = _stat(pid)
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+async def pool_settled(state: Path, live: int, limit_s: float = 1800.0, quiet_s: float = 5.0,
+                       quiet_cpu_s: float = 0.5) -> None:
+    """Wait until one more QEMU than the ``live`` sessions runs under ``state`` and has gone idle (under
+    ``quiet_cpu_s`` of CPU over ``quiet_s``): the warm pool's VM is restored and warmed up."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        pids = qemu_pids(state)
+        if len(pids) > live:
+            with contextlib.suppress(OSError):
+                newest = max(pids, key=lambda p: int(_stat(p)[19]))  # start time
+                before = cpu_seconds(newest)
+                await asyncio.sleep(quiet_s)
+                if cpu_seconds(newest) - before < quiet_cpu_s:
+                    return
+                continue
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"the pool did not refill within {limit_s:.0f} s")

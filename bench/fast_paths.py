@@ -1,0 +1,219 @@
+"""The fast paths in one run, as a user meets them (SDK -> `capsa serve` -> node -> QEMU), beside the guest
+channel alone and gVisor runsc on the same host:
+
+- a fresh `capsa serve` on an empty state dir (image and template caches warm): start to `/v1/ready`, and
+  its first create (+ first `true`);
+- create from the warm pool + first `true` (the bench waits for the refill between rounds), with the
+  create and the first `true` apart, and the 10th `true` of the same session;
+- restore on demand (no pool) + first `true`;
+- steady-state `true` through the API vs straight through the guest channel (`GuestClient.exec` on a
+  VM booted by the same runtime);
+- resume after pause, branch into 4;
+- gVisor runsc (systrap) `run --detach` + `exec true` over capsa's guest rootfs (bench/peers).
+
+Ratios: runsc / pool (goal >= 3), API / channel (goal <= 1.2). Writes bench/results/fast_paths.json.
+
+    .venv/bin/python bench/fast_paths.py [--n 20] [--no-peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from capsa.common.settings import Settings
+from capsa.images import ensure_image
+from capsa.node.runtime.base import VMSpec
+from capsa.node.runtime.qemu import QemuRuntime
+from capsa.sdk import AsyncSession
+from harness import host_facts, pool_settled, summary, write_results
+from peers.gvisor import measure_runsc
+from peers.install import DEFAULT_DIR, Installer, PeerUnavailable
+from session_ops import serving
+
+RESULTS = Path(__file__).with_name("results") / "fast_paths.json"
+WARM = 10  # commands before "steady state"
+
+
+async def _trues(run: Any, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await run()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+async def channel(state: Path, accel: str, n: int) -> dict[str, Any]:
+    runtime = QemuRuntime(Settings(state_dir=state / "channel"), accel=accel, accel_cache=False)
+    try:
+        sandbox = await runtime.boot(VMSpec(image=ensure_image(Settings())))
+        await _trues(lambda: sandbox.guest.exec("true"), WARM)
+        return {"true_s": summary(await _trues(lambda: sandbox.guest.exec("true"), n)),
+                "accelerator": str(sandbox.accelerator)}
+    finally:
+        await runtime.close()
+
+
+async def _create(url: str, key: str) -> AsyncSession:
+    return await AsyncSession.create(timeout=3600, api_url=url, api_key=key)
+
+
+async def fresh_and_pool(state: Path, accel: str, n: int) -> dict[str, Any]:
+    """A fresh serve with the default warm pool: readiness, first create, pool creates, steady API
+    `true`, resume and branch."""
+    out: dict[str, Any] = {}
+    samples: dict[str, list[float]] = {}
+    started = time.perf_counter()
+    async with serving(state, accel, {"base": 1}) as (url, key, made):
+        out["start_to_ready_s"] = time.perf_counter() - started
+        t = time.perf_counter()
+        first = await _create(url, key)
+        made.append(first)
+        out["first_create_s"] = time.perf_counter() - t
+        await first.commands.run("true")
+        out["first_create_first_true_s"] = time.perf_counter() - t
+        out["start_to_first_true_s"] = time.perf_counter() - started
+        await first.close()
+        made.remove(first)
+        for _ in range(n):
+            await pool_settled(state, live=0, quiet_s=2.0, quiet_cpu_s=0.2)
+            t = time.perf_counter()
+            s = await _create(url, key)
+            made.append(s)
+            created = time.perf_counter()
+            await s.commands.run("true")
+            done = time.perf_counter()
+            samples.setdefault("pool_create_s", []).append(created - t)
+            samples.setdefault("pool_first_true_s", []).append(done - created)
+            samples.setdefault("pool_create_first_true_s", []).append(done - t)
+            tenth = await _trues(lambda s=s: s.commands.run("true"), 9)
+            samples.setdefault("pool_tenth_true_s", []).append(tenth[-1])
+            await s.close()
+            made.remove(s)
+        await pool_settled(state, live=0, quiet_s=2.0, quiet_cpu_s=0.2)
+        s = await _create(url, key)
+        made.append(s)
+        await _trues(lambda: s.commands.run("true"), WARM)
+        samples["api_true_s"] = await _trues(lambda: s.commands.run("true"), n)
+        for _ in range(max(3, n // 4)):
+            await s.pause()
+            t = time.perf_counter()
+            await s.resume()
+            samples.setdefault("resume_s", []).append(time.perf_counter() - t)
+            t = time.perf_counter()
+            kids = await s.branch(4)
+            samples.setdefault("branch_4_s", []).append(time.perf_counter() - t)
+            for kid in kids:
+                await kid.close()
+    out.update({name: summary(values) for name, values in samples.items()})
+    return out
+
+
+async def restore_on_demand(state: Path, accel: str, n: int) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {}
+    async with serving(state, accel, {}) as (url, key, made):
+        made.append(await _create(url, key))  # the node's first restore: not counted
+        for _ in range(n):
+            t = time.perf_counter()
+            s = await _create(url, key)
+            made.append(s)
+            created = time.perf_counter()
+            await s.commands.run("true")
+            done = time.perf_counter()
+            samples.setdefault("restore_create_s", []).append(created - t)
+            samples.setdefault("restore_first_true_s", []).append(done - created)
+            samples.setdefault("restore_create_first_true_s", []).append(done - t)
+            tenth = await _trues(lambda s=s: s.commands.run("true"), 9)
+            samples.setdefault("restore_tenth_true_s", []).append(tenth[-1])
+            await s.close()
+            made.remove(s)
+    return {name: summary(values) for name, values in samples.items()}
+
+
+def runsc(n: int, peers_dir: Path) -> dict[str, Any]:
+    installer = Installer(peers_dir)
+    image = ensure_image(Settings())
+    got = measure_runsc(installer.runsc("trixie"), "systrap", installer.rootfs(image), n)
+    return {"version": got["version"], "create_first_exec_s": summary(got["create_first_exec"])}
+
+
+def _ms(entry: dict[str, Any] | None) -> str:
+    return "-" if not entry else f"{entry['p50'] * 1000:.1f} (p95 {entry['p95'] * 1000:.1f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--n", type=int, default=20, help="samples per figure")
+    parser.add_argument("--accel", default="auto")
+    parser.add_argument("--no-peer", action="store_true", help="skip gVisor runsc")
+    parser.add_argument("--peers-dir", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    facts = host_facts()
+    work = Path(tempfile.mkdtemp(prefix="capsa-fast-", dir="/var/tmp"))
+    work.chmod(0o755)
+    data: dict[str, Any] = {"host": facts, "args": vars(args) | {"out": str(args.out),
+                                                               "peers_dir": str(args.peers_dir)}}
+    try:
+        data["channel"] = asyncio.run(channel(work, args.accel, args.n))
+        data["serve"] = asyncio.run(fresh_and_pool(work / "a", args.accel, args.n))
+        data["serve"].update(asyncio.run(restore_on_demand(work / "b", args.accel, args.n)))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if not args.no_peer:
+        try:
+            data["runsc"] = runsc(args.n, args.peers_dir)
+        except (PeerUnavailable, OSError) as exc:
+            data["runsc"] = {"skipped": str(exc)}
+    serve, chan = data["serve"], data["channel"]
+    ratios = {"api_true_vs_channel": serve["api_true_s"]["p50"] / chan["true_s"]["p50"]}
+    if "create_first_exec_s" in data.get("runsc", {}):
+        ratios["runsc_vs_pool_create_first_true"] = (data["runsc"]["create_first_exec_s"]["p50"]
+                                                     / serve["pool_create_first_true_s"]["p50"])
+    data["ratios"] = {k: round(v, 3) for k, v in ratios.items()}
+    data["end_load"] = list(os.getloadavg())
+    write_results(args.out, data)
+
+    table = Table(title=f"fast paths (accelerator {chan['accelerator']}), ms p50")
+    table.add_column("figure")
+    table.add_column("ms")
+    table.add_column("goal")
+    def once(value: float) -> dict[str, float]:
+        return {"p50": value, "p95": value}
+
+    rows = [
+        ("fresh serve: start -> ready", once(serve["start_to_ready_s"]), ""),
+        ("fresh serve: first create", once(serve["first_create_s"]), "<= 1000"),
+        ("pool create", serve.get("pool_create_s"), ""),
+        ("pool: first true", serve.get("pool_first_true_s"), ""),
+        ("pool create + first true", serve.get("pool_create_first_true_s"), "<= 60"),
+        ("pool: 10th true", serve.get("pool_tenth_true_s"), ""),
+        ("restore on demand + first true", serve.get("restore_create_first_true_s"), "<= 400"),
+        ("restore: first / 10th true", serve.get("restore_first_true_s"), ""),
+        ("", serve.get("restore_tenth_true_s"), ""),
+        ("true, guest channel", chan["true_s"], "<= 40"),
+        ("true, API", serve.get("api_true_s"), "<= 1.2x channel"),
+        ("resume", serve.get("resume_s"), "<= 400"),
+        ("branch into 4", serve.get("branch_4_s"), "<= 1000"),
+        ("gVisor runsc create + first exec", data.get("runsc", {}).get("create_first_exec_s"), ""),
+    ]
+    for name, entry, goal in rows:
+        table.add_row(name, _ms(entry), goal)
+    console = Console()
+    console.print(table)
+    console.print(f"ratios: {data['ratios']}")
+    print(f"results written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Where an API command's time goes on the host: ``commands.run("true")`` through the SDK against
+`capsa serve` (in this process), split into the parts the control plane and the node spend it on.
+
+Each part is timed by wrapping the function that does it (nothing in the product changes): the control
+plane's whole ASGI call for ``POST /v1/sessions/{id}/commands`` (and until its response head goes out),
+the API key check, the session lookup, the audit write the response waits for, the node call (HTTP to the
+node over its Unix socket), the node agent's exec and the guest channel's exec inside it. Alongside: a
+trivial authenticated ``GET /v1/sessions/{id}`` and the unauthenticated ``GET /v1/ready`` over one kept-
+alive connection, which show the HTTP stack's own cost. Writes bench/results/profile_api.json.
+
+    .venv/bin/python bench/profile_api.py [--n 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+import capsa.control.audit_writer as audit_writer
+import capsa.control.deps as deps
+import capsa.control.nodeclient as nodeclient
+import capsa.control.routes.commands as commands_routes
+import capsa.node.agent as agent
+import capsa.node.guest_client as guest_client
+import capsa.serve as serve_module
+from capsa.sdk import AsyncSession
+from harness import host_facts, summary, write_results
+from session_ops import serving
+
+RESULTS = Path(__file__).with_name("results") / "profile_api.json"
+SAMPLES: dict[str, list[float]] = {}
+
+
+def _record(label: str, seconds: float) -> None:
+    SAMPLES.setdefault(label, []).append(seconds)
+
+
+def _timed(label: str, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            _record(label, time.perf_counter() - start)
+    return wrapper
+
+
+class _TimedApp:
+    """The control plane's ASGI app, timing its command calls (other requests pass through)."""
+
+    def __init__(self, app: Any) -> None:
+        self.__dict__["_app"] = app
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._app, name)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not str(scope.get("path", "")).endswith("/commands"):
+            await self._app(scope, receive, send)
+            return
+        start = time.perf_counter()
+
+        async def timed_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                _record("control app: to response head", time.perf_counter() - start)
+            await send(message)
+
+        try:
+            await self._app(scope, receive, timed_send)
+        finally:
+            _record("control app: whole call", time.perf_counter() - start)
+
+
+def _instrument() -> None:
+    for owner, name, label in (
+            (deps, "authenticate", "auth (API key)"),
+            (commands_routes, "running_session", "session lookup (running_session)"),
+            (audit_writer.AuditWriter, "write", "audit write (before the last body)"),
+            (nodeclient.NodeClient, "exec", "node call (NodeClient.exec)"),
+            (agent.NodeAgent, "exec", "node agent exec"),
+            (guest_client.GuestClient, "exec", "guest channel exec")):
+        setattr(owner, name, _timed(label, getattr(owner, name)))
+    create_app = serve_module.__dict__["create_app"]
+    setattr(serve_module, "create_app", lambda *a, **k: _TimedApp(create_app(*a, **k)))  # noqa: B010
+
+
+async def _series(label: str, n: int, call: Callable[[], Awaitable[Any]], warm: int = 5) -> None:
+    for _ in range(warm):
+        await call()
+    for _ in range(n):
+        start = time.perf_counter()
+        await call()
+        _record(label, time.perf_counter() - start)
+
+
+async def measure(state: Path, accel: str, n: int) -> None:
+    async with serving(state, accel, {}) as (url, key, made):
+        session = await AsyncSession.create(timeout=3600, api_url=url, api_key=key)
+        made.append(session)
+        await _series("SDK commands.run(true)", 0, lambda: session.commands.run("true"), warm=10)
+        SAMPLES.clear()  # the parts of the warm-up calls
+        await _series("SDK commands.run(true)", n, lambda: session.commands.run("true"), warm=0)
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}) as http:
+            await _series("GET /v1/sessions/{id} (kept-alive)", n,
+                          lambda: http.get(f"/v1/sessions/{session.id}"))
+            await _series("GET /v1/ready (kept-alive)", n, lambda: http.get("/v1/ready"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--n", type=int, default=40)
+    parser.add_argument("--accel", default="auto")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    facts = host_facts()
+    _instrument()
+    state = Path(tempfile.mkdtemp(prefix="capsa-profile-api-", dir="/var/tmp"))
+    state.chmod(0o755)
+    try:
+        asyncio.run(measure(state, args.accel, args.n))
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    parts = {label: summary(values) for label, values in SAMPLES.items()}
+    write_results(args.out, {"host": facts, "end_load": list(os.getloadavg()), "n": args.n, "parts": parts})
+    table = Table(title="API command breakdown (ms)")
+    for column in ("part", "n", "p50", "p95"):
+        table.add_column(column)
+    for label, entry in parts.items():
+        table.add_row(label, str(len(SAMPLES[label])), f"{entry['p50'] * 1000:.1f}",
+                      f"{entry['p95'] * 1000:.1f}")
+    Console().print(table)
+    print(f"results written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
