@@ -20,7 +20,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     step "Creating $VENV"
     python3 -m venv "$VENV" || exit 1
 fi
-if ! "$VENV/bin/python" -c 'import capsa, pytest, pytest_asyncio, pytest_timeout, hypothesis, mypy, mcp, deepagents, e2b, agents, playwright, python_multipart' 2>/dev/null \
+if ! "$VENV/bin/python" -c 'import capsa, pytest, pytest_asyncio, pytest_timeout, hypothesis, mypy, mcp, deepagents, e2b, agents, playwright, python_multipart, httptools' 2>/dev/null \
     || [ ! -x "$VENV/bin/ruff" ] || [ ! -x "$VENV/bin/lint-imports" ]; then
     step "Installing dev dependencies"
     "$VENV/bin/python" -m pip install -q -e "$REPO[dev]" || exit 1

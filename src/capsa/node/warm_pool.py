@@ -62,12 +62,14 @@ async def bind_identity(guest: IdentityGuest, *, hostname: str | None) -> None:
     """Make a restored sandbox someone's: its own RNG state, the current time and its hostname.
 
     The reseed at restore time already separated pooled clones from each other; this one makes the
-    sandbox's randomness independent of anything that happened while it sat idle in the pool.
+    sandbox's randomness independent of anything that happened while it sat idle in the pool. The three
+    calls are independent, so they go out at once (the guest daemon runs requests concurrently): one
+    channel round trip instead of three on the create path.
     """
-    await guest.reseed(os.urandom(64))
-    await guest.set_clock()
+    calls = [guest.reseed(os.urandom(64)), guest.set_clock()]
     if hostname:
-        await guest.set_hostname(hostname)
+        calls.append(guest.set_hostname(hostname))
+    await asyncio.gather(*calls)
 
 
 IdentityBinder = Callable[[Sandbox, str], Awaitable[None]]
