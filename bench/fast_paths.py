@@ -103,6 +103,7 @@ async def fresh_and_pool(state: Path, accel: str, n: int) -> dict[str, Any]:
         await pool_settled(state, live=0, quiet_s=2.0, quiet_cpu_s=0.2)
         s = await _create(url, key)
         made.append(s)
+        await pool_settled(state, live=1, quiet_s=2.0, quiet_cpu_s=0.2)  # no refill running beside it
         await _trues(lambda: s.commands.run("true"), WARM)
         samples["api_true_s"] = await _trues(lambda: s.commands.run("true"), n)
         for _ in range(max(3, n // 4)):
