@@ -68,6 +68,24 @@ async def _create(url: str, key: str) -> AsyncSession:
     return await AsyncSession.create(timeout=3600, api_url=url, api_key=key)
 
 
+async def _create_and_use(url: str, key: str, made: list[AsyncSession], samples: dict[str, list[float]],
+                          path: str) -> None:
+    """One session: create, first `true`, nine more (the 10th kept), close; ``path``_* samples."""
+    t = time.perf_counter()
+    s = await _create(url, key)
+    made.append(s)
+    created = time.perf_counter()
+    await s.commands.run("true")
+    done = time.perf_counter()
+    samples.setdefault(f"{path}_create_s", []).append(created - t)
+    samples.setdefault(f"{path}_first_true_s", []).append(done - created)
+    samples.setdefault(f"{path}_create_first_true_s", []).append(done - t)
+    tenth = await _trues(lambda: s.commands.run("true"), 9)
+    samples.setdefault(f"{path}_tenth_true_s", []).append(tenth[-1])
+    await s.close()
+    made.remove(s)
+
+
 async def fresh_and_pool(state: Path, accel: str, n: int) -> dict[str, Any]:
     """A fresh serve with the default warm pool: readiness, first create, pool creates, steady API
     `true`, resume and branch."""
@@ -87,19 +105,7 @@ async def fresh_and_pool(state: Path, accel: str, n: int) -> dict[str, Any]:
         made.remove(first)
         for _ in range(n):
             await pool_settled(state, live=0, quiet_s=2.0, quiet_cpu_s=0.2)
-            t = time.perf_counter()
-            s = await _create(url, key)
-            made.append(s)
-            created = time.perf_counter()
-            await s.commands.run("true")
-            done = time.perf_counter()
-            samples.setdefault("pool_create_s", []).append(created - t)
-            samples.setdefault("pool_first_true_s", []).append(done - created)
-            samples.setdefault("pool_create_first_true_s", []).append(done - t)
-            tenth = await _trues(lambda s=s: s.commands.run("true"), 9)
-            samples.setdefault("pool_tenth_true_s", []).append(tenth[-1])
-            await s.close()
-            made.remove(s)
+            await _create_and_use(url, key, made, samples, "pool")
         await pool_settled(state, live=0, quiet_s=2.0, quiet_cpu_s=0.2)
         s = await _create(url, key)
         made.append(s)
@@ -125,19 +131,7 @@ async def restore_on_demand(state: Path, accel: str, n: int) -> dict[str, Any]:
     async with serving(state, accel, {}) as (url, key, made):
         made.append(await _create(url, key))  # the node's first restore: not counted
         for _ in range(n):
-            t = time.perf_counter()
-            s = await _create(url, key)
-            made.append(s)
-            created = time.perf_counter()
-            await s.commands.run("true")
-            done = time.perf_counter()
-            samples.setdefault("restore_create_s", []).append(created - t)
-            samples.setdefault("restore_first_true_s", []).append(done - created)
-            samples.setdefault("restore_create_first_true_s", []).append(done - t)
-            tenth = await _trues(lambda s=s: s.commands.run("true"), 9)
-            samples.setdefault("restore_tenth_true_s", []).append(tenth[-1])
-            await s.close()
-            made.remove(s)
+            await _create_and_use(url, key, made, samples, "restore")
     return {name: summary(values) for name, values in samples.items()}
 
 
