@@ -165,3 +165,26 @@ async def test_refill_stops_when_the_template_is_gone() -> None:
     await asyncio.sleep(0.2)
     assert calls == 1 and pool.status()[0]["refill_failures"] == 0
     await pool.close()
+
+
+async def test_a_refill_waits_for_the_delay_after_the_last_take() -> None:
+    # The sandbox just handed out runs its first commands without a restore beside it.
+    restored_at: list[float] = []
+    fleet = _Fleet()
+
+    async def restore(key: PoolKey) -> _Sandbox:
+        restored_at.append(asyncio.get_running_loop().time())
+        return await fleet.restore(key)
+
+    pool = WarmPool(restore, fleet.destroy, default_size=1, refill_delay=0.3)  # type: ignore[arg-type]
+    pool.watch(KEY)
+    await _settle(pool, 1)  # the first fill does not wait: nothing was taken yet
+    first = pool.take(KEY)
+    taken = asyncio.get_running_loop().time()
+    assert first is not None
+    pool.watch(KEY)
+    await asyncio.sleep(0.1)
+    assert len(restored_at) == 1 and pool.status()[0]["idle"] == 0  # still waiting
+    await _settle(pool, 1)
+    assert restored_at[1] - taken >= 0.25  # (taken is read just after the pool stamped the take)
+    await pool.close()

@@ -62,7 +62,8 @@ async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> 
                   if os.geteuid() == 0 else None)
         # Node-built templates are cached beside the image: a fresh state dir restores from them at once.
         source = TemplateSource(runtime, image, egress=egress, pool_size=pool_cfg.size,
-                                pool_sizes=pool_cfg.sizes, cache=TemplateCache(settings.cache_dir))
+                                pool_sizes=pool_cfg.sizes, pool_refill_delay=pool_cfg.refill_delay,
+                                cache=TemplateCache(settings.cache_dir))
         agent = NodeAgent(runtime, image, node_id=node_id, egress=egress, source=source)
         await agent.start()
     except BaseException:

@@ -177,7 +177,7 @@ class TemplateSource:
                  ram_mode: RamMode = RamMode.COPY, base_memory_mib: int = 256, base_vcpus: int = 1,
                  bind: IdentityBinder = bind_sandbox, metrics: PoolMetrics | None = None,
                  trust: TrustStore | None = None, cache: TemplateCache | None = None,
-                 warm_up_rounds: int = 2, warm_restores: bool = True) -> None:
+                 warm_up_rounds: int = 2, warm_restores: bool = True, pool_refill_delay: float = 0.0) -> None:
         self.runtime = runtime
         self.image = image
         self.egress = egress
@@ -193,7 +193,7 @@ class TemplateSource:
         first command is as fast as later ones (the restore then takes that much longer)."""
         self.metrics = metrics or PoolMetrics()
         self.warm = WarmPool(self._pool_restore, self._pool_destroy, default_size=pool_size,
-                             sizes=pool_sizes, metrics=self.metrics)
+                             sizes=pool_sizes, metrics=self.metrics, refill_delay=pool_refill_delay)
         self.cold = ColdBootSource(runtime, {BASE: image})
         self._warmup: asyncio.Task[None] | None = None
 

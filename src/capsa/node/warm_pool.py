@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -39,13 +40,15 @@ _RETRY_DELAYS = (1.0, 5.0, 30.0)
 
 
 class PoolSettings(BaseSettings):
-    """``CAPSA_POOL_SIZE`` (idle sandboxes per template, default 1) and ``CAPSA_POOL_SIZES`` (JSON object
-    of per-template overrides, e.g. ``{"base": 2, "py": 0}``)."""
+    """``CAPSA_POOL_SIZE`` (idle sandboxes per template, default 1), ``CAPSA_POOL_SIZES`` (JSON object
+    of per-template overrides, e.g. ``{"base": 2, "py": 0}``) and ``CAPSA_POOL_REFILL_DELAY`` (seconds a
+    refill waits after the last sandbox was taken, default 1)."""
 
     model_config = SettingsConfigDict(env_prefix="CAPSA_POOL_", extra="ignore")
 
     size: int = Field(default=1, ge=0, le=64)
     sizes: dict[str, int] = Field(default_factory=dict)
+    refill_delay: float = Field(default=1.0, ge=0, le=60)
 
 
 class IdentityGuest(Protocol):
@@ -112,17 +115,23 @@ class _Slot:
     failures: int = 0
     task: asyncio.Task[None] | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    taken_at: float = float("-inf")
 
 
 class WarmPool:
     """Idle restored sandboxes per :data:`PoolKey`. ``restore`` and ``destroy`` come from the node."""
 
     def __init__(self, restore: RestoreFn, destroy: DestroyFn, *, default_size: int = 1,
-                 sizes: Mapping[str, int] | None = None, metrics: PoolMetrics | None = None) -> None:
+                 sizes: Mapping[str, int] | None = None, metrics: PoolMetrics | None = None,
+                 refill_delay: float = 0.0) -> None:
         if default_size < 0 or any(v < 0 for v in (sizes or {}).values()):
             raise ValueError("pool sizes must be >= 0")
         self._restore = restore
         self._destroy = destroy
+        self.refill_delay = refill_delay
+        """A refill waits this long after the last take: a restore and its warm-up (CPU-bound under TCG)
+        started at once ran beside the first commands of the sandbox just handed out (its first `true`
+        84 ms against 58 ms for its tenth, on 2 cores)."""
         self.default_size = default_size
         self.sizes = dict(sizes or {})
         self.metrics = metrics or PoolMetrics()
@@ -171,6 +180,7 @@ class WarmPool:
             sandbox = slot.idle.popleft()
             if sandbox.state is SandboxState.RUNNING:
                 sandbox.set_background(False)
+                slot.taken_at = time.monotonic()
                 slot.hits += 1
                 self.metrics.hits.labels(**self._labels(key)).inc()
                 self._gauge(slot)
@@ -190,6 +200,10 @@ class WarmPool:
             if len(slot.idle) + slot.restoring >= slot.target:
                 slot.wake.clear()
                 await slot.wake.wait()
+                continue
+            settle = slot.taken_at + self.refill_delay - time.monotonic()
+            if settle > 0:
+                await asyncio.sleep(settle)
                 continue
             slot.restoring += 1
             try:
