@@ -32,11 +32,14 @@ import capsa.control.audit_writer as audit_writer
 import capsa.control.deps as deps
 import capsa.control.nodeclient as nodeclient
 import capsa.control.routes.commands as commands_routes
+import capsa.control.sessions as control_sessions
 import capsa.node.agent as agent
 import capsa.node.guest_client as guest_client
+import capsa.node.sources as sources
+import capsa.node.warm_pool as warm_pool
 import capsa.serve as serve_module
 from capsa.sdk import AsyncSession
-from harness import host_facts, summary, write_results
+from harness import host_facts, pool_settled, summary, write_results
 from session_ops import serving
 
 RESULTS = Path(__file__).with_name("results") / "profile_api.json"
@@ -68,7 +71,15 @@ class _TimedApp:
         return getattr(self._app, name)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not str(scope.get("path", "")).endswith("/commands"):
+        path = str(scope.get("path", ""))
+        if scope["type"] == "http" and scope.get("method") == "POST" and path == "/v1/sessions":
+            start = time.perf_counter()
+            try:
+                await self._app(scope, receive, send)
+            finally:
+                _record("create: control app whole call", time.perf_counter() - start)
+            return
+        if scope["type"] != "http" or not path.endswith("/commands"):
             await self._app(scope, receive, send)
             return
         start = time.perf_counter()
@@ -91,7 +102,12 @@ def _instrument() -> None:
             (audit_writer.AuditWriter, "write", "audit write (before the last body)"),
             (nodeclient.NodeClient, "exec", "node call (NodeClient.exec)"),
             (agent.NodeAgent, "exec", "node agent exec"),
-            (guest_client.GuestClient, "exec", "guest channel exec")):
+            (guest_client.GuestClient, "exec", "guest channel exec"),
+            (control_sessions, "create_session", "create: control plane (sessions.create_session)"),
+            (nodeclient.NodeClient, "create_sandbox", "create: node call (NodeClient.create_sandbox)"),
+            (agent.NodeAgent, "create", "create: node agent create"),
+            (sources.TemplateSource, "make", "create: template source make (pool take + bind)"),
+            (warm_pool, "bind_identity", "create: identity bind (reseed, clock, hostname)")):
         setattr(owner, name, _timed(label, getattr(owner, name)))
     create_app = serve_module.__dict__["create_app"]
     setattr(serve_module, "create_app", lambda *a, **k: _TimedApp(create_app(*a, **k)))  # noqa: B010
@@ -104,6 +120,19 @@ async def _series(label: str, n: int, call: Callable[[], Awaitable[Any]], warm: 
         start = time.perf_counter()
         await call()
         _record(label, time.perf_counter() - start)
+
+
+async def measure_creates(state: Path, accel: str, n: int) -> None:
+    """Sessions from a warm pool of one (the bench waits for each refill): the create's parts."""
+    async with serving(state, accel, {"base": 1}) as (url, key, made):
+        for _ in range(n):
+            await pool_settled(state, live=0, quiet_s=2.0, quiet_cpu_s=0.2)
+            start = time.perf_counter()
+            session = await AsyncSession.create(timeout=3600, api_url=url, api_key=key)
+            _record("create: SDK AsyncSession.create", time.perf_counter() - start)
+            made.append(session)
+            await session.close()
+            made.remove(session)
 
 
 async def measure(state: Path, accel: str, n: int) -> None:
@@ -130,7 +159,8 @@ def main() -> None:
     state = Path(tempfile.mkdtemp(prefix="capsa-profile-api-", dir="/var/tmp"))
     state.chmod(0o755)
     try:
-        asyncio.run(measure(state, args.accel, args.n))
+        asyncio.run(measure(state / "commands", args.accel, args.n))
+        asyncio.run(measure_creates(state / "creates", args.accel, max(5, args.n // 4)))
     finally:
         shutil.rmtree(state, ignore_errors=True)
     parts = {label: summary(values) for label, values in SAMPLES.items()}
