@@ -57,11 +57,14 @@ async def test_with_work_at_its_process_cap_a_command_is_still_placed(sandbox: Q
         "while [ $i -lt $cap ]; do sleep 600 & i=$((i+1)); done; "
         "echo $cap > /tmp/full; exec sleep 600")
     try:
+        cap = ""
         for _ in range(240):
+            # The shell creates the file before echo fills it: wait for the content, not the name.
             if "full" in {entry.name for entry in await sandbox.guest.list_dir("/tmp")}:
-                break
+                cap = (await sandbox.guest.read_file("/tmp/full")).decode().strip()
+                if cap:
+                    break
             await asyncio.sleep(0.5)
-        cap = (await sandbox.guest.read_file("/tmp/full")).decode().strip()
         current = (await sandbox.guest.read_file("/sys/fs/cgroup/work/pids.current")).decode().strip()
         assert current == cap, f"{current}/{cap}"
         r = await sandbox.guest.exec(["cat", "/proc/self/cgroup", "/proc/self/oom_score_adj"],
