@@ -188,7 +188,7 @@ class NodeService:
         self._heartbeat_interval = heartbeat_interval
         self._on_registered = on_registered
         self._uds = uds
-        self._listen = listen
+        self._bind: tuple[str, int] | None = None
         app = create_node_app(parts.agent, self.api_token)
         if uds is not None:
             config = uvicorn.Config(app, uds=str(uds), log_level="warning", lifespan="off")
@@ -196,7 +196,8 @@ class NodeService:
         else:
             assert listen is not None
             host, _, port = listen.rpartition(":")
-            config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_level="warning",
+            self._bind = (host.strip("[]"), int(port))
+            config = uvicorn.Config(app, host=self._bind[0], port=self._bind[1], log_level="warning",
                                     lifespan="off")
             self._url = advertise_url or f"http://{listen}"
         self._server = QuietServer(config)
@@ -233,11 +234,8 @@ class NodeService:
         registered, so registering after the agent is ready is how the node reports readiness."""
         if self._uds is not None:
             self._uds.unlink(missing_ok=True)
-        sockets = None
-        if self._listen is not None:
-            # bind_tcp's listener turns Nagle off for every connection (uvicorn's own does not).
-            host, _, port = self._listen.rpartition(":")
-            sockets = [bind_tcp(host.strip("[]"), int(port))]
+        # bind_tcp's listener turns Nagle off for every connection (uvicorn's own does not).
+        sockets = None if self._bind is None else [bind_tcp(*self._bind)]
         self._server_task = asyncio.create_task(self._server.serve(sockets=sockets), name="capsa-node-api")
         await wait_started(self._server, self._server_task, name="node API server")
         if self._uds is not None:

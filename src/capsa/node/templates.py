@@ -383,7 +383,7 @@ WARM_UP_COMMANDS: tuple[str | list[str], ...] = (["true"], "echo warm")
 """Run (twice) in a VM before it is snapshotted as a template, once after every restore. A program run
 straight and a shell command line with output: since commands are born in their cgroup (one exec, see
 capsa.guest.cgroups), these two take every path a short command takes (spawn, exec, the shell, output
-frames); ``sh -c true`` and a silent ``echo`` added ~80 ms to a restore and nothing to the first command."""
+frames); ``sh -c true`` and a silent ``echo`` repeated those paths and added ~80 ms to a restore."""
 
 
 async def warm_up(sandbox: Sandbox, rounds: int = 2, *, strict: bool = False) -> None:
