@@ -12,9 +12,11 @@ import pytest
 
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
+from capsa.node.guest_client import GuestError
 from capsa.node.runtime.base import Accelerator, BootError, VMSpec
 from capsa.node.runtime.qemu import QemuRuntime
 from capsa.node.runtime.qemu.cmdline import SANDBOX_OPTIONS
+from capsa.node.runtime.qemu.launch import set_command_aslr
 from capsa.node.runtime.qemu.process import QemuProcess
 from capsa.node.runtime.workdir import VmDir, find_qemu_pids
 
@@ -153,3 +155,35 @@ async def test_cleanup_orphans_kills_strays_and_removes_stale_dirs(base: Path) -
     assert list(vms.iterdir()) == []
     assert find_qemu_pids(vms) == []
     assert await rt.cleanup_orphans() == []
+
+
+@pytest.mark.parametrize(("mode", "tcg", "kvm"), [("auto", False, True), ("on", True, True),
+                                                  ("off", False, False)])
+def test_command_aslr_follows_the_setting_and_the_accelerator(base: Path, mode: str, tcg: bool,
+                                                              kvm: bool) -> None:
+    rt = QemuRuntime(Settings(state_dir=base, command_aslr=mode), accel="tcg")  # type: ignore[arg-type]
+    assert (rt.command_aslr(Accelerator.TCG), rt.command_aslr(Accelerator.KVM)) == (tcg, kvm)
+
+
+def test_command_aslr_refuses_unknown_modes(base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CAPSA_COMMAND_ASLR", "sometimes")
+    with pytest.raises(ValueError, match="command_aslr"):
+        Settings(state_dir=base)
+
+
+class _OldGuest:
+    def __init__(self, code: str) -> None:
+        self.code = code
+        self.calls: list[bool] = []
+
+    async def set_aslr(self, enabled: bool) -> None:
+        self.calls.append(enabled)
+        raise GuestError(self.code, f"{self.code}: set_aslr")
+
+
+async def test_a_guest_without_set_aslr_keeps_randomizing_other_errors_fail_the_launch() -> None:
+    old = _OldGuest("unknown_op")
+    await set_command_aslr(old, False)  # type: ignore[arg-type]
+    assert old.calls == [False]
+    with pytest.raises(GuestError):
+        await set_command_aslr(_OldGuest("internal_error"), False)  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -26,5 +27,9 @@ class Settings(BaseSettings):
     """Built guest images and downloaded packages, keyed by their inputs; safe to delete."""
     accel: str = "auto"
     """auto | kvm | tcg"""
+    command_aslr: Literal["auto", "on", "off"] = "auto"
+    """Whether commands in a sandbox get a randomized address-space layout (``CAPSA_COMMAND_ASLR``).
+    ``auto``: on with KVM, off under TCG, where every randomized process start-up is translated again
+    (twice the time of a short command; see capsa.guest.layout). Read when a VM starts or is restored."""
     debian_mirror: str = "http://deb.debian.org/debian"
     debian_suite: str = "bookworm"

@@ -47,6 +47,8 @@ tcp_open       port (on 127.0.0.1), connect_timeout; then   EVENT {connected}; D
 set_clock      unix_ns                                      previous_ns, step_ns
 reseed         body: 16..4096 bytes of entropy (inline)     {bytes}
 set_hostname   name                                         {hostname}
+set_aslr       enabled: whether commands spawned from now   {enabled}
+               on get a randomized layout (guest.layout)
 poweroff                                                    {} then the init powers the VM off
 =============  ===========================================  ==========================================
 
@@ -78,6 +80,7 @@ from typing import Any
 
 from capsa.guest import cgroups, files
 from capsa.guest.channel import Connection, Handler
+from capsa.guest.layout import op_set_aslr
 from capsa.guest.ports import op_tcp_open
 from capsa.guest.procs import ProcessTable, op_exec
 from capsa.guest.protocol import Decoder
@@ -104,6 +107,7 @@ class Daemon:
             "reseed": self.system.op_reseed,
             "poweroff": self.system.op_poweroff,
             "set_hostname": self.system.op_set_hostname,
+            "set_aslr": op_set_aslr,
             "exec": op_exec,
             "proc_start": self.processes.op_start,
             "proc_list": self.processes.op_list,

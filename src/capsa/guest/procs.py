@@ -32,6 +32,7 @@ from capsa.guest.cgroups import (
 )
 from capsa.guest.channel import ChannelGone, Stream
 from capsa.guest.errors import OpError, from_os_error
+from capsa.guest.layout import command_layout
 from capsa.guest.protocol import PROCESS_OUTPUT_KEPT, Kind
 
 __all__ = [
@@ -219,11 +220,12 @@ def spawn(spec: CommandSpec, *, stdin: int, stdout: int, stderr: int,
     forks and joins the cgroup from inside the child instead.
     """
     def popen(argv: list[str], preexec_fn: Any) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=spec.cwd, env=spec.env,
-            start_new_session=True, close_fds=True, user=spec.uid, group=spec.gid,
-            extra_groups=spec.groups, preexec_fn=preexec_fn,
-        )
+        with command_layout():  # the child inherits this thread's personality (see capsa.guest.layout)
+            return subprocess.Popen(
+                argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=spec.cwd, env=spec.env,
+                start_new_session=True, close_fds=True, user=spec.uid, group=spec.gid,
+                extra_groups=spec.groups, preexec_fn=preexec_fn,
+            )
 
     held = False
     try:

@@ -1208,6 +1208,10 @@ class GuestClient:
         """Name the guest (identity is injected when a pooled sandbox is bound to a session)."""
         await self._call("set_hostname", {"name": name})
 
+    async def set_aslr(self, enabled: bool) -> None:
+        """Whether commands the guest spawns from now on get a randomized address-space layout."""
+        await self._call("set_aslr", {"enabled": enabled})
+
     async def poweroff(self) -> None:
         """Ask the guest init to sync and power the VM off (only under the capsa init)."""
         await self._call("poweroff")

@@ -59,6 +59,8 @@ class LaunchRequest:
     """The snapshot this VM is restored from."""
     refresh: bool = True
     """After a restore: reseed the guest RNG and set its clock (False only in tests)."""
+    command_aslr: bool | None = None
+    """Whether the guest randomizes its commands' address-space layout (None: the guest's default, on)."""
 
 
 def check_image(image: GuestImage) -> None:
@@ -106,8 +108,12 @@ async def launch(req: LaunchRequest, *, started: float) -> QemuSandbox:
         client = await connect_guest(process, vmdir, deadline)
         _log.debug("launch phases of %s: files %.2fs, qemu to QMP %.2fs, QMP to guest ready %.2fs", sid,
                    t_files - started, t_qmp - t_files, loop.time() - t_qmp)
+        setup = []
         if restore is not None and req.refresh:
-            await refresh_guest(client)
+            setup.append(refresh_guest(client))
+        if req.command_aslr is not None:
+            setup.append(set_command_aslr(client, req.command_aslr))
+        await asyncio.gather(*setup)  # independent calls: one round trip
         if network is not None:
             # A restored NIC keeps the snapshot's MAC and device state; only its backend (the tap) is new,
             # so the guest's address and route are set again for this tap's subnet.
@@ -131,6 +137,17 @@ async def launch(req: LaunchRequest, *, started: float) -> QemuSandbox:
               "restored" if restore is not None else "booted", sandbox.boot_seconds, req.accel.value,
               process.pid, req.files.disk_cow)
     return sandbox
+
+
+async def set_command_aslr(client: GuestClient, enabled: bool) -> None:
+    """Tell the guest whether its commands get a randomized layout; a guest from before the ``set_aslr``
+    operation (restored from an old snapshot) keeps randomizing."""
+    try:
+        await client.set_aslr(enabled)
+    except GuestError as exc:
+        if exc.code != "unknown_op":
+            raise
+        _log.info("guest has no set_aslr operation; its commands keep a randomized layout")
 
 
 async def abort_launch(process: QemuProcess | None, client: GuestClient | None, vmdir: VmDir) -> str:

@@ -165,6 +165,12 @@ class QemuRuntime:
                             f"{spec.vcpus} vCPUs")
         return sid
 
+    def command_aslr(self, accel: Accelerator) -> bool:
+        """Whether a VM on ``accel`` randomizes its commands' layout (``CAPSA_COMMAND_ASLR``; ``auto``:
+        not under TCG, see capsa.guest.layout)."""
+        mode = self.settings.command_aslr
+        return mode == "on" or (mode == "auto" and accel is not Accelerator.TCG)
+
     @staticmethod
     def _binary() -> str:
         try:
@@ -207,7 +213,8 @@ class QemuRuntime:
             groups = (*self._kvm_groups(), *files.groups) if accel is Accelerator.KVM else files.groups
             request = LaunchRequest(sandbox_id=sid, spec=spec, binary=binary, accel=accel, vmdir=vmdir,
                                     files=files, within=within, owner=owner, groups=groups,
-                                    console_limit=self.console_limit, parent=parent, refresh=refresh)
+                                    console_limit=self.console_limit, parent=parent, refresh=refresh,
+                                    command_aslr=self.command_aslr(accel))
             sandbox = await launch(request, started=started)
         except BaseException:
             await asyncio.to_thread(self.storage.release, sid)

@@ -409,5 +409,4 @@ async def refresh_guest(guest: GuestRefresher, *, entropy: bytes | None = None) 
     host entropy two clones return identical ``os.urandom`` bytes (RECIPES.md). The clock is stale by
     however long the snapshot sat on disk.
     """
-    await guest.reseed(entropy if entropy is not None else os.urandom(64))
-    await guest.set_clock()
+    await asyncio.gather(guest.reseed(entropy if entropy is not None else os.urandom(64)), guest.set_clock())
