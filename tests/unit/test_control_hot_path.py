@@ -205,3 +205,61 @@ async def test_idle_timeout_with_activity_stamps_written_sparingly(make_stack: A
                 break
             await asyncio.sleep(0.1)
         assert state["state"] == "closed" and state["failure_reason"] == "idle_timeout"
+
+
+@contextmanager
+def counting_key_reads(plane: ControlPlane) -> Iterator[list[str]]:
+    """The statements the plane's engine runs meanwhile that read the API key table."""
+    reads: list[str] = []
+
+    def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and "api_keys" in statement:
+            reads.append(statement)
+
+    engine = plane.engine.sync_engine
+    event.listen(engine, "before_cursor_execute", on_execute)
+    try:
+        yield reads
+    finally:
+        event.remove(engine, "before_cursor_execute", on_execute)
+
+
+async def test_api_keys_are_read_once_per_cache_period_and_revocation_bounds_hold(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"key_cache_seconds": 1.5, "reaper_interval": 0})
+    other = await stack.add_replica()
+    key = await stack.tenant_key("acme")
+    key_id = key.rsplit("_", 1)[0]
+    plane = plane_of(stack)
+    async with stack.client(key) as a, stack.client(key, url=other.url) as b, \
+            stack.client(stack.admin_key) as admin:
+        sid = (await create(a))["id"]
+        assert (await run_true(b, sid)).status_code == 200  # b has read the key now
+        with counting_key_reads(plane) as reads:
+            for _ in range(8):
+                assert (await run_true(a, sid)).status_code == 200
+        assert reads == [], reads  # a read it for the create, within the period
+        # Revoked through replica a: a refuses it at once...
+        assert (await admin.delete(f"/v1/keys/{key_id}")).status_code == 200
+        assert_problem(await run_true(a, sid), 401, "unauthorized")
+        # ...b trusts what it read for at most key_cache_seconds, then refuses it too.
+        revoked_at = time.monotonic()
+        while (await run_true(b, sid)).status_code == 200:
+            assert time.monotonic() - revoked_at < 1.5 + 1.0, "replica b kept a revoked key past its period"
+            await asyncio.sleep(0.1)
+        assert_problem(await run_true(b, sid), 401, "unauthorized")
+        # A wrong secret for a cached key id is refused: the hash is checked on every call.
+        forged = f"{stack.admin_key.rsplit('_', 1)[0]}_{'x' * 32}"
+        async with stack.client(forged) as f:
+            assert_problem(await f.get("/v1/sessions"), 401, "unauthorized")
+
+
+async def test_without_the_key_cache_a_revoked_key_stops_on_every_replica_at_once(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"key_cache_seconds": 0, "reaper_interval": 0})
+    other = await stack.add_replica()
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as a, stack.client(key, url=other.url) as b, \
+            stack.client(stack.admin_key) as admin:
+        assert (await b.get("/v1/sessions")).status_code == 200
+        assert (await admin.delete(f"/v1/keys/{key.rsplit('_', 1)[0]}")).status_code == 200
+        assert_problem(await b.get("/v1/sessions"), 401, "unauthorized")
+        assert_problem(await a.get("/v1/sessions"), 401, "unauthorized")

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from capsa.compat.e2b import MOUNT_PATH as E2B_PATH
 from capsa.compat.e2b import create_e2b_app
 from capsa.control.audit_middleware import AuditMiddleware
-from capsa.control.auth import ensure_bootstrap_key
+from capsa.control.auth import KeyCache, ensure_bootstrap_key
 from capsa.control.cdp import CdpPages
 from capsa.control.mcp import install_mcp
 from capsa.control.node_secrets import node_sealer
@@ -61,7 +61,8 @@ def create_app(settings: ControlSettings | None = None,
         engine = create_engine(settings.database_url)
         plane = ControlPlane(settings=settings, engine=engine, db=session_factory(engine),
                              nodes=NodeClientPool(settings.node_request_timeout),
-                             sealer=node_sealer(settings), rates=RateLimiter(settings.rate_lease))
+                             sealer=node_sealer(settings), rates=RateLimiter(settings.rate_lease),
+                             keys=KeyCache(settings.key_cache_seconds))
         reaper: asyncio.Task[None] | None = None
         rolling: asyncio.Task[None] | None = None
         try:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from capsa.control import audit_trail
 from capsa.control.errors import Forbidden, Unauthorized
@@ -13,7 +16,8 @@ from capsa.control.keys import generate_key, hash_key, parse_key, verify_key
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import ApiKeyRow, utcnow
 
-__all__ = ["Principal", "authenticate", "bearer_token", "ensure_bootstrap_key", "require_admin"]
+__all__ = ["KeyCache", "Principal", "authenticate", "authenticate_cached", "bearer_token",
+           "ensure_bootstrap_key", "require_admin"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,71 @@ async def authenticate(db: DbSession, token: str | None) -> Principal:
         raise Unauthorized()
     audit_trail.identify(row.tenant, row.id)
     return Principal(row.id, row.tenant, row.admin)
+
+
+@dataclass(frozen=True)
+class _KnownKey:
+    secret_hash: str
+    tenant: str
+    admin: bool
+    revoked: bool
+    until: float
+
+
+class KeyCache:
+    """API key records as this replica last read them, trusted for at most ``ttl`` seconds (at most
+    ``capacity`` keys, least recently used dropped first), so a call does not read the database to learn
+    who is calling. A key revoked through this replica is forgotten at once (:meth:`forget`); one revoked
+    through another replica keeps working here for up to ``ttl``. Unknown key ids are never cached (a
+    key created elsewhere works at once). ``ttl`` 0 disables it."""
+
+    def __init__(self, ttl: float, capacity: int = 4096) -> None:
+        self.ttl = ttl
+        self.capacity = capacity
+        self._keys: OrderedDict[str, _KnownKey] = OrderedDict()
+
+    def lookup(self, key_id: str) -> _KnownKey | None:
+        known = self._keys.get(key_id)
+        if known is None:
+            return None
+        if known.until <= time.monotonic():
+            del self._keys[key_id]
+            return None
+        self._keys.move_to_end(key_id)
+        return known
+
+    def store(self, row: ApiKeyRow) -> _KnownKey:
+        known = _KnownKey(row.secret_hash, row.tenant, row.admin, row.revoked_at is not None,
+                          time.monotonic() + self.ttl)
+        if self.ttl > 0:
+            self._keys[row.id] = known
+            self._keys.move_to_end(row.id)
+            while len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
+        return known
+
+    def forget(self, key_id: str) -> None:
+        self._keys.pop(key_id, None)
+
+
+async def authenticate_cached(db: async_sessionmaker[DbSession], cache: KeyCache,
+                              token: str | None) -> Principal:
+    """:func:`authenticate` through ``cache``: the database is read only for keys not seen within its
+    ttl. The secret is checked against the stored hash on every call."""
+    parsed = parse_key(token) if token else None
+    if parsed is None:
+        raise Unauthorized()
+    known = cache.lookup(parsed.key_id)
+    if known is None:
+        async with db() as session:
+            row = await session.get(ApiKeyRow, parsed.key_id)
+        if row is None:
+            raise Unauthorized()
+        known = cache.store(row)
+    if known.revoked or not verify_key(parsed.full, known.secret_hash):
+        raise Unauthorized()
+    audit_trail.identify(known.tenant, parsed.key_id)
+    return Principal(parsed.key_id, known.tenant, known.admin)
 
 
 def require_admin(principal: Principal) -> Principal:

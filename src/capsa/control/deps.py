@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from capsa.control.auth import Principal, authenticate, require_admin
+from capsa.control.auth import Principal, authenticate_cached, require_admin
 from capsa.control.plane import ControlPlane
 from capsa.control.schemas import ProblemDetail
 
@@ -27,8 +27,7 @@ Plane = Annotated[ControlPlane, Depends(_plane)]
 
 async def _caller(plane: Plane,
                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
-    async with plane.db() as db:
-        return await authenticate(db, credentials.credentials if credentials else None)
+    return await authenticate_cached(plane.db, plane.keys, credentials.credentials if credentials else None)
 
 
 Caller = Annotated[Principal, Depends(_caller)]

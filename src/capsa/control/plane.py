@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
+from capsa.control.auth import KeyCache
 from capsa.control.errors import ApiError
 from capsa.control.node_secrets import NodeSealer
 from capsa.control.nodeclient import NodeClient, NodeClientPool, NodeError
@@ -33,6 +34,8 @@ class ControlPlane:
     """Encrypts the node API tokens at rest; None when no key is configured (nodes cannot register)."""
     rates: RateLimiter = field(default_factory=RateLimiter)
     """This replica's rate-limit leases (:mod:`capsa.control.ratelimit`)."""
+    keys: KeyCache = field(default_factory=lambda: KeyCache(0.0))
+    """API key records this replica trusts for a few seconds (``CAPSA_KEY_CACHE_SECONDS``)."""
 
     def node_sealer(self) -> NodeSealer:
         if self.sealer is None:

@@ -44,6 +44,11 @@ class ControlSettings(BaseSettings):
     an idle session is closed between its idle timeout and that plus this interval (plus the reaper's
     own interval). 0: write on every call."""
 
+    key_cache_seconds: Annotated[float, Field(ge=0, le=300)] = 5.0
+    """How long a replica trusts an API key's record (tenant, admin, revoked) without reading it again:
+    a key revoked through another replica keeps working on this one for up to this long (the replica
+    that revoked it refuses it at once). 0: read the key on every call."""
+
     reaper_interval: float = 2.0
     """Seconds between reaper passes (expired sessions, silent nodes); 0 disables the reaper."""
     node_heartbeat_timeout: float = 30.0

@@ -45,6 +45,7 @@ async def revoke_key(key_id: str, plane: Plane, _admin: Admin) -> ApiKeyOut:
         await db.execute(update(ApiKeyRow).where(ApiKeyRow.id == key_id, ApiKeyRow.revoked_at.is_(None))
                          .values(revoked_at=utcnow()))
         await db.commit()
+        plane.keys.forget(key_id)
         row = await db.get(ApiKeyRow, key_id, populate_existing=True)
         if row is None:
             raise NotFound(f"key {key_id} not found")
