@@ -73,15 +73,18 @@ async def test_commands_do_not_write_the_database_each(make_stack: Any) -> None:
     async with stack.client(key) as c:
         sid = (await create(c))["id"]
         claims = plane.rates.claims
+        await plane.audit.flush()  # the create's events
         audit: list[str] = []
         with counting_writes(plane, audit) as writes:
             for _ in range(32):
                 assert (await run_true(c, sid)).status_code == 200
+            await plane.audit.flush()  # answers go out before their audit events are committed
         # 32 commands: two leases of 16 from the rate counter (the first: an UPDATE finding no row for
         # this window, then its INSERT), no activity stamp (the session is new).
         assert len(writes) <= 3, writes
-        # The audit chain: one transaction per call (head upsert, the api + command events, head update).
-        assert len(audit) == 3 * 32, audit
+        # The audit chain: at most one transaction per call (head upsert, the api + command events, head
+        # update), fewer when calls finish while a write is in flight (group commit).
+        assert 0 < len(audit) <= 3 * 32 and len(audit) % 3 == 0, audit
         assert all("rate_counters" in w for w in writes), writes
         assert plane.rates.claims - claims == 2
         # The same commands with leases of one and a stamp on every call: the counter above can see writes.

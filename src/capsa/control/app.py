@@ -90,6 +90,7 @@ def create_app(settings: ControlSettings | None = None,
             if isinstance(pages, CdpPages):
                 await pages.aclose()
             await plane.nodes.aclose()
+            await plane.audit.aclose()  # the events of the last requests, before the database closes
             await engine.dispose()
 
     app = FastAPI(title="capsa", version=version("capsa"), lifespan=lifespan,

@@ -71,6 +71,7 @@ async def list_chain(plane: ControlPlane, tenant: str, *, session_id: str | None
                                                        "message": "not a session id"}])
     if cursor is None:
         await _collect(plane, tenant, session_id)
+    await plane.audit.flush()  # the calls this replica answered are in the trail before it is read
     async with plane.db() as db:
         rows = await audit_trail.list_events(db, tenant, session_id=session_id, kinds=kinds,
                                              since=_seconds(since), until=_seconds(until),
@@ -81,6 +82,7 @@ async def list_chain(plane: ControlPlane, tenant: str, *, session_id: str | None
 
 
 async def verify_chain(plane: ControlPlane, tenant: str) -> AuditVerifyOut:
+    await plane.audit.flush()
     async with plane.db() as db:
         result = await audit_trail.verify(db, tenant)
     return AuditVerifyOut(ok=result.ok, checked=result.checked, head=result.head,

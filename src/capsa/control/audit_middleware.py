@@ -1,9 +1,11 @@
 """ASGI middleware: gives every HTTP request an id (``X-Request-Id`` on the response) and writes its
 ``api`` audit event, with the events noted while it ran (:func:`capsa.control.audit_trail.note`), into
-the caller's tenant chain just before the response's last body message goes out (so a client that has
-read the whole response finds its events recorded). Writes go through the replica's
-:class:`~capsa.control.audit_writer.AuditWriter` (group commit: requests finishing together share one
-transaction).
+the caller's tenant chain when the response's last body message goes out. Writes go through the
+replica's :class:`~capsa.control.audit_writer.AuditWriter` (group commit: requests finishing together
+share one transaction). With ``CAPSA_AUDIT_ACK=durable`` that last message waits until the events are
+committed (a client that has read the whole response finds them recorded); with ``async`` (the default)
+it goes out at once and the events are committed moments later (reads of the trail through this replica
+wait for them).
 
 Requests that never authenticate (health checks, wrong keys) belong to no tenant and are not chained.
 A failing audit write is logged and does not change the answer: the effect has already happened.
@@ -11,6 +13,8 @@ A failing audit write is logged and does not change the answer: the effect has a
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +25,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from capsa.common.ids import new_id
 from capsa.control import audit_trail
 from capsa.control.audit_trail import AuditEntry, RequestAudit
-from capsa.control.audit_writer import AuditWriter
 from capsa.control.plane import ControlPlane
 
 __all__ = ["REQUEST_ID_HEADER", "AuditMiddleware"]
@@ -47,13 +50,6 @@ class AuditMiddleware:
     def __init__(self, app: ASGIApp, plane: Callable[[], ControlPlane | None]) -> None:
         self.app = app
         self.plane = plane
-        self._writer: AuditWriter | None = None
-
-    def writer(self, plane: ControlPlane) -> AuditWriter:
-        """This replica's group-commit writer (a new one when the plane, i.e. the engine, changed)."""
-        if self._writer is None or self._writer.engine is not plane.engine:
-            self._writer = AuditWriter(plane.engine)
-        return self._writer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -112,7 +108,17 @@ class AuditMiddleware:
             detail["code"] = context.error_code
         api = AuditEntry("api", "call", session_id=session_id or context.session_id, detail=detail,
                          key_id=context.key_id, request_id=context.request_id)
+        writer = plane.audit
+        done = writer.submit(context.tenant, [api, *context.events])
+        if plane.settings.audit_ack == "async" and not writer.behind:
+            done.add_done_callback(functools.partial(_log_failure, context.request_id))
+            return
         try:
-            await self.writer(plane).write(context.tenant, [api, *context.events])
+            await asyncio.shield(done)  # a cancelled request does not cancel the others' write
         except Exception:
             log.exception("could not write the audit events of request %s", context.request_id)
+
+
+def _log_failure(request_id: str, done: asyncio.Future[None]) -> None:
+    if not done.cancelled() and (exc := done.exception()) is not None:
+        log.error("could not write the audit events of request %s", request_id, exc_info=exc)

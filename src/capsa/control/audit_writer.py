@@ -1,10 +1,15 @@
 """Group commit of API-call audit events: one writer per replica gathers the events of every request that
 finishes while a write is in flight and appends them all in the next transaction.
 
-Each request still waits until its own events are committed before its response's last byte goes out,
-so nothing is acknowledged before it is durable; concurrent requests share one transaction (one commit,
-one head lock per tenant) instead of queueing on the database's write lock one by one. A sequential
-client sees one transaction per call, as without batching.
+Concurrent requests share one transaction (one commit, one head lock per tenant) instead of queueing on
+the database's write lock one by one. When a request's answer goes out depends on
+``CAPSA_AUDIT_ACK`` (see :class:`~capsa.control.settings.ControlSettings`): ``durable`` waits until its
+events are committed before the response's last byte; ``async`` (the default) hands them to the writer
+and answers at once, so the audit trail is not a database write on the command's hot path. Then the
+events are committed moments later, in order; reads of the trail through this replica first wait for
+everything handed over before them (:meth:`AuditWriter.flush`), and a stopping replica writes what it
+holds before it closes the database (:meth:`AuditWriter.aclose`). When the writer falls behind
+(``max_pending`` requests waiting), requests wait for it again, so memory stays bounded.
 """
 
 from __future__ import annotations
@@ -31,23 +36,42 @@ class _Pending:
 
 
 class AuditWriter:
-    def __init__(self, engine: AsyncEngine, max_batch: int = 500) -> None:
+    def __init__(self, engine: AsyncEngine, max_batch: int = 500, max_pending: int = 10_000) -> None:
         self.engine = engine
         self.max_batch = max_batch
+        self.max_pending = max_pending
         self._pending: list[_Pending] = []
+        self._last: asyncio.Future[None] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self.transactions = 0
         """Transactions written so far (for benchmarks and tests)."""
 
-    async def write(self, tenant: str, entries: Sequence[AuditEntry]) -> None:
-        """Append ``entries`` to the tenant's chain; returns once they are committed (raises if not)."""
+    def submit(self, tenant: str, entries: Sequence[AuditEntry]) -> asyncio.Future[None]:
+        """Queue ``entries`` for the tenant's chain; the future is done once they are committed (or holds
+        the error). Queued events are written in the order they were submitted."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(tenant, entries, done))
+        self._last = done
         if self._flusher is None or self._flusher.done():
             # An empty context: the flusher serves every request, it must not carry this one's audit context.
             self._flusher = asyncio.create_task(self._drain(), name="capsa-audit-writer",
                                                 context=contextvars.Context())
-        await asyncio.shield(done)  # a cancelled request does not cancel the others' write
+        return done
+
+    @property
+    def behind(self) -> bool:
+        """More requests wait for a write than ``max_pending``: callers should wait for theirs."""
+        return len(self._pending) >= self.max_pending
+
+    async def write(self, tenant: str, entries: Sequence[AuditEntry]) -> None:
+        """Append ``entries`` to the tenant's chain; returns once they are committed (raises if not)."""
+        await asyncio.shield(self.submit(tenant, entries))  # a cancelled request does not cancel the others'
+
+    async def flush(self) -> None:
+        """Wait until everything submitted so far is written (or failed: failures are the submitters')."""
+        last = self._last
+        if last is not None and not last.done():
+            await asyncio.wait([last])
 
     async def _drain(self) -> None:
         while self._pending:
@@ -70,6 +94,8 @@ class AuditWriter:
                     item.done.set_result(None)
 
     async def aclose(self) -> None:
+        """Write what is still queued (the replica is stopping; its database is closed next)."""
+        await self.flush()
         if self._flusher is not None:
             with contextlib.suppress(Exception):
                 await self._flusher

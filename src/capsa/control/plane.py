@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
+from capsa.control.audit_writer import AuditWriter
 from capsa.control.auth import KeyCache
 from capsa.control.errors import ApiError
 from capsa.control.node_secrets import NodeSealer
@@ -36,6 +37,11 @@ class ControlPlane:
     """This replica's rate-limit leases (:mod:`capsa.control.ratelimit`)."""
     keys: KeyCache = field(default_factory=lambda: KeyCache(0.0))
     """API key records this replica trusts for a few seconds (``CAPSA_KEY_CACHE_SECONDS``)."""
+    audit: AuditWriter = field(init=False)
+    """This replica's group-commit writer of API-call audit events (:mod:`capsa.control.audit_writer`)."""
+
+    def __post_init__(self) -> None:
+        self.audit = AuditWriter(self.engine)
 
     def node_sealer(self) -> NodeSealer:
         if self.sealer is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -44,6 +44,13 @@ class ControlSettings(BaseSettings):
     an idle session is closed between its idle timeout and that plus this interval (plus the reaper's
     own interval). 0: write on every call."""
 
+    audit_ack: Literal["async", "durable"] = "async"
+    """When an API call's answer goes out relative to its audit events (``CAPSA_AUDIT_ACK``).
+    ``async``: at once; the replica commits the events moments later (group commit, in order), reads of
+    the trail through it wait for them, and a stopping replica writes them before it closes. A replica
+    that dies abruptly loses the events of the calls it answered in its last moments (the calls'
+    effects happened either way). ``durable``: the last byte of the answer waits for the commit, adding
+    a transaction's time (a few ms) to every call."""
     key_cache_seconds: Annotated[float, Field(ge=0, le=300)] = 5.0
     """How long a replica trusts an API key's record (tenant, admin, revoked) without reading it again:
     a key revoked through another replica keeps working on this one for up to this long (the replica
