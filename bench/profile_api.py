@@ -97,9 +97,9 @@ class _TimedApp:
 
 def _instrument() -> None:
     for owner, name, label in (
-            (deps, "authenticate", "auth (API key)"),
+            (deps, "authenticate_cached", "auth (API key, cached per replica)"),
             (commands_routes, "running_session", "session lookup (running_session)"),
-            (audit_writer.AuditWriter, "write", "audit write (before the last body)"),
+            (audit_writer.AuditWriter, "_drain", "audit commit (after the answer: CAPSA_AUDIT_ACK=async)"),
             (nodeclient.NodeClient, "exec", "node call (NodeClient.exec)"),
             (agent.NodeAgent, "exec", "node agent exec"),
             (guest_client.GuestClient, "exec", "guest channel exec"),

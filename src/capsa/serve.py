@@ -27,6 +27,7 @@ from capsa.control.app import create_app
 from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import ensure_key_file
 from capsa.control.settings import ControlSettings
+from capsa.local_node import LocalNodeClient
 from capsa.node.daemon import NodeService
 from capsa.node.sources import TemplateSource
 from capsa.node.statedir import prepare_state_dir
@@ -108,6 +109,9 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
         plane: ControlPlane = app.state.plane
         service = NodeService(parts, LocalControlLink(plane, LOCAL_NODE_ID), uds=state_dir / "node.sock")
         await service.start()
+        # The control plane's calls on the session hot path reach this node in-process (capsa.local_node).
+        plane.nodes.add(LocalNodeClient(service.url, service.api_token, parts.agent,
+                                        timeout=control_settings.node_request_timeout))
         app.state.startup_pending = False
         source = parts.agent.source
         if isinstance(source, TemplateSource):

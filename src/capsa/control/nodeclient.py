@@ -137,6 +137,14 @@ class NodeClient:
             headers={"Authorization": f"Bearer {token}"}, event_hooks={"request": [_carry_request_id]},
         )
 
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def token(self) -> str:
+        return self._token
+
     async def aclose(self) -> None:
         await self._client.aclose()
 
@@ -166,12 +174,19 @@ class NodeClient:
         return await self._call(NodeInfo, "GET", "/info")
 
     # -- sandboxes -------------------------------------------------------------------------------------
-    async def create_sandbox(self, sandbox_id: str, template: str, memory_mib: int, vcpus: int,
-                             env: Mapping[str, str], *, egress: EgressArgs | None = None) -> SandboxInfo:
+    @staticmethod
+    def create_body(sandbox_id: str, template: str, memory_mib: int, vcpus: int, env: Mapping[str, str], *,
+                    egress: EgressArgs | None = None) -> dict[str, Any]:
+        """The body of ``POST /sandboxes`` (:class:`~capsa.common.node_api.SandboxCreate` as JSON)."""
         body: dict[str, Any] = {"id": sandbox_id, "template": template, "memory_mib": memory_mib,
                                 "vcpus": vcpus, "env": dict(env)}
         if egress is not None:
             body.update(egress.body())
+        return body
+
+    async def create_sandbox(self, sandbox_id: str, template: str, memory_mib: int, vcpus: int,
+                             env: Mapping[str, str], *, egress: EgressArgs | None = None) -> SandboxInfo:
+        body = self.create_body(sandbox_id, template, memory_mib, vcpus, env, egress=egress)
         return await self._call(SandboxInfo, "POST", "/sandboxes", json=body, timeout=None)
 
     async def destroy_sandbox(self, sandbox_id: str) -> None:
@@ -431,6 +446,14 @@ class NodeClientPool:
         self._timeout = timeout
         self._transport = transport
         self._clients: dict[tuple[str, str], NodeClient] = {}
+        self._retired: list[NodeClient] = []
+
+    def add(self, client: NodeClient) -> None:
+        """Use ``client`` for its node (``capsa serve``: its own node, called in-process)."""
+        replaced = self._clients.get((client.url, client.token))
+        if replaced is not None:
+            self._retired.append(replaced)  # closed with the pool: a call may still be using it
+        self._clients[(client.url, client.token)] = client
 
     def get(self, url: str, token: str) -> NodeClient:
         key = (url, token)
@@ -441,6 +464,7 @@ class NodeClientPool:
         return client
 
     async def aclose(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
+        clients, self._clients = [*self._clients.values(), *self._retired], {}
+        self._retired = []
         for client in clients:
             await client.aclose()

@@ -34,11 +34,11 @@ from capsa.common.node_api import (
     StreamError,
 )
 from capsa.node import guest_client as guest
-from capsa.node.agent import ExecChunk
+from capsa.node.agent import ExecChunk, NodeAgent
 from capsa.node.api.deps import Agent
 from capsa.node.api.errors import status_of
 
-__all__ = ["exec_status", "output_lines", "process_info", "router"]
+__all__ = ["exec_status", "exec_to_end", "output_lines", "process_info", "router"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,12 @@ async def exec_command(agent: Agent, sandbox_id: str, body: ExecRequest,
         events = agent.exec_stream(sandbox_id, body.cmd, env=body.env, cwd=body.cwd, user=body.user,
                                    stdin=stdin, timeout=body.timeout, max_output=body.max_output)
         return StreamingResponse(_lines(events), media_type=NDJSON)
+    return await exec_to_end(agent, sandbox_id, body)
+
+
+async def exec_to_end(agent: NodeAgent, sandbox_id: str, body: ExecRequest) -> ExecResult:
+    """What ``POST /exec`` answers without a stream (also called in-process by ``capsa serve``)."""
+    stdin = body.stdin.encode() if body.stdin is not None else None
     res = await agent.exec(sandbox_id, body.cmd, env=body.env, cwd=body.cwd, user=body.user, stdin=stdin,
                            timeout=body.timeout, max_output=body.max_output)
     return ExecResult(**exec_status(res).model_dump(), stdout=_text(res.stdout), stderr=_text(res.stderr))

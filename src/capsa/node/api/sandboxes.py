@@ -6,10 +6,10 @@ from fastapi import APIRouter, Response
 
 from capsa.common.egress_policy import EgressPolicy
 from capsa.common.node_api import SandboxCreate, SandboxInfo, SandboxList
-from capsa.node.agent import SandboxRecord
+from capsa.node.agent import NodeAgent, SandboxRecord
 from capsa.node.api.deps import Agent
 
-__all__ = ["router", "sandbox_info"]
+__all__ = ["create_from", "router", "sandbox_info"]
 
 router = APIRouter(prefix="/sandboxes", tags=["sandboxes"])
 
@@ -18,13 +18,18 @@ def sandbox_info(record: SandboxRecord) -> SandboxInfo:
     return SandboxInfo.model_validate(record.as_dict())
 
 
-@router.post("", status_code=201, response_model=SandboxInfo)
-async def create_sandbox(agent: Agent, body: SandboxCreate) -> SandboxInfo:
+async def create_from(agent: NodeAgent, body: SandboxCreate) -> SandboxInfo:
+    """What ``POST /sandboxes`` does with a valid body (also called in-process by ``capsa serve``)."""
     policy = EgressPolicy.from_data(body.policy) if body.policy is not None else None
     record = await agent.create(body.id, body.template, body.memory_mib, body.vcpus, body.env, policy=policy,
                                 session_id=body.session_id, placeholders=body.placeholders,
                                 secrets={k: v.get_secret_value() for k, v in body.secrets.items()})
     return sandbox_info(record)
+
+
+@router.post("", status_code=201, response_model=SandboxInfo)
+async def create_sandbox(agent: Agent, body: SandboxCreate) -> SandboxInfo:
+    return await create_from(agent, body)
 
 
 @router.get("", response_model=SandboxList)
