@@ -108,6 +108,13 @@ class SandboxSource(Protocol):
         ...
 
 
+async def _all(*calls: Awaitable[None]) -> None:
+    """Run ``calls`` at once, let every one finish, then raise the first failure (if any)."""
+    for outcome in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+
 async def _prepared(runtime: Runtime, sandbox: Sandbox, prepare: Prepare | None) -> Sandbox:
     if prepare is not None:
         try:
@@ -346,8 +353,11 @@ class TemplateSource:
                                                      ram_mode=_ram_mode(tpl, self.ram_mode))
             try:
                 if source == "restore" and self.warm_restores:
-                    await warm_up(sandbox, rounds=1, strict=True)
-                await self.bind(sandbox, hostname_for(request.sandbox_id))
+                    # Independent: the warm-up's throwaway commands need no identity (one round trip less).
+                    await _all(warm_up(sandbox, rounds=1, strict=True),
+                               self.bind(sandbox, hostname_for(request.sandbox_id)))
+                else:
+                    await self.bind(sandbox, hostname_for(request.sandbox_id))
             except BaseException:
                 await asyncio.shield(self.runtime.destroy(sandbox))
                 raise
@@ -387,17 +397,13 @@ class TemplateSource:
                                   network=dataclasses.replace(network, mac=NET_TEMPLATE_MAC))
                 sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
                                                      ram_mode=RamMode.COPY)
-            if self.warm_restores and source == "restore":  # a pooled VM was warmed while it waited
-                try:
-                    await warm_up(sandbox, rounds=1, strict=True)
-                except BaseException:
-                    await asyncio.shield(self.runtime.destroy(sandbox))
-                    raise
-            # Identity and the CA install are independent guest calls: made at once (the channel
-            # multiplexes them), which shortens the bind.
+            # Identity, the CA install and the warm-up are independent guest calls: made at once (the
+            # channel multiplexes them), which shortens the bind.
             steps = [self.bind(sandbox, hostname_for(request.sandbox_id))]
             if request.prepare is not None:
                 steps.append(request.prepare(sandbox))
+            if self.warm_restores and source == "restore":  # a pooled VM was warmed while it waited
+                steps.append(warm_up(sandbox, rounds=1, strict=True))
             done = await asyncio.gather(*steps, return_exceptions=True)
             failed = [r for r in done if isinstance(r, BaseException)]
             if failed:
