@@ -95,6 +95,18 @@ async def _load(db: DbSession, tenant: str, session_id: str) -> SessionRow:
     return row
 
 
+async def _load_with_node(db: DbSession, tenant: str, session_id: str) -> tuple[SessionRow, NodeRow | None]:
+    """:func:`_load` and the session's node in one query (every command looks both up)."""
+    if not is_id(session_id, "ses"):
+        raise NotFound(f"session {session_id} not found")
+    found = (await db.execute(
+        select(SessionRow, NodeRow).outerjoin(NodeRow, NodeRow.id == SessionRow.node_id)
+        .where(SessionRow.id == session_id).execution_options(populate_existing=True))).first()
+    if found is None or found[0].tenant != tenant:
+        raise NotFound(f"session {session_id} not found")
+    return found[0], found[1]
+
+
 async def get_session(plane: ControlPlane, tenant: str, session_id: str) -> SessionOut:
     async with plane.db() as db:
         row = await _load(db, tenant, session_id)
@@ -189,11 +201,15 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
                                 session_id=session_id) from exc
         raise
     async with plane.db() as db:
-        started = await transition(db, session_id, "running")
+        running_since = utcnow()
+        started = await transition(db, session_id, "running", updated_at=running_since)
         await db.commit()
-        if not started:
-            # Closed (or reaped) while the VM was booting: the VM must not outlive the decision.
-            await _destroy_quietly(client, sandbox_id)
+        if started:
+            # The row as written (no second read): only the state and its time changed since.
+            row.state, row.updated_at = "running", running_since
+            return to_out(row, dict(req.metadata))
+        # Closed (or reaped) while the VM was booting: the VM must not outlive the decision.
+        await _destroy_quietly(client, sandbox_id)
         row = await _load(db, principal.tenant, session_id)
         return to_out(row, (await _metadata(db, [row.id]))[row.id])
 
@@ -324,12 +340,11 @@ async def extend_session(plane: ControlPlane, tenant: str, session_id: str, ttl:
 async def running_session(plane: ControlPlane, tenant: str, session_id: str) -> tuple[SessionRow, NodeClient]:
     """The session (which must be running) and a client for its node; records activity for idle timeouts."""
     async with plane.db() as db:
-        row = await _load(db, tenant, session_id)
+        row, node = await _load_with_node(db, tenant, session_id)
         if row.state == "failed":
             raise SessionFailed(f"session {session_id} failed: {row.failure_reason}")
         if row.state != "running":
             raise InvalidState(f"session {session_id} is {row.state}, not running")
-        node = await node_of(db, row)
         if node is None or not row.sandbox_id:
             raise SessionFailed(f"session {session_id} has no sandbox")
         now = utcnow()
