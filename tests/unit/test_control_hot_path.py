@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
@@ -38,12 +38,26 @@ def plane_of(stack: ApiStack, replica: int = 0) -> ControlPlane:
 
 
 @contextmanager
+def statements(plane: ControlPlane, on_statement: Callable[[str], None]) -> Iterator[None]:
+    """Calls ``on_statement`` with every statement the plane's engine runs meanwhile."""
+    def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        on_statement(statement)
+
+    engine = plane.engine.sync_engine
+    event.listen(engine, "before_cursor_execute", on_execute)
+    try:
+        yield
+    finally:
+        event.remove(engine, "before_cursor_execute", on_execute)
+
+
+@contextmanager
 def counting_writes(plane: ControlPlane, audit: list[str] | None = None) -> Iterator[list[str]]:
     """The data-changing statements the plane's engine runs meanwhile, except the audit chain's (every
     API call is recorded by design: docs/audit.md), which go to ``audit`` when given."""
     writes: list[str] = []
 
-    def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+    def on_statement(statement: str) -> None:
         verb = statement.lstrip().split(None, 1)[0].upper()
         if verb in ("INSERT", "UPDATE", "DELETE"):
             target = statement.split("SET")[0].strip()
@@ -53,12 +67,8 @@ def counting_writes(plane: ControlPlane, audit: list[str] | None = None) -> Iter
                 return
             writes.append(target)
 
-    engine = plane.engine.sync_engine
-    event.listen(engine, "before_cursor_execute", on_execute)
-    try:
+    with statements(plane, on_statement):
         yield writes
-    finally:
-        event.remove(engine, "before_cursor_execute", on_execute)
 
 
 async def run_true(client: httpx.AsyncClient, sid: str) -> httpx.Response:
@@ -215,16 +225,12 @@ def counting_key_reads(plane: ControlPlane) -> Iterator[list[str]]:
     """The statements the plane's engine runs meanwhile that read the API key table."""
     reads: list[str] = []
 
-    def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+    def on_statement(statement: str) -> None:
         if statement.lstrip().upper().startswith("SELECT") and "api_keys" in statement:
             reads.append(statement)
 
-    engine = plane.engine.sync_engine
-    event.listen(engine, "before_cursor_execute", on_execute)
-    try:
+    with statements(plane, on_statement):
         yield reads
-    finally:
-        event.remove(engine, "before_cursor_execute", on_execute)
 
 
 async def test_api_keys_are_read_once_per_cache_period_and_revocation_bounds_hold(make_stack: Any) -> None:
