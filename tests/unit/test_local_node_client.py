@@ -48,7 +48,8 @@ async def _error(call: object) -> tuple[str, int]:
     return caught.value.code, caught.value.status
 
 
-async def test_the_same_answers_in_process_and_over_the_socket(both: tuple[NodeClient, LocalNodeClient]) -> None:
+async def test_the_same_answers_in_process_and_over_the_socket(
+        both: tuple[NodeClient, LocalNodeClient]) -> None:
     remote, local = both
     sid = new_id("sbx")
     made = await local.create_sandbox(sid, "base", 256, 1, {"FROM": "local"})
