@@ -7,13 +7,15 @@ channel alone and gVisor runsc on the same host:
   create and the first `true` apart, and the 10th `true` of the same session;
 - restore on demand (no pool) + first `true`;
 - steady-state `true` through the API vs straight through the guest channel (`GuestClient.exec` on a
-  VM booted by the same runtime);
+  VM booted by the same runtime), with `capsa serve` in its own process (``--serve process``, the
+  default, as users run it) and in the bench's process (``inproc``: SDK and server on one event loop);
+  the other way is measured too, on a session of its own;
 - resume after pause, branch into 4;
 - gVisor runsc (systrap) `run --detach` + `exec true` over capsa's guest rootfs (bench/peers).
 
 Ratios: runsc / pool (goal >= 3), API / channel (goal <= 1.2). Writes bench/results/fast_paths.json.
 
-    .venv/bin/python bench/fast_paths.py [--n 20] [--no-peer]
+    .venv/bin/python bench/fast_paths.py [--n 20] [--no-peer] [--serve process|inproc]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from capsa.sdk import AsyncSession
 from harness import host_facts, pool_settled, summary, write_results
 from peers.gvisor import measure_runsc
 from peers.install import DEFAULT_DIR, Installer, PeerUnavailable
-from session_ops import serving
+from session_ops import serving, serving_process
 
 RESULTS = Path(__file__).with_name("results") / "fast_paths.json"
 WARM = 10  # commands before "steady state"
@@ -86,13 +88,18 @@ async def _create_and_use(url: str, key: str, made: list[AsyncSession], samples:
     made.remove(s)
 
 
-async def fresh_and_pool(state: Path, accel: str, n: int) -> dict[str, Any]:
+SERVERS = {"process": serving_process, "inproc": serving}
+"""How the bench runs ``capsa serve``: its own process (as users run it) or in the bench's process (the
+SDK and the server then share one event loop and one core at a time)."""
+
+
+async def fresh_and_pool(state: Path, accel: str, n: int, server: str) -> dict[str, Any]:
     """A fresh serve with the default warm pool: readiness, first create, pool creates, steady API
     `true`, resume and branch."""
     out: dict[str, Any] = {}
     samples: dict[str, list[float]] = {}
     started = time.perf_counter()
-    async with serving(state, accel, {"base": 1}) as (url, key, made):
+    async with SERVERS[server](state, accel, {"base": 1}) as (url, key, made):
         out["start_to_ready_s"] = time.perf_counter() - started
         t = time.perf_counter()
         first = await _create(url, key)
@@ -126,9 +133,18 @@ async def fresh_and_pool(state: Path, accel: str, n: int) -> dict[str, Any]:
     return out
 
 
-async def restore_on_demand(state: Path, accel: str, n: int) -> dict[str, Any]:
+async def api_steady(state: Path, accel: str, n: int, server: str) -> dict[str, Any]:
+    """Steady-state `true` through the API alone (no pool: one restore on demand)."""
+    async with SERVERS[server](state, accel, {}) as (url, key, made):
+        s = await _create(url, key)
+        made.append(s)
+        await _trues(lambda: s.commands.run("true"), WARM)
+        return {"api_true_s": summary(await _trues(lambda: s.commands.run("true"), n))}
+
+
+async def restore_on_demand(state: Path, accel: str, n: int, server: str) -> dict[str, Any]:
     samples: dict[str, list[float]] = {}
-    async with serving(state, accel, {}) as (url, key, made):
+    async with SERVERS[server](state, accel, {}) as (url, key, made):
         made.append(await _create(url, key))  # the node's first restore: not counted
         for _ in range(n):
             await _create_and_use(url, key, made, samples, "restore")
@@ -153,7 +169,11 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip gVisor runsc")
     parser.add_argument("--peers-dir", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--serve", choices=sorted(SERVERS), default="process",
+                        help="capsa serve in its own process (default) or in the bench's; steady `true` "
+                             "through the API is measured the other way too")
     args = parser.parse_args()
+    other = "inproc" if args.serve == "process" else "process"
     facts = host_facts()
     work = Path(tempfile.mkdtemp(prefix="capsa-fast-", dir="/var/tmp"))
     work.chmod(0o755)
@@ -161,8 +181,9 @@ def main() -> None:
                                                                "peers_dir": str(args.peers_dir)}}
     try:
         data["channel"] = asyncio.run(channel(work, args.accel, args.n))
-        data["serve"] = asyncio.run(fresh_and_pool(work / "a", args.accel, args.n))
-        data["serve"].update(asyncio.run(restore_on_demand(work / "b", args.accel, args.n)))
+        data["serve"] = asyncio.run(fresh_and_pool(work / "a", args.accel, args.n, args.serve))
+        data["serve"].update(asyncio.run(restore_on_demand(work / "b", args.accel, args.n, args.serve)))
+        data[f"serve_{other}"] = asyncio.run(api_steady(work / "c", args.accel, args.n, other))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not args.no_peer:
@@ -171,7 +192,9 @@ def main() -> None:
         except (PeerUnavailable, OSError) as exc:
             data["runsc"] = {"skipped": str(exc)}
     serve, chan = data["serve"], data["channel"]
-    ratios = {"api_true_vs_channel": serve["api_true_s"]["p50"] / chan["true_s"]["p50"]}
+    ratios = {"api_true_vs_channel": serve["api_true_s"]["p50"] / chan["true_s"]["p50"],
+              f"api_true_{other}_vs_channel": (data[f"serve_{other}"]["api_true_s"]["p50"]
+                                               / chan["true_s"]["p50"])}
     if "create_first_exec_s" in data.get("runsc", {}):
         ratios["runsc_vs_pool_create_first_true"] = (data["runsc"]["create_first_exec_s"]["p50"]
                                                      / serve["pool_create_first_true_s"]["p50"])
@@ -197,7 +220,8 @@ def main() -> None:
         ("restore: first / 10th true", serve.get("restore_first_true_s"), ""),
         ("", serve.get("restore_tenth_true_s"), ""),
         ("true, guest channel", chan["true_s"], "<= 40"),
-        ("true, API", serve.get("api_true_s"), "<= 1.2x channel"),
+        (f"true, API (serve {args.serve})", serve.get("api_true_s"), "<= 1.2x channel"),
+        (f"true, API (serve {other})", data[f"serve_{other}"].get("api_true_s"), ""),
         ("resume", serve.get("resume_s"), "<= 400"),
         ("branch into 4", serve.get("branch_4_s"), "<= 1000"),
         ("gVisor runsc create + first exec", data.get("runsc", {}).get("create_first_exec_s"), ""),

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -48,11 +49,11 @@ async def _time(samples: dict[str, list[float]], name: str, call: Awaitable[T]) 
     return result
 
 
-async def _wait_ready(url: str, server: asyncio.Task[None]) -> None:
+async def _wait_ready(url: str, server: asyncio.Task[Any]) -> None:
     async with httpx.AsyncClient() as probe:
         for _ in range(1500):
             if server.done():
-                server.result()
+                raise RuntimeError(f"capsa serve stopped before it was ready: {server.result()!r}")
             with contextlib.suppress(httpx.HTTPError):
                 if (await probe.get(f"{url}/v1/ready")).status_code == 200:
                     return
@@ -85,6 +86,41 @@ async def serving(state: Path, accel: str, pool_sizes: dict[str, int] | None = N
         server.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await server
+
+
+@contextlib.asynccontextmanager
+async def serving_process(state: Path, accel: str, pool_sizes: dict[str, int] | None = None
+                          ) -> AsyncIterator[tuple[str, str, list[AsyncSession]]]:
+    """:func:`serving` with ``capsa serve`` as its own process (as users run it: the SDK's work and the
+    server's then run on separate cores, and the server's work after an answer, such as the audit commit,
+    does not wait on the SDK's event loop). Stopped with SIGTERM, as systemd would."""
+    key = generate_key().full
+    env = {**os.environ, "CAPSA_BOOTSTRAP_KEY": key}
+    if pool_sizes is not None:
+        env["CAPSA_POOL_SIZE"] = "0"
+        env["CAPSA_POOL_SIZES"] = json.dumps(pool_sizes)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    capsa = Path(sys.executable).with_name("capsa")
+    proc = await asyncio.create_subprocess_exec(
+        str(capsa), "serve", "--host", "127.0.0.1", "--port", str(port), "--state-dir", str(state / "serve"),
+        "--accel", accel, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    exited = asyncio.create_task(proc.wait())
+    made: list[AsyncSession] = []
+    try:
+        await _wait_ready(url, exited)
+        yield url, key, made
+    finally:
+        for s in made:
+            with contextlib.suppress(CapsaAPIError):
+                await s.close()
+        if proc.returncode is None:
+            proc.terminate()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(exited), 120)
+        if proc.returncode is None:
+            proc.kill()
+            await exited
 
 
 async def measure(state: Path, accel: str, rounds: int, memory_mib: int) -> dict[str, list[float]]:

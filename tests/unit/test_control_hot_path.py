@@ -272,3 +272,87 @@ async def test_without_the_key_cache_a_revoked_key_stops_on_every_replica_at_onc
         assert (await admin.delete(f"/v1/keys/{key.rsplit('_', 1)[0]}")).status_code == 200
         assert_problem(await b.get("/v1/sessions"), 401, "unauthorized")
         assert_problem(await a.get("/v1/sessions"), 401, "unauthorized")
+
+
+@contextmanager
+def counting_session_reads(plane: ControlPlane) -> Iterator[list[str]]:
+    """The statements the plane's engine runs meanwhile that read the sessions table."""
+    reads: list[str] = []
+
+    def on_statement(statement: str) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and "FROM sessions" in statement:
+            reads.append(statement)
+
+    with statements(plane, on_statement):
+        yield reads
+
+
+async def test_commands_read_their_session_once_per_cache_period(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 1.0, "reaper_interval": 0})
+    key, other_key = await stack.tenant_key("acme"), await stack.tenant_key("globex")
+    plane = plane_of(stack)
+    async with stack.client(key) as c, stack.client(other_key) as intruder:
+        sid = (await create(c))["id"]
+        assert (await run_true(c, sid)).status_code == 200
+        with counting_session_reads(plane) as reads:
+            for _ in range(6):
+                assert (await run_true(c, sid)).status_code == 200
+            assert (await c.get(f"/v1/sessions/{sid}/files/list", params={"path": "/"})).status_code == 200
+        assert reads == [], reads
+        # The cached row belongs to its tenant only: another tenant still sees no such session.
+        assert_problem(await run_true(intruder, sid), 404, "not_found")
+        # After the period the row is read again.
+        await asyncio.sleep(1.1)
+        with counting_session_reads(plane) as reads:
+            assert (await run_true(c, sid)).status_code == 200
+        assert len(reads) == 1, reads
+
+
+async def test_a_session_closed_or_paused_elsewhere_answers_with_its_state(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 60, "reaper_interval": 0})
+    other = await stack.add_replica()
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as a, stack.client(key, url=other.url) as b:
+        closing, pausing = (await create(a))["id"], (await create(a))["id"]
+        for sid in (closing, pausing):
+            assert (await run_true(a, sid)).status_code == 200  # cached on replica a now
+        assert (await b.delete(f"/v1/sessions/{closing}")).status_code == 200
+        assert (await b.post(f"/v1/sessions/{pausing}/pause")).status_code == 200
+        # Replica a still holds both as running: its call reaches the node, which no longer has the
+        # sandboxes; a reads the rows again and answers with their states, leaving them as they are.
+        assert_problem(await run_true(a, closing), 409, "invalid_state")
+        assert_problem(await run_true(a, pausing), 409, "invalid_state")
+        assert (await a.get(f"/v1/sessions/{closing}")).json()["state"] == "closed"
+        paused = (await a.get(f"/v1/sessions/{pausing}")).json()
+        assert paused["state"] == "paused" and "lost" not in (paused.get("pause_reason") or ""), paused
+        # Resumed through b (a new sandbox): a's next call finds it after one refusal at most.
+        assert (await b.post(f"/v1/sessions/{pausing}/resume")).status_code == 200
+        answers = [(await run_true(a, pausing)).status_code for _ in range(2)]
+        assert answers[-1] == 200, answers
+        assert (await a.get(f"/v1/sessions/{pausing}")).json()["state"] == "running"
+
+
+async def test_a_session_closed_through_this_replica_is_refused_without_a_node_call(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 60, "reaper_interval": 0})
+    key = await stack.tenant_key("acme")
+    plane = plane_of(stack)
+    async with stack.client(key) as c:
+        sid = (await create(c))["id"]
+        assert (await run_true(c, sid)).status_code == 200
+        assert plane.sessions.lookup(sid) is not None
+        assert (await c.delete(f"/v1/sessions/{sid}")).status_code == 200
+        assert plane.sessions.lookup(sid) is None
+        assert_problem(await run_true(c, sid), 409, "invalid_state")
+
+
+async def test_sessions_with_rolling_snapshots_are_never_cached(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 60, "reaper_interval": 0})
+    key = await stack.tenant_key("acme")
+    plane = plane_of(stack)
+    async with stack.client(key) as c:
+        sid = (await create(c, rolling_snapshots={"keep": 2, "interval_s": 60}))["id"]
+        with counting_session_reads(plane) as reads:
+            for _ in range(3):
+                assert (await run_true(c, sid)).status_code == 200
+        assert plane.sessions.lookup(sid) is None
+        assert len(reads) >= 3, reads

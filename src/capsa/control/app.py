@@ -40,6 +40,7 @@ from capsa.control.routes import browser as browser_routes
 from capsa.control.routes import connections as connection_routes
 from capsa.control.routes import egress as egress_routes
 from capsa.control.routes import secrets as secret_routes
+from capsa.control.session_cache import SessionCache
 from capsa.control.settings import ControlSettings
 from capsa.control.store.db import create_engine, migrate, session_factory
 
@@ -62,7 +63,8 @@ def create_app(settings: ControlSettings | None = None,
         plane = ControlPlane(settings=settings, engine=engine, db=session_factory(engine),
                              nodes=NodeClientPool(settings.node_request_timeout),
                              sealer=node_sealer(settings), rates=RateLimiter(settings.rate_lease),
-                             keys=KeyCache(settings.key_cache_seconds))
+                             keys=KeyCache(settings.key_cache_seconds),
+                             sessions=SessionCache(settings.session_cache_seconds))
         reaper: asyncio.Task[None] | None = None
         rolling: asyncio.Task[None] | None = None
         try:

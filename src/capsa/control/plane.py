@@ -1,4 +1,5 @@
-"""The control plane's process-wide handles: settings, database, node connections, rate-limit leases.
+"""The control plane's process-wide handles: settings, database, node connections, rate-limit leases and
+short-lived caches (API keys, running sessions).
 
 Nothing here is state another replica would need: the database is the only source of truth. The rate
 limiter's leases are units this replica already counted in the database and spends from memory.
@@ -16,6 +17,7 @@ from capsa.control.errors import ApiError
 from capsa.control.node_secrets import NodeSealer
 from capsa.control.nodeclient import NodeClient, NodeClientPool, NodeError
 from capsa.control.ratelimit import RateLimiter
+from capsa.control.session_cache import SessionCache
 from capsa.control.settings import ControlSettings
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import NodeRow
@@ -37,6 +39,8 @@ class ControlPlane:
     """This replica's rate-limit leases (:mod:`capsa.control.ratelimit`)."""
     keys: KeyCache = field(default_factory=lambda: KeyCache(0.0))
     """API key records this replica trusts for a few seconds (``CAPSA_KEY_CACHE_SECONDS``)."""
+    sessions: SessionCache = field(default_factory=lambda: SessionCache(0.0))
+    """Running sessions' rows this replica trusts for a few seconds (``CAPSA_SESSION_CACHE_SECONDS``)."""
     audit: AuditWriter = field(init=False)
     """This replica's group-commit writer of API-call audit events (:mod:`capsa.control.audit_writer`)."""
 

@@ -32,7 +32,7 @@ async def update_policy(plane: ControlPlane, tenant: str, session_id: str, polic
         state = await db.scalar(select(SessionRow.state).where(SessionRow.id == session_id,
                                                               SessionRow.tenant == tenant))
     paused = state == "paused"
-    row, client = (None, None) if paused else await running_session(plane, tenant, session_id)
+    row, client = (None, None) if paused else await running_session(plane, tenant, session_id, fresh=True)
     async with plane.db() as db:
         current = await db.get(SessionPolicyRow, session_id, populate_existing=True)
     if current is None:

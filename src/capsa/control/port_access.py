@@ -110,7 +110,7 @@ async def authorize(plane: ControlPlane, conn: HTTPConnection, session_id: str, 
         tenant, used_key = await _token_tenant(plane, token, session_id, port), False
     else:
         raise Unauthorized("an API key or a port token (?token= or X-Capsa-Port-Token) is required")
-    row, client = await running_session(plane, tenant, session_id)
+    row, client = await running_session(plane, tenant, session_id, fresh=True)
     check_exposed(row, port)
     return PortAccess(row, client, used_key, in_query if in_query and not used_key else None)
 

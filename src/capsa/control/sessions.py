@@ -230,6 +230,7 @@ async def finish_session(plane: ControlPlane, session_id: str, target: str, reas
     async with plane.db() as db:
         fields = {"failure_reason": reason} if reason is not None else {}
         done = await transition(db, session_id, target, **fields)
+        plane.sessions.forget(session_id)
         if done:  # the session's port tokens die with it
             await db.execute(delete(PortTokenRow).where(PortTokenRow.session_id == session_id))
         # Read what to destroy before committing, so the sandbox is gone as soon after the state
@@ -296,6 +297,7 @@ async def lose_sandbox(plane: ControlPlane, session_id: str, reason: str,
         paused = latest is not None and await transition(
             db, session_id, "paused", sources=("running",), sandbox_id=None,
             pause_reason=f"sandbox lost ({reason}); resume continues from snapshot {latest}")
+        plane.sessions.forget(session_id)
         await db.commit()
     if latest is None:
         await fail_session(plane, session_id, reason)
@@ -337,22 +339,50 @@ async def extend_session(plane: ControlPlane, tenant: str, session_id: str, ttl:
     return await get_session(plane, tenant, session_id)
 
 
-async def running_session(plane: ControlPlane, tenant: str, session_id: str) -> tuple[SessionRow, NodeClient]:
-    """The session (which must be running) and a client for its node; records activity for idle timeouts."""
+def _not_running(row: SessionRow, node: NodeRow | None) -> ApiError | None:
+    """Why a command cannot run in the session ``row`` (None: it can)."""
+    if row.state == "failed":
+        return SessionFailed(f"session {row.id} failed: {row.failure_reason}")
+    if row.state != "running":
+        return InvalidState(f"session {row.id} is {row.state}, not running")
+    if node is None or not row.sandbox_id:
+        return SessionFailed(f"session {row.id} has no sandbox")
+    return None
+
+
+async def running_session(plane: ControlPlane, tenant: str, session_id: str, *, fresh: bool = False
+                          ) -> tuple[SessionRow, NodeClient]:
+    """The session (which must be running) and a client for its node; records activity for idle timeouts.
+
+    The row may come from this replica's :class:`~capsa.control.session_cache.SessionCache` (``fresh``:
+    always read it); a caller whose node call fails hands the error to :func:`node_call_failed`, which
+    reads the row again when it was cached."""
+    hit = None if fresh else plane.sessions.lookup(session_id)
+    if hit is not None:
+        row, node = hit
+        if row.tenant != tenant:  # another tenant's session is indistinguishable from a missing one
+            raise NotFound(f"session {session_id} not found")
+        now = utcnow()
+        if activity_stale(row, now, plane.settings.activity_stamp_interval):
+            async with plane.db() as db:
+                await db.execute(update(SessionRow).where(SessionRow.id == session_id)
+                                 .values(last_activity_at=now))
+                await db.commit()
+            plane.sessions.stamped(session_id, now)
+        return row, plane.node_client(node)
     async with plane.db() as db:
-        row, node = await _load_with_node(db, tenant, session_id)
-        if row.state == "failed":
-            raise SessionFailed(f"session {session_id} failed: {row.failure_reason}")
-        if row.state != "running":
-            raise InvalidState(f"session {session_id} is {row.state}, not running")
-        if node is None or not row.sandbox_id:
-            raise SessionFailed(f"session {session_id} has no sandbox")
+        row, found = await _load_with_node(db, tenant, session_id)
+        if (refused := _not_running(row, found)) is not None:
+            raise refused
+        assert found is not None
         now = utcnow()
         if activity_stale(row, now, plane.settings.activity_stamp_interval):
             await db.execute(update(SessionRow).where(SessionRow.id == session_id)
                              .values(last_activity_at=now))
             await db.commit()
-    return row, plane.node_client(node)
+            row.last_activity_at = now
+    plane.sessions.store(row, found)
+    return row, plane.node_client(found)
 
 
 def stamp_interval(idle_timeout: int | None, interval: float) -> float:
@@ -371,7 +401,18 @@ def activity_stale(row: SessionRow, now: datetime, interval: float) -> bool:
 
 
 async def node_call_failed(plane: ControlPlane, row: SessionRow, exc: NodeError) -> ApiError:
-    """Turn a node error into the API error to show; a vanished sandbox fails the session."""
+    """Turn a node error into the API error to show; a vanished sandbox fails the session.
+
+    When ``row`` may have come from the session cache, the row is read again first: a session that left
+    ``running`` or moved to another sandbox since gets the error its current state gives, not a loss."""
+    if plane.sessions.forget(row.id) and exc.code in SANDBOX_GONE_CODES:
+        async with plane.db() as db:
+            now, node = await _load_with_node(db, row.tenant, row.id)
+        if (refused := _not_running(now, node)) is not None:
+            return refused
+        if now.sandbox_id != row.sandbox_id:
+            return InvalidState(f"session {row.id} moved to another sandbox while the call was on its way; "
+                                "send it again")
     if exc.code in SANDBOX_GONE_CODES:
         if await lose_sandbox(plane, row.id, exc.message or exc.code, row.sandbox_id) == "paused":
             return InvalidState(f"session {row.id} lost its sandbox and was paused at its latest snapshot; "

@@ -55,6 +55,11 @@ class ControlSettings(BaseSettings):
     """How long a replica trusts an API key's record (tenant, admin, revoked) without reading it again:
     a key revoked through another replica keeps working on this one for up to this long (the replica
     that revoked it refuses it at once). 0: read the key on every call."""
+    session_cache_seconds: Annotated[float, Field(ge=0, le=300)] = 5.0
+    """How long a replica trusts a running session's row (its sandbox and node) for commands, files and
+    processes without reading it again (:mod:`capsa.control.session_cache`): a session closed or paused
+    through another replica gets at most one call per this period sent to its old sandbox, which the node
+    refuses, and the caller then sees the session's current state. 0: read the row on every call."""
 
     reaper_interval: float = 2.0
     """Seconds between reaper passes (expired sessions, silent nodes); 0 disables the reaper."""

@@ -191,6 +191,7 @@ async def pause_session(plane: ControlPlane, tenant: str | None, session_id: str
         record = _record(row, node.id, snap, "pause")
         paused = await transition(db, session_id, "paused", sources=("running",), sandbox_id=None,
                                   pause_reason=reason, last_snapshot_at=record.created_at)
+        plane.sessions.forget(session_id)
         if paused:
             db.add(record)
         await db.commit()
@@ -293,6 +294,7 @@ async def restore_session(plane: ControlPlane, tenant: str, session_id: str, sna
         old_sandbox, old_node_id = row.sandbox_id, row.node_id
         node = await choose_snapshot_node(db, snap.node_id, row.memory_mib, row.vcpus,
                                           plane.settings.node_heartbeat_timeout)
+        plane.sessions.forget(session_id)
         if not await transition(db, session_id, "creating", sources=("running",), node_id=node.id,
                                 sandbox_id=sandbox_id):
             raise _state_error(await _load(db, tenant, session_id), "running")
