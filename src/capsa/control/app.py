@@ -59,7 +59,7 @@ def create_app(settings: ControlSettings | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = create_engine(settings.database_url)
+        engine = create_engine(settings.database_url, settings.sqlite_synchronous)
         plane = ControlPlane(settings=settings, engine=engine, db=session_factory(engine),
                              nodes=NodeClientPool(settings.node_request_timeout),
                              sealer=node_sealer(settings), rates=RateLimiter(settings.rate_lease),

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -141,15 +141,26 @@ def _dialect(db: Executor) -> str:
     return db.dialect.name if isinstance(db, AsyncConnection) else db.get_bind().dialect.name
 
 
-def _lock_head(db: Executor, tenant: str) -> Any:
+def _lock_head_statement(insert_fn: Any) -> Any:
+    stmt = insert_fn(AuditHeadRow).values(tenant=bindparam("head_tenant"), seq=0, hash=GENESIS)
+    return stmt.on_conflict_do_update(index_elements=["tenant"], set_={"seq": AuditHeadRow.seq}) \
+        .returning(AuditHeadRow.seq, AuditHeadRow.hash)
+
+
+# Built once: constructing these statements (and their cache keys) on every append cost more host time
+# than the database did for a single event. The tenant and the new head go in as parameters.
+_LOCK_HEAD = {"postgresql": _lock_head_statement(pg_insert), "sqlite": _lock_head_statement(sqlite_insert)}
+_INSERT_EVENTS = insert(AuditTrailRow)
+_MOVE_HEAD = update(AuditHeadRow).where(AuditHeadRow.tenant == bindparam("head_tenant")) \
+    .values(seq=bindparam("head_seq"), hash=bindparam("head_hash"))
+
+
+def _lock_head(db: Executor) -> Any:
     """One statement that creates the tenant's head if missing, locks it and returns it: an upsert whose
     conflict branch rewrites the row unchanged. On PostgreSQL ``ON CONFLICT DO UPDATE`` locks the row
     like ``SELECT ... FOR UPDATE``; on SQLite any write takes the database's write lock (waiting out other
-    writers), so the head read cannot be stale."""
-    insert_fn = pg_insert if _dialect(db) == "postgresql" else sqlite_insert
-    stmt = insert_fn(AuditHeadRow).values(tenant=tenant, seq=0, hash=GENESIS)
-    return stmt.on_conflict_do_update(index_elements=["tenant"], set_={"seq": AuditHeadRow.seq}) \
-        .returning(AuditHeadRow.seq, AuditHeadRow.hash)
+    writers), so the head read cannot be stale. Its parameter: ``head_tenant``."""
+    return _LOCK_HEAD["postgresql" if _dialect(db) == "postgresql" else "sqlite"]
 
 
 async def append(db: Executor, tenant: str, entries: Sequence[AuditEntry]) -> list[tuple[int, str]]:
@@ -158,7 +169,7 @@ async def append(db: Executor, tenant: str, entries: Sequence[AuditEntry]) -> li
     if not entries:
         return []
     context = _current.get()
-    seq, prev = (await db.execute(_lock_head(db, tenant))).one()
+    seq, prev = (await db.execute(_lock_head(db), {"head_tenant": tenant})).one()
     now = time.time()
     rows: list[dict[str, Any]] = []
     out: list[tuple[int, str]] = []
@@ -176,8 +187,8 @@ async def append(db: Executor, tenant: str, entries: Sequence[AuditEntry]) -> li
         rows.append({**fields.__dict__, "detail": dict(fields.detail), "hash": digest})
         out.append((seq, digest))
         prev = digest
-    await db.execute(insert(AuditTrailRow), rows)  # executemany: one compiled (cached) statement
-    await db.execute(update(AuditHeadRow).where(AuditHeadRow.tenant == tenant).values(seq=seq, hash=prev))
+    await db.execute(_INSERT_EVENTS, rows)  # executemany: one compiled (cached) statement
+    await db.execute(_MOVE_HEAD, {"head_tenant": tenant, "head_seq": seq, "head_hash": prev})
     return out
 
 

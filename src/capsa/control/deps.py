@@ -16,7 +16,8 @@ __all__ = ["PROBLEMS", "Admin", "Caller", "Plane", "problems"]
 _bearer = HTTPBearer(auto_error=False, description="An API key: `csk_<id>_<secret>`")
 
 
-def _plane(request: Request) -> ControlPlane:
+async def _plane(request: Request) -> ControlPlane:
+    # async: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop on every request.
     plane = request.app.state.plane
     assert isinstance(plane, ControlPlane)
     return plane

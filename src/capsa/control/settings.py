@@ -55,6 +55,12 @@ class ControlSettings(BaseSettings):
     """How long a replica trusts an API key's record (tenant, admin, revoked) without reading it again:
     a key revoked through another replica keeps working on this one for up to this long (the replica
     that revoked it refuses it at once). 0: read the key on every call."""
+    sqlite_synchronous: Literal["normal", "full"] = "normal"
+    """SQLite only (``PRAGMA synchronous`` in WAL mode): ``normal`` writes the log to disk at checkpoints,
+    so a commit survives capsa crashing or being killed, but the last commits before the machine itself
+    loses power may be rolled back (the database stays consistent and the audit chain verifiable);
+    ``full`` syncs every commit (an fsync per commit: measured 13.6 ms vs 0.02 ms per commit on this
+    kind of VM disk). PostgreSQL keeps its own settings."""
     session_cache_seconds: Annotated[float, Field(ge=0, le=300)] = 5.0
     """How long a replica trusts a running session's row (its sandbox and node) for commands, files and
     processes without reading it again (:mod:`capsa.control.session_cache`): a session closed or paused
