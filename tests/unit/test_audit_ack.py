@@ -105,3 +105,37 @@ async def test_a_stopping_replica_writes_the_events_it_holds(make_stack: Factory
         await asyncio.wait_for(stopping, 30)
     stack.replicas.remove(other)
     assert answered.headers["x-request-id"] in await _request_ids(db_url, "acme")
+
+
+async def test_calls_one_after_another_share_transactions_within_the_linger(make_stack: Factory,
+                                                                             db_url: str) -> None:
+    stack = await make_stack(settings={"audit_ack": "async", "audit_linger_ms": 1000, "reaper_interval": 0})
+    key = await stack.tenant_key("acme")
+    writer = stack.replicas[0].app.state.plane.audit
+    async with stack.client(key) as c:
+        assert (await c.get("/v1/audit")).status_code == 200
+        await asyncio.sleep(0.2)  # that read's own event is written after its answer
+        writer.linger = 60.0  # longer than the test: only a read of the trail may end it
+        before = writer.transactions
+        calls = [(await c.get("/v1/sessions")).headers["x-request-id"] for _ in range(6)]
+        await asyncio.sleep(0.3)
+        assert not set(calls) & await _request_ids(db_url, "acme")  # answered, held by the lingering writer
+        # A read of the trail cuts the linger short and finds them all, written in one transaction.
+        page = await asyncio.wait_for(c.get("/v1/audit", params={"kind": "api", "limit": 200}), 10)
+        assert set(calls) <= {e["request_id"] for e in page.json()["items"]}
+        assert writer.transactions - before == 1, writer.transactions - before
+        writer.linger = 0.0
+
+
+async def test_without_a_linger_each_call_is_written_at_once(make_stack: Factory, db_url: str) -> None:
+    stack = await make_stack(settings={"audit_ack": "async", "audit_linger_ms": 0, "reaper_interval": 0})
+    key = await stack.tenant_key("acme")
+    writer = stack.replicas[0].app.state.plane.audit
+    async with stack.client(key) as c:
+        assert (await c.get("/v1/audit")).status_code == 200
+        await asyncio.sleep(0.2)  # that read's own event is written after its answer
+        before = writer.transactions
+        for _ in range(4):
+            assert (await c.get("/v1/sessions")).status_code == 200
+            await asyncio.sleep(0.1)
+        assert writer.transactions - before == 4, writer.transactions - before

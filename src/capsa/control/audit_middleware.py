@@ -109,8 +109,9 @@ class AuditMiddleware:
         api = AuditEntry("api", "call", session_id=session_id or context.session_id, detail=detail,
                          key_id=context.key_id, request_id=context.request_id)
         writer = plane.audit
-        done = writer.submit(context.tenant, [api, *context.events])
-        if plane.settings.audit_ack == "async" and not writer.behind:
+        waits = plane.settings.audit_ack != "async" or writer.behind
+        done = writer.submit(context.tenant, [api, *context.events], urgent=waits)
+        if not waits:
             done.add_done_callback(functools.partial(_log_failure, context.request_id))
             return
         try:

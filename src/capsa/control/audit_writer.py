@@ -6,8 +6,9 @@ the database's write lock one by one. When a request's answer goes out depends o
 ``CAPSA_AUDIT_ACK`` (see :class:`~capsa.control.settings.ControlSettings`): ``durable`` waits until its
 events are committed before the response's last byte; ``async`` (the default) hands them to the writer
 and answers at once, so the audit trail is not a database write on the command's hot path. Then the
-events are committed moments later, in order; reads of the trail through this replica first wait for
-everything handed over before them (:meth:`AuditWriter.flush`), and a stopping replica writes what it
+events are committed moments later (within ``CAPSA_AUDIT_LINGER_MS`` plus a transaction), in order,
+calls made one after another sharing a transaction; reads of the trail through this replica first wait
+for everything handed over before them (:meth:`AuditWriter.flush`), and a stopping replica writes what it
 holds before it closes the database (:meth:`AuditWriter.aclose`). When the writer falls behind
 (``max_pending`` requests waiting), requests wait for it again, so memory stays bounded.
 """
@@ -36,22 +37,32 @@ class _Pending:
 
 
 class AuditWriter:
-    def __init__(self, engine: AsyncEngine, max_batch: int = 500, max_pending: int = 10_000) -> None:
+    def __init__(self, engine: AsyncEngine, max_batch: int = 500, max_pending: int = 10_000,
+                 linger: float = 0.0) -> None:
         self.engine = engine
         self.max_batch = max_batch
         self.max_pending = max_pending
+        self.linger = linger
+        """Seconds a write waits for more events when nobody waits for the ones it has (``urgent``
+        submits and :meth:`flush` cut it short): a client sending calls one after another then shares a
+        transaction with its next few calls instead of paying one per call."""
+        self._urgent = asyncio.Event()
         self._pending: list[_Pending] = []
         self._last: asyncio.Future[None] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self.transactions = 0
         """Transactions written so far (for benchmarks and tests)."""
 
-    def submit(self, tenant: str, entries: Sequence[AuditEntry]) -> asyncio.Future[None]:
+    def submit(self, tenant: str, entries: Sequence[AuditEntry], *, urgent: bool = True
+               ) -> asyncio.Future[None]:
         """Queue ``entries`` for the tenant's chain; the future is done once they are committed (or holds
-        the error). Queued events are written in the order they were submitted."""
+        the error). Queued events are written in the order they were submitted. ``urgent``: someone waits
+        for the future, so the write does not linger."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(tenant, entries, done))
         self._last = done
+        if urgent:
+            self._urgent.set()
         if self._flusher is None or self._flusher.done():
             # An empty context: the flusher serves every request, it must not carry this one's audit context.
             self._flusher = asyncio.create_task(self._drain(), name="capsa-audit-writer",
@@ -71,10 +82,15 @@ class AuditWriter:
         """Wait until everything submitted so far is written (or failed: failures are the submitters')."""
         last = self._last
         if last is not None and not last.done():
+            self._urgent.set()
             await asyncio.wait([last])
 
     async def _drain(self) -> None:
         while self._pending:
+            if self.linger > 0 and not self._urgent.is_set() and len(self._pending) < self.max_batch:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._urgent.wait(), self.linger)
+            self._urgent.clear()
             batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
             by_tenant: dict[str, list[AuditEntry]] = {}
             for item in batch:

@@ -45,7 +45,8 @@ class ControlPlane:
     """This replica's group-commit writer of API-call audit events (:mod:`capsa.control.audit_writer`)."""
 
     def __post_init__(self) -> None:
-        self.audit = AuditWriter(self.engine)
+        linger = self.settings.audit_linger_ms / 1000 if self.settings.audit_ack == "async" else 0.0
+        self.audit = AuditWriter(self.engine, linger=linger)
 
     def node_sealer(self) -> NodeSealer:
         if self.sealer is None:

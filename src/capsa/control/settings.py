@@ -51,6 +51,11 @@ class ControlSettings(BaseSettings):
     that dies abruptly loses the events of the calls it answered in its last moments (the calls'
     effects happened either way). ``durable``: the last byte of the answer waits for the commit, adding
     a transaction's time (a few ms) to every call."""
+    audit_linger_ms: Annotated[float, Field(ge=0, le=1000)] = 20.0
+    """With ``audit_ack=async``: how long the replica's audit writer waits for more events before a
+    transaction (reads of the trail and stopping cut it short), so calls made one after another share
+    one instead of paying one each. It adds to how long answered calls' events are held in memory
+    only. 0: write at once."""
     key_cache_seconds: Annotated[float, Field(ge=0, le=300)] = 5.0
     """How long a replica trusts an API key's record (tenant, admin, revoked) without reading it again:
     a key revoked through another replica keeps working on this one for up to this long (the replica
