@@ -356,3 +356,14 @@ async def test_sessions_with_rolling_snapshots_are_never_cached(make_stack: Any)
                 assert (await run_true(c, sid)).status_code == 200
         assert plane.sessions.lookup(sid) is None
         assert len(reads) >= 3, reads
+
+
+async def test_a_new_sessions_first_command_reads_no_session_row(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 60, "reaper_interval": 0})
+    key = await stack.tenant_key("acme")
+    plane = plane_of(stack)
+    async with stack.client(key) as c:
+        sid = (await create(c, idle_timeout=600))["id"]
+        with counting_session_reads(plane) as reads:
+            assert (await run_true(c, sid)).status_code == 200
+        assert reads == [], reads

@@ -207,6 +207,7 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
         if started:
             # The row as written (no second read): only the state and its time changed since.
             row.state, row.updated_at = "running", running_since
+            plane.sessions.store(row, node)  # its first command needs no read either
             return to_out(row, dict(req.metadata))
         # Closed (or reaped) while the VM was booting: the VM must not outlive the decision.
         await _destroy_quietly(client, sandbox_id)
