@@ -18,6 +18,7 @@ from capsa.common.settings import Settings
 from capsa.node.agent import NodeAgent
 from capsa.node.egress.audit_log import AUDIT_FILE
 from capsa.node.egress.node_egress import NodeEgress
+from capsa.node.runtime.base import RamMode
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
 from capsa.node.sources import TemplateSource
 from capsa.node.storage.pool import StoragePool
@@ -63,7 +64,8 @@ async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> 
         # Node-built templates are cached beside the image: a fresh state dir restores from them at once.
         source = TemplateSource(runtime, image, egress=egress, pool_size=pool_cfg.size,
                                 pool_sizes=pool_cfg.sizes, pool_refill_delay=pool_cfg.refill_delay,
-                                cache=TemplateCache(settings.cache_dir))
+                                cache=TemplateCache(settings.cache_dir),
+                                ram_mode=RamMode.CLONE if settings.sandbox_ram == "private" else RamMode.COPY)
         agent = NodeAgent(runtime, image, node_id=node_id, egress=egress, source=source)
         await agent.start()
     except BaseException:

@@ -181,7 +181,7 @@ class TemplateSource:
 
     def __init__(self, runtime: SnapshottingRuntime, image: GuestImage, *, egress: NodeEgress | None = None,
                  pool_size: int = 1, pool_sizes: Mapping[str, int] | None = None,
-                 ram_mode: RamMode = RamMode.COPY, base_memory_mib: int = 256, base_vcpus: int = 1,
+                 ram_mode: RamMode = RamMode.CLONE, base_memory_mib: int = 256, base_vcpus: int = 1,
                  bind: IdentityBinder = bind_sandbox, metrics: PoolMetrics | None = None,
                  trust: TrustStore | None = None, cache: TemplateCache | None = None,
                  warm_up_rounds: int = 2, warm_restores: bool = True, pool_refill_delay: float = 0.0) -> None:
@@ -316,7 +316,8 @@ class TemplateSource:
         try:
             spec = self._spec(template, {"template": key[0], "pooled": "1"},
                               network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC))
-            sandbox = await self.runtime.restore(template.snapshot, spec, ram_mode=_ram_mode(template))
+            sandbox = await self.runtime.restore(template.snapshot, spec,
+                                                 ram_mode=_ram_mode(template, self.ram_mode))
         except BaseException:
             await asyncio.shield(self.egress.release_network(net))
             raise
@@ -396,7 +397,7 @@ class TemplateSource:
                 spec = self._spec(tpl, {"sandbox": request.sandbox_id, "template": BASE},
                                   network=dataclasses.replace(network, mac=NET_TEMPLATE_MAC))
                 sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
-                                                     ram_mode=RamMode.COPY)
+                                                     ram_mode=self.ram_mode)
             # Identity, the CA install and the warm-up are independent guest calls: made at once (the
             # channel multiplexes them), which shortens the bind.
             steps = [self.bind(sandbox, hostname_for(request.sandbox_id))]
@@ -445,7 +446,7 @@ class TemplateSource:
                 labels = {"sandbox": request.sandbox_id, "template": request.template}
                 spec = self._spec(tpl, labels, network=dataclasses.replace(network, mac=NET_TEMPLATE_MAC))
                 sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
-                                                     ram_mode=_ram_mode(tpl))
+                                                     ram_mode=_ram_mode(tpl, self.ram_mode))
         finally:
             self.warm.watch(tpl.key)
         try:
