@@ -221,9 +221,7 @@ async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: N
         listed = {s["id"] for s in (await _ok(await api.get(f"/sandboxes/{rid}/snapshots")))["items"]}
         assert listed == {point["id"]}
         snap_dir = _pool_root(agent) / "snapshots" / point["id"]
-        # The RAM is a file of its own (a sandbox mapping it shared) or in the device state's stream
-        # (CAPSA_SANDBOX_RAM=private, the default).
-        assert (snap_dir / "disk.img").exists() and (snap_dir / "state.bin").exists()
+        assert (snap_dir / "memory.ram").exists() and (snap_dir / "disk.img").exists()
         runtime_id = agent.get(rid).sandbox.id
         sandbox_dir = _pool_root(agent) / "sandboxes" / runtime_id
         assert (sandbox_dir / "disk.img").exists()
