@@ -61,6 +61,12 @@ async def _wait_ready(url: str, server: asyncio.Task[Any]) -> None:
     raise TimeoutError("capsa serve did not become ready")
 
 
+async def _close_all(made: list[AsyncSession]) -> None:
+    for s in made:
+        with contextlib.suppress(CapsaAPIError):
+            await s.close()
+
+
 @contextlib.asynccontextmanager
 async def serving(state: Path, accel: str, pool_sizes: dict[str, int] | None = None
                   ) -> AsyncIterator[tuple[str, str, list[AsyncSession]]]:
@@ -80,9 +86,7 @@ async def serving(state: Path, accel: str, pool_sizes: dict[str, int] | None = N
         await _wait_ready(url, server)
         yield url, key, made
     finally:
-        for s in made:
-            with contextlib.suppress(CapsaAPIError):
-                await s.close()
+        await _close_all(made)
         server.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await server
@@ -111,9 +115,7 @@ async def serving_process(state: Path, accel: str, pool_sizes: dict[str, int] | 
         await _wait_ready(url, exited)
         yield url, key, made
     finally:
-        for s in made:
-            with contextlib.suppress(CapsaAPIError):
-                await s.close()
+        await _close_all(made)
         if proc.returncode is None:
             proc.terminate()
         with contextlib.suppress(TimeoutError):

@@ -221,12 +221,12 @@ async def test_idle_timeout_with_activity_stamps_written_sparingly(make_stack: A
 
 
 @contextmanager
-def counting_key_reads(plane: ControlPlane) -> Iterator[list[str]]:
-    """The statements the plane's engine runs meanwhile that read the API key table."""
+def counting_reads(plane: ControlPlane, table: str) -> Iterator[list[str]]:
+    """The statements the plane's engine runs meanwhile that read ``table``."""
     reads: list[str] = []
 
     def on_statement(statement: str) -> None:
-        if statement.lstrip().upper().startswith("SELECT") and "api_keys" in statement:
+        if statement.lstrip().upper().startswith("SELECT") and f"FROM {table}" in statement:
             reads.append(statement)
 
     with statements(plane, on_statement):
@@ -243,7 +243,7 @@ async def test_api_keys_are_read_once_per_cache_period_and_revocation_bounds_hol
             stack.client(stack.admin_key) as admin:
         sid = (await create(a))["id"]
         assert (await run_true(b, sid)).status_code == 200  # b has read the key now
-        with counting_key_reads(plane) as reads:
+        with counting_reads(plane, "api_keys") as reads:
             for _ in range(8):
                 assert (await run_true(a, sid)).status_code == 200
         assert reads == [], reads  # a read it for the create, within the period
@@ -274,19 +274,6 @@ async def test_without_the_key_cache_a_revoked_key_stops_on_every_replica_at_onc
         assert_problem(await a.get("/v1/sessions"), 401, "unauthorized")
 
 
-@contextmanager
-def counting_session_reads(plane: ControlPlane) -> Iterator[list[str]]:
-    """The statements the plane's engine runs meanwhile that read the sessions table."""
-    reads: list[str] = []
-
-    def on_statement(statement: str) -> None:
-        if statement.lstrip().upper().startswith("SELECT") and "FROM sessions" in statement:
-            reads.append(statement)
-
-    with statements(plane, on_statement):
-        yield reads
-
-
 async def test_commands_read_their_session_once_per_cache_period(make_stack: Any) -> None:
     stack: ApiStack = await make_stack(settings={"session_cache_seconds": 1.0, "reaper_interval": 0})
     key, other_key = await stack.tenant_key("acme"), await stack.tenant_key("globex")
@@ -294,7 +281,7 @@ async def test_commands_read_their_session_once_per_cache_period(make_stack: Any
     async with stack.client(key) as c, stack.client(other_key) as intruder:
         sid = (await create(c))["id"]
         assert (await run_true(c, sid)).status_code == 200
-        with counting_session_reads(plane) as reads:
+        with counting_reads(plane, "sessions") as reads:
             for _ in range(6):
                 assert (await run_true(c, sid)).status_code == 200
             assert (await c.get(f"/v1/sessions/{sid}/files/list", params={"path": "/"})).status_code == 200
@@ -303,7 +290,7 @@ async def test_commands_read_their_session_once_per_cache_period(make_stack: Any
         assert_problem(await run_true(intruder, sid), 404, "not_found")
         # After the period the row is read again.
         await asyncio.sleep(1.1)
-        with counting_session_reads(plane) as reads:
+        with counting_reads(plane, "sessions") as reads:
             assert (await run_true(c, sid)).status_code == 200
         assert len(reads) == 1, reads
 
@@ -351,7 +338,7 @@ async def test_sessions_with_rolling_snapshots_are_never_cached(make_stack: Any)
     plane = plane_of(stack)
     async with stack.client(key) as c:
         sid = (await create(c, rolling_snapshots={"keep": 2, "interval_s": 60}))["id"]
-        with counting_session_reads(plane) as reads:
+        with counting_reads(plane, "sessions") as reads:
             for _ in range(3):
                 assert (await run_true(c, sid)).status_code == 200
         assert plane.sessions.lookup(sid) is None
@@ -364,6 +351,6 @@ async def test_a_new_sessions_first_command_reads_no_session_row(make_stack: Any
     plane = plane_of(stack)
     async with stack.client(key) as c:
         sid = (await create(c, idle_timeout=600))["id"]
-        with counting_session_reads(plane) as reads:
+        with counting_reads(plane, "sessions") as reads:
             assert (await run_true(c, sid)).status_code == 200
         assert reads == [], reads
