@@ -7,9 +7,10 @@ channel alone and gVisor runsc on the same host:
   create and the first `true` apart, and the 10th `true` of the same session;
 - restore on demand (no pool) + first `true`;
 - steady-state `true` through the API vs straight through the guest channel (`GuestClient.exec` on a
-  VM booted by the same runtime), with `capsa serve` in its own process (``--serve process``, the
-  default, as users run it) and in the bench's process (``inproc``: SDK and server on one event loop);
-  the other way is measured too, on a session of its own;
+  VM booted by the same runtime, and on one restored from its snapshot with shared RAM, as sessions
+  are), with `capsa serve` in its own process (``--serve process``, the default, as users run it) and
+  in the bench's process (``inproc``: SDK and server on one event loop); the other way is measured too,
+  on a session of its own;
 - resume after pause, branch into 4;
 - gVisor runsc (systrap) `run --detach` + `exec true` over capsa's guest rootfs (bench/peers).
 
@@ -34,8 +35,9 @@ from rich.table import Table
 
 from capsa.common.settings import Settings
 from capsa.images import ensure_image
-from capsa.node.runtime.base import VMSpec
-from capsa.node.runtime.qemu import QemuRuntime
+from capsa.node.runtime.base import RamMode, VMSpec
+from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
+from capsa.node.storage import StoragePool, StorageSettings
 from capsa.sdk import AsyncSession
 from harness import host_facts, pool_settled, summary, write_results
 from peers.gvisor import measure_runsc
@@ -56,14 +58,29 @@ async def _trues(run: Any, n: int) -> list[float]:
 
 
 async def channel(state: Path, accel: str, n: int) -> dict[str, Any]:
-    runtime = QemuRuntime(Settings(state_dir=state / "channel"), accel=accel, accel_cache=False)
+    """`true` straight through the guest channel: on a booted VM (``true_s``) and on a VM restored from a
+    snapshot of it on the node's kind of storage pool, RAM mapped shared as sessions' are by default
+    (``restored_true_s``: the same kind of VM an API session runs in)."""
+    pool = StoragePool.open(state / "pool", StorageSettings(loop_size_mib=8 * 1024))
+    runtime = QemuRuntime(Settings(state_dir=state / "channel"), accel=accel, accel_cache=False,
+                          storage=PoolStorage(pool))
     try:
-        sandbox = await runtime.boot(VMSpec(image=ensure_image(Settings())))
+        spec = VMSpec(image=ensure_image(Settings()))
+        sandbox = await runtime.boot(spec)
         await _trues(lambda: sandbox.guest.exec("true"), WARM)
-        return {"true_s": summary(await _trues(lambda: sandbox.guest.exec("true"), n)),
-                "accelerator": str(sandbox.accelerator)}
+        out: dict[str, Any] = {"true_s": summary(await _trues(lambda: sandbox.guest.exec("true"), n)),
+                               "accelerator": str(sandbox.accelerator)}
+        snap = await runtime.snapshot(sandbox, resume=False)
+        await runtime.destroy(sandbox)
+        restored = await runtime.restore(snap, spec, ram_mode=RamMode.COPY)
+        await _trues(lambda: restored.guest.exec("true"), WARM)
+        out["restored_true_s"] = summary(await _trues(lambda: restored.guest.exec("true"), n))
+        await runtime.destroy(restored)
+        runtime.delete_snapshot(snap)
+        return out
     finally:
         await runtime.close()
+        pool.destroy()
 
 
 async def _create(url: str, key: str) -> AsyncSession:
@@ -193,6 +210,7 @@ def main() -> None:
             data["runsc"] = {"skipped": str(exc)}
     serve, chan = data["serve"], data["channel"]
     ratios = {"api_true_vs_channel": serve["api_true_s"]["p50"] / chan["true_s"]["p50"],
+              "api_true_vs_restored_channel": serve["api_true_s"]["p50"] / chan["restored_true_s"]["p50"],
               f"api_true_{other}_vs_channel": (data[f"serve_{other}"]["api_true_s"]["p50"]
                                                / chan["true_s"]["p50"])}
     if "create_first_exec_s" in data.get("runsc", {}):
@@ -219,7 +237,8 @@ def main() -> None:
         ("restore on demand + first true", serve.get("restore_create_first_true_s"), "<= 400"),
         ("restore: first / 10th true", serve.get("restore_first_true_s"), ""),
         ("", serve.get("restore_tenth_true_s"), ""),
-        ("true, guest channel", chan["true_s"], "<= 40"),
+        ("true, guest channel (booted VM)", chan["true_s"], "<= 40"),
+        ("true, guest channel (restored VM)", chan["restored_true_s"], "<= 40"),
         (f"true, API (serve {args.serve})", serve.get("api_true_s"), "<= 1.2x channel"),
         (f"true, API (serve {other})", data[f"serve_{other}"].get("api_true_s"), ""),
         ("resume", serve.get("resume_s"), "<= 400"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import sys
 from pathlib import Path
@@ -92,8 +93,11 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
         image = await asyncio.to_thread(ensure_image, settings)
 
     key_file = await asyncio.to_thread(ensure_key_file, state_dir / "secret.key")
+    # One replica: every session transition goes through this process, so its session cache is safe.
     control_settings = ControlSettings(database_url=database_url or f"sqlite+aiosqlite:///{state_dir}/capsa.db",
                                        secret_key_file=key_file)
+    if "CAPSA_SESSION_CACHE_SECONDS" not in os.environ:
+        control_settings = control_settings.model_copy(update={"session_cache_seconds": 5.0})
     app = create_app(control_settings, on_bootstrap_key=_announce_key)
     # /v1/ready answers 503 until the local node is ready (its base template in place: restored from the
     # template cache or built) and registered.

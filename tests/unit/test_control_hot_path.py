@@ -354,3 +354,27 @@ async def test_a_new_sessions_first_command_reads_no_session_row(make_stack: Any
         with counting_reads(plane, "sessions") as reads:
             assert (await run_true(c, sid)).status_code == 200
         assert reads == [], reads
+
+
+async def test_a_resume_through_the_replica_that_holds_the_entry_forgets_it(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 60, "reaper_interval": 0})
+    other = await stack.add_replica()
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as a, stack.client(key, url=other.url) as b:
+        sid = (await create(a))["id"]
+        assert (await run_true(b, sid)).status_code == 200  # b holds it
+        assert (await a.post(f"/v1/sessions/{sid}/pause")).status_code == 200
+        assert (await b.post(f"/v1/sessions/{sid}/resume")).status_code == 200
+        assert (await run_true(b, sid)).status_code == 200  # at once: b read the resumed row
+
+
+async def test_the_control_service_reads_the_row_on_every_call_by_default(make_stack: Any) -> None:
+    stack: ApiStack = await make_stack(settings={"reaper_interval": 0})
+    key = await stack.tenant_key("acme")
+    plane = plane_of(stack)
+    async with stack.client(key) as c:
+        sid = (await create(c))["id"]
+        with counting_reads(plane, "sessions") as reads:
+            for _ in range(3):
+                assert (await run_true(c, sid)).status_code == 200
+        assert len(reads) >= 3, reads

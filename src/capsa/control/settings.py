@@ -66,11 +66,13 @@ class ControlSettings(BaseSettings):
     loses power may be rolled back (the database stays consistent and the audit chain verifiable);
     ``full`` syncs every commit (an fsync per commit: measured 13.6 ms vs 0.02 ms per commit on this
     kind of VM disk). PostgreSQL keeps its own settings."""
-    session_cache_seconds: Annotated[float, Field(ge=0, le=300)] = 5.0
+    session_cache_seconds: Annotated[float, Field(ge=0, le=300)] = 0.0
     """How long a replica trusts a running session's row (its sandbox and node) for commands, files and
-    processes without reading it again (:mod:`capsa.control.session_cache`): a session closed or paused
-    through another replica gets at most one call per this period sent to its old sandbox, which the node
-    refuses, and the caller then sees the session's current state. 0: read the row on every call."""
+    processes without reading it again (:mod:`capsa.control.session_cache`). Off (0) by default for the
+    control service: with several replicas, a session paused and resumed through one replica is sent to
+    its old sandbox by another that still holds it, whose caller is then told to send the call again
+    (``invalid_state``). ``capsa serve`` (one replica: every transition goes through it and forgets the
+    entry) turns it on at 5 s unless this is set."""
 
     reaper_interval: float = 2.0
     """Seconds between reaper passes (expired sessions, silent nodes); 0 disables the reaper."""

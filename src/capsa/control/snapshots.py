@@ -226,6 +226,7 @@ async def resume_session(plane: ControlPlane, tenant: str, session_id: str,
         snap = await _own_snapshot(db, row, snapshot_id)
         node = await choose_snapshot_node(db, snap.node_id, row.memory_mib, row.vcpus,
                                           plane.settings.node_heartbeat_timeout)
+        plane.sessions.forget(session_id)  # an entry from before a pause through another replica
         if not await transition(db, session_id, "creating", sources=("paused",), node_id=node.id,
                                 sandbox_id=sandbox_id):
             raise _state_error(await _load(db, tenant, session_id), "paused")
