@@ -14,7 +14,7 @@ Not cached: sessions with rolling snapshots (their activity stamps are decided a
 snapshot's time, which another replica may have changed) and anything not running on a node. Entries
 live ``ttl`` seconds (0 disables the cache), at most ``capacity`` of them, least recently used dropped
 first. The cached rows are detached and shared between requests: callers read them, never change them
-(the activity stamp is the one field this module updates, after writing it).
+(the activity stamp is the one field changed, by the call that writes it).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from datetime import datetime
 
 from capsa.control.store.models import NodeRow, SessionRow
 
@@ -52,29 +51,16 @@ class SessionCache:
         self._entries.move_to_end(session_id)
         return entry.row, entry.node
 
-    @staticmethod
-    def cacheable(row: SessionRow, node: NodeRow | None) -> bool:
-        return (row.state == "running" and node is not None and bool(row.sandbox_id)
-                and row.snapshot_keep is None)
-
     def store(self, row: SessionRow, node: NodeRow | None) -> None:
         """Remember a row just read (it must not be used by a database session any more)."""
-        if self.ttl <= 0 or node is None or not self.cacheable(row, node):
+        if (self.ttl <= 0 or node is None or row.state != "running" or not row.sandbox_id
+                or row.snapshot_keep is not None):
             return
         self._entries[row.id] = _Entry(row, node, time.monotonic() + self.ttl)
         self._entries.move_to_end(row.id)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
-    def stamped(self, session_id: str, when: datetime) -> None:
-        """This replica wrote the session's activity stamp ``when``."""
-        entry = self._entries.get(session_id)
-        if entry is not None and entry.row.last_activity_at < when:
-            entry.row.last_activity_at = when
-
     def forget(self, session_id: str) -> bool:
         """Drop the session's entry; whether there was one."""
         return self._entries.pop(session_id, None) is not None
-
-    def __len__(self) -> int:
-        return len(self._entries)

@@ -363,27 +363,22 @@ async def running_session(plane: ControlPlane, tenant: str, session_id: str, *, 
         row, node = hit
         if row.tenant != tenant:  # another tenant's session is indistinguishable from a missing one
             raise NotFound(f"session {session_id} not found")
-        now = utcnow()
-        if activity_stale(row, now, plane.settings.activity_stamp_interval):
-            async with plane.db() as db:
-                await db.execute(update(SessionRow).where(SessionRow.id == session_id)
-                                 .values(last_activity_at=now))
-                await db.commit()
-            plane.sessions.stamped(session_id, now)
-        return row, plane.node_client(node)
-    async with plane.db() as db:
-        row, found = await _load_with_node(db, tenant, session_id)
+    else:
+        async with plane.db() as db:
+            row, found = await _load_with_node(db, tenant, session_id)
         if (refused := _not_running(row, found)) is not None:
             raise refused
         assert found is not None
-        now = utcnow()
-        if activity_stale(row, now, plane.settings.activity_stamp_interval):
+        node = found
+        plane.sessions.store(row, node)
+    now = utcnow()
+    if activity_stale(row, now, plane.settings.activity_stamp_interval):
+        async with plane.db() as db:
             await db.execute(update(SessionRow).where(SessionRow.id == session_id)
                              .values(last_activity_at=now))
             await db.commit()
-            row.last_activity_at = now
-    plane.sessions.store(row, found)
-    return row, plane.node_client(found)
+        row.last_activity_at = now  # the cached row is this object: the cache sees the stamp too
+    return row, plane.node_client(node)
 
 
 def stamp_interval(idle_timeout: int | None, interval: float) -> float:
