@@ -137,10 +137,17 @@ async def test_create_from_pool_then_on_demand_and_identity(api: httpx.AsyncClie
                                                             agent: NodeAgent) -> None:
     await _wait_pool_full(api)
     # A pooled VM waits at the lowest CPU priority, every thread of it (vCPU threads included) ...
-    (waiting,) = _templates(agent).warm.pooled()
+    warm = _templates(agent).warm
+    (waiting,) = warm.pooled()
     assert _thread_nices(waiting) == {19}
-    a = await _create(api)
-    b = await _create(api)  # the pool has just been emptied: restored on demand
+    # No refill right after the take: with one restoring, the next create would wait for it
+    # (WarmPool.take_soon, unit-tested) instead of restoring on demand.
+    refill_delay, warm.refill_delay = warm.refill_delay, 15.0
+    try:
+        a = await _create(api)
+        b = await _create(api)  # the pool has just been emptied and no refill runs: restored on demand
+    finally:
+        warm.refill_delay = refill_delay
     try:
         assert _source(agent, a["id"]) == "pool" and _source(agent, b["id"]) == "restore"
         # ... and serves at the normal one once bound; a restore on demand never left it.

@@ -4,13 +4,14 @@ one unbroken chain per tenant, on SQLite and PostgreSQL; verify names the first 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from sqlalchemy import text
 
 from capsa.control import audit_trail
 from capsa.control.audit_trail import AuditEntry
-from capsa.control.store.db import create_engine, migrate, session_factory
+from capsa.control.store.db import create_engine, migrate, session_factory, sqlite_thread_engine
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -71,13 +72,20 @@ async def test_record_inside_a_rolled_back_transaction_leaves_nothing(db_url: st
         await engine.dispose()
 
 
-async def test_group_commit_shares_transactions_between_concurrent_requests(db_url: str) -> None:
+@pytest.mark.parametrize("thread", [False, True], ids=["async-driver", "writer-thread"])
+async def test_group_commit_shares_transactions_between_concurrent_requests(db_url: str,
+                                                                             thread: bool) -> None:
     from capsa.control.audit_writer import AuditWriter
 
     engine = create_engine(db_url)
+    thread_engine = sqlite_thread_engine(engine) if thread else None
+    if thread and engine.url.get_backend_name() != "sqlite":
+        assert thread_engine is None  # asyncpg needs no thread of its own
+        await engine.dispose()
+        return
     try:
         await migrate(engine)
-        writer = AuditWriter(engine)
+        writer = AuditWriter(engine, thread_engine=thread_engine)
         await asyncio.gather(*(writer.write("acme" if i % 2 else "other",
                                             [AuditEntry("api", "call", request_id=f"req_{i}"),
                                              AuditEntry("command", "run", request_id=f"req_{i}")])
@@ -91,5 +99,36 @@ async def test_group_commit_shares_transactions_between_concurrent_requests(db_u
                 # A request's events stay together and in order.
                 assert all(events[i].request_id == events[i + 1].request_id and events[i].kind == "api"
                            for i in range(0, 40, 2))
+        await writer.aclose()
     finally:
         await engine.dispose()
+
+
+async def test_writer_thread_and_async_replica_append_one_chain(tmp_path: Path) -> None:
+    """A replica writing through its SQLite thread and one writing through aiosqlite, at once, on one
+    file: the head lock serializes them and the chain stays whole."""
+    from capsa.control.audit_writer import AuditWriter
+
+    url = f"sqlite+aiosqlite:///{tmp_path}/capsa.db"
+    engines = [create_engine(url), create_engine(url)]
+    try:
+        await migrate(engines[0])
+        threaded = AuditWriter(engines[0], thread_engine=sqlite_thread_engine(engines[0]))
+        assert threaded.thread_engine is not None
+        plain = AuditWriter(engines[1])
+        await asyncio.gather(*(w.write("acme", [AuditEntry("api", "call", request_id=f"req_{i}")])
+                               for i in range(30) for w in (threaded, plain)))
+        async with session_factory(engines[1])() as db:
+            result = await audit_trail.verify(db, "acme")
+        assert result.ok and result.head == 60
+        await threaded.aclose()
+        await plain.aclose()
+        assert threaded.thread_engine.pool.checkedout() == 0
+    finally:
+        for engine in engines:
+            await engine.dispose()
+
+
+def test_no_writer_thread_for_memory_or_other_databases() -> None:
+    assert sqlite_thread_engine(create_engine("sqlite+aiosqlite:///:memory:")) is None
+    assert sqlite_thread_engine(create_engine("postgresql+asyncpg://u:p@127.0.0.1/db")) is None

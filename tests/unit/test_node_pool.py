@@ -188,3 +188,66 @@ async def test_a_refill_waits_for_the_delay_after_the_last_take() -> None:
     await _settle(pool, 1)
     assert restored_at[1] - taken >= 0.25  # (taken is read just after the pool stamped the take)
     await pool.close()
+
+
+class _GatedFleet(_Fleet):
+    """Restores that wait for ``gate``: a refill caught while its restore runs."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__(lambda _n: fail)
+        self.gate = asyncio.Event()
+        self.started = asyncio.Event()
+
+    async def restore(self, key: PoolKey) -> _Sandbox:
+        self.started.set()
+        await self.gate.wait()
+        return await super().restore(key)
+
+
+async def test_take_soon_waits_for_the_running_refill_instead_of_a_second_restore() -> None:
+    fleet = _GatedFleet()
+    pool = WarmPool(fleet.restore, fleet.destroy, default_size=1)  # type: ignore[arg-type]
+    pool.watch(KEY)
+    await asyncio.wait_for(fleet.started.wait(), 5)
+    assert pool.take(KEY) is None  # take alone does not wait: a miss
+    taker = asyncio.create_task(pool.take_soon(KEY))
+    await asyncio.sleep(0.05)
+    assert not taker.done()  # waiting for the restore in flight
+    fleet.gate.set()
+    got = await asyncio.wait_for(taker, 5)
+    # The refill's sandbox, handed out at normal priority.
+    assert isinstance(got, _Sandbox) and got is fleet.made[0] and not got.background
+    assert pool.status()[0]["hits"] == 1
+    await pool.close()
+
+
+async def test_take_soon_returns_nothing_when_the_refill_fails_or_none_runs() -> None:
+    fleet = _GatedFleet(fail=True)
+    pool = WarmPool(fleet.restore, fleet.destroy, default_size=1)  # type: ignore[arg-type]
+    assert await pool.take_soon(KEY) is None  # nothing restoring: no wait at all
+    pool.watch(KEY)
+    await asyncio.wait_for(fleet.started.wait(), 5)
+    takers = [asyncio.create_task(pool.take_soon(KEY)) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    assert not any(t.done() for t in takers)
+    fleet.gate.set()
+    assert await asyncio.wait_for(asyncio.gather(*takers), 5) == [None, None]  # both restore on demand
+    await pool.close()
+
+
+async def test_a_cancelled_take_soon_leaves_no_waiter_and_close_wakes_the_rest() -> None:
+    fleet = _GatedFleet()
+    pool = WarmPool(fleet.restore, fleet.destroy, default_size=1)  # type: ignore[arg-type]
+    pool.watch(KEY)
+    await asyncio.wait_for(fleet.started.wait(), 5)
+    gone = asyncio.create_task(pool.take_soon(KEY))
+    await asyncio.sleep(0.02)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert not pool._slots[KEY].waiters
+    stays = asyncio.create_task(pool.take_soon(KEY))
+    await asyncio.sleep(0.02)
+    await asyncio.wait_for(pool.close(), 5)  # the refill is cancelled mid-restore: the waiter wakes
+    assert await asyncio.wait_for(stays, 5) is None
+    assert fleet.made == []

@@ -12,8 +12,6 @@ import pytest
 
 from capsa.common.service import bind_tcp
 
-pytestmark = pytest.mark.asyncio
-
 
 async def test_accepted_connections_have_nagle_off() -> None:
     listener = bind_tcp("127.0.0.1", 0)

@@ -80,6 +80,36 @@ async def test_a_fresh_node_imports_base_from_the_cache_instead_of_booting(tmp_p
     assert second.boots == 1 and len(list(cache.root.glob("base-*"))) == 2
 
 
+async def test_an_import_writes_copied_files_back_before_it_returns(tmp_path: Path, monkeypatch: Any) -> None:
+    # btrfs writes a file's dirty pages back before reflinking it: the first restore must not pay that.
+    import capsa.node.template_cache as template_cache
+    from capsa.node.storage import filecopy
+
+    cache = TemplateCache(tmp_path / "cache")
+    _, store = await _store(tmp_path, cache)
+    await store.ensure_base(256, 1)
+    await store.wait_published()
+    [entry] = cache.candidates(BASE, store.image.digest, 256, 1)
+    written: list[str] = []
+
+    def write_back(path: Path) -> None:
+        filecopy.write_back(path)  # the real one, on a real file
+        written.append(path.name)
+
+    monkeypatch.setattr(template_cache, "write_back", write_back)
+    monkeypatch.setattr(template_cache, "copy_file", lambda *a, **kw: filecopy.copy_file(*a, cow=False, **kw))
+    cache.import_into(entry, tmp_path / "imported")
+    copied = sorted(p.name for p in (tmp_path / "imported").rglob("*") if p.is_file())
+    assert copied and sorted(written) == copied
+    # A reflinked file shares its source's extents, already on disk: nothing to write back.
+    written.clear()
+    monkeypatch.setattr(template_cache, "copy_file", lambda *a, **kw: True)
+    cache.import_into(entry, tmp_path / "linked")
+    assert written == []
+    with pytest.raises(FileNotFoundError):
+        filecopy.write_back(tmp_path / "missing")
+
+
 async def test_entries_this_node_cannot_restore_are_not_imported(tmp_path: Path, monkeypatch: Any) -> None:
     cache = TemplateCache(tmp_path / "cache")
     _, store = await _store(tmp_path, cache)

@@ -30,6 +30,7 @@ from typing import Any, Literal, get_args
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from capsa.common.audit_chain import GENESIS, ChainFields, event_hash, normalize_detail
@@ -45,6 +46,7 @@ __all__ = [
     "RequestAudit",
     "VerifyResult",
     "append",
+    "append_sync",
     "bind",
     "current",
     "identify",
@@ -163,13 +165,10 @@ def _lock_head(db: Executor) -> Any:
     return _LOCK_HEAD["postgresql" if _dialect(db) == "postgresql" else "sqlite"]
 
 
-async def append(db: Executor, tenant: str, entries: Sequence[AuditEntry]) -> list[tuple[int, str]]:
-    """Chain ``entries`` onto the tenant's stream inside the caller's transaction; returns (id, hash) of
-    each. The tenant's head stays locked until the caller commits or rolls back."""
-    if not entries:
-        return []
+def _chain(tenant: str, seq: int, prev: str, entries: Sequence[AuditEntry]
+           ) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
+    """The rows that chain ``entries`` after the head (``seq``, ``prev``), and their (id, hash)."""
     context = _current.get()
-    seq, prev = (await db.execute(_lock_head(db), {"head_tenant": tenant})).one()
     now = time.time()
     rows: list[dict[str, Any]] = []
     out: list[tuple[int, str]] = []
@@ -187,8 +186,35 @@ async def append(db: Executor, tenant: str, entries: Sequence[AuditEntry]) -> li
         rows.append({**fields.__dict__, "detail": dict(fields.detail), "hash": digest})
         out.append((seq, digest))
         prev = digest
+    return rows, out
+
+
+def _move_head(tenant: str, out: list[tuple[int, str]]) -> dict[str, Any]:
+    seq, digest = out[-1]
+    return {"head_tenant": tenant, "head_seq": seq, "head_hash": digest}
+
+
+async def append(db: Executor, tenant: str, entries: Sequence[AuditEntry]) -> list[tuple[int, str]]:
+    """Chain ``entries`` onto the tenant's stream inside the caller's transaction; returns (id, hash) of
+    each. The tenant's head stays locked until the caller commits or rolls back."""
+    if not entries:
+        return []
+    seq, prev = (await db.execute(_lock_head(db), {"head_tenant": tenant})).one()
+    rows, out = _chain(tenant, seq, prev, entries)
     await db.execute(_INSERT_EVENTS, rows)  # executemany: one compiled (cached) statement
-    await db.execute(_MOVE_HEAD, {"head_tenant": tenant, "head_seq": seq, "head_hash": prev})
+    await db.execute(_MOVE_HEAD, _move_head(tenant, out))
+    return out
+
+
+def append_sync(conn: Connection, tenant: str, entries: Sequence[AuditEntry]) -> list[tuple[int, str]]:
+    """:func:`append` on a synchronous connection (the audit writer's SQLite thread)."""
+    if not entries:
+        return []
+    dialect = "postgresql" if conn.dialect.name == "postgresql" else "sqlite"
+    seq, prev = conn.execute(_LOCK_HEAD[dialect], {"head_tenant": tenant}).one()
+    rows, out = _chain(tenant, seq, prev, entries)
+    conn.execute(_INSERT_EVENTS, rows)
+    conn.execute(_MOVE_HEAD, _move_head(tenant, out))
     return out
 
 

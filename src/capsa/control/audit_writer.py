@@ -19,8 +19,10 @@ import asyncio
 import contextlib
 import contextvars
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from capsa.control import audit_trail
@@ -38,8 +40,14 @@ class _Pending:
 
 class AuditWriter:
     def __init__(self, engine: AsyncEngine, max_batch: int = 500, max_pending: int = 10_000,
-                 linger: float = 0.0) -> None:
+                 linger: float = 0.0, thread_engine: Engine | None = None) -> None:
         self.engine = engine
+        self.thread_engine = thread_engine
+        """A synchronous engine on the same database (SQLite: ``store.db.sqlite_thread_engine``): each
+        batch is then written by one thread of this writer's in one hand-off, not statement by
+        statement through the async driver."""
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="capsa-audit") \
+            if thread_engine is not None else None
         self.max_batch = max_batch
         self.max_pending = max_pending
         self.linger = linger
@@ -96,9 +104,13 @@ class AuditWriter:
             for item in batch:
                 by_tenant.setdefault(item.tenant, []).extend(item.entries)
             try:
-                async with self.engine.begin() as conn:
-                    for tenant in sorted(by_tenant):  # one lock order for every replica
-                        await audit_trail.append(conn, tenant, by_tenant[tenant])
+                if self._thread is not None:
+                    loop = asyncio.get_running_loop()
+                    await loop.run_in_executor(self._thread, self._write_sync, by_tenant)
+                else:
+                    async with self.engine.begin() as conn:
+                        for tenant in sorted(by_tenant):  # one lock order for every replica
+                            await audit_trail.append(conn, tenant, by_tenant[tenant])
                 self.transactions += 1
             except Exception as exc:
                 for item in batch:
@@ -109,9 +121,19 @@ class AuditWriter:
                 if not item.done.done():
                     item.done.set_result(None)
 
+    def _write_sync(self, by_tenant: dict[str, list[AuditEntry]]) -> None:
+        assert self.thread_engine is not None
+        with self.thread_engine.begin() as conn:
+            for tenant in sorted(by_tenant):  # one lock order for every replica
+                audit_trail.append_sync(conn, tenant, by_tenant[tenant])
+
     async def aclose(self) -> None:
         """Write what is still queued (the replica is stopping; its database is closed next)."""
         await self.flush()
         if self._flusher is not None:
             with contextlib.suppress(Exception):
                 await self._flusher
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            assert self.thread_engine is not None
+            self.thread_engine.dispose()

@@ -19,7 +19,7 @@ from capsa.control.nodeclient import NodeClient, NodeClientPool, NodeError
 from capsa.control.ratelimit import RateLimiter
 from capsa.control.session_cache import SessionCache
 from capsa.control.settings import ControlSettings
-from capsa.control.store.db import DbSession
+from capsa.control.store.db import DbSession, sqlite_thread_engine
 from capsa.control.store.models import NodeRow
 
 __all__ = ["ControlPlane"]
@@ -46,7 +46,8 @@ class ControlPlane:
 
     def __post_init__(self) -> None:
         linger = self.settings.audit_linger_ms / 1000 if self.settings.audit_ack == "async" else 0.0
-        self.audit = AuditWriter(self.engine, linger=linger)
+        thread_engine = sqlite_thread_engine(self.engine, self.settings.sqlite_synchronous)
+        self.audit = AuditWriter(self.engine, linger=linger, thread_engine=thread_engine)
 
     def node_sealer(self) -> NodeSealer:
         if self.sealer is None:

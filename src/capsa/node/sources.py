@@ -345,7 +345,7 @@ class TemplateSource:
                              "an egress policy (its sandboxes have a NIC)", code="template_needs_network",
                              status=422)
         try:
-            sandbox = self.warm.take(tpl.key)
+            sandbox = await self.warm.take_soon(tpl.key)
             source = "pool"
             if sandbox is None:
                 source = "restore"
@@ -380,7 +380,7 @@ class TemplateSource:
         key: PoolKey = (NET_TEMPLATE, request.memory_mib, request.vcpus)
         network: SandboxNet | None = None
         try:
-            sandbox = self.warm.take(key)
+            sandbox = await self.warm.take_soon(key)
             if sandbox is not None:
                 net, snapshot_id = self._pool_nets.pop(sandbox.id)
                 source = "pool"
@@ -431,7 +431,7 @@ class TemplateSource:
         attached onto the pooled VM's network), or restored onto the request's new network."""
         assert request.attach is not None
         try:
-            sandbox = self.warm.take(tpl.key)
+            sandbox = await self.warm.take_soon(tpl.key)
             if sandbox is not None:
                 source = "pool"
                 net, _ = self._pool_nets.pop(sandbox.id)

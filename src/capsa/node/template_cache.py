@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from capsa.node.runtime.snapshot.manifest import MANIFEST_FILE, SnapshotManifest, load_manifest
-from capsa.node.storage.filecopy import SourceCheck, copy_file
+from capsa.node.storage.filecopy import SourceCheck, copy_file, write_back
 
 __all__ = ["CACHE_SUBDIR", "TemplateCache", "entry_name", "entry_prefix"]
 
@@ -72,9 +72,10 @@ def entry_name(name: str, manifest: SnapshotManifest) -> str:
     return entry_prefix(name, manifest.image_digest, manifest.memory_mib, manifest.vcpus) + layout
 
 
-def _copy_tree(src: Path, dst: Path, dir_mode: int) -> None:
+def _copy_tree(src: Path, dst: Path, dir_mode: int, *, written_back: bool = False) -> None:
     """Copy a template directory (one level of subdirectories, regular files only) into ``dst`` (which
-    must not exist), with ``dir_mode`` directories and 0600 files owned by this process."""
+    must not exist), with ``dir_mode`` directories and 0600 files owned by this process; with
+    ``written_back``, files that had to be copied (not reflinked) are on disk when this returns."""
     check = SourceCheck(owner=os.geteuid())
     dst.mkdir(mode=dir_mode)
     os.chmod(dst, dir_mode)  # whatever the umask
@@ -82,10 +83,10 @@ def _copy_tree(src: Path, dst: Path, dir_mode: int) -> None:
         if entry.is_symlink():
             raise OSError(f"refusing to copy {entry}: a symbolic link in a template")
         if entry.is_dir():
-            _copy_tree(entry, dst / entry.name, dir_mode)
-        else:
-            # The files stay sparse; a reflink where both sides share a CoW filesystem.
-            copy_file(entry, dst / entry.name, mode=_FILE_MODE, check=check)
+            _copy_tree(entry, dst / entry.name, dir_mode, written_back=written_back)
+        # The files stay sparse; a reflink where both sides share a CoW filesystem.
+        elif not copy_file(entry, dst / entry.name, mode=_FILE_MODE, check=check) and written_back:
+            write_back(dst / entry.name)
 
 
 class TemplateCache:
@@ -136,7 +137,8 @@ class TemplateCache:
             if not entry.is_dir():
                 raise FileNotFoundError(f"cached template {entry} is gone")
             try:
-                _copy_tree(entry, dest, _POOL_DIR_MODE)
+                # Every restore reflinks these files: written back now, not by the first restore.
+                _copy_tree(entry, dest, _POOL_DIR_MODE, written_back=True)
             except BaseException:
                 shutil.rmtree(dest, ignore_errors=True)
                 raise

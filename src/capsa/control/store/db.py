@@ -8,12 +8,13 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import event, text
+from sqlalchemy import Engine, event, text
+from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.ext.asyncio import AsyncSession as DbSession
 
-__all__ = ["DbSession", "create_engine", "migrate", "session_factory"]
+__all__ = ["DbSession", "create_engine", "migrate", "session_factory", "sqlite_thread_engine"]
 
 _MIGRATIONS = Path(__file__).with_name("migrations")
 # Any constant works: it only has to be the same for every replica that might migrate at once.
@@ -52,18 +53,40 @@ def create_engine(url: str, sqlite_synchronous: str = "normal") -> AsyncEngine:
         # Several replicas (or processes) may share one SQLite file: WAL lets readers proceed during a
         # write and the busy timeout makes writers queue instead of failing at once.
         engine = create_async_engine(url, connect_args={"timeout": 30})
-
-        @event.listens_for(engine.sync_engine, "connect")
-        def _sqlite_pragmas(dbapi_conn: object, _record: object) -> None:
-            cursor = dbapi_conn.cursor()  # type: ignore[attr-defined]
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA foreign_keys=ON")
-            cursor.execute("PRAGMA busy_timeout=30000")
-            cursor.execute(f"PRAGMA synchronous={sqlite_synchronous.upper()}")
-            cursor.close()
-
+        _sqlite_pragmas(engine.sync_engine, sqlite_synchronous)
         return engine
     return create_async_engine(url, pool_pre_ping=True)
+
+
+def _sqlite_pragmas(engine: Engine, sqlite_synchronous: str) -> None:
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn: object, _record: object) -> None:
+        cursor = dbapi_conn.cursor()  # type: ignore[attr-defined]
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute(f"PRAGMA synchronous={sqlite_synchronous.upper()}")
+        cursor.close()
+
+
+def sqlite_thread_engine(engine: AsyncEngine, sqlite_synchronous: str = "normal") -> Engine | None:
+    """A synchronous engine (the standard library's sqlite3) on the same SQLite file as ``engine``, for
+    work that runs whole transactions in a thread of its own; None for other databases and in-memory
+    SQLite.
+
+    Why: aiosqlite runs each DBAPI call on its own thread and hands the result back to the event loop,
+    so one small transaction of three statements costs about a dozen hand-offs between threads (cursor,
+    execute, fetch, close for each statement, then commit and the pool's reset), each a wake-up of the
+    other thread and of the event loop. The audit writer, the one steady writer, instead hands a whole
+    batch to one thread in one hop. PostgreSQL's asyncpg has no such thread, so it keeps the async path."""
+    url = engine.url
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:" \
+            or url.database.startswith("file:"):
+        return None
+    sync = create_sync_engine(url.set(drivername="sqlite+pysqlite"), connect_args={"timeout": 30},
+                              pool_size=1, max_overflow=0)
+    _sqlite_pragmas(sync, sqlite_synchronous)
+    return sync
 
 
 def session_factory(engine: AsyncEngine) -> async_sessionmaker[DbSession]:
