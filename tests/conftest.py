@@ -85,3 +85,22 @@ async def runtime(state_dir: Path) -> AsyncIterator[QemuRuntime]:
         yield runtime
     finally:
         await runtime.close()
+
+
+# --- rate limits ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pinned_rate_window(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Stop the rate limiter's clock at this instant, so a test that counts up to a limit never sees its
+    requests split across two fixed windows (with a 60 s window that happened in about 1 run in 100: the
+    request after the limit fell into a fresh window and was admitted). The reaper's pruning keeps the real
+    clock; it drops counters two windows old, and the pinned one is current. Returns the pinned time."""
+    import time
+    from types import SimpleNamespace
+
+    from capsa.control import ratelimit
+
+    pinned = time.time()
+    monkeypatch.setattr(ratelimit, "time", SimpleNamespace(time=lambda: pinned))
+    return pinned

@@ -309,6 +309,7 @@ _needs_root = pytest.mark.skipif(os.geteuid() != 0,
 
 
 @_needs_root
+@pytest.mark.usefixtures("pinned_rate_window")
 async def test_branch_resume_and_restore_are_rate_limited(make_stack: MakeStack) -> None:
     stack = await make_stack(settings={"session_create_limit": 4, "rate_window_seconds": 3600})
     async with stack.client(await stack.tenant_key("acme")) as c:

@@ -343,6 +343,7 @@ async def test_tenant_isolation_on_every_session_route(stack: ApiStack) -> None:
 
 
 # -- rate limits ------
+@pytest.mark.usefixtures("pinned_rate_window")
 async def test_rate_limits_per_key(make_stack: Any) -> None:
     stack: ApiStack = await make_stack(
         settings={"session_create_limit": 2, "command_limit": 3, "rate_window_seconds": 3600}

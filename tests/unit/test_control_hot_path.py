@@ -9,12 +9,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 from sqlalchemy import event, select
 
+from capsa.control import ratelimit
 from capsa.control.errors import RateLimited
 from capsa.control.plane import ControlPlane
 from capsa.control.ratelimit import RateLimiter, lease_size
@@ -39,16 +41,21 @@ def plane_of(stack: ApiStack, replica: int = 0) -> ControlPlane:
 
 @contextmanager
 def statements(plane: ControlPlane, on_statement: Callable[[str], None]) -> Iterator[None]:
-    """Calls ``on_statement`` with every statement the plane's engine runs meanwhile."""
+    """Calls ``on_statement`` with every statement the plane's engines run meanwhile (the audit writer's
+    SQLite thread has an engine of its own)."""
     def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         on_statement(statement)
 
-    engine = plane.engine.sync_engine
-    event.listen(engine, "before_cursor_execute", on_execute)
+    engines = [plane.engine.sync_engine]
+    if plane.audit.thread_engine is not None:
+        engines.append(plane.audit.thread_engine)
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", on_execute)
     try:
         yield
     finally:
-        event.remove(engine, "before_cursor_execute", on_execute)
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", on_execute)
 
 
 @contextmanager
@@ -75,6 +82,7 @@ async def run_true(client: httpx.AsyncClient, sid: str) -> httpx.Response:
     return await client.post(f"/v1/sessions/{sid}/commands", json={"cmd": ["true"]})
 
 
+@pytest.mark.usefixtures("pinned_rate_window")
 async def test_commands_do_not_write_the_database_each(make_stack: Any) -> None:
     stack: ApiStack = await make_stack(settings={"rate_lease": 16, "command_limit": 600,
                                                  "rate_window_seconds": 3600, "reaper_interval": 0})
@@ -111,6 +119,7 @@ async def test_commands_do_not_write_the_database_each(make_stack: Any) -> None:
         await c.delete(f"/v1/sessions/{sid}")
 
 
+@pytest.mark.usefixtures("pinned_rate_window")
 async def test_rate_limit_holds_across_replicas_within_the_lease_bound(make_stack: Any) -> None:
     limit = 100
     stack: ApiStack = await make_stack(settings={"command_limit": limit, "rate_window_seconds": 3600,
@@ -144,6 +153,7 @@ async def test_rate_limit_holds_across_replicas_within_the_lease_bound(make_stac
         await a.delete(f"/v1/sessions/{sid}")
 
 
+@pytest.mark.usefixtures("pinned_rate_window")
 async def test_concurrent_leases_never_admit_beyond_the_limit(make_stack: Any) -> None:
     stack: ApiStack = await make_stack(settings={"reaper_interval": 0})
     plane = plane_of(stack)
@@ -167,23 +177,25 @@ async def test_concurrent_leases_never_admit_beyond_the_limit(make_stack: Any) -
     assert sum(r.claims for r in replicas) <= admitted // 4 + 2 * 3
 
 
-async def test_leases_lapse_with_their_window(make_stack: Any) -> None:
+async def test_leases_lapse_with_their_window(make_stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     stack: ApiStack = await make_stack(settings={"reaper_interval": 0})
     plane = plane_of(stack)
     limiter = RateLimiter(lease=16)
     window = 2
-    # Start right after a window boundary so the three calls land in one window.
-    await asyncio.sleep(window - time.time() % window + 0.05)
+    # The limiter's clock, moved by hand: the calls land in the window the test means, however slow the host.
+    clock = [1_000_000.1]
+    monkeypatch.setattr(ratelimit, "time", SimpleNamespace(time=lambda: clock[0]))
     for _ in range(3):
         await limiter.hit(plane.db, "key_w", "sessions", 3, window)
+    clock[0] += 0.5
     with pytest.raises(RateLimited) as refused:
         await limiter.hit(plane.db, "key_w", "sessions", 3, window)
-    assert 1 <= int(refused.value.headers["Retry-After"]) <= window
+    assert int(refused.value.headers["Retry-After"]) == 2  # 1.4 s left, rounded up
     claims = limiter.claims
     with pytest.raises(RateLimited):  # known full: refused without another claim
         await limiter.hit(plane.db, "key_w", "sessions", 3, window)
     assert limiter.claims == claims
-    await asyncio.sleep(window - time.time() % window + 0.05)
+    clock[0] += window
     await limiter.hit(plane.db, "key_w", "sessions", 3, window)  # a new window, a new budget
     with pytest.raises(RateLimited):  # a branch costing more than the window can hold
         await limiter.hit(plane.db, "key_w", "sessions", 3, window, cost=3)

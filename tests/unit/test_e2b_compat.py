@@ -286,6 +286,7 @@ async def test_unserved_e2b_calls_say_so(stack: ApiStack, monkeypatch: pytest.Mo
         await sbx.kill()
 
 
+@pytest.mark.usefixtures("pinned_rate_window")
 async def test_e2b_commands_count_against_the_keys_rate_limit(make_stack: object,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     assert callable(make_stack)

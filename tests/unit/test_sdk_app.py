@@ -245,6 +245,7 @@ async def test_cli_against_the_server(stack: ApiStack) -> None:
     assert denied.exit_code == 1 and denied.stderr.startswith("error: unauthorized")
 
 
+@pytest.mark.usefixtures("pinned_rate_window")
 async def test_rate_limit_surfaces_with_retry_after(tmp_path: Path) -> None:
     db = f"sqlite+aiosqlite:///{tmp_path}/limited.db"
     limits = {"session_create_limit": 1, "command_limit": 2, "rate_window_seconds": 60}
