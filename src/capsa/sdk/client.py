@@ -35,6 +35,7 @@ from capsa.sdk.errors import (
 from capsa.sdk.models import ApiKey, SessionInfo, SnapshotInfo, parse, parse_items
 from capsa.sdk.nodes import AsyncNodes
 from capsa.sdk.paths import seg
+from capsa.sdk.transport import H11Transport
 
 __all__ = ["AsyncClient", "AsyncKeys"]
 
@@ -100,7 +101,8 @@ class AsyncClient:
                 raise CapsaClientError("the API key contains characters that cannot be sent in a header")
             headers["Authorization"] = f"Bearer {key}"
         self._http = httpx.AsyncClient(base_url=self.config.api_url + "/v1", headers=headers,
-                                       timeout=httpx.Timeout(self.config.timeout), transport=transport,
+                                       timeout=httpx.Timeout(self.config.timeout),
+                                       transport=transport or H11Transport(ssl_context=_tls_context()),
                                        verify=_tls_context())
         self.keys = AsyncKeys(self)
         self.nodes = AsyncNodes(self)
