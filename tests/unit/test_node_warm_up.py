@@ -95,18 +95,3 @@ async def test_a_failing_warm_up_after_restore_fails_the_create_and_leaves_nothi
     finally:
         await agent.close()
 
-
-async def test_a_pooled_sandbox_runs_the_identity_bind_before_it_waits(tmp_path: Path) -> None:
-    """Its first bind's cost falls on the refill, not on the create that takes it; the take binds again
-    with the session's own name."""
-    runtime, _, agent = await _agent(tmp_path, pool_size=1)
-    try:
-        await _pool_filled(agent)
-        pooled = [s.id for s in runtime.list()]
-        assert len(pooled) == 1
-        assert runtime.hostnames == {pooled[0]: pooled[0].replace("_", "-")}
-        sid = new_id("sbx")
-        assert (await agent.create(sid, "base", 256, 1, {})).source == "pool"
-        assert runtime.hostnames[pooled[0]] == sid.replace("_", "-")
-    finally:
-        await agent.close()

@@ -299,11 +299,8 @@ class TemplateSource:
             # A restored guest starts with cold caches (under TCG: no translated code; its RAM pages are
             # faulted in from the snapshot on first touch), so its first command is slow. Spend that on
             # throwaway commands (the paths user commands take) while it waits in the pool, not on the
-            # user's first one. The identity bind a take makes (reseed, clock, hostname) is run once too,
-            # with the pooled VM's own name: its first run costs ~200 fresh translations (~4-5 ms of
-            # an ~11 ms bind, measured under TCG) that would otherwise fall on the create.
+            # user's first one.
             await warm_up(sandbox, rounds=1, strict=True)
-            await self.bind(sandbox, hostname_for(sandbox.id))
         except BaseException:
             await asyncio.shield(self._pool_destroy(sandbox))
             raise
