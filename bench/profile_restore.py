@@ -33,6 +33,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -77,17 +78,19 @@ async def tb_count(sandbox: QemuSandbox) -> int:
     return -1
 
 
+async def _timed(sandbox: QemuSandbox, step: Awaitable[object]) -> tuple[float, int]:
+    """Seconds ``step`` (not yet started: a coroutine) took and the TBs it added."""
+    before = await tb_count(sandbox)
+    t = time.perf_counter()
+    await step
+    took = time.perf_counter() - t
+    return took, await tb_count(sandbox) - before
+
+
 async def _commands(sandbox: QemuSandbox) -> list[tuple[float, int]]:
     """The first :data:`COMMANDS` ``true`` (through /bin/sh -c, as the SDK sends a string): seconds and
     TBs added by each."""
-    out = []
-    for _ in range(COMMANDS):
-        before = await tb_count(sandbox)
-        t = time.perf_counter()
-        await sandbox.guest.exec("true")
-        took = time.perf_counter() - t
-        out.append((took, await tb_count(sandbox) - before))
-    return out
+    return [await _timed(sandbox, sandbox.guest.exec("true")) for _ in range(COMMANDS)]
 
 
 async def profile(state: Path, accel: str, restores: int, kernel_args: list[str]) -> dict[str, Any]:
@@ -116,11 +119,8 @@ async def profile(state: Path, accel: str, restores: int, kernel_args: list[str]
             files, to_qmp, to_ready = phases.seen.get(sandbox.id, (float("nan"),) * 3)
             row.update(files_s=files, qemu_to_qmp_s=to_qmp, qmp_to_ready_s=to_ready)
             if variant == "warmed":
-                before = await tb_count(sandbox)
-                t = time.perf_counter()
-                await warm_up(sandbox, rounds=1, strict=True)
-                row["warm_up_s"] = time.perf_counter() - t
-                row["warm_up_tb"] = await tb_count(sandbox) - before
+                row["warm_up_s"], row["warm_up_tb"] = await _timed(
+                    sandbox, warm_up(sandbox, rounds=1, strict=True))
             row["commands"] = await _commands(sandbox)
             rows.append(row)
             await runtime.destroy(sandbox)

@@ -46,19 +46,14 @@ async def _agent(tmp_path: Path, **source_args: Any) -> tuple[FakeRuntime, Templ
     return runtime, source, agent
 
 
-async def _pool_filled(agent: NodeAgent) -> None:
-    for _ in range(200):
-        if agent.pool_status()[0]["idle"] == 1:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the pool did not fill: {agent.pool_status()}")
-
-
 @pytest.mark.usefixtures("logged_warm_up")
 async def test_template_pool_and_on_demand_restores_are_warmed(tmp_path: Path) -> None:
     _, source, agent = await _agent(tmp_path, pool_size=1)
     try:
-        await _pool_filled(agent)
+        for _ in range(200):
+            if agent.pool_status()[0]["idle"] == 1:
+                break
+            await asyncio.sleep(0.05)
         pooled = new_id("sbx")
         assert (await agent.create(pooled, "base", 256, 1, {})).source == "pool"
         # Two rounds before the template's snapshot (kept by it), one more in the pooled VM.
@@ -94,4 +89,3 @@ async def test_a_failing_warm_up_after_restore_fails_the_create_and_leaves_nothi
         assert runtime.list() == [] and agent.list() == []
     finally:
         await agent.close()
-
