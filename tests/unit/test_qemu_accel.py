@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from capsa.node.runtime.accel import AccelCache, parse_accel
 from capsa.node.runtime.base import Accelerator
-from capsa.node.runtime.hostinfo import kvm_device_status, qemu_version, tsc_khz
+from capsa.node.runtime.hostinfo import qemu_version, tsc_khz
+from capsa.node.runtime.qemu.kvm import kvm_access_error, kvm_groups
+from capsa.node.runtime.workdir import VM_UID_BASE
+from tests.support.kvm_node import kvm_node_copy
+from tests.support.vm import searchable_dir
 
 
 def test_parse_accel() -> None:
@@ -59,17 +62,27 @@ def test_tsc_khz_from_cpuinfo(tmp_path: Path) -> None:
     assert real is None or real > 100_000
 
 
-def test_kvm_device_status(tmp_path: Path) -> None:
-    dev = tmp_path / "kvm"
-    assert "does not exist" in (kvm_device_status(1234, device=dev) or "")
-    dev.write_text("")
-    os.chown(dev, 0, 4321)
-    os.chmod(dev, 0o600)
-    assert "not accessible" in (kvm_device_status(1234, (4321,), device=dev) or "")
-    os.chmod(dev, 0o660)
-    assert kvm_device_status(1234, (4321,), device=dev) is None
-    assert kvm_device_status(1234, (), device=dev) is not None
-    assert kvm_device_status(0, (), device=dev) is None
+@pytest.mark.root
+async def test_kvm_access_is_checked_by_opening_the_device_as_the_vm_user() -> None:
+    vm = (VM_UID_BASE, VM_UID_BASE)
+    with searchable_dir("kvmacc-") as tmp:
+        assert (await kvm_access_error(vm, device=tmp / "missing") or "").endswith("does not exist")
+        (tmp / "file").write_text("")
+        assert "is not a character device" in (await kvm_access_error(vm, device=tmp / "file") or "")
+        root_only = kvm_node_copy(tmp, 0o600, name="root-only")
+        assert kvm_groups(root_only) == ()
+        assert await kvm_access_error(vm, device=root_only) == (
+            f"{root_only} (mode 0600, owner 0:0) is not accessible to the VM user {VM_UID_BASE} "
+            "(groups: none): Permission denied")
+        assert await kvm_access_error(None, device=root_only) is None  # this process is root
+        grouped = kvm_node_copy(tmp, 0o660, gid=4321, name="grouped")
+        assert kvm_groups(grouped) == (4321,)
+        assert await kvm_access_error(vm, (4321,), grouped) is None
+        assert "(groups: none): Permission denied" in (await kvm_access_error(vm, (), grouped) or "")
+        everyone = kvm_node_copy(tmp, 0o666, name="everyone")
+        assert await kvm_access_error(vm, device=everyone) is None
+        read_only = kvm_node_copy(tmp, 0o664, gid=4321, name="read-only")
+        assert await kvm_access_error(vm, device=read_only) is not None  # QEMU needs read-write
 
 
 def test_qemu_version_is_read_from_the_binary() -> None:

@@ -16,9 +16,11 @@ from capsa.node.guest_client import GuestError
 from capsa.node.runtime.base import Accelerator, BootError, VMSpec
 from capsa.node.runtime.qemu import QemuRuntime
 from capsa.node.runtime.qemu.cmdline import SANDBOX_OPTIONS
+from capsa.node.runtime.qemu.kvm import KVM_DEVICE
 from capsa.node.runtime.qemu.launch import set_command_aslr
 from capsa.node.runtime.qemu.process import QemuProcess
-from capsa.node.runtime.workdir import VmDir, find_qemu_pids
+from capsa.node.runtime.workdir import VM_UID_BASE, VmDir, find_qemu_pids
+from tests.support.kvm_node import kvm_node_copy
 
 pytestmark = pytest.mark.root
 
@@ -45,16 +47,9 @@ def bogus_image(base: Path) -> GuestImage:
                       digest="0" * 64, kernel_release="none")
 
 
-def _runtime(base: Path, accel: str = "tcg") -> QemuRuntime:
+def _runtime(base: Path, accel: str = "tcg", kvm_device: Path = KVM_DEVICE) -> QemuRuntime:
     settings = Settings(state_dir=base / "state", cache_dir=base / "cache")
-    return QemuRuntime(settings, accel=accel, accel_cache=False)
-
-
-def _kvm_open_to_everyone() -> bool:
-    try:
-        return os.stat("/dev/kvm").st_mode & 0o006 == 0o006
-    except FileNotFoundError:
-        return False
+    return QemuRuntime(settings, accel=accel, accel_cache=False, kvm_device=kvm_device)
 
 
 def _leftovers(base: Path) -> list[str]:
@@ -108,23 +103,40 @@ async def test_private_state_dir_is_reported(base: Path, bogus_image: GuestImage
 
 
 async def test_explicit_kvm_without_access_fails_cleanly(base: Path, bogus_image: GuestImage) -> None:
-    if _kvm_open_to_everyone():
-        pytest.skip("/dev/kvm is open to everyone on this host")
-    rt = _runtime(base, accel="kvm")
-    with pytest.raises(BootError, match=r"kvm was requested but .* not accessible"):
+    # The VM user cannot open this device by construction (root-only), whatever /dev/kvm's mode is here.
+    device = kvm_node_copy(base, 0o600)
+    rt = _runtime(base, accel="kvm", kvm_device=device)
+    with pytest.raises(BootError, match=r"kvm was requested but .* not accessible") as info:
         await rt.boot(VMSpec(image=bogus_image))
+    assert info.value.code == "kvm_unavailable"
+    assert f"{device} (mode 0600, owner 0:0) is not accessible to the VM user {VM_UID_BASE} (groups: none)" \
+        in str(info.value)
+    assert _leftovers(base) == []
+
+
+async def test_explicit_kvm_that_cannot_boot_is_refused(base: Path, bogus_image: GuestImage) -> None:
+    # The VM user can open this device; no guest boots from the bogus image, under any kvm or none.
+    device = kvm_node_copy(base, 0o666)
+    rt = _runtime(base, accel="kvm", kvm_device=device)
+    with pytest.raises(BootError, match=r"kvm was requested but the guest did not boot under kvm") as info:
+        await rt.boot(VMSpec(image=bogus_image), sandbox_id="sbx_nokvm")
+    assert info.value.code == "kvm_boot_failed"
+    assert f"{device} (mode 0666, owner 0:0)" in str(info.value)
+    assert "boot of sbx_nokvm (kvm) failed: qemu exited" in str(info.value)  # QEMU's own reason follows
+    assert info.value.extra["sandbox_id"] == "sbx_nokvm"
     assert _leftovers(base) == []
 
 
 async def test_auto_without_kvm_access_decides_tcg_and_says_why(base: Path, bogus_image: GuestImage) -> None:
-    rt = _runtime(base, accel="auto")
+    rt = _runtime(base, accel="auto", kvm_device=kvm_node_copy(base, 0o600))
     assert rt.accelerator is None  # not settled before the first boot
-    with pytest.raises(BootError):
+    with pytest.raises(BootError, match=r"\(tcg\) failed"):
         await rt.boot(VMSpec(image=bogus_image))  # the image is bogus; the decision is still made
     assert rt.accel_decision is not None
-    if rt.accel_decision.accel is Accelerator.TCG:
-        assert rt.accel_decision.reason.startswith(("kvm unusable", "kvm probe boot failed"))
-    assert rt.accelerator is rt.accel_decision.accel
+    assert rt.accel_decision.accel is Accelerator.TCG
+    assert rt.accel_decision.reason.startswith("kvm unusable: ")
+    assert "not accessible to the VM user" in rt.accel_decision.reason
+    assert rt.accelerator is Accelerator.TCG
     assert _leftovers(base) == []
 
 

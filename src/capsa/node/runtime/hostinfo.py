@@ -1,4 +1,7 @@
-"""Facts about the host that the QEMU command line depends on (TSC rate, QEMU version, /dev/kvm)."""
+"""Facts about the host that the QEMU command line depends on (TSC rate, QEMU version, kernel release).
+
+Whether QEMU can use /dev/kvm is checked as the VM user, in :mod:`capsa.node.runtime.qemu.kvm`.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,6 @@ from pathlib import Path
 __all__ = [
     "HostInfoError",
     "host_kernel_release",
-    "kvm_device_status",
     "qemu_binary",
     "qemu_version",
     "tsc_khz",
@@ -68,29 +70,3 @@ def tsc_khz(cpuinfo: Path = Path("/proc/cpuinfo")) -> int | None:
         return None
     khz = round(float(match.group(1)) * 1000)
     return khz if khz > 0 else None
-
-
-def kvm_device_status(uid: int | None, gids: tuple[int, ...] = (),
-                      device: Path = Path("/dev/kvm")) -> str | None:
-    """None when ``uid`` (None = this process) can open /dev/kvm read-write, else the reason it cannot."""
-    try:
-        st = device.stat()
-    except FileNotFoundError:
-        return f"{device} does not exist"
-    except OSError as exc:
-        return f"{device}: {exc.strerror}"
-    if uid is None:
-        return None if os.access(device, os.R_OK | os.W_OK) else f"{device} is not accessible to this process"
-    if uid == 0:
-        return None
-    need = 0o6
-    if st.st_uid == uid:
-        ok = (st.st_mode >> 6) & need == need
-    elif st.st_gid in gids:
-        ok = (st.st_mode >> 3) & need == need
-    else:
-        ok = st.st_mode & need == need
-    if ok:
-        return None
-    return (f"{device} (mode {st.st_mode & 0o777:04o}, owner {st.st_uid}:{st.st_gid}) is not accessible "
-            f"to the unprivileged VM user {uid}")

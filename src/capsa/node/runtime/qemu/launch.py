@@ -32,11 +32,15 @@ from capsa.node.runtime.snapshot.mechanics import refresh_guest
 from capsa.node.runtime.workdir import VmDir
 from capsa.node.storage.disks import DiskError
 
-__all__ = ["LaunchRequest", "abort_launch", "check_image", "launch"]
+__all__ = ["LaunchError", "LaunchRequest", "abort_launch", "check_image", "launch"]
 
 _log = logging.getLogger(__name__)
 
 _LAUNCH_FAILURES = (ValueError, DiskError, QemuProcessError, TimeoutError, OSError, GuestError)
+
+
+class LaunchError(BootError):
+    """QEMU was started and the VM did not come up (QEMU exited, or the guest did not answer in time)."""
 
 
 @dataclass(frozen=True)
@@ -129,8 +133,8 @@ async def launch(req: LaunchRequest, *, started: float) -> QemuSandbox:
             raise
         if restore is not None or isinstance(exc, _LAUNCH_FAILURES):
             what = "restore" if restore is not None else "boot"
-            raise BootError(f"{what} of {sid} ({req.accel.value}) failed: {exc}{detail}",
-                            sandbox_id=sid) from exc
+            raise LaunchError(f"{what} of {sid} ({req.accel.value}) failed: {exc}{detail}",
+                              sandbox_id=sid) from exc
         raise
     sandbox.start_watching()
     _log.info("sandbox %s %s in %.2fs (accel %s, pid %s, cow disk %s)", sid,

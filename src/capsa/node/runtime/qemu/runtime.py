@@ -41,16 +41,11 @@ from capsa.node.runtime.base import (
     SandboxState,
     VMSpec,
 )
-from capsa.node.runtime.hostinfo import (
-    HostInfoError,
-    host_kernel_release,
-    kvm_device_status,
-    qemu_binary,
-    qemu_version,
-)
+from capsa.node.runtime.hostinfo import HostInfoError, host_kernel_release, qemu_binary, qemu_version
 from capsa.node.runtime.ids import IdAllocator
+from capsa.node.runtime.qemu import kvm
 from capsa.node.runtime.qemu.cmdline import machine_fingerprint
-from capsa.node.runtime.qemu.launch import LaunchRequest, check_image, launch
+from capsa.node.runtime.qemu.launch import LaunchError, LaunchRequest, check_image, launch
 from capsa.node.runtime.qemu.sandbox import QemuSandbox
 from capsa.node.runtime.qemu.storage import VmFiles, VmStorage, WorkdirStorage
 from capsa.node.runtime.snapshot.manifest import Snapshot, SnapshotError
@@ -86,7 +81,8 @@ class QemuRuntime:
     def __init__(self, settings: Settings | None = None, accel: str | Accelerator | None = None, *,
                  storage: VmStorage | None = None, boot_timeout: float = 90.0, kvm_probe_timeout: float = 8.0,
                  snapshot_timeout: float = 300.0, drop_privileges: bool = True,
-                 console_limit: int = 1024 * 1024, accel_cache: Path | bool | None = True) -> None:
+                 console_limit: int = 1024 * 1024, accel_cache: Path | bool | None = True,
+                 kvm_device: Path = kvm.KVM_DEVICE) -> None:
         self.settings = settings or Settings()
         self.requested_accel = parse_accel(accel if accel is not None else self.settings.accel)
         self.storage: VmStorage = storage if storage is not None else WorkdirStorage()
@@ -105,6 +101,10 @@ class QemuRuntime:
             cache_path = accel_cache
         self._accel_cache = AccelCache(cache_path)
         self.accel_decision: AccelDecision | None = None
+        # Checked for access and giving VMs its group; QEMU itself always opens /dev/kvm (tests point
+        # this at a private copy of the device node to set up the access they test).
+        self.kvm_device = kvm_device
+        self._kvm_booted = False  # a guest has booted under kvm in this runtime
         if self.requested_accel is not Accelerator.AUTO:
             self.accel_decision = AccelDecision(self.requested_accel, "requested", time.time())
         self.vms_dir = self.settings.state_dir / "vms"
@@ -134,17 +134,16 @@ class QemuRuntime:
             self.accel_decision = AccelDecision(accel, reason, time.time())
         _log.info("accelerator: %s (%s)", accel.value, reason)
 
-    def _probe_uid(self) -> int | None:
+    def _probe_user(self) -> tuple[int, int] | None:
         # Every VM uid is in the same position towards /dev/kvm (not its owner), so any one stands for all.
-        return VM_UID_BASE if self.drop_privileges else None
+        return (VM_UID_BASE, VM_UID_BASE) if self.drop_privileges else None
 
-    @staticmethod
-    def _kvm_groups() -> list[int]:
-        with contextlib.suppress(OSError):
-            gid = Path("/dev/kvm").stat().st_gid
-            if gid != 0:
-                return [gid]
-        return []
+    def _kvm_groups(self) -> tuple[int, ...]:
+        return kvm.kvm_groups(self.kvm_device)
+
+    async def _kvm_access_error(self) -> str | None:
+        """Why QEMU, as the user and groups a VM on KVM gets, cannot open the KVM device (None: it can)."""
+        return await kvm.kvm_access_error(self._probe_user(), self._kvm_groups(), self.kvm_device)
 
     # -- starting VMs ------------------------------------------------------------------------------
 
@@ -257,15 +256,37 @@ class QemuRuntime:
                     return sandbox
                 accel = Accelerator.TCG
         elif accel is Accelerator.KVM:
-            reason = kvm_device_status(self._probe_uid(), tuple(self._kvm_groups()))
-            if reason is not None:
-                raise BootError(f"kvm was requested but {reason}")
+            return await self._boot_requested_kvm(binary, spec, sid)
         return await self._start(binary, spec, sid, accel, self.boot_timeout,
                                  prepare=self._boot_files(spec, sid))
 
+    async def _boot_requested_kvm(self, binary: str, spec: VMSpec, sid: str) -> QemuSandbox:
+        """``-accel kvm`` was asked for: refused before anything is made when the VM user cannot open the
+        device (``kvm_unavailable``); a boot that fails before any guest has booted under kvm here is
+        refused as kvm's (``kvm_boot_failed``), where ``auto`` would have fallen back to TCG."""
+        reason = await self._kvm_access_error()
+        if reason is not None:
+            raise BootError(f"kvm was requested but {reason}; give that user read-write access (e.g. a kvm "
+                            "group and mode 0660: VMs get the device's group) or use accel auto or tcg",
+                            code="kvm_unavailable", sandbox_id=sid)
+        try:
+            sandbox = await self._start(binary, spec, sid, Accelerator.KVM, self.boot_timeout,
+                                        prepare=self._boot_files(spec, sid))
+        except LaunchError as exc:
+            if self._kvm_booted:
+                raise
+            device = kvm.describe_device(self.kvm_device)
+            who = kvm.describe_user(self._probe_user(), self._kvm_groups())
+            raise BootError(f"kvm was requested but the guest did not boot under kvm, and none has in this "
+                            f"runtime yet ({device}, QEMU as {who}); if the image boots with accel tcg, "
+                            "this host's kvm cannot run it (e.g. a PVM /dev/kvm, or no vmx/svm): use accel "
+                            f"auto or tcg. {exc}", code="kvm_boot_failed", sandbox_id=sid) from exc
+        self._kvm_booted = True
+        return sandbox
+
     async def _probe_kvm(self, binary: str, spec: VMSpec, sid: str) -> QemuSandbox | None:
         """Boot this sandbox under KVM with a short deadline; the VM is kept when it works."""
-        reason = kvm_device_status(self._probe_uid(), tuple(self._kvm_groups()))
+        reason = await self._kvm_access_error()
         if reason is not None:
             self._decide(Accelerator.TCG, f"kvm unusable: {reason}", persist=False)
             return None
