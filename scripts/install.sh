@@ -2,7 +2,8 @@
 # Install capsa on a fresh Debian 12 (bookworm) machine and run the main job end to end.
 #
 #   sudo scripts/install.sh              # system packages, venv, guest image, then the demo
-#   sudo scripts/install.sh --no-demo    # everything except the demo (what CI uses)
+#   sudo scripts/install.sh --no-demo    # everything except the demo
+#   sudo scripts/install.sh --no-demo --dev   # and the test tools in the same pip pass (what CI uses)
 #
 # Idempotent: packages already installed are not touched, the venv is reused, and the guest image
 # comes from the cache (/var/cache/capsa, or $CAPSA_CACHE_DIR) when its inputs have not changed.
@@ -11,16 +12,19 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CAPSA_VENV:-$REPO/.venv}"
 DEMO=1
+EXTRAS=""
 
 usage() {
     sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     echo "options: --no-demo   skip the final demo run"
+    echo "         --dev       also install the development extras (tests, linters) in the same pass"
     echo "         --venv DIR  virtualenv to create/use (default: \$CAPSA_VENV or $REPO/.venv)"
 }
 
 while [ $# -gt 0 ]; do
     case "$1" in
         --no-demo) DEMO=0 ;;
+        --dev) EXTRAS="[dev]" ;;
         --venv) [ $# -ge 2 ] || { echo "install.sh: --venv needs a directory" >&2; exit 2; }; VENV="$2"; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "install.sh: unknown option: $1" >&2; usage >&2; exit 2 ;;
@@ -60,11 +64,28 @@ else
 fi
 
 step "Python environment ($VENV)"
+# pip's downloads are kept beside the image cache, so a venv made anew (a changed pyproject.toml) reuses them.
+export PIP_CACHE_DIR="${PIP_CACHE_DIR:-${CAPSA_CACHE_DIR:-/var/cache/capsa}/pip}"
+fresh=0
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    fresh=1
 fi
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e "$REPO"
+# One pip pass: skipped when this venv already holds what pyproject.toml asks for, installed from this
+# checkout (the stamp records both); a reused venv and a new clone only re-point the editable install.
+stamp="$VENV/.capsa-install"
+want="$(sha256sum "$REPO/pyproject.toml" | cut -c1-64) $EXTRAS"
+have="$(head -n1 "$stamp" 2>/dev/null || true)"
+if [ "$fresh" -eq 1 ] || [ "$have" != "$want" ]; then
+    "$VENV/bin/python" -m pip install -q -e "$REPO$EXTRAS"
+    printf '%s\n%s\n' "$want" "$REPO" > "$stamp"
+elif [ "$(sed -n 2p "$stamp")" != "$REPO" ]; then
+    "$VENV/bin/python" -m pip install -q --no-deps -e "$REPO"
+    printf '%s\n%s\n' "$want" "$REPO" > "$stamp"
+else
+    echo "up to date (pyproject.toml unchanged, installed from $REPO)"
+fi
 "$VENV/bin/capsa" --version
 
 step "Guest image (kernel, initramfs, root filesystem)"

@@ -18,6 +18,7 @@ from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from tests.support.control_db import DATABASES, database_url, optional_postgres
 from tests.support.postgres import PgCluster
+from tests.support.skips import allowed_skip
 from tests.support.vm import searchable_dir
 
 if TYPE_CHECKING:
@@ -40,6 +41,70 @@ def guest_image() -> GuestImage:
     return ensure_image(Settings())
 
 
+# --- the vm marker ---------------------------------------------------------------------------------------
+
+# Fixtures that boot VMs or start `capsa serve` (tests/conftest.py and tests/integration/conftest.py): a test
+# using one must carry the `vm` marker, which scripts/test.sh uses to run it after the templates are built.
+# While the others run, QEMU refuses to boot (tests/support/novm): that catches VMs booted any other way.
+_VM_FIXTURES = frozenset({"runtime", "sandbox", "pool", "server"})
+_VM_FIXTURE_MODULES = frozenset({"tests.conftest", "tests.integration.conftest"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = []
+    for item in items:
+        if item.get_closest_marker("vm") is not None or not isinstance(item, pytest.Function):
+            continue
+        for name, defs in item._fixtureinfo.name2fixturedefs.items():
+            if name in _VM_FIXTURES and defs and defs[-1].func.__module__ in _VM_FIXTURE_MODULES:
+                unmarked.append(f"{item.nodeid} (fixture {name})")
+                break
+    if unmarked:
+        raise pytest.UsageError("tests that use VM fixtures without the `vm` marker (add pytest.mark.vm to "
+                                "the module's pytestmark):\n  " + "\n  ".join(unmarked))
+
+
+# --- skips under CI ------------------------------------------------------------------------------------
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Under CI (``CAPSA_CI=1``) a skip outside tests/support/skips.py is a failure, whatever skipped it
+    (a marker, a fixture, the test itself), so a missing service or a non-root run cannot pass quietly."""
+    outcome = yield
+    if os.environ.get("CAPSA_CI") != "1":
+        return
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not allowed_skip(item.nodeid, reason):
+            report.outcome = "failed"
+            report.longrepr = f"skipped outside the CI allowlist (tests/support/skips.py): {reason}"
+
+
+_module_skips: list[str] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """A whole module skipped while it is collected (``allow_module_level``) fails the session under CI
+    (a failed collection would stop every other test, so it is reported at the end instead)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if os.environ.get("CAPSA_CI") == "1" and report.skipped:
+        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not allowed_skip(collector.nodeid, reason):
+            _module_skips.append(f"{collector.nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _module_skips:
+        print("\nmodules skipped outside the CI allowlist (tests/support/skips.py):")
+        for line in _module_skips:
+            print(f"  {line}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 # --- the control plane's database -------------------------------------------------------------------
 
 
@@ -50,9 +115,18 @@ def pg_cluster() -> Iterator[PgCluster | None]:
         yield cluster
 
 
-@pytest.fixture(params=DATABASES)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test using ``db_url`` runs on SQLite; in a module marked ``postgresql`` (the database's semantics
+    under test: the store, the audit chain, quotas, snapshots, nodes, migrations, the hot path) also on
+    PostgreSQL."""
+    if "db_url" in metafunc.fixturenames:
+        kinds = DATABASES if metafunc.definition.get_closest_marker("postgresql") else DATABASES[:1]
+        metafunc.parametrize("db_url", kinds, indirect=True, ids=list(kinds))
+
+
+@pytest.fixture
 def db_url(request: pytest.FixtureRequest, tmp_path: Path, pg_cluster: PgCluster | None) -> str:
-    """An empty control-plane database: each test using it runs on SQLite and on PostgreSQL."""
+    """An empty control-plane database of the kind ``pytest_generate_tests`` chose."""
     return database_url(request.param, tmp_path, pg_cluster)
 
 

@@ -21,6 +21,9 @@ import pytest
 from tests.support.leftovers import wait_no_vm_leftovers
 from tests.support.served import CAPSA, KEY_RE, ROOT, Served, capsa, free_port, start_serve
 
+# Every test starts `capsa serve`, whose node restores its warm pool at start.
+pytestmark = pytest.mark.vm
+
 
 def test_bootstrap_key_is_printed_only_on_first_start(fresh_state_dir: Path) -> None:
     state = fresh_state_dir / "state"
@@ -49,7 +52,6 @@ def test_bootstrap_key_is_printed_only_on_first_start(fresh_state_dir: Path) -> 
         assert third.stop() == 0
 
 
-@pytest.mark.vm
 def test_a_fresh_state_dir_serves_its_first_session_from_the_template_cache(fresh_state_dir: Path) -> None:
     key = "csk_tplcachetest_" + "t" * 32
     # The first node builds base (or finds it cached already); stopping lets a fresh copy reach the cache.
@@ -85,7 +87,6 @@ def test_errors_are_one_line(server: tuple[Served, str]) -> None:
     assert "Traceback" not in wrong.stderr + missing.stderr + down.stderr
 
 
-@pytest.mark.vm
 def test_readme_quickstart_runs_and_leaves_nothing(server: tuple[Served, str]) -> None:
     served, admin = server
     made = capsa(served, admin, "keys", "create", "--tenant", "readme", "--json")
@@ -111,7 +112,6 @@ def test_readme_quickstart_runs_and_leaves_nothing(server: tuple[Served, str]) -
     assert wait_no_vm_leftovers(served.state_dir) == []
 
 
-@pytest.mark.vm
 def test_cli_run_exec_ls_close_with_real_vms(server: tuple[Served, str]) -> None:
     served, admin = server
     key = capsa(served, admin, "keys", "create", "--tenant", "cli-e2e").stdout.strip()
@@ -148,7 +148,6 @@ def test_cli_run_exec_ls_close_with_real_vms(server: tuple[Served, str]) -> None
     assert wait_no_vm_leftovers(served.state_dir) == []
 
 
-@pytest.mark.vm
 def test_ctrl_c_on_capsa_run_closes_the_session(server: tuple[Served, str]) -> None:
     served, admin = server
     key = capsa(served, admin, "keys", "create", "--tenant", "ctrl-c").stdout.strip()

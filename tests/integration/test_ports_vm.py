@@ -18,7 +18,7 @@ from tests.support import port_app
 from tests.support.problems import assert_problem
 from tests.support.served import Served
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 
 HTTP_PORT, WS_PORT = 8000, 8001
 

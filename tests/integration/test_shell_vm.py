@@ -21,7 +21,7 @@ from tests.support.leftovers import wait_no_vm_leftovers
 from tests.support.pty_driver import PtyDriver
 from tests.support.served import CAPSA, Served
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 
 
 def _tenant(served: Served, admin: str, tenant: str) -> str:

@@ -39,7 +39,7 @@ from capsa.node.egress.node_egress import NodeEgress
 from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime, fake_image
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.postgresql]
 
 MakeStack = Callable[..., Awaitable[ApiStack]]
 API_TOKEN = "node-api-token-" + "c" * 24

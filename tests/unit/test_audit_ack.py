@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from capsa.control.store.audit_models import AuditHeadRow, AuditTrailRow
 from tests.support.api_stack import ApiStack
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.postgresql]
 
 Factory = Callable[..., Awaitable[ApiStack]]
 

@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from capsa.cli.main import cli
 from tests.support.api_stack import ApiStack
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.postgresql]
 
 
 async def _cli(stack: ApiStack, key: str, *args: str) -> Result:

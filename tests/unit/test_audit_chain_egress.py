@@ -20,7 +20,7 @@ from capsa.node.egress.node_egress import NodeEgress
 from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.postgresql]
 
 KEY = base64.b64encode(os.urandom(32)).decode()
 

@@ -12,7 +12,11 @@ import os
 import sys
 from typing import Any
 
+import pytest
+
 from tests.support.api_stack import ApiStack
+
+pytestmark = pytest.mark.postgresql
 
 _CLI = "from capsa.cli.main import main; main()"
 

@@ -18,6 +18,8 @@ from capsa.control.plane import ControlPlane
 from capsa.control.store.models import NodeEnrolTokenRow, NodeRow, utcnow
 from tests.support.api_stack import ApiStack
 
+pytestmark = pytest.mark.postgresql
+
 MakeStack = Callable[..., Awaitable[ApiStack]]
 API_TOKEN = "node-api-token-" + "a" * 24
 

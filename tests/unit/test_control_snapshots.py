@@ -26,6 +26,8 @@ from capsa.control.store.models import SessionRow, utcnow
 from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime
 
+pytestmark = pytest.mark.postgresql
+
 _needs_root = pytest.mark.skipif(os.geteuid() != 0,
                                  reason="the fake runtime snapshots only confined guests (root)")
 

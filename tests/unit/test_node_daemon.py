@@ -18,7 +18,7 @@ from capsa.node.daemon import IDENTITY_FILE, ControlLinkError, HttpControlLink, 
 from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime, fake_image
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.postgresql]
 
 
 async def _agent(tmp_path: Path) -> NodeAgent:

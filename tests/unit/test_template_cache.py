@@ -183,6 +183,34 @@ async def test_publish_is_atomic_and_sweeps_debris(tmp_path: Path) -> None:
     assert sorted(p.name for p in cache.root.iterdir()) == [".lock", entry.name]
 
 
+async def test_publish_keeps_the_two_newest_entries_per_template_and_size(tmp_path: Path) -> None:
+    cache = TemplateCache(tmp_path / "cache")
+    _, store = await _store(tmp_path, cache)
+    built = await store.ensure_base(256, 1)
+    await store.wait_published()
+    manifest: SnapshotManifest = built.snapshot.manifest
+    (first,) = [p for p in cache.root.iterdir() if p.name != ".lock"]
+    os.utime(first, (1, 1))
+    # Entries of three QEMU versions (older first), another size and another template: publishing the
+    # newest leaves the two newest base 256 MiB entries, and the others untouched.
+    entries = []
+    for i, version in enumerate(["7.0", "7.1", "7.2"]):
+        m = manifest.model_copy(update={"qemu_version": version})
+        entry = await asyncio.to_thread(cache.publish, BASE, built.path, m)
+        os.utime(entry, (1000 + i, 1000 + i))
+        entries.append(entry.name)
+    other_size = await asyncio.to_thread(cache.publish, BASE, built.path,
+                                         manifest.model_copy(update={"memory_mib": 512}))
+    os.utime(other_size, (1, 1))
+    other_name = await asyncio.to_thread(cache.publish, "base-net", built.path, manifest)
+    os.utime(other_name, (1, 1))
+    newest = await asyncio.to_thread(cache.publish, BASE, built.path,
+                                     manifest.model_copy(update={"qemu_version": "8.0"}))
+    left = sorted(p.name for p in cache.root.iterdir() if p.name != ".lock")
+    assert left == sorted([newest.name, entries[2], other_size.name, other_name.name])
+    assert first.name not in left
+
+
 class _Link:
     def __init__(self) -> None:
         self.registered: list[NodeRegister] = []

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -132,6 +133,48 @@ def build(spec_file: Path, state_dir: Path | None, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=2))
     else:
         console.print(f"[green]built[/] {info['name']} {info['digest']} ({_size(info['size_bytes'])})")
+
+
+@template.command("warm")
+@click.argument("names", nargs=-1)
+@click.option("--all", "warm_all", is_flag=True, help="Every template a node builds: base, base-net and the "
+              "shipped ones.")
+@click.option("--force", is_flag=True, help="Build even when the cache has a restorable entry.")
+@_json_opt
+def warm(names: tuple[str, ...], warm_all: bool, force: bool, as_json: bool) -> None:
+    """Build templates into the template cache (beside the guest image) unless it already holds a
+    restorable entry for each, so nodes import them instead of building them: NAMES of base, base-net,
+    browser, desktop. Builds in a scratch node of its own; needs root."""
+    from capsa.images.build import ensure_image
+    from capsa.node.template_warm import warm_templates, warmable_names
+
+    console = Console(stderr=True)
+    chosen = warmable_names() if warm_all else list(dict.fromkeys(names))
+    if not chosen:
+        console.print("[red]usage[/]: name at least one template, or --all")
+        sys.exit(2)
+    started = time.monotonic()
+
+    def say(msg: str) -> None:
+        console.print(f"{time.monotonic() - started:7.1f} s  {msg}", soft_wrap=True)
+
+    try:
+        settings = Settings()
+        image = ensure_image(settings)
+        results = asyncio.run(warm_templates(settings, image, chosen, force=force, progress=say))
+    except CapsaError as exc:
+        _fail(console, exc)
+        return
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/]: templates not built were not cached")
+        sys.exit(130)
+    if as_json:
+        click.echo(json.dumps([{"name": r.name, "entry": str(r.entry), "built": r.built,
+                                "seconds": round(r.seconds, 1)} for r in results], indent=2))
+    else:
+        for r in results:
+            state = "[green]built[/]" if r.built else "[cyan]cached[/]"
+            console.print(f"{state} {r.name} in {r.seconds:.1f} s: {r.entry}", soft_wrap=True)
 
 
 @template.command("ls")

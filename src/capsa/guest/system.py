@@ -39,6 +39,9 @@ class System:
         self.instance = instance
         self.allow_clock = allow_clock
         self.allow_poweroff = allow_poweroff
+        self.reseeds = 0
+        """Reseeds done (both ioctls succeeded) since this daemon started: part of a snapshot, so a restore
+        shows whether the host reseeded the copy (``health``'s ``rng_reseeds``)."""
 
     def op_health(self, stream: Stream, args: dict[str, Any], data: bytes) -> None:
         stream.result({
@@ -54,6 +57,7 @@ class System:
             "python": platform.python_version(),
             "time_ns": time.time_ns(),
             "uid": os.geteuid(),
+            "rng_reseeds": self.reseeds,
         })
 
     def op_set_clock(self, stream: Stream, args: dict[str, Any], data: bytes) -> None:
@@ -85,7 +89,8 @@ class System:
                 fcntl.ioctl(dev.fileno(), RNDRESEEDCRNG)
         except OSError as exc:
             raise from_os_error(exc, "/dev/random") from None
-        stream.result({"bytes": len(data)})
+        self.reseeds += 1
+        stream.result({"bytes": len(data), "reseeds": self.reseeds})
 
     def op_set_hostname(self, stream: Stream, args: dict[str, Any], data: bytes) -> None:
         name = args.get("name")

@@ -482,39 +482,43 @@ class TemplateSource:
             log.info("template %s was built from another spec; rebuilding it", name)
             await self.warm.drain(name)
             await asyncio.to_thread(self.store.delete, name)
-        egress = self.egress
-
-        async def build() -> Template:
-            log.info("building shipped template %s (%d MiB, %d vCPU)", name, *size)
-            return await build_template(self.store, spec, shipped.sources, network=(
-                egress.throwaway_network if egress is not None else None), trust=self.trust)
-
-        return await self.store.ensure(name, *size, build, mac=NET_TEMPLATE_MAC if spec.network else None,
+        return await self.store.ensure(name, *size, lambda: self.build_shipped(name),
+                                       mac=NET_TEMPLATE_MAC if spec.network else None,
                                        cache_name=shipped.cache_name)
+
+    async def build_shipped(self, name: str, progress: Callable[[str], None] | None = None) -> Template:
+        """Build the shipped template ``name`` into the store at its spec's size (no cache, no lock)."""
+        shipped = shipped_template(name)
+        if shipped is None:
+            raise CapsaError(f"{name!r} is not a shipped template", code="template_not_found", status=404)
+        log.info("building shipped template %s", name)
+        egress = self.egress
+        return await build_template(self.store, shipped.spec, shipped.sources, progress, network=(
+            egress.throwaway_network if egress is not None else None), trust=self.trust)
 
     async def net_template(self, memory_mib: int, vcpus: int) -> Template:
         """``base`` with a NIC (MAC :data:`NET_TEMPLATE_MAC`), cold-booted and snapshotted on first use."""
+        return await self.store.ensure(NET_TEMPLATE, memory_mib, vcpus,
+                                       lambda: self.build_net_template(memory_mib, vcpus),
+                                       mac=NET_TEMPLATE_MAC)
+
+    async def build_net_template(self, memory_mib: int, vcpus: int) -> Template:
+        """Cold-boot ``base-net`` of this size into the store (no cache, no lock: callers hold it)."""
         assert self.egress is not None
-        egress = self.egress
-
-        async def build() -> Template:
-            log.info("building template %s (%d MiB, %d vCPU)", NET_TEMPLATE, memory_mib, vcpus)
-            # A throwaway namespace and tap (with the sandbox firewall: nothing leaves it) just for the build.
-            async with egress.throwaway_network() as net:
-                spec = VMSpec(image=self.image, memory_mib=memory_mib, vcpus=vcpus,
-                              network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC),
-                              labels={"template": NET_TEMPLATE})
-                sandbox = await self.runtime.boot(spec)
-                try:
-                    # The image's own CA bundle, kept so that installing a sandbox CA is a file write.
-                    result = await sandbox.guest.exec(self.trust.prepare_script(), timeout=60)
-                    if result.exit_code != 0:
-                        raise CapsaError("could not prepare the trust store of base-net: "
-                                         f"{result.stderr[-300:]!r}", code="template_build_failed",
-                                         status=500)
-                except BaseException:
-                    await asyncio.shield(self.runtime.destroy(sandbox))
-                    raise
-                return await self.store.store(NET_TEMPLATE, sandbox, spec=None)
-
-        return await self.store.ensure(NET_TEMPLATE, memory_mib, vcpus, build, mac=NET_TEMPLATE_MAC)
+        log.info("building template %s (%d MiB, %d vCPU)", NET_TEMPLATE, memory_mib, vcpus)
+        # A throwaway namespace and tap (with the sandbox firewall: nothing leaves it) just for the build.
+        async with self.egress.throwaway_network() as net:
+            spec = VMSpec(image=self.image, memory_mib=memory_mib, vcpus=vcpus,
+                          network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC),
+                          labels={"template": NET_TEMPLATE})
+            sandbox = await self.runtime.boot(spec)
+            try:
+                # The image's own CA bundle, kept so that installing a sandbox CA is a file write.
+                result = await sandbox.guest.exec(self.trust.prepare_script(), timeout=60)
+                if result.exit_code != 0:
+                    raise CapsaError("could not prepare the trust store of base-net: "
+                                     f"{result.stderr[-300:]!r}", code="template_build_failed", status=500)
+            except BaseException:
+                await asyncio.shield(self.runtime.destroy(sandbox))
+                raise
+            return await self.store.store(NET_TEMPLATE, sandbox, spec=None)

@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -54,6 +55,13 @@ _CACHE_DIR_MODE = 0o700
 def _short(value: object) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
+
+KEEP = 2
+"""Entries kept per template and size when a new one is published (the newest; older ones were made from
+older images, specs or QEMU versions and are pruned)."""
+
+_ENTRY_RE = re.compile(r"^(?P<name>[a-z0-9][a-z0-9_-]*?)(?:\.[0-9a-f]{12})?"  # a shipped spec's hash
+                       r"-r\d+-[0-9a-f]{16}-(?P<size>m\d+c\d+)-")
 
 RECIPE = 3
 """How node-built templates are made (base; base-net with its prepared trust store; 3: networked templates
@@ -164,7 +172,28 @@ class TemplateCache:
             except BaseException:
                 shutil.rmtree(work, ignore_errors=True)
                 raise
+            self._prune_locked(keep=KEEP)
         return final
+
+    def _prune_locked(self, keep: int) -> list[Path]:
+        """Drop all but the ``keep`` newest entries of each (template, size); the caller holds the exclusive
+        lock. A node holding an imported copy is unaffected: imports are copies."""
+        groups: dict[tuple[str, str], list[Path]] = {}
+        for entry in self.root.iterdir():
+            match = _ENTRY_RE.match(entry.name)
+            if match is None or not entry.is_dir() or entry.is_symlink():
+                continue
+            groups.setdefault((match["name"], match["size"]), []).append(entry)
+        removed = []
+        for entries in groups.values():
+            entries.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+            for old in entries[keep:]:
+                doomed = self.root / f"{_TMP_PREFIX}gone-{secrets.token_hex(6)}"
+                os.rename(old, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+                removed.append(old)
+                log.info("pruned template cache entry %s", old.name)
+        return removed
 
     def discard(self, entry: Path) -> None:
         """Remove a cached entry (unreadable or not restorable by anyone)."""

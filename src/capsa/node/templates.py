@@ -31,7 +31,7 @@ from typing import Any
 
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
-from capsa.node.runtime.base import GuestImage, Sandbox, VMSpec
+from capsa.node.runtime.base import GuestImage, RamMode, Sandbox, VMSpec
 from capsa.node.runtime.snapshot.manifest import Snapshot, SnapshotError
 from capsa.node.snapshots import SnapshottingRuntime
 from capsa.node.template_cache import TemplateCache
@@ -329,9 +329,12 @@ class TemplateStore:
         await asyncio.gather(*pending, return_exceptions=True)
 
     async def store(self, name: str, sandbox: Sandbox, *, spec: dict[str, Any] | None,
-                    progress: Progress | None = None) -> Template:
+                    progress: Progress | None = None, restore_spec: VMSpec | None = None) -> Template:
         """Snapshot ``sandbox`` as template ``name`` (replacing one of the same size), then destroy it.
 
+        A sandbox whose RAM is private (a build VM: its snapshot carries the RAM in the stream) is
+        restored once from that snapshot with its RAM in a file (``restore_spec``: the spec to restore
+        it with, its network included) and snapshotted again, so every template restores from a RAM file.
         The sandbox is destroyed in every case. The old template of that name and size stays in place
         until the new one is complete.
         """
@@ -354,6 +357,12 @@ class TemplateStore:
             await asyncio.to_thread(shutil.rmtree, work, True)
             raise
         await self.runtime.destroy(sandbox)
+        if snap.manifest.ram is None and restore_spec is not None:
+            try:
+                snap = await self._ram_into_file(snap, restore_spec, work, name, say)
+            except BaseException:
+                await asyncio.to_thread(shutil.rmtree, work, True)
+                raise
         final = self.root / _dir_name(name, snap.manifest.memory_mib, snap.manifest.vcpus)
         try:
             record = {"name": name, "snapshot": snap.id, "digest": template_digest(snap, spec),
@@ -368,6 +377,20 @@ class TemplateStore:
             raise SnapshotError(f"template {name} was stored but cannot be read back")
         say(f"template {name} stored: {template.digest}")
         return template
+
+    async def _ram_into_file(self, streamed: Snapshot, spec: VMSpec, work: Path, name: str,
+                             say: Progress) -> Snapshot:
+        """The snapshot ``streamed`` (RAM in its stream) made again with the RAM in a file: restored with a
+        shared RAM file, snapshotted, the first one removed."""
+        say("moving its RAM into a file (one restore and snapshot)")
+        vm = await self.runtime.restore(streamed, spec, ram_mode=RamMode.COPY)
+        try:
+            snap = await self.runtime.snapshot(vm, work / new_id("snap"), resume=False,
+                                               labels={"capsa.template": name}, content_digest=True)
+        finally:
+            await self.runtime.destroy(vm)
+        await asyncio.to_thread(shutil.rmtree, streamed.path)
+        return snap
 
     def delete(self, name: str) -> int:
         """Remove every size of template ``name``; returns how many were removed."""

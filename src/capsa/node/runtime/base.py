@@ -119,6 +119,13 @@ class VMSpec:
     memory_mib: int = 256
     vcpus: int = 1
     disk_size_mib: int | None = None  # grow the private disk copy to this size; None keeps the image size
+    rootfs: Path | None = None
+    """A cold boot's disk is a copy of this root filesystem instead of the image's (a template build's copy
+    with packages installed on the host); the kernel and initramfs stay the image's."""
+    private_ram: bool = False
+    """A cold boot's RAM is mapped privately (anonymous pages, nothing written back to the storage pool
+    while the VM runs; its snapshots carry the RAM in their stream): a build VM's, whose guest rewrites
+    much of its memory."""
     network: object | None = None  # filled in by the egress work (capsa.node.net); None = no NIC at all
     kernel_args: tuple[str, ...] = ()
     labels: dict[str, str] = field(default_factory=dict)

@@ -103,7 +103,8 @@ class WorkdirStorage:
 
     def boot_files(self, sandbox_id: str, spec: VMSpec, vmdir: VmDir,
                    owner: tuple[int, int] | None) -> VmFiles:
-        disk = private_disk(spec.image.rootfs, vmdir.disk, size_mib=spec.disk_size_mib, owner=owner)
+        disk = private_disk(spec.rootfs or spec.image.rootfs, vmdir.disk, size_mib=spec.disk_size_mib,
+                            owner=owner)
         return VmFiles(disk=disk.path, disk_cow=disk.cow, ram=None, shared_ram=False)
 
     def restore_files(self, sandbox_id: str, snapshot: Snapshot, spec: VMSpec, mode: RamMode,
@@ -137,15 +138,17 @@ class PoolStorage:
                    owner: tuple[int, int] | None) -> VmFiles:
         pool_dir = self._pool.sandbox_dir(sandbox_id, create=True)
         try:
-            rootfs = self._pool_rootfs(spec)
+            rootfs = spec.rootfs or self._pool_rootfs(spec)
             disk = private_disk(rootfs, pool_dir / "disk.img", size_mib=spec.disk_size_mib, owner=owner)
             ram = pool_dir / RAM_FILE
             create_ram_file(ram, spec.memory_mib, owner=owner)
         except BaseException:
             self._pool.remove_sandbox(sandbox_id)
             raise
-        return VmFiles(disk=disk.path, disk_cow=disk.cow, ram=ram, shared_ram=True,
-                       qemu_args=tuple(memory_backend_args(spec.memory_mib, ram, share=True)))
+        shared = not spec.private_ram
+        return VmFiles(disk=disk.path, disk_cow=disk.cow, ram=ram, shared_ram=shared,
+                       qemu_args=tuple(memory_backend_args(spec.memory_mib, ram, share=shared)),
+                       private_ram=not shared)
 
     def restore_files(self, sandbox_id: str, snapshot: Snapshot, spec: VMSpec, mode: RamMode,
                       owner: tuple[int, int] | None) -> VmFiles:
