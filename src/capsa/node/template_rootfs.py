@@ -44,7 +44,8 @@ mount --bind -o ro "$debs" "$mnt/var/tmp/capsa-debs"
 printf '#!/bin/sh\nexit 101\n' > "$mnt/usr/sbin/policy-rc.d"
 chmod 755 "$mnt/usr/sbin/policy-rc.d"
 chroot "$mnt" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive \
-    LC_ALL=C.UTF-8 HOME=/root dpkg --force-confdef --force-confold --force-unsafe-io --recursive -i /var/tmp/capsa-debs
+    LC_ALL=C.UTF-8 HOME=/root \
+    dpkg --force-confdef --force-confold --force-unsafe-io --recursive -i /var/tmp/capsa-debs
 rm -f "$mnt/usr/sbin/policy-rc.d"
 umount "$mnt/var/tmp/capsa-debs"
 rmdir "$mnt/var/tmp/capsa-debs"
