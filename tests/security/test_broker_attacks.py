@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import resource
+import socket
 import ssl
 import statistics
 import time
@@ -53,6 +54,20 @@ def _rss() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
+
+
+async def _rss_until(base: int, done: Callable[[], bool], within: float) -> tuple[int, bool]:
+    """Sample :func:`_rss` every half second until ``done()`` (checked before each sample, so the last
+    one is taken after the attack was served) or ``within`` seconds; (the most it grew over ``base``,
+    whether ``done()`` came true)."""
+    deadline = time.monotonic() + within
+    peak = 0
+    while True:
+        finished = done()
+        peak = max(peak, _rss() - base)
+        if finished or time.monotonic() >= deadline:
+            return peak, finished
+        await asyncio.sleep(0.5)
 
 
 # -- upstreams -------------------------------------------------------------------------------------
@@ -210,11 +225,20 @@ BOUND = {"domains": [{"domain": "api.test"}, {"domain": "odd.test"}],
          "secrets": [{"secret": "sec_1", "domain": "api.test"}, {"secret": "sec_odd", "domain": "odd.test"}]}
 
 
-async def _tls_request(sbx: SandboxEgress, host: str, head: str, *, read_all: bool = True
-                       ) -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
+async def _tls_request(sbx: SandboxEgress, host: str, head: str, *, read_all: bool = True,
+                       rcvbuf: int | None = None) -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
+    """``rcvbuf``: the client socket's receive buffer, fixed (no autotuning up to net.ipv4.tcp_rmem)."""
     ctx = ssl.create_default_context(cadata=sbx.ca.cert_pem.decode())
-    reader, writer = await asyncio.open_connection("127.0.0.1", sbx.bound["tls"][1], ssl=ctx,
-                                                   server_hostname=host)
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", sbx.bound["tls"][1]))
+    except OSError:
+        sock.close()
+        raise
+    reader, writer = await asyncio.open_connection(sock=sock, ssl=ctx, server_hostname=host)
     writer.write(head.encode())
     data = b""
     if read_all:
@@ -346,23 +370,19 @@ async def test_256_trickling_uploads_keep_broker_memory_bounded(sink_range: Rang
 
     start = time.monotonic()
     await asyncio.wait_for(asyncio.gather(*(upload() for _ in range(conns))), 120)
-    # Trickling: nothing more comes. The upstream (on this loop) drains what the broker streams on; on a
-    # loaded machine that takes more than a moment, so wait for it (bounded) instead of sleeping a fixed
-    # second (a fixed second failed at load 12). Before the fix it got nothing until a body was complete.
-    streamed = conns * sent_each // 4
-    for _ in range(300):  # up to 60 s
-        if sink_range.upstream.received >= streamed:
-            break
-        await asyncio.sleep(0.2)
-    peak = _rss() - base
+    # Trickling: nothing more comes. Measure until the broker has consumed the whole flood, i.e. streamed
+    # every byte sent on to the upstream (on this loop; about 7 s after the last write here, idle): memory
+    # measured before then would not count what a broker holding the bodies holds. Before the fix the
+    # upstream got nothing until a body was complete.
+    total = conns * sent_each
+    peak, consumed = await _rss_until(base, lambda: sink_range.upstream.received >= total, 120)
     held = broker.budget.peak
     print(f"\n256 uploads x {sent_each // MiB} MiB sent in {time.monotonic() - start:.1f} s: broker+test RSS "
-          f"+{peak / MiB:.1f} MiB (budget {budget // MiB} MiB), reserved buffers peak {held / MiB:.1f} MiB, "
-          f"upstream got {sink_range.upstream.received / MiB:.0f} MiB, active connections {broker.active}")
+          f"+{peak / MiB:.1f} MiB at most (budget {budget // MiB} MiB), reserved buffers peak "
+          f"{held / MiB:.1f} MiB, upstream got {sink_range.upstream.received / MiB:.0f} MiB, active "
+          f"connections {broker.active}")
+    assert consumed, f"upstream got {sink_range.upstream.received / MiB:.0f} of {total // MiB} MiB"
     assert broker.active == conns
-    # Streamed on (the rest sits in loopback socket buffers); before the fix the upstream got nothing
-    # until a body was complete.
-    assert sink_range.upstream.received >= streamed
     assert peak < budget
     assert held <= broker.limits.buffer_bytes_per_sandbox
     for w in writers:
@@ -379,18 +399,35 @@ async def test_large_bound_host_responses_to_stalled_readers_stay_bounded(sink_r
     broker = sink_range.broker()
     sbx = await sink_range.sandbox(broker, BOUND)
     base = _rss()
-    held = []
-    for _ in range(conns):
+
+    async def stalled_reader() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        # Its kernel takes no more than a small receive buffer (autotuned, a loopback socket's grows to
+        # net.ipv4.tcp_rmem's maximum, 32 MiB here: the whole answer, and no reader would ever stall).
         _d, reader, writer = await _tls_request(sbx, "api.test",
-                                                "GET /big HTTP/1.1\r\nHost: api.test\r\n\r\n", read_all=False)
-        held.append((reader, writer))
-    await asyncio.sleep(2.0)
-    peak = _rss() - base
-    print(f"\n64 stalled 8 MiB bound-host responses: RSS +{peak / MiB:.1f} MiB (budget {budget // MiB} MiB), "
-          f"reserved buffers peak {broker.budget.peak / MiB:.1f} MiB")
+                                                "GET /big HTTP/1.1\r\nHost: api.test\r\n\r\n", read_all=False,
+                                                rcvbuf=64 * 1024)
+        # The answer's head: the broker has taken the request and answers it (before the fix, only once it
+        # had read the whole body). Then it reads nothing more.
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        return reader, writer
+
+    # All at once (one by one, on a busy host, the first had stalled for the broker's rate_grace, 30 s, and
+    # was cut before the last asked). Memory is sampled throughout, and once more after every answer began.
+    async def all_stalled() -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        return await asyncio.gather(*(stalled_reader() for _ in range(conns)))
+
+    start = time.monotonic()
+    attack = asyncio.create_task(all_stalled())
+    peak, answered = await _rss_until(base, attack.done, 120)
+    assert answered, "the broker did not answer every request within 120 s"
+    held = attack.result()
+    print(f"\n64 stalled 8 MiB bound-host responses, all answering after {time.monotonic() - start:.1f} s: "
+          f"RSS +{peak / MiB:.1f} MiB at most (budget {budget // MiB} MiB), reserved buffers peak "
+          f"{broker.budget.peak / MiB:.1f} MiB")
     assert peak < budget
     # And a reader that does read gets all of it, redacted on the way, framed as chunked.
-    reader, writer = held[0]
+    reader, _writer = held[0]
     body = await asyncio.wait_for(_read_until(reader, 8 * MiB), 60)
     assert body >= 8 * MiB
     for _r, w in held:

@@ -4,16 +4,19 @@ one unbroken chain per tenant, on SQLite and PostgreSQL; verify names the first 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from capsa.control import audit_trail
 from capsa.control.audit_trail import AuditEntry
 from capsa.control.store.db import create_engine, migrate, session_factory, sqlite_thread_engine
+from tests.support.control_db import database_url
+from tests.support.postgres import PgCluster
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.postgresql]
 
 
 async def test_concurrent_replicas_append_one_chain_per_tenant(db_url: str) -> None:
@@ -72,25 +75,45 @@ async def test_record_inside_a_rolled_back_transaction_leaves_nothing(db_url: st
         await engine.dispose()
 
 
-@pytest.mark.parametrize("thread", [False, True], ids=["async-driver", "writer-thread"])
-async def test_group_commit_shares_transactions_between_concurrent_requests(db_url: str,
-                                                                             thread: bool) -> None:
+# The writer thread is SQLite's only (store.db.sqlite_thread_engine): asyncpg has no per-call thread hop to
+# save, so PostgreSQL is written through its async driver alone.
+@pytest.mark.parametrize(("kind", "thread"), [("sqlite", False), ("sqlite", True), ("postgresql", False)],
+                         ids=["sqlite-async-driver", "sqlite-writer-thread", "postgresql-async-driver"])
+async def test_group_commit_shares_transactions_between_concurrent_requests(
+        kind: str, thread: bool, tmp_path: Path, pg_cluster: PgCluster | None) -> None:
     from capsa.control.audit_writer import AuditWriter
 
-    engine = create_engine(db_url)
-    thread_engine = sqlite_thread_engine(engine) if thread else None
-    if thread and engine.url.get_backend_name() != "sqlite":
-        assert thread_engine is None  # asyncpg needs no thread of its own
-        await engine.dispose()
-        return
+    engine = create_engine(database_url(kind, tmp_path, pg_cluster))
+    thread_engine = sqlite_thread_engine(engine) if kind == "sqlite" and thread else None
+    if kind == "postgresql":
+        assert sqlite_thread_engine(engine) is None  # no writer thread on PostgreSQL
     try:
         await migrate(engine)
         writer = AuditWriter(engine, thread_engine=thread_engine)
+        assert (writer.thread_engine is not None) == thread
+        # Commits counted by the database layer, on every engine of this database, not by the writer itself.
+        commits: list[str] = []
+
+        def counter(name: str) -> Callable[[object], None]:
+            return lambda _conn: commits.append(name)
+
+        listeners = [(engine.sync_engine, counter("async"))]
+        if thread_engine is not None:
+            listeners.append((thread_engine, counter("thread")))
+        for e, on_commit in listeners:
+            event.listen(e, "commit", on_commit)
         await asyncio.gather(*(writer.write("acme" if i % 2 else "other",
                                             [AuditEntry("api", "call", request_id=f"req_{i}"),
                                              AuditEntry("command", "run", request_id=f"req_{i}")])
                                for i in range(40)))
-        assert writer.transactions < 40  # the first alone, then the 39 that queued meanwhile together
+        for e, on_commit in listeners:
+            event.remove(e, "commit", on_commit)
+        # 40 requests handed over together, 80 events for two tenants: the writer's first transaction takes
+        # every one already queued (at most the first alone, then the 39 that queued meanwhile together),
+        # on the engine it is meant to use.
+        assert 1 <= len(commits) <= 2, commits
+        assert set(commits) == {"thread" if thread else "async"}, commits
+        assert writer.transactions == len(commits)
         async with session_factory(engine)() as db:
             for tenant in ("acme", "other"):
                 result = await audit_trail.verify(db, tenant)

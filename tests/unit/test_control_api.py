@@ -16,6 +16,7 @@ import pytest
 
 from tests.support.api_stack import ApiStack
 from tests.support.problems import assert_problem
+from tests.support.waits import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -399,7 +400,11 @@ async def test_dead_sandbox_fails_session(stack: ApiStack) -> None:
         assert len(sandboxes) == 2
         for sb in sandboxes.values():
             os.kill(sb.pid, 9)  # type: ignore[attr-defined]
-        await asyncio.sleep(0.3)
+        agent = stack.agent
+        assert agent is not None
+        # The node's watcher notices both deaths (bounded: it takes a moment).
+        await eventually(lambda: agent.failed_sandboxes() == sorted(sandboxes), "both sandboxes seen dead",
+                         within=10)
         # One is found through a command, the other through the node's heartbeat.
         assert_problem(
             await c.post(f"/v1/sessions/{s1['id']}/commands", json={"cmd": "true"}), 409, "session_failed"
@@ -453,7 +458,7 @@ async def test_reaper_works_after_control_plane_restart(make_stack: Any) -> None
         session = await create(c, timeout=1)
     await stack.replicas[0].stop()
     stack.replicas.clear()
-    await asyncio.sleep(1.2)
+    await asyncio.sleep(1.2)  # past the session's timeout, with no replica running: time must pass
     assert len(stack.runtime.list()) == 1  # nobody reaped it yet
     replica = await stack.add_replica(reaper_interval=0.2)  # "restart" with a reaper, same database
     async with stack.client(key, url=replica.url) as c:

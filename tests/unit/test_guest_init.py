@@ -131,10 +131,21 @@ def test_init_as_pid1(tmp_path: Path) -> None:
         os.kill(daemon, signal.SIGKILL)
         _until(lambda: next((c for c in _children(init) if c != daemon and "--device" in _cmdline(c)), None))
 
-        # Orphans inside the namespace are re-parented to init, which reaps them: no zombies stay.
+        # Orphans inside the namespace are re-parented to init, which reaps them: no zombies stay. Each
+        # subshell exits at once, leaving its sleep to init; the test kills them, and each must then go.
         subprocess.run(["nsenter", "--target", str(init), "--pid", "--mount", "--root", "--wd=/",
-                        "/bin/sh", "-c", "for i in 1 2 3 4 5; do (sleep 0.2 &) ; done"], check=True)
-        time.sleep(2.0)
+                        "/bin/sh", "-c", "for i in 1 2 3 4 5; do (sleep 1234 &) ; done"], check=True)
+
+        def orphans_of_init() -> list[int] | None:
+            found = [c for c in _children(init) if _cmdline(c).strip() == "sleep 1234"]
+            return found if len(found) == 5 else None
+
+        orphans = _until(orphans_of_init)
+        for pid in orphans:
+            os.kill(pid, signal.SIGKILL)
+        # They exited (a zombie until reaped, or gone), then init reaped every one: none stays a zombie.
+        _until(lambda: all(_state(pid) in ("Z", "gone") for pid in orphans))
+        _until(lambda: all(_state(pid) == "gone" for pid in orphans), timeout=10.0)
         assert [c for c in _children(init) if _state(c) == "Z"] == []
 
         # SIGTERM: stop everything, sync, remount read-only, reboot(RB_POWER_OFF). In a PID namespace

@@ -16,6 +16,7 @@ from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.api import create_node_app
 from tests.support.api_stack import Replica, serve_app
 from tests.support.fake_runtime import FakeRuntime, fake_image
+from tests.support.waits import eventually
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "node-token-0123456789"
@@ -153,8 +154,13 @@ async def test_dead_sandbox_is_reported(node: Node) -> None:
         import os
 
         os.kill(sandbox.pid, 9)  # type: ignore[attr-defined]
-        await asyncio.sleep(0.3)
-        assert (await c.get("/info")).json()["failed_sandboxes"] == [sid]
+
+        async def failed() -> list[str]:
+            listed: list[str] = (await c.get("/info")).json()["failed_sandboxes"]
+            return listed
+
+        # The node's watcher notices the death and reports it (bounded: it takes a moment).
+        assert await eventually(failed, "the killed sandbox reported failed", within=10) == [sid]
         _code(await c.post(f"/sandboxes/{sid}/exec", json={"cmd": "true"}), 409, "sandbox_failed")
         assert (await c.delete(f"/sandboxes/{sid}")).status_code == 204
         assert (await c.get("/info")).json()["failed_sandboxes"] == []

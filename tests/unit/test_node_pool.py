@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 
 from capsa.node.runtime.base import SandboxState
 from capsa.node.warm_pool import PoolKey, WarmPool, bind_identity
+from tests.support.waits import eventually
 
 KEY: PoolKey = ("base", 256, 1)
 
@@ -162,7 +163,11 @@ async def test_refill_stops_when_the_template_is_gone() -> None:
 
     pool = WarmPool(restore, _Fleet().destroy, default_size=1)  # type: ignore[arg-type]
     pool.watch(KEY)
-    await asyncio.sleep(0.2)
+    refill = pool._slots[KEY].task
+    assert refill is not None
+    # The refill ends by itself (bounded wait; a retry would come after 1 s and keep it running), after
+    # one restore, not counted as a failure.
+    await asyncio.wait_for(refill, 5)
     assert calls == 1 and pool.status()[0]["refill_failures"] == 0
     await pool.close()
 
@@ -183,7 +188,7 @@ async def test_a_refill_waits_for_the_delay_after_the_last_take() -> None:
     taken = asyncio.get_running_loop().time()
     assert first is not None
     pool.watch(KEY)
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # a third of the delay passes: nothing may happen meanwhile
     assert len(restored_at) == 1 and pool.status()[0]["idle"] == 0  # still waiting
     await _settle(pool, 1)
     assert restored_at[1] - taken >= 0.25  # (taken is read just after the pool stamped the take)
@@ -211,7 +216,7 @@ async def test_take_soon_waits_for_the_running_refill_instead_of_a_second_restor
     await asyncio.wait_for(fleet.started.wait(), 5)
     assert pool.take(KEY) is None  # take alone does not wait: a miss
     taker = asyncio.create_task(pool.take_soon(KEY))
-    await asyncio.sleep(0.05)
+    await eventually(lambda: len(pool._slots[KEY].waiters) == 1, "take_soon waiting", within=5)
     assert not taker.done()  # waiting for the restore in flight
     fleet.gate.set()
     got = await asyncio.wait_for(taker, 5)
@@ -228,7 +233,7 @@ async def test_take_soon_returns_nothing_when_the_refill_fails_or_none_runs() ->
     pool.watch(KEY)
     await asyncio.wait_for(fleet.started.wait(), 5)
     takers = [asyncio.create_task(pool.take_soon(KEY)) for _ in range(2)]
-    await asyncio.sleep(0.05)
+    await eventually(lambda: len(pool._slots[KEY].waiters) == 2, "both take_soon waiting", within=5)
     assert not any(t.done() for t in takers)
     fleet.gate.set()
     assert await asyncio.wait_for(asyncio.gather(*takers), 5) == [None, None]  # both restore on demand
@@ -241,13 +246,13 @@ async def test_a_cancelled_take_soon_leaves_no_waiter_and_close_wakes_the_rest()
     pool.watch(KEY)
     await asyncio.wait_for(fleet.started.wait(), 5)
     gone = asyncio.create_task(pool.take_soon(KEY))
-    await asyncio.sleep(0.02)
+    await eventually(lambda: len(pool._slots[KEY].waiters) == 1, "take_soon waiting", within=5)
     gone.cancel()
     with pytest.raises(asyncio.CancelledError):
         await gone
     assert not pool._slots[KEY].waiters
     stays = asyncio.create_task(pool.take_soon(KEY))
-    await asyncio.sleep(0.02)
+    await eventually(lambda: len(pool._slots[KEY].waiters) == 1, "take_soon waiting", within=5)
     await asyncio.wait_for(pool.close(), 5)  # the refill is cancelled mid-restore: the waiter wakes
     assert await asyncio.wait_for(stays, 5) is None
     assert fleet.made == []
