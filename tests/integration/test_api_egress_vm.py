@@ -39,6 +39,7 @@ from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
 from tests.support.api_stack import ApiStack
 from tests.support.outside import outside_world
 from tests.support.scan import file_contains, memory_contains
+from tests.support.waits import eventually
 
 pytestmark = [
     pytest.mark.vm,
@@ -404,8 +405,19 @@ async def test_egress_through_the_api_with_a_real_vm(guest_image: GuestImage, st
                 assert len(blocked) >= 20
                 assert all(blocked.values()), {k: seen[k] for k, ok in blocked.items() if not ok}
 
-                await asyncio.sleep(1.5)  # the drop-counter poller turns nftables counters into events
-                events = await _audit(api, sid)
+                # The drop-counter poller turns nftables counters into events every poll_interval: wait
+                # (bounded) until it has counted every class of drop the battery caused.
+                drops = ("drop_forward", "drop_tcp", "drop_udp", "drop_icmp", "drop_ipv6", "drop_spoofed")
+                counted: dict[str, int] = {}
+
+                async def drops_counted() -> list[dict[str, Any]] | None:
+                    events = await _audit(api, sid)
+                    counted.update({d: sum(e["count"] for e in events
+                                           if e["kind"] == "net" and e["destination"] == d) for d in drops})
+                    return events if all(counted.values()) and counted["drop_forward"] >= 3 else None
+
+                events = await eventually(drops_counted, lambda: f"drops counted (got {counted})",
+                                          within=30, every=0.5)
                 assert all(e["session_id"] == sid and e["sandbox_id"] == sandbox_id for e in events)
                 assert SECRET not in json.dumps(events)
                 injected = [e for e in events if e["kind"] == "http" and e["secret_ids"] == [secret_id]]

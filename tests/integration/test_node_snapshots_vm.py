@@ -29,6 +29,7 @@ from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.sources import TemplateSource
 from capsa.node.storage import StoragePool
 from capsa.node.template_build import build_template, load_spec
+from tests.support.waits import eventually
 
 pytestmark = [
     pytest.mark.vm,
@@ -73,6 +74,16 @@ async def _sh(api: httpx.AsyncClient, sid: str, cmd: str) -> str:
     res = await _ok(await api.post(f"/sandboxes/{sid}/exec", json={"cmd": ["sh", "-c", cmd], "timeout": 30}))
     assert res["exit_code"] == 0, res
     return str(res["stdout"])
+
+
+async def _counter_past(api: httpx.AsyncClient, sid: str, value: int) -> int:
+    """The guest's counter once it is past ``value`` (a bounded wait: under TCG a tick of 0.1 s may take
+    longer)."""
+    async def past() -> int:
+        now = int(await _sh(api, sid, "cat /tmp/counter 2>/dev/null || echo 0"))
+        return now if now > value else 0
+
+    return await eventually(past, f"the guest's counter past {value}", within=60, every=0.2)
 
 
 async def _create(api: httpx.AsyncClient, template: str = "base") -> dict[str, Any]:
@@ -179,9 +190,7 @@ async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: N
     await _ok(await api.put(f"/sandboxes/{sid}/files/content", params={"path": "/root/note.txt"},
                             content=b"before the pause\n"))
     await _ok(await api.post(f"/sandboxes/{sid}/processes", json={"cmd": ["sh", "-c", COUNTER]}))
-    await asyncio.sleep(1.0)
-    before = int(await _sh(api, sid, "cat /tmp/counter"))
-    assert before > 3
+    before = await _counter_past(api, sid, 3)
     snap = await _ok(await api.post(f"/sandboxes/{sid}/pause", json={}))
     assert snap["retain"] is True and snap["sandbox_id"] == sid
     assert (await api.get(f"/sandboxes/{sid}")).status_code == 404
@@ -198,8 +207,7 @@ async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: N
         assert await _sh(api, rid, "cat /root/note.txt") == "before the pause\n"
         at = int(await _sh(api, rid, "cat /tmp/counter"))
         assert before <= at < before + 50
-        await asyncio.sleep(1.0)
-        assert int(await _sh(api, rid, "cat /tmp/counter")) > at
+        await _counter_past(api, rid, at)  # it keeps counting
 
         # Branch into 3 from a snapshot of the resumed sandbox: each sees its files, then they diverge.
         await _sh(api, rid, "echo parent > /root/shared.txt && sync")

@@ -26,6 +26,7 @@ from capsa.node.runtime.snapshot.manifest import Snapshot, write_manifest
 from capsa.node.runtime.snapshot.mechanics import RamMode, SnapshotError
 from capsa.node.snapshots import Snapshots
 from capsa.node.storage import StoragePool, StorageSettings
+from tests.support.waits import eventually
 
 pytestmark = [
     pytest.mark.vm,
@@ -73,6 +74,15 @@ async def _counter(sb: QemuSandbox) -> int:
     return int((await _sh(sb, "cat /tmp/counter")).strip())
 
 
+async def _counter_past(sb: QemuSandbox, value: int) -> int:
+    """The counter once it is past ``value`` (a bounded wait: under TCG a tick of 0.1 s may take longer)."""
+    async def past() -> int:
+        now = int((await _sh(sb, "cat /tmp/counter 2>/dev/null || echo 0")).strip())
+        return now if now > value else 0
+
+    return await eventually(past, f"the guest's counter past {value}", within=60, every=0.2)
+
+
 def _qemu_pids(under: Path) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -91,9 +101,7 @@ async def paused(runtime: QemuRuntime, spec: VMSpec) -> AsyncIterator[tuple[Snap
     try:
         await sb.guest.write_file("/root/note.txt", b"written before the pause\n")
         proc = await sb.guest.start_process(["sh", "-c", COUNTER])
-        await asyncio.sleep(1.0)
-        before = await _counter(sb)
-        assert before > 3
+        before = await _counter_past(sb, 3)
         snap = await runtime.pause(sb)
         assert sb.state is SandboxState.DESTROYED
     finally:
@@ -122,8 +130,7 @@ async def test_pause_resume_keeps_files_and_the_counter_continues(
         assert resumed_at >= before
         # The same process keeps counting from where it was, not from 1.
         assert resumed_at < before + 50
-        await asyncio.sleep(1.0)
-        assert await _counter(sb) > resumed_at
+        await _counter_past(sb, resumed_at)  # it keeps counting
         assert any(p.pid == pid and p.running for p in await sb.guest.list_processes())
     finally:
         await runtime.destroy(sb)
