@@ -12,10 +12,10 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 from rich.console import Console
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from capsa.node.templates import TemplateStore
 
 __all__ = ["template"]
+
+T = TypeVar("T")
 
 
 @contextmanager
@@ -61,7 +63,18 @@ def _size(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
-def _fail(console: Console, exc: CapsaError) -> None:
+def _run(console: Console, go: Callable[[], Coroutine[Any, Any, T]], interrupted: str) -> T:
+    """Run ``go()``; a CapsaError is a one-line message and exit 1, Ctrl-C says ``interrupted``."""
+    try:
+        return asyncio.run(go())
+    except CapsaError as exc:
+        _fail(console, exc)
+    except KeyboardInterrupt:
+        console.print(f"[red]interrupted[/]: {interrupted}")
+        sys.exit(130)
+
+
+def _fail(console: Console, exc: CapsaError) -> NoReturn:
     console.print(f"[red]{exc.code}[/]: {exc.message}")
     sys.exit(1)
 
@@ -121,14 +134,7 @@ def build(spec_file: Path, state_dir: Path | None, as_json: bool) -> None:
                     await egress.close()
                 await store.runtime.close()
 
-    try:
-        info = asyncio.run(_go())
-    except CapsaError as exc:
-        _fail(console, exc)
-        return
-    except KeyboardInterrupt:
-        console.print("[red]interrupted[/]: the template was not stored")
-        sys.exit(130)
+    info = _run(console, _go, "the template was not stored")
     if as_json:
         click.echo(json.dumps(info, indent=2))
     else:
@@ -146,7 +152,7 @@ def warm(names: tuple[str, ...], warm_all: bool, force: bool, as_json: bool) -> 
     restorable entry for each, so nodes import them instead of building them: NAMES of base, base-net,
     browser, desktop. Builds in a scratch node of its own; needs root."""
     from capsa.images.build import ensure_image
-    from capsa.node.template_warm import warm_templates, warmable_names
+    from capsa.node.template_warm import WarmResult, warm_templates, warmable_names
 
     console = Console(stderr=True)
     chosen = warmable_names() if warm_all else list(dict.fromkeys(names))
@@ -158,16 +164,12 @@ def warm(names: tuple[str, ...], warm_all: bool, force: bool, as_json: bool) -> 
     def say(msg: str) -> None:
         console.print(f"{time.monotonic() - started:7.1f} s  {msg}", soft_wrap=True)
 
-    try:
+    async def _go() -> list[WarmResult]:
         settings = Settings()
-        image = ensure_image(settings)
-        results = asyncio.run(warm_templates(settings, image, chosen, force=force, progress=say))
-    except CapsaError as exc:
-        _fail(console, exc)
-        return
-    except KeyboardInterrupt:
-        console.print("[red]interrupted[/]: templates not built were not cached")
-        sys.exit(130)
+        image = await asyncio.to_thread(ensure_image, settings)
+        return await warm_templates(settings, image, chosen, force=force, progress=say)
+
+    results = _run(console, _go, "templates not built were not cached")
     if as_json:
         click.echo(json.dumps([{"name": r.name, "entry": str(r.entry), "built": r.built,
                                 "seconds": round(r.seconds, 1)} for r in results], indent=2))
