@@ -291,6 +291,32 @@ async def test_clones_share_rng_state_at_resume_and_differ_after_the_reseed(
         runtime.delete_snapshot(snap)
 
 
+async def _reseeds(sb: QemuSandbox) -> int:
+    count = (await sb.guest.health())["rng_reseeds"]
+    assert isinstance(count, int)
+    return count
+
+
+async def test_every_restore_reseeds_the_guest_crng_before_it_returns(
+    runtime: QemuRuntime, spec: VMSpec, quiet: Snapshot
+) -> None:
+    """The guest daemon counts the reseeds it performed (both ioctls done) in its own memory, which the
+    snapshot carries: a restore without the refresh shows the snapshot's count, and every restore with it
+    shows one more by the time ``restore`` returns. Removing the reseed from the restore path (or the
+    ioctls from the guest) fails this test, unlike sampling urandom, which drifts apart on its own."""
+    plain = await runtime.restore(quiet, spec, refresh=False)
+    try:
+        in_snapshot = await _reseeds(plain)
+    finally:
+        await runtime.destroy(plain)
+    a, b = await asyncio.gather(runtime.restore(quiet, spec), runtime.restore(quiet, spec))
+    try:
+        assert [await _reseeds(a), await _reseeds(b)] == [in_snapshot + 1, in_snapshot + 1]
+    finally:
+        await runtime.destroy(a)
+        await runtime.destroy(b)
+
+
 async def test_without_the_refresh_the_guest_clock_lags(
     runtime: QemuRuntime, spec: VMSpec, quiet: Snapshot
 ) -> None:
