@@ -1,9 +1,10 @@
 """The ``desktop`` template end to end with real microVMs behind the real API stack: computer-use actions
 on the X screen (xdotool, scrot) at the session's screen size open the test site with keys, click a button
 and type into a field, and the next screenshots show it (pixels compared); the noVNC live view answers
-through the ports proxy with a port token (the page, and the websockify WebSocket's RFB greeting); the
-view-only VNC port ignores a click sent over RFB while the interactive one takes it, and a view-only token
-does not open the interactive port; a second session restores with the desktop running; closing leaves
+through the ports proxy with a port token (the page, and the websockify WebSocket's RFB greeting); a
+click sent over RFB to the view-only VNC port never reaches the page while one to the interactive port does
+(the page lists its button's clicks: see :func:`_view_only_then_interactive`), and a view-only token does
+not open the interactive port; a second session restores with the desktop running; closing leaves
 nothing on the host.
 
 The site is served from a namespace the test makes (tests.support.outside, tests.support.browser_site).
@@ -26,7 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
-from playwright.async_api import async_playwright
+from playwright.async_api import Playwright, async_playwright
 
 from capsa.common.image import GuestImage
 from capsa.common.websocket import SocketStream, WebSocketClient
@@ -47,6 +48,8 @@ pytestmark = [
 SITE = "shop.test"
 SCREEN = (1024, 768)
 _LONG = 180_000  # ms: Playwright timeouts under TCG
+ADDRESS_BAR = (160, 44, 860, 82)
+"""A box inside Chromium's address bar on the session's screen: it looks different once it has the focus."""
 
 
 async def _act(api: httpx.AsyncClient, sid: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -108,6 +111,7 @@ class Rfb:
     def __init__(self, ws: WebSocketClient) -> None:
         self._ws = ws
         self._buf = b""
+        self._bytes_per_pixel = 4
 
     @classmethod
     async def open(cls, api_url: str, live_url: str) -> Rfb:
@@ -136,7 +140,8 @@ class Rfb:
         assert struct.unpack(">I", await self.read(4))[0] == 0, "security handshake failed"
         await self._ws.send(b"\x01")  # shared
         width, height = struct.unpack(">HH", await self.read(4))
-        await self.read(16)  # pixel format
+        pixel_format = await self.read(16)  # bits per pixel first
+        self._bytes_per_pixel = pixel_format[0] // 8
         (name_length,) = struct.unpack(">I", await self.read(4))
         await self.read(name_length)
         return greeting, width, height
@@ -146,8 +151,84 @@ class Rfb:
             await self._ws.send(struct.pack(">BBHH", 5, mask, x, y))
             await asyncio.sleep(0.2)
 
+    async def sync(self) -> None:
+        """Return once the server has handled every message this client sent before: an RFB server handles
+        a client's messages in order, so its answer to a FramebufferUpdateRequest sent now (non-incremental,
+        one pixel, so it must answer at once) comes after it. Raw encoding: the client sent no
+        SetEncodings."""
+        await self._ws.send(struct.pack(">BBHHHH", 3, 0, 0, 0, 1, 1))
+        while True:
+            kind = (await self.read(1))[0]
+            if kind == 0:  # FramebufferUpdate
+                await self.read(1)
+                (count,) = struct.unpack(">H", await self.read(2))
+                for _ in range(count):
+                    _, _, w, h, encoding = struct.unpack(">HHHHi", await self.read(12))
+                    assert encoding == 0, f"the VNC server sent encoding {encoding}, not raw"
+                    await self.read(w * h * self._bytes_per_pixel)
+                return
+            if kind == 2:  # Bell
+                continue
+            if kind == 3:  # ServerCutText
+                await self.read(3)
+                (length,) = struct.unpack(">I", await self.read(4))
+                await self.read(length)
+                continue
+            raise AssertionError(f"unexpected RFB message type {kind} from the VNC server")
+
     async def aclose(self) -> None:
         await self._ws.close()
+
+
+VIEW_ONLY_X, INTERACTIVE_X = 250, 550
+"""Where the two VNC clicks land on the test page's button (which spans x 100-700): the page lists each
+click's x, so the two can be told apart."""
+
+
+async def _view_only_then_interactive(api: httpx.AsyncClient, api_url: str, sid: str, pw: Playwright,
+                                      view: str, take: str, y: int) -> None:
+    """A click over the view-only live view (``view``) never reaches the page; one over the interactive
+    view (``take``) does. Deterministic: the view-only click is sent first and that server is made to
+    handle it (:meth:`Rfb.sync`: it answers in order); only then is the interactive click sent. Once that
+    click is in the page's list (``window.clicks``, over CDP), the list must be exactly it: a view-only
+    port that passed input on would have put its click in the list before it. Nothing waits on a sleep."""
+    info = await api.get(f"/v1/sessions/{sid}/browser")
+    assert info.status_code == 200, info.text
+    browser = await pw.chromium.connect_over_cdp(info.json()["cdp_url"], timeout=_LONG)
+    try:
+        page = browser.contexts[0].pages[0]
+        page.set_default_timeout(_LONG)
+        await page.wait_for_function("location.href.endsWith('/big') && document.readyState == 'complete' "
+                                     "&& Array.isArray(window.clicks)")
+        assert await page.evaluate("window.clicks") == [], "the page counted clicks before the VNC ones"
+
+        watcher = await Rfb.open(api_url, view)
+        greeting, vnc_w, vnc_h = await watcher.handshake()
+        assert greeting.startswith(b"RFB 003.00") and (vnc_w, vnc_h) == SCREEN
+        await watcher.click(VIEW_ONLY_X, y)
+        await watcher.sync()  # the view-only server has handled the click
+        await watcher.aclose()
+
+        driver = await Rfb.open(api_url, take)
+        greeting, vnc_w, vnc_h = await driver.handshake()
+        assert greeting.startswith(b"RFB 003.00") and (vnc_w, vnc_h) == SCREEN
+        await driver.click(INTERACTIVE_X, y)
+        await driver.sync()
+
+        def near(x: int, at: int) -> bool:
+            return abs(x - at) < (INTERACTIVE_X - VIEW_ONLY_X) // 2
+
+        async def interactive_landed() -> bool:
+            return any(near(x, INTERACTIVE_X) for x in await page.evaluate("window.clicks"))
+
+        await _until(interactive_landed, "the interactive VNC click reached the page")
+        await driver.aclose()
+        clicks = await page.evaluate("window.clicks")
+        assert len(clicks) == 1 and near(clicks[0], INTERACTIVE_X), \
+            f"the view-only VNC port passed a click on: the page saw clicks at x={clicks} (view-only " \
+            f"{VIEW_ONLY_X}, interactive {INTERACTIVE_X})"
+    finally:
+        await browser.close()  # the CDP client leaves; the page stays
 
 
 async def test_desktop_sessions_end_to_end(state_dir: Path, pool: StoragePool,
@@ -180,9 +261,15 @@ async def test_desktop_sessions_end_to_end(state_dir: Path, pool: StoragePool,
                 assert png_pixels(base64.b64decode(zoom["data"]))[:2] == (300, 200)
 
                 # 2. Open the site with keys, as an agent would: ctrl+l, the URL, Return (after a click on
-                #    the page, so the window has the keyboard focus whatever the window manager did).
+                #    the page, so the window has the keyboard focus whatever the window manager did). Like an
+                #    agent, look before typing: Chromium moves the focus to the address bar only once the page
+                #    has handed ctrl+l back unhandled (a renderer round trip, long under TCG), and keys that
+                #    arrive before then go to the page ("ht" of the URL was lost that way, and the address
+                #    bar searched for "tps://shop.test/big").
                 await _act(api, sid, {"action": "left_click", "coordinate": [width // 2, height // 2]})
+                unfocused = await _shot(api, sid)
                 await _act(api, sid, {"action": "key", "text": "ctrl+l"})
+                await _changed(api, sid, unfocused, ADDRESS_BAR, "the address bar took the focus")
                 await _act(api, sid, {"action": "type", "text": f"https://{SITE}/big"})
                 await _act(api, sid, {"action": "key", "text": "Return"})
                 info = await api.get(f"/v1/sessions/{sid}/browser")
@@ -254,20 +341,9 @@ async def test_desktop_sessions_end_to_end(state_dir: Path, pool: StoragePool,
                     other_port = await anonymous.get(take.split("?", 1)[0] + f"?token={view_token}")
                     assert other_port.status_code == 404, "a view-only token opened the interactive port"
 
-                # 5. The view-only server ignores a click on the button; the interactive one takes it.
-                watcher = await Rfb.open(stack.url, view)
-                greeting, vnc_w, vnc_h = await watcher.handshake()
-                assert greeting.startswith(b"RFB 003.00") and (vnc_w, vnc_h) == SCREEN
-                await watcher.click(400, top + 350)
-                await asyncio.sleep(5)
-                assert dark_fraction(await _shot(api, sid), page_area) < 0.05, "view-only VNC took a click"
-                await watcher.aclose()
-                driver = await Rfb.open(stack.url, take)
-                greeting, vnc_w, vnc_h = await driver.handshake()
-                assert greeting.startswith(b"RFB 003.00") and (vnc_w, vnc_h) == SCREEN
-                await driver.click(400, top + 350)
+                # 5. A click over the view-only server never reaches the button; the interactive one does.
+                await _view_only_then_interactive(api, stack.url, sid, pw, view, take, top + 350)
                 await _until(went_black, "the interactive VNC click turned the page black")
-                await driver.aclose()
 
                 # 6. Another session restores with the desktop already running, at the default screen.
                 t0 = time.monotonic()

@@ -8,7 +8,8 @@
 - ``/report.csv`` a download (``Content-Disposition: attachment``) of :data:`REPORT`, linked from ``/``
   as ``#report``.
 - ``/big`` a page with a large button (``#big``) that turns the whole page black when clicked, and a text
-  field (``#field``) at the top left: pixels a screenshot can compare.
+  field (``#field``) at the top left: pixels a screenshot can compare. The page counts the button's clicks:
+  ``window.clicks`` lists each one's ``clientX`` (read over CDP), so a test can tell which click landed.
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ body { margin: 0; background: white; }
 body.done { background: black; }
 </style></head><body>
 <input id="field" autocomplete="off">
-<button id="big" onclick="document.body.className='done'">press</button>
+<button id="big" onclick="pressed(event)">press</button>
+<script>
+window.clicks = [];
+function pressed(event) { window.clicks.push(Math.round(event.clientX)); document.body.className = "done"; }
+</script>
 </body></html>"""
 
 

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(60)
 
 _ACTIONS: TypeAdapter[Any] = TypeAdapter(ComputerAction)
 SCREEN = Screen(1024, 768)
-RUN = ["setarch", "linux64", HELPER]  # the helper runs with a randomized layout (see desktop._RANDOMIZED)
+RUN = [HELPER]
 ACT = [*RUN, "act", "1024x768", "xdotool"]
 
 

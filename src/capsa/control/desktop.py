@@ -51,10 +51,9 @@ __all__ = ["ACTION_TIMEOUT", "DESKTOP_TEMPLATES", "HELPER", "MAX_SCREEN", "VNC_I
 DESKTOP_TEMPLATES = frozenset({"desktop"})
 """Templates whose sessions are driven on the X screen (the others, e.g. ``browser``, through CDP)."""
 HELPER = "/usr/local/bin/capsa-desktop"
-_RANDOMIZED = ["setarch", "linux64"]
-"""Runs the helper with the default personality: a randomized layout even where the node starts commands
-without one (CAPSA_COMMAND_ASLR under TCG). xdotool's input events started that way had no effect on the
-desktop's Chromium (observed in tests/integration/test_desktop_vm.py; the cause is not known)."""
+"""Run like any command, with the node's layout for commands (fixed under TCG by default,
+``CAPSA_COMMAND_ASLR``): xdotool's input reaches Chromium the same either way; a fixed layout only starts it
+sooner (see ARCHITECTURE.md, commands' layout, for the ctrl+l race that was blamed on it)."""
 MAX_SCREEN = (2560, 1600)
 """Xvfb's screen; a session's screen is its top-left part, so it can be at most this."""
 VNC_INTERACTIVE_PORT = 6080
@@ -106,7 +105,7 @@ def _wxh(screen: Screen) -> str:
 
 def screen_command(screen: Screen) -> list[str]:
     """Make ``screen`` the session's screen (for the live view before any action)."""
-    return [*_RANDOMIZED, HELPER, "screen", _wxh(screen)]
+    return [HELPER, "screen", _wxh(screen)]
 
 
 # -- keys ---------------------------------------------------------------------------------------------------
@@ -200,14 +199,14 @@ def _move(at: tuple[int, int] | None) -> list[str]:
 def command_for(action: Any, screen: Screen) -> GuestCommand | None:
     """The guest command carrying out ``action`` (validated and checked against ``screen``); None for
     ``wait``, which needs none."""
-    act = [*_RANDOMIZED, HELPER, "act", _wxh(screen), "xdotool"]
+    act = [HELPER, "act", _wxh(screen), "xdotool"]
     match action:
         case Screenshot():
-            return GuestCommand([*_RANDOMIZED, HELPER, "shot", _wxh(screen)], answer="image",
+            return GuestCommand([HELPER, "shot", _wxh(screen)], answer="image",
                                 size=(screen.width, screen.height))
         case Zoom(region=(x0, y0, x1, y1)):
             region = f"{x0},{y0},{x1 - x0},{y1 - y0}"
-            return GuestCommand([*_RANDOMIZED, HELPER, "shot", _wxh(screen), region], answer="image",
+            return GuestCommand([HELPER, "shot", _wxh(screen), region], answer="image",
                                 size=(x1 - x0, y1 - y0))
         case CursorPosition():
             return GuestCommand([*act, "getmouselocation", "--shell"], answer="cursor")
@@ -239,7 +238,7 @@ def command_for(action: Any, screen: Screen) -> GuestCommand | None:
                 if amount else []
             argv = [*act, *_move(coordinate), *_held(modifier_names(text), wheel)]
             if len(argv) == len(act):  # nothing to do but make the screen current
-                return GuestCommand([*_RANDOMIZED, HELPER, "screen", _wxh(screen)])
+                return GuestCommand([HELPER, "screen", _wxh(screen)])
             return GuestCommand(argv)
         case Wait():
             return None
