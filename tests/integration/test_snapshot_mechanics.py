@@ -36,6 +36,7 @@ from capsa.node.runtime.workdir import VmDir
 from capsa.node.storage import StoragePool, StorageSettings
 
 pytestmark = [
+    pytest.mark.vm,
     pytest.mark.root,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for the btrfs loop pool"),
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="qemu-system-x86_64 missing"),

@@ -245,6 +245,11 @@ def counting_reads(plane: ControlPlane, table: str) -> Iterator[list[str]]:
         yield reads
 
 
+_QUIET = {"reaper_interval": 0, "rolling_snapshot_interval": 0}
+"""No reaper and no rolling-snapshot pass in stacks that count session reads: the pass's periodic query
+reads the sessions table too, and once fell inside a counted window."""
+
+
 class _Clock:
     """``time.monotonic`` for a module, moved forward by hand (a cache period passes without sleeping)."""
 
@@ -307,7 +312,7 @@ async def test_commands_read_their_session_once_per_cache_period(make_stack: Any
 
     clock = _Clock(monkeypatch, session_cache)  # the session cache's clock
     period = 60.0  # long enough that no real delay ends it: only the test's clock does
-    stack: ApiStack = await make_stack(settings={"session_cache_seconds": period, "reaper_interval": 0})
+    stack: ApiStack = await make_stack(settings={"session_cache_seconds": period, **_QUIET})
     key, other_key = await stack.tenant_key("acme"), await stack.tenant_key("globex")
     plane = plane_of(stack)
     async with stack.client(key) as c, stack.client(other_key) as intruder:
@@ -328,7 +333,7 @@ async def test_commands_read_their_session_once_per_cache_period(make_stack: Any
 
 
 async def test_a_session_closed_or_paused_elsewhere_answers_with_its_state(make_stack: Any) -> None:
-    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 60, "reaper_interval": 0})
+    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 60, **_QUIET})
     other = await stack.add_replica()
     key = await stack.tenant_key("acme")
     async with stack.client(key) as a, stack.client(key, url=other.url) as b:
@@ -352,7 +357,7 @@ async def test_a_session_closed_or_paused_elsewhere_answers_with_its_state(make_
 
 
 async def test_a_session_closed_through_this_replica_is_refused_without_a_node_call(make_stack: Any) -> None:
-    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 60, "reaper_interval": 0})
+    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 60, **_QUIET})
     key = await stack.tenant_key("acme")
     plane = plane_of(stack)
     async with stack.client(key) as c:
@@ -378,7 +383,7 @@ async def test_sessions_with_rolling_snapshots_are_never_cached(make_stack: Any)
 
 
 async def test_a_new_sessions_first_command_reads_no_session_row(make_stack: Any) -> None:
-    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 60, "reaper_interval": 0})
+    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 60, **_QUIET})
     key = await stack.tenant_key("acme")
     plane = plane_of(stack)
     async with stack.client(key) as c:
@@ -389,7 +394,7 @@ async def test_a_new_sessions_first_command_reads_no_session_row(make_stack: Any
 
 
 async def test_a_resume_through_the_replica_that_holds_the_entry_forgets_it(make_stack: Any) -> None:
-    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 60, "reaper_interval": 0})
+    stack: ApiStack = await make_stack(settings={"session_cache_seconds": 60, **_QUIET})
     other = await stack.add_replica()
     key = await stack.tenant_key("acme")
     async with stack.client(key) as a, stack.client(key, url=other.url) as b:
