@@ -119,7 +119,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test using ``db_url`` runs on SQLite; in a module marked ``postgresql`` (the database's semantics
     under test: the store, the audit chain, quotas, snapshots, nodes, migrations, the hot path) also on
     PostgreSQL."""
-    if "db_url" in metafunc.fixturenames:
+    defs = metafunc._arg2fixturedefs.get("db_url")  # a module may define a db_url of its own
+    if defs and defs[-1].func.__module__ == __name__:
         kinds = DATABASES if metafunc.definition.get_closest_marker("postgresql") else DATABASES[:1]
         metafunc.parametrize("db_url", kinds, indirect=True, ids=list(kinds))
 
