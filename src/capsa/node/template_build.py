@@ -225,30 +225,22 @@ async def build_template(store: TemplateStore, spec: TemplateSpec, sources: dict
         # A cold boot, from a copy of the image's root filesystem with the packages installed on the host.
         memory_mib = spec.memory_mib or store.base_memory_mib
         vcpus = spec.vcpus or store.base_vcpus
-        async with _prepared_rootfs(store, spec, say, _package_cache(store, package_cache)) as rootfs:
-            if spec.network:
-                assert network is not None
-                say(f"cold-booting a build VM with a NIC ({memory_mib} MiB, {vcpus} vCPU) on a throwaway "
-                    "network")
-                async with network() as net:
-                    vm_spec = VMSpec(image=store.image, memory_mib=memory_mib, vcpus=vcpus, rootfs=rootfs,
-                                     network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC),
-                                     labels={"template-build": spec.name}, private_ram=True)
-                    sandbox = await store.runtime.boot(vm_spec)
-                    try:
-                        # The image's own CA bundle, kept so that a session's CA install is a file write.
-                        await _exec(sandbox, shlex_join((trust or TrustStore()).prepare_script()),
-                                    "trust store")
-                    except BaseException:
-                        with contextlib.suppress(Exception):
-                            await store.runtime.destroy(sandbox)
-                        raise
-                    return await _customise(store, sandbox, spec, sources, say, apt_done=True,
-                                            restore_spec=vm_spec)
-            say(f"cold-booting a build VM ({memory_mib} MiB, {vcpus} vCPU)")
+        nic = "with a NIC " if spec.network else ""
+        async with _prepared_rootfs(store, spec, say, _package_cache(store, package_cache)) as rootfs, \
+                _build_network(network if spec.network else None) as net:
+            say(f"cold-booting a build VM {nic}({memory_mib} MiB, {vcpus} vCPU)")
             vm_spec = VMSpec(image=store.image, memory_mib=memory_mib, vcpus=vcpus, rootfs=rootfs,
+                             network=None if net is None else dataclasses.replace(net, mac=NET_TEMPLATE_MAC),
                              labels={"template-build": spec.name}, private_ram=True)
             sandbox = await store.runtime.boot(vm_spec)
+            if net is not None:
+                try:
+                    # The image's own CA bundle, kept so that a session's CA install is a file write.
+                    await _exec(sandbox, shlex_join((trust or TrustStore()).prepare_script()), "trust store")
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await store.runtime.destroy(sandbox)
+                    raise
             return await _customise(store, sandbox, spec, sources, say, apt_done=True, restore_spec=vm_spec)
     base = await store.resolve(spec.base, spec.memory_mib, spec.vcpus)
     if spec.base != BASE and (spec.memory_mib, spec.vcpus) != (None, None) and \
@@ -262,6 +254,16 @@ async def build_template(store: TemplateStore, spec: TemplateSpec, sources: dict
     sandbox = await store.runtime.restore(base.snapshot, vm_spec, ram_mode=RamMode.CLONE)
     return await _customise(store, sandbox, spec, sources, say, restore_spec=vm_spec,
                             package_cache=_package_cache(store, package_cache))
+
+
+@contextlib.asynccontextmanager
+async def _build_network(network: BuildNetwork | None) -> AsyncIterator[SandboxNet | None]:
+    """The throwaway network of a ``network: true`` build, or none."""
+    if network is None:
+        yield None
+        return
+    async with network() as net:
+        yield net
 
 
 def _package_cache(store: TemplateStore, given: Path | None) -> Path | None:

@@ -7,6 +7,7 @@ imports them instead of building them."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -108,7 +109,7 @@ async def warm_templates(settings: Settings, image: GuestImage, names: list[str]
         for name in names:
             started = time.monotonic()
             key, mib, cpus, mac = _cache_key(store, name)
-            found = store.cached(key, mib, cpus, mac)
+            found = await asyncio.to_thread(store.cached, key, mib, cpus, mac)
             if found and not force:
                 say(f"{name}: cached ({found[0].name})")
                 results.append(WarmResult(name, found[0], False, time.monotonic() - started))
@@ -123,7 +124,8 @@ async def warm_templates(settings: Settings, image: GuestImage, names: list[str]
                 template = await source.build_shipped(name, progress=step)
             say(f"{name}: copying it into the template cache")
             assert store.cache is not None
-            entry = store.cache.publish(key, template.path, template.snapshot.manifest)
+            entry = await asyncio.to_thread(store.cache.publish, key, template.path,
+                                            template.snapshot.manifest)
             say(f"{name}: built in {time.monotonic() - started:.0f} s, cached as {entry.name}")
             results.append(WarmResult(name, entry, True, time.monotonic() - started))
     return results
