@@ -4,6 +4,10 @@ The control plane uses it to reach a node's port tunnel (over TCP or the node's 
 WebSocket to a server inside a sandbox (over that tunnel); the SDK uses it for the public port tunnel. A
 :class:`ByteStream` is the one seam: a socket (:class:`SocketStream`) or a tunnel
 (:class:`capsa.common.port_tunnel.PortTunnel`).
+
+The handshake is bounded, as its peer may be an app in a sandbox: the whole upgrade has a deadline
+(:data:`HANDSHAKE_TIMEOUT`), the response's head is held to h11's 16 KiB, and of a refusal's body at most
+:data:`MAX_REFUSAL_BYTES` is read (:class:`WebSocketRejected` says when it was cut).
 """
 
 from __future__ import annotations
@@ -26,12 +30,18 @@ from wsproto.events import (
     Request,
     TextMessage,
 )
+from wsproto.utilities import RemoteProtocolError
 
-__all__ = ["ByteStream", "SocketStream", "WebSocketClient", "WebSocketRejected"]
+__all__ = ["HANDSHAKE_TIMEOUT", "MAX_REFUSAL_BYTES", "ByteStream", "SocketStream", "WebSocketClient",
+           "WebSocketHandshakeFailed", "WebSocketRejected"]
 
 READ_SIZE = 256 * 1024
 MAX_MESSAGE = 16 * 1024 * 1024
 """The largest message a client assembles from fragments (the peer is told 1009 past it)."""
+HANDSHAKE_TIMEOUT = 60.0
+"""Seconds the whole upgrade (request sent, response head and a refusal's body read) may take."""
+MAX_REFUSAL_BYTES = 64 * 1024
+"""The most of a refused upgrade's response body that is read; the rest is left unread."""
 
 
 class ByteStream(Protocol):
@@ -85,13 +95,21 @@ class SocketStream:
 
 
 class WebSocketRejected(Exception):
-    """The server answered the upgrade with an HTTP response instead of 101."""
+    """The server answered the upgrade with an HTTP response instead of 101. ``body``: its body, or its
+    first :data:`MAX_REFUSAL_BYTES` when ``truncated`` (the rest was never read)."""
 
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, *,
+                 truncated: bool = False) -> None:
         super().__init__(f"websocket upgrade refused with HTTP {status}")
         self.status = status
         self.headers = headers
         self.body = body
+        self.truncated = truncated
+
+
+class WebSocketHandshakeFailed(ConnectionError):
+    """The upgrade did not complete: past its deadline, or the server's answer was not valid HTTP (its
+    head longer than h11 holds, 16 KiB)."""
 
 
 class WebSocketClient:
@@ -112,9 +130,25 @@ class WebSocketClient:
 
     @classmethod
     async def connect(cls, stream: ByteStream, host: str, target: str, *,
-                      headers: Sequence[tuple[str, str]] = (),
-                      subprotocols: Sequence[str] = ()) -> WebSocketClient:
-        """Upgrade ``stream`` (raises :class:`WebSocketRejected`, or ConnectionError at EOF)."""
+                      headers: Sequence[tuple[str, str]] = (), subprotocols: Sequence[str] = (),
+                      timeout: float = HANDSHAKE_TIMEOUT,  # noqa: ASYNC109
+                      max_refusal: int = MAX_REFUSAL_BYTES) -> WebSocketClient:
+        """Upgrade ``stream`` within ``timeout`` seconds: raises :class:`WebSocketRejected` (at most
+        ``max_refusal`` bytes of its body read), :class:`WebSocketHandshakeFailed` (deadline, bad HTTP)
+        or ConnectionError at EOF. The caller closes ``stream`` when it raises."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await cls._handshake(stream, host, target, headers, subprotocols, max_refusal)
+        except TimeoutError:
+            raise WebSocketHandshakeFailed(f"no websocket handshake within {timeout:g} s") from None
+        except RemoteProtocolError as exc:
+            raise WebSocketHandshakeFailed(f"the websocket handshake's answer is not valid HTTP: {exc}"
+                                           ) from None
+
+    @classmethod
+    async def _handshake(cls, stream: ByteStream, host: str, target: str,
+                         headers: Sequence[tuple[str, str]], subprotocols: Sequence[str],
+                         max_refusal: int) -> WebSocketClient:
         ws = WSConnection(ConnectionType.CLIENT)
         extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         await stream.write(ws.send(Request(host=host, target=target, extra_headers=extra,
@@ -132,9 +166,12 @@ class WebSocketClient:
                     rejected = event
                     if not event.has_body:
                         raise WebSocketRejected(event.status_code, list(event.headers), b"")
-                elif isinstance(event, RejectData):
+                elif isinstance(event, RejectData) and rejected is not None:
                     body += event.data
-                    if event.body_finished and rejected is not None:
+                    if len(body) > max_refusal:
+                        raise WebSocketRejected(rejected.status_code, list(rejected.headers),
+                                                bytes(body[:max_refusal]), truncated=True)
+                    if event.body_finished:
                         raise WebSocketRejected(rejected.status_code, list(rejected.headers), bytes(body))
             if not data:
                 if rejected is not None:
