@@ -19,6 +19,7 @@ from pathlib import Path
 
 import uvicorn
 
+from capsa.common.audit_checkpoint import ensure_signing_key
 from capsa.common.connection_wire import ConnectionTokenOut
 from capsa.common.node_wire import HeartbeatOut, NodeHeartbeat, NodeRegister
 from capsa.common.service import QuietServer, bind_tcp, wait_started
@@ -98,6 +99,9 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
                                        secret_key_file=key_file)
     if "CAPSA_SESSION_CACHE_SECONDS" not in os.environ:
         control_settings = control_settings.model_copy(update={"session_cache_seconds": 5.0})
+    if "CAPSA_AUDIT_SIGNING_KEY_FILE" not in os.environ:  # audit checkpoints signed with a key of its own
+        signing_key = await asyncio.to_thread(ensure_signing_key, state_dir / "audit-signing.key")
+        control_settings = control_settings.model_copy(update={"audit_signing_key_file": signing_key})
     app = create_app(control_settings, on_bootstrap_key=_announce_key)
     # /v1/ready answers 503 until the local node is ready (its base template in place: restored from the
     # template cache or built) and registered.

@@ -44,8 +44,8 @@ audit.add_command(session_audit, name="show")
 @json_option
 @api_options
 def verify(export_file: Path | None, as_json: bool, api: ApiOptions) -> None:
-    """Check the caller's tenant chain (or an exported file); exits 1 naming the first missing or altered
-    event."""
+    """Check the caller's tenant chain against the signed checkpoints outside the database (or an
+    exported file); exits 1 naming the first missing or altered event, or a cut tail."""
     if export_file is not None:
         with export_file.open(encoding="utf-8") as lines:
             try:
@@ -54,7 +54,7 @@ def verify(export_file: Path | None, as_json: bool, api: ApiOptions) -> None:
                 fail(f"{export_file} is not JSON lines: {exc}")
                 return
         ok, checked, broken, reason = offline.ok, offline.checked, offline.broken_id, offline.reason
-        head = None
+        head, code, anchor = None, None, None
         if as_json:
             emit_json({"ok": ok, "checked": checked, "broken_id": broken, "reason": reason})
     else:
@@ -62,12 +62,33 @@ def verify(export_file: Path | None, as_json: bool, api: ApiOptions) -> None:
             result = client.audit.verify()
         ok, checked, broken, reason, head = result.ok, result.checked, result.broken_id, result.reason, \
             result.head
+        code, anchor = result.code, result.anchor
         if as_json:
             emit_json(result)
     if not ok:
-        fail(f"audit chain broken at event {broken}: {reason} ({checked} events checked before it)")
+        if code == "audit_checkpoint_invalid":
+            fail(f"audit checkpoints do not check out: {reason}")
+        what = "truncated" if code == "audit_chain_truncated" else "broken"
+        fail(f"audit chain {what} at event {broken}: {reason} ({checked} events checked before it)")
     if not as_json:
-        click.echo(f"ok: {checked} events" + (f", head {head}" if head is not None else ""))
+        anchored = "" if export_file is not None else (
+            f", anchored by a signed checkpoint at event {anchor}" if anchor is not None
+            else " (no signed checkpoint yet: a cut tail would not be detected)")
+        click.echo(f"ok: {checked} events" + (f", head {head}" if head is not None else "") + anchored)
+
+
+@audit.command("checkpoint")
+@json_option
+@api_options
+def checkpoint(as_json: bool, api: ApiOptions) -> None:
+    """Have the control plane sign the chain's head into its anchor outside the database now."""
+    with reports_errors(), api.client() as client:
+        result = client.audit.checkpoint()
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(f"checkpoint {result.n}: event {result.seq} ({result.hash[:16]}…) signed by key "
+                   f"{result.key} at {result.time.isoformat(timespec='seconds')}")
 
 
 _Time = click.DateTime(formats=["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M:%S%z",

@@ -10,8 +10,11 @@ from importlib.metadata import version
 
 from fastapi import FastAPI
 
+from capsa.common.audit_checkpoint import load_signing_key
 from capsa.compat.e2b import MOUNT_PATH as E2B_PATH
 from capsa.compat.e2b import create_e2b_app
+from capsa.control.audit_anchor import Checkpointer, CheckpointSink, FileCheckpointSink
+from capsa.control.audit_checkpoints import checkpoint_all, run_checkpoints
 from capsa.control.audit_middleware import AuditMiddleware
 from capsa.control.auth import KeyCache, ensure_bootstrap_key
 from capsa.control.cdp import CdpPages
@@ -49,11 +52,23 @@ __all__ = ["create_app"]
 log = logging.getLogger(__name__)
 
 
+def _checkpointer(settings: ControlSettings, sink: CheckpointSink | None) -> Checkpointer | None:
+    """The audit checkpoint signer, when a signing key is configured; its sink is ``sink`` or the
+    append-only file ``CAPSA_AUDIT_CHECKPOINT_FILE`` (default: beside the key)."""
+    key_file = settings.audit_signing_key_file
+    if key_file is None:
+        return None
+    path = settings.audit_checkpoint_file or key_file.with_name("audit-checkpoints.jsonl")
+    return Checkpointer(load_signing_key(key_file), sink or FileCheckpointSink(path))
+
+
 def create_app(settings: ControlSettings | None = None,
-               on_bootstrap_key: Callable[[str], None] | None = None) -> FastAPI:
+               on_bootstrap_key: Callable[[str], None] | None = None,
+               checkpoint_sink: CheckpointSink | None = None) -> FastAPI:
     """Build the app. Startup migrates the database, installs the bootstrap admin key and starts the reaper.
 
     ``on_bootstrap_key`` receives a freshly generated admin key, the only time it exists in clear.
+    ``checkpoint_sink``: where signed audit checkpoints go instead of ``CAPSA_AUDIT_CHECKPOINT_FILE``.
     """
     settings = settings or ControlSettings()
 
@@ -64,9 +79,11 @@ def create_app(settings: ControlSettings | None = None,
                              nodes=NodeClientPool(settings.node_request_timeout),
                              sealer=node_sealer(settings), rates=RateLimiter(settings.rate_lease),
                              keys=KeyCache(settings.key_cache_seconds),
-                             sessions=SessionCache(settings.session_cache_seconds))
+                             sessions=SessionCache(settings.session_cache_seconds),
+                             checkpoints=_checkpointer(settings, checkpoint_sink))
         reaper: asyncio.Task[None] | None = None
         rolling: asyncio.Task[None] | None = None
+        checkpoints: asyncio.Task[None] | None = None
         try:
             await migrate(engine, plane.sealer.seal if plane.sealer is not None else None)
             async with plane.db() as db:
@@ -80,10 +97,14 @@ def create_app(settings: ControlSettings | None = None,
                 reaper = asyncio.create_task(run_reaper(plane), name="capsa-reaper")
             if settings.rolling_snapshot_interval > 0:
                 rolling = asyncio.create_task(run_rolling(plane), name="capsa-rolling-snapshots")
+            if plane.checkpoints is not None and settings.audit_checkpoint_interval > 0:
+                checkpoints = asyncio.create_task(
+                    run_checkpoints(plane, plane.checkpoints, settings.audit_checkpoint_interval),
+                    name="capsa-audit-checkpoints")
             async with mcp_lifetime():
                 yield
         finally:
-            for task in (reaper, rolling):
+            for task in (reaper, rolling, checkpoints):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -93,6 +114,11 @@ def create_app(settings: ControlSettings | None = None,
                 await pages.aclose()
             await plane.nodes.aclose()
             await plane.audit.aclose()  # the events of the last requests, before the database closes
+            if plane.checkpoints is not None and getattr(app.state, "plane", None) is plane:
+                try:  # the heads as this replica leaves them
+                    await checkpoint_all(plane, plane.checkpoints)
+                except Exception:
+                    log.exception("could not checkpoint the audit chains while stopping")
             await engine.dispose()
 
     app = FastAPI(title="capsa", version=version("capsa"), lifespan=lifespan,

@@ -9,17 +9,19 @@ from datetime import UTC, datetime
 
 from sqlalchemy import select
 
+from capsa.common.audit_checkpoint import Checkpoint, CheckpointInvalid
 from capsa.common.ids import is_id
 from capsa.control import audit_trail
-from capsa.control.audit_schemas import AuditChainEvent, AuditChainList, AuditVerifyOut
+from capsa.control.audit_checkpoints import ChainNotExtended, checkpoint_tenant
+from capsa.control.audit_schemas import AuditChainEvent, AuditChainList, AuditCheckpointOut, AuditVerifyOut
 from capsa.control.egress import collect_audit
-from capsa.control.errors import ValidationFailed
+from capsa.control.errors import ApiError, ValidationFailed
 from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.store.audit_models import AuditTrailRow
 from capsa.control.store.models import NodeRow, SessionRow
 
-__all__ = ["event_out", "list_chain", "verify_chain"]
+__all__ = ["checkpoint_chain", "checkpoint_out", "event_out", "list_chain", "verify_chain"]
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +84,43 @@ async def list_chain(plane: ControlPlane, tenant: str, *, session_id: str | None
 
 
 async def verify_chain(plane: ControlPlane, tenant: str) -> AuditVerifyOut:
+    """The tenant's chain checked on its own and against every signed checkpoint of it in the anchor."""
     await plane.audit.flush()
+    anchors: list[Checkpoint] = []
+    if plane.checkpoints is not None:
+        try:
+            anchors = [c for c in await plane.checkpoints.read() if c.tenant == tenant]
+        except CheckpointInvalid as exc:
+            return AuditVerifyOut(ok=False, checked=0, head=0, reason=str(exc),
+                                  code="audit_checkpoint_invalid")
     async with plane.db() as db:
-        result = await audit_trail.verify(db, tenant)
+        result = await audit_trail.verify(db, tenant, anchors)
+    broken = result.broken
     return AuditVerifyOut(ok=result.ok, checked=result.checked, head=result.head,
-                          broken_id=result.broken.id if result.broken else None,
-                          reason=result.broken.reason if result.broken else None)
+                          broken_id=broken.id if broken else None, reason=broken.reason if broken else None,
+                          code=broken.code if broken else None, anchor=result.anchor)
+
+
+def checkpoint_out(checkpoint: Checkpoint) -> AuditCheckpointOut:
+    return AuditCheckpointOut(n=checkpoint.n, tenant=checkpoint.tenant, seq=checkpoint.seq,
+                              hash=checkpoint.hash, purpose=checkpoint.purpose, key=checkpoint.key,
+                              time=datetime.fromtimestamp(checkpoint.time_us / 1_000_000, UTC))
+
+
+async def checkpoint_chain(plane: ControlPlane, tenant: str) -> AuditCheckpointOut:
+    """Sign the tenant's head now (its newest checkpoint when the chain has not moved since)."""
+    checkpointer = plane.checkpoints
+    if checkpointer is None:
+        raise ApiError("audit checkpoints are not configured on this control plane (set "
+                       "CAPSA_AUDIT_SIGNING_KEY_FILE)", code="audit_checkpoints_disabled", status=503)
+    await plane.audit.flush()
+    try:
+        written = await checkpoint_tenant(plane, checkpointer, tenant)
+    except ChainNotExtended as exc:
+        raise ApiError(f"the audit chain does not continue its last checkpoint: {exc}",
+                       code="audit_chain_broken", status=409) from None
+    latest = written or await checkpointer.highest(tenant)
+    if latest is None:
+        latest = await checkpoint_tenant(plane, checkpointer, tenant, force=True)
+    assert latest is not None
+    return checkpoint_out(latest)

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-__all__ = ["AuditChainEvent", "AuditChainList", "AuditVerifyOut"]
+__all__ = ["AuditChainEvent", "AuditChainList", "AuditCheckpointOut", "AuditVerifyOut"]
 
 
 class AuditChainEvent(BaseModel):
@@ -43,3 +43,25 @@ class AuditVerifyOut(BaseModel):
     broken_id: int | None = None
     """The first event that is missing or does not check out."""
     reason: str | None = None
+    code: str | None = None
+    """Why it is not ``ok``, stable: ``audit_chain_broken`` (an event missing, edited or out of place),
+    ``audit_chain_truncated`` (the chain ends before the event a signed checkpoint vouches for: its tail
+    was cut, or the tenant's chain deleted) or ``audit_checkpoint_invalid`` (the checkpoint log itself
+    does not check out: a line forged without the key, edited or removed)."""
+    anchor: int | None = None
+    """The highest event a signed checkpoint vouches for, which the chain was checked against (None: no
+    checkpoint yet, or checkpoints are not configured: a cut tail would then go unnoticed)."""
+
+
+class AuditCheckpointOut(BaseModel):
+    n: int
+    """The checkpoint's line in the anchor log."""
+    tenant: str
+    seq: int
+    """The event of the tenant's chain it vouches for (0: the chain is empty)."""
+    hash: str
+    time: datetime
+    purpose: str
+    """``head`` or ``retention``."""
+    key: str
+    """The id of the Ed25519 key that signed it."""

@@ -25,6 +25,7 @@ import contextvars
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Literal, get_args
 
 from sqlalchemy import bindparam, insert, select, update
@@ -34,6 +35,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from capsa.common.audit_chain import GENESIS, ChainFields, event_hash, normalize_detail
+from capsa.common.audit_checkpoint import Checkpoint
 from capsa.control.store.audit_models import AuditHeadRow, AuditTrailRow
 from capsa.control.store.db import DbSession
 
@@ -41,6 +43,7 @@ __all__ = [
     "AUDIT_KINDS",
     "AuditEntry",
     "AuditKind",
+    "BreakCode",
     "ChainBreak",
     "Executor",
     "RequestAudit",
@@ -271,11 +274,17 @@ async def list_events(db: DbSession, tenant: str, *, session_id: str | None = No
     return list((await db.execute(query.order_by(AuditTrailRow.seq).limit(limit))).scalars())
 
 
+BreakCode = Literal["audit_chain_broken", "audit_chain_truncated"]
+
+
 @dataclass(frozen=True)
 class ChainBreak:
     id: int
     """The first event that does not check out (or is missing)."""
     reason: str
+    code: BreakCode = "audit_chain_broken"
+    """``audit_chain_truncated``: the chain ends before (or no longer holds) what a signed checkpoint
+    vouches for: its tail was cut or the tenant's chain deleted; ``audit_chain_broken``: anything else."""
 
 
 @dataclass(frozen=True)
@@ -284,43 +293,84 @@ class VerifyResult:
     head: int
     """The chain head's id (0: no events)."""
     broken: ChainBreak | None = None
+    anchor: int | None = None
+    """The highest event a signed checkpoint vouches for (None: no checkpoint was compared)."""
 
     @property
     def ok(self) -> bool:
         return self.broken is None
 
 
-async def verify(db: DbSession, tenant: str) -> VerifyResult:
-    """Recompute the tenant's chain: ids consecutive from 1, each ``prev_hash`` the previous ``hash``,
-    each ``hash`` that of the event's content, and the head naming the last event."""
+def _first_link(first: int, anchors: Sequence[Checkpoint]) -> tuple[str | None, int]:
+    """The ``prev_hash`` the first stored event (``first``) must carry, and the first id that must be
+    stored: 64 zeros for event 1, else the hash a ``retention`` checkpoint signed when it dropped the
+    events before it (None: no checkpoint vouches for their removal)."""
+    if first == 1:
+        return GENESIS, 1
+    dropped = [a for a in anchors if a.purpose == "retention"]
+    for anchor in dropped:
+        if anchor.seq == first - 1:
+            return anchor.hash, first
+    return None, max((a.seq for a in dropped if a.seq < first), default=0) + 1
+
+
+async def verify(db: DbSession, tenant: str, anchors: Sequence[Checkpoint] = ()) -> VerifyResult:
+    """Recompute the tenant's chain: ids consecutive from 1 (or from just after the newest ``retention``
+    checkpoint, which vouches for the dropped events), each ``prev_hash`` the previous ``hash``, each
+    ``hash`` that of the event's content, the head naming the last event, and every signed checkpoint in
+    ``anchors`` (the tenant's, already checked) matching the stored event it names: a chain that ends
+    before the highest one was cut (``audit_chain_truncated``)."""
+    pinned = {a.seq: a for a in anchors if a.seq > 0}
+    top = max(anchors, key=lambda a: (a.seq, a.n), default=None)
+    anchor = top.seq if top is not None else None
     expected, prev, checked = 1, GENESIS, 0
+    first = True
     async for row in iter_chain(db, tenant):
+        if first:
+            first = False
+            link, start = _first_link(row.seq, anchors)
+            if link is None:
+                reason = (f"event {start} is missing (the first stored event is {row.seq}, and no "
+                          "checkpoint vouches for dropping the ones before it)")
+                return VerifyResult(checked, row.seq, ChainBreak(start, reason), anchor)
+            expected, prev = row.seq, link
         if row.seq != expected:
             return VerifyResult(checked, row.seq, ChainBreak(expected, f"event {expected} is missing "
-                                                             f"(the next stored event is {row.seq})"))
+                                                             f"(the next stored event is {row.seq})"), anchor)
         if row.prev_hash != prev:
             return VerifyResult(checked, row.seq, ChainBreak(row.seq, "prev_hash does not match the hash "
-                                                             f"of event {row.seq - 1}"))
+                                                             f"of event {row.seq - 1}"), anchor)
         if event_hash(row_fields(row)) != row.hash:
             return VerifyResult(checked, row.seq, ChainBreak(row.seq, "hash does not match the event's "
-                                                             "content (edited)"))
+                                                             "content (edited)"), anchor)
+        pin = pinned.get(row.seq)
+        if pin is not None and pin.hash != row.hash:
+            return VerifyResult(checked, row.seq, ChainBreak(row.seq, f"event {row.seq} is not the one "
+                                                             f"signed checkpoint {pin.n} vouches for (the "
+                                                             "chain was rewritten)"), anchor)
         checked += 1
         expected, prev = row.seq + 1, row.hash
     last = expected - 1
+    if top is not None and top.seq > last:
+        stamp = datetime.fromtimestamp(top.time_us / 1_000_000, UTC).isoformat(timespec="seconds")
+        what = f"the chain ends at event {last}" if last else "the tenant's chain is gone"
+        reason = (f"events {last + 1} to {top.seq} are missing: signed checkpoint {top.n} ({stamp}) "
+                  f"vouches for event {top.seq} but {what} (its tail was cut)")
+        return VerifyResult(checked, last, ChainBreak(last + 1, reason, "audit_chain_truncated"), anchor)
     head = (await db.execute(select(AuditHeadRow.seq, AuditHeadRow.hash)
                              .where(AuditHeadRow.tenant == tenant))).one_or_none()
     if head is None:
         if last:
-            return VerifyResult(checked, last, ChainBreak(last, "the chain's head record is missing"))
-        return VerifyResult(0, 0)
+            return VerifyResult(checked, last, ChainBreak(last, "the chain's head record is missing"), anchor)
+        return VerifyResult(0, 0, None, anchor)
     head_seq, head_hash = int(head[0]), str(head[1])
     if head_seq > last:
         return VerifyResult(checked, head_seq, ChainBreak(last + 1, f"event {last + 1} is missing (the "
-                                                          f"chain's head is event {head_seq})"))
+                                                          f"chain's head is event {head_seq})"), anchor)
     if head_seq < last:
         return VerifyResult(checked, head_seq, ChainBreak(head_seq + 1, f"event {head_seq + 1} is past "
-                                                          "the chain's recorded head"))
+                                                          "the chain's recorded head"), anchor)
     if head_hash != prev:
         return VerifyResult(checked, head_seq, ChainBreak(head_seq, "the chain's head hash does not "
-                                                          f"match event {head_seq}"))
-    return VerifyResult(checked, head_seq)
+                                                          f"match event {head_seq}"), anchor)
+    return VerifyResult(checked, head_seq, None, anchor)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
+from capsa.control.audit_anchor import Checkpointer
 from capsa.control.audit_writer import AuditWriter
 from capsa.control.auth import KeyCache
 from capsa.control.errors import ApiError
@@ -41,6 +42,9 @@ class ControlPlane:
     """API key records this replica trusts for a few seconds (``CAPSA_KEY_CACHE_SECONDS``)."""
     sessions: SessionCache = field(default_factory=lambda: SessionCache(0.0))
     """Running sessions' rows this replica trusts for a few seconds (``CAPSA_SESSION_CACHE_SECONDS``)."""
+    checkpoints: Checkpointer | None = None
+    """Signs audit checkpoints into the anchor outside the database (:mod:`capsa.control.audit_anchor`);
+    None when no signing key is configured."""
     audit: AuditWriter = field(init=False)
     """This replica's group-commit writer of API-call audit events (:mod:`capsa.control.audit_writer`)."""
 

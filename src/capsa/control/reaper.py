@@ -1,5 +1,5 @@
 """The reaper: closes sessions past their TTL or idle timeout, fails sessions on silent nodes, and purges
-audit events past their retention.
+audit events past their retention (the egress trail, and the tenant chain behind signed checkpoints).
 
 It reads everything from the database on every pass, so it picks up where it left off after a restart and
 several replicas can run it at once (state changes are conditional updates; exactly one replica wins each).
@@ -15,6 +15,7 @@ from datetime import timedelta
 from sqlalchemy import select
 
 from capsa.control import ratelimit
+from capsa.control.audit_chain_retention import purge_chain
 from capsa.control.audit_retention import purge_audit
 from capsa.control.nodes import fail_silent_nodes
 from capsa.control.plane import ControlPlane
@@ -50,6 +51,7 @@ async def reap_once(plane: ControlPlane) -> dict[str, list[str]]:
         await ratelimit.prune(db, time.time() - 2 * plane.settings.rate_window_seconds)
     await purge_snapshots(plane)
     await purge_audit(plane)
+    await purge_chain(plane)
     return {"closed": closed, "failed": failed, "paused": paused}
 
 

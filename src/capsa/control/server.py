@@ -14,6 +14,7 @@ from typing import Any
 
 import uvicorn
 
+from capsa.common.audit_checkpoint import ensure_signing_key
 from capsa.common.service import QuietServer, bind_tcp
 from capsa.control.app import create_app
 from capsa.control.node_secrets import derive_secret_key
@@ -34,7 +35,9 @@ def control_settings(state_dir: Path, database_url: str | None) -> ControlSettin
     The secret key (node API tokens and users' secrets are sealed with it) is ``CAPSA_SECRET_KEY`` or
     ``CAPSA_SECRET_KEY_FILE`` when set. Otherwise, on a database server (which several replicas may share)
     it is derived from ``CAPSA_BOOTSTRAP_KEY``, so every replica given that key has the same one; with SQLite,
-    or without a bootstrap key, it is a key file in ``state_dir`` (made on the first start, 0600).
+    or without a bootstrap key, it is a key file in ``state_dir`` (made on the first start, 0600). The audit
+    checkpoint signing key is ``CAPSA_AUDIT_SIGNING_KEY_FILE``, else ``audit-signing.key`` in ``state_dir``
+    (made on the first start, 0600), its checkpoints going to ``audit-checkpoints.jsonl`` beside it.
     """
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     url = database_url or f"sqlite+aiosqlite:///{state_dir}/capsa.db"
@@ -45,6 +48,9 @@ def control_settings(state_dir: Path, database_url: str | None) -> ControlSettin
             overrides["secret_key"] = derive_secret_key(bootstrap)
         else:
             overrides["secret_key_file"] = ensure_key_file(state_dir / "secret.key")
+    if not os.environ.get("CAPSA_AUDIT_SIGNING_KEY_FILE"):
+        # Audit checkpoints are signed with a key the database does not hold (0600, made on the first start).
+        overrides["audit_signing_key_file"] = ensure_signing_key(state_dir / "audit-signing.key")
     return ControlSettings(**overrides)
 
 

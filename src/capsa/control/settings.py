@@ -115,6 +115,23 @@ class ControlSettings(BaseSettings):
     """Audit events older than this are purged by the reaper; 0 keeps them forever."""
     audit_max_events_per_tenant: Annotated[int, Field(ge=0)] = 1_000_000
     """A tenant's newest audit events kept; older ones are purged by the reaper; 0: no count limit."""
+    audit_signing_key_file: Path | None = None
+    """The Ed25519 private key (PEM, mode 0600) that signs audit checkpoints
+    (``CAPSA_AUDIT_SIGNING_KEY_FILE``); ``capsa serve`` and ``capsa control`` create
+    ``audit-signing.key`` in their state directory when it is not set. Keep it out of the database's
+    reach (and its backups): whoever holds it can sign a shortened chain. None: no checkpoints, and a
+    cut tail of the chain is not detected."""
+    audit_checkpoint_file: Path | None = None
+    """The append-only file signed checkpoints go to (``CAPSA_AUDIT_CHECKPOINT_FILE``; default
+    ``audit-checkpoints.jsonl`` beside the key)."""
+    audit_checkpoint_interval: Annotated[float, Field(ge=0)] = 300.0
+    """Seconds between checkpoints of every chain that moved (``CAPSA_AUDIT_CHECKPOINT_INTERVAL``); 0:
+    only on demand (``POST /v1/audit/checkpoints``) and when the replica stops. Events newer than the
+    newest checkpoint are not covered by it."""
+    audit_chain_retention_days: Annotated[float, Field(ge=0)] = 0.0
+    """Events of the tenant audit chain older than this are dropped by the reaper, a stretch at a time,
+    each behind a signed ``retention`` checkpoint that vouches for it (``CAPSA_AUDIT_CHAIN_RETENTION_DAYS``;
+    needs the signing key); 0 (the default) keeps the chain forever."""
     audit_pages_per_collection: Annotated[int, Field(ge=1)] = 5
     """Audit pages (1000 events each) one heartbeat or audit read copies from a node; the rest waits for
     the next one, so a flooding node cannot hold a request or the database for long."""

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from capsa.sdk.approvals import ApprovalInfo, AsyncApprovals
 from capsa.sdk.approvals_sync import Approvals
-from capsa.sdk.audit import AUDIT_KINDS, AsyncAudit, AuditPage, AuditRecord, AuditVerification
+from capsa.sdk.audit import (
+    AUDIT_KINDS,
+    AsyncAudit,
+    AuditCheckpoint,
+    AuditPage,
+    AuditRecord,
+    AuditVerification,
+)
 from capsa.sdk.audit_sync import Audit
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback
@@ -93,6 +100,7 @@ __all__ = [
     "AsyncTerminal",
     "AsyncWatch",
     "Audit",
+    "AuditCheckpoint",
     "AuditEvent",
     "AuditPage",
     "AuditRecord",

@@ -20,7 +20,7 @@ from capsa.sdk.models import parse
 if TYPE_CHECKING:
     from capsa.sdk.client import AsyncClient
 
-__all__ = ["AUDIT_KINDS", "AsyncAudit", "AuditPage", "AuditRecord", "AuditVerification"]
+__all__ = ["AUDIT_KINDS", "AsyncAudit", "AuditCheckpoint", "AuditPage", "AuditRecord", "AuditVerification"]
 
 AUDIT_KINDS = ("api", "session", "command", "file", "egress", "approval", "connection")
 
@@ -58,6 +58,22 @@ class AuditVerification(_Model):
     broken_id: int | None = None
     """The first missing or altered event (None when ``ok``)."""
     reason: str | None = None
+    code: str | None = None
+    """Why not ``ok``: ``audit_chain_broken``, ``audit_chain_truncated`` (the chain ends before what a
+    signed checkpoint vouches for) or ``audit_checkpoint_invalid`` (the checkpoint log was tampered with)."""
+    anchor: int | None = None
+    """The highest event a signed checkpoint vouches for (None: none was compared)."""
+
+
+class AuditCheckpoint(_Model):
+    n: int
+    tenant: str
+    seq: int
+    """The event of the chain the checkpoint vouches for."""
+    hash: str
+    time: datetime
+    purpose: str
+    key: str
 
 
 def _params(session_id: str | None, kind: str | Sequence[str] | None, since: datetime | None,
@@ -108,3 +124,8 @@ class AsyncAudit:
     async def verify(self) -> AuditVerification:
         """Have the control plane recompute the whole chain (``GET /v1/audit/verify``)."""
         return parse(AuditVerification, await self._client.json("GET", "/audit/verify"))
+
+    async def checkpoint(self) -> AuditCheckpoint:
+        """Have the control plane sign the chain's head into its anchor now
+        (``POST /v1/audit/checkpoints``)."""
+        return parse(AuditCheckpoint, await self._client.json("POST", "/audit/checkpoints"))

@@ -6,7 +6,7 @@ import builtins
 from collections.abc import Iterator, Sequence
 from datetime import datetime
 
-from capsa.sdk.audit import AsyncAudit, AuditPage, AuditRecord, AuditVerification
+from capsa.sdk.audit import AsyncAudit, AuditCheckpoint, AuditPage, AuditRecord, AuditVerification
 from capsa.sdk.portal import Portal
 
 __all__ = ["Audit"]
@@ -38,3 +38,6 @@ class Audit:
 
     def verify(self) -> AuditVerification:
         return self._portal.call(self._inner.verify())
+
+    def checkpoint(self) -> AuditCheckpoint:
+        return self._portal.call(self._inner.checkpoint())

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 
 from capsa.control import audit_api
-from capsa.control.audit_schemas import AuditChainList, AuditVerifyOut
+from capsa.control.audit_schemas import AuditChainList, AuditCheckpointOut, AuditVerifyOut
 from capsa.control.deps import Caller, Plane, problems
 
 __all__ = ["router"]
@@ -34,6 +34,15 @@ async def list_audit(plane: Plane, caller: Caller,
 
 @router.get("/verify", response_model=AuditVerifyOut)
 async def verify_audit(plane: Plane, caller: Caller) -> AuditVerifyOut:
-    """Recompute the tenant's chain; ``ok`` false names the first missing or altered event
-    (``broken_id``)."""
+    """Recompute the tenant's chain and compare it with the signed checkpoints outside the database;
+    ``ok`` false names the first missing or altered event (``broken_id``) with a stable ``code``
+    (``audit_chain_broken``, ``audit_chain_truncated``, ``audit_checkpoint_invalid``)."""
     return await audit_api.verify_chain(plane, caller.tenant)
+
+
+@router.post("/checkpoints", response_model=AuditCheckpointOut, status_code=201)
+async def checkpoint_audit(plane: Plane, caller: Caller) -> AuditCheckpointOut:
+    """Sign the tenant's chain head into the anchor outside the database now (the newest checkpoint when
+    the chain has not moved since). ``audit_checkpoints_disabled`` (503) without a signing key;
+    ``audit_chain_broken`` (409) when the chain no longer continues its last checkpoint."""
+    return await audit_api.checkpoint_chain(plane, caller.tenant)
