@@ -1,5 +1,6 @@
 """The reaper: closes sessions past their TTL or idle timeout, fails sessions on silent nodes, and purges
-audit events past their retention (the egress trail, and the tenant chain behind signed checkpoints).
+audit events past their retention (the egress trail, and the tenant chain behind signed checkpoints) and
+expired sign-ins.
 
 It reads everything from the database on every pass, so it picks up where it left off after a restart and
 several replicas can run it at once (state changes are conditional updates; exactly one replica wins each).
@@ -17,6 +18,7 @@ from sqlalchemy import select
 from capsa.control import ratelimit
 from capsa.control.audit_chain_retention import purge_chain
 from capsa.control.audit_retention import purge_audit
+from capsa.control.connection_logins import purge_logins
 from capsa.control.nodes import fail_silent_nodes
 from capsa.control.plane import ControlPlane
 from capsa.control.sessions import fail_session, finish_session, purge_snapshots, sessions_to_expire
@@ -52,6 +54,7 @@ async def reap_once(plane: ControlPlane) -> dict[str, list[str]]:
     await purge_snapshots(plane)
     await purge_audit(plane)
     await purge_chain(plane)
+    await purge_logins(plane)
     return {"closed": closed, "failed": failed, "paused": paused}
 
 
