@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from capsa.common.addresses import _read_local_addresses, is_public_address, node_addresses
 from capsa.node.egress import dnswire
-from capsa.node.egress.addresses import _read_local_addresses, is_public_address, node_addresses
 from capsa.node.egress.ca import MAX_LEAVES, SandboxCA, constraint_names, leaf_name
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox, SecretError, new_placeholder
 

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BeforeValidator, SecretStr
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Settings", "default_cache_dir", "default_state_dir"]
+__all__ = ["AllowNetworks", "Settings", "default_cache_dir", "default_state_dir"]
+
+
+def _split_networks(value: object) -> object:
+    if isinstance(value, str):
+        return value.replace(",", " ").split()
+    return value
+
+
+AllowNetworks = Annotated[list[ipaddress.IPv4Network | ipaddress.IPv6Network], NoDecode,
+                          BeforeValidator(_split_networks)]
+"""An operator's allow-list of networks (CIDRs) an outbound path may reach although they are not public
+(private, loopback, link-local...): in the environment a comma- or space-separated list
+(``10.20.0.0/16,fd00:1::/64``), empty by default. Host bits set (``10.0.0.1/8``) are refused."""
 
 
 def default_state_dir() -> Path:
@@ -44,3 +59,13 @@ class Settings(BaseSettings):
     Templates whose spec says ``ram: private`` (browser, desktop) are always private."""
     debian_mirror: str = "http://deb.debian.org/debian"
     debian_suite: str = "bookworm"
+    webhook_allow_networks: AllowNetworks = []
+    """Networks the node's approval webhooks may reach although they are not public
+    (``CAPSA_WEBHOOK_ALLOW_NETWORKS``, see :data:`AllowNetworks`): an approval service on the operator's
+    own network. Every other webhook destination must resolve only to public addresses, which the node
+    pins for the connection (policies naming another are refused with ``destination_refused``)."""
+    approval_webhook_secret: SecretStr | None = None
+    """The key the node signs approval webhook notifications with (``CAPSA_APPROVAL_WEBHOOK_SECRET``):
+    HMAC-SHA256 over ``<timestamp>.<body>``, sent as ``X-Capsa-Signature: v1=<hex>`` beside
+    ``X-Capsa-Timestamp`` (see docs/approvals.md). One key per deployment, shared by every receiver:
+    give it only to receivers the operator trusts. Unset: notifications go out unsigned."""

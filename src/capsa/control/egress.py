@@ -13,11 +13,13 @@ import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
+from capsa.common.destinations import DestinationRefused, ResolveError, screen_host
 from capsa.common.ids import is_id, new_id
 from capsa.common.node_api import AuditEvent as NodeAuditEvent
 from capsa.common.placeholders import new_placeholder
@@ -142,7 +144,20 @@ async def resolve_policy(plane: ControlPlane, tenant: str, policy: Mapping[str, 
                 values[row.id] = sealer.open(tenant, row.id, row.ciphertext)
         document["secrets"] = bindings
     await resolve_connections(plane, tenant, document)
+    if document.get("approval_webhook"):
+        await _check_webhook(plane, str(document["approval_webhook"]))
     return document, values
+
+
+async def _check_webhook(plane: ControlPlane, url: str) -> None:
+    """Refuse a webhook on (or resolving to) a non-public address outside ``CAPSA_WEBHOOK_ALLOW_NETWORKS``
+    before anything is started; the node screens it again (and pins it) for every notification."""
+    try:
+        await screen_host(urlsplit(url).hostname or "", plane.resolver, plane.settings.webhook_allow_networks)
+    except ResolveError:
+        return  # not resolvable from here: the node decides when it sends
+    except DestinationRefused as exc:
+        raise ApiError(f"approval_webhook refused: {exc.message}", code=exc.code, status=exc.status) from None
 
 
 def assign_placeholders(policy: Mapping[str, Any], previous: Mapping[str, str] | None = None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
+from capsa.common.destinations import Resolver, SystemResolver
 from capsa.control.audit_anchor import Checkpointer
 from capsa.control.audit_writer import AuditWriter
 from capsa.control.auth import KeyCache
@@ -42,6 +43,9 @@ class ControlPlane:
     """API key records this replica trusts for a few seconds (``CAPSA_KEY_CACHE_SECONDS``)."""
     sessions: SessionCache = field(default_factory=lambda: SessionCache(0.0))
     """Running sessions' rows this replica trusts for a few seconds (``CAPSA_SESSION_CACHE_SECONDS``)."""
+    resolver: Resolver = field(default_factory=SystemResolver)
+    """How this replica resolves the names it connects to on a tenant's behalf (OAuth providers); each
+    answer is screened (:func:`capsa.common.destinations.screen_host`). Tests plug a static table in."""
     checkpoints: Checkpointer | None = None
     """Signs audit checkpoints into the anchor outside the database (:mod:`capsa.control.audit_anchor`);
     None when no signing key is configured."""

@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from capsa.common.settings import AllowNetworks
+
 __all__ = ["ControlSettings", "TenantQuota"]
 
 
@@ -105,6 +107,16 @@ class ControlSettings(BaseSettings):
     oauth_ca_file: Path | None = None
     """Extra CA certificates (PEM) trusted for connection providers' endpoints, beside the system's (an
     identity provider on a private CA); ``CAPSA_OAUTH_CA_FILE``."""
+    oauth_allow_networks: AllowNetworks = []
+    """Networks connection providers' endpoints (the issuer, its discovery document's endpoints and the
+    ones given) may resolve into although they are not public (``CAPSA_OAUTH_ALLOW_NETWORKS``, comma- or
+    space-separated CIDRs): an identity provider on the operator's own network. Every other endpoint must
+    resolve only to public addresses (pinned for each connection) and be ``https://``; ``http://`` only to
+    addresses in these networks. Empty by default."""
+    webhook_allow_networks: AllowNetworks = []
+    """``CAPSA_WEBHOOK_ALLOW_NETWORKS`` as the control plane reads it to refuse a policy's
+    ``approval_webhook`` at the API (``destination_refused``); nodes read the same variable and screen
+    again on every notification: give both the same value."""
     connection_login_ttl: Annotated[float, Field(gt=0, le=3600)] = 600.0
     """Seconds a sign-in (its ``state``, PKCE verifier or device code) stays usable."""
     allow_insecure_node_urls: bool = False

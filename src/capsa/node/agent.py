@@ -202,6 +202,7 @@ class NodeAgent:
             raise CapsaError(f"sandbox {sandbox_id} was started without a policy and has no network; "
                              "a policy can only be given when the session is created", code="no_network",
                              status=409)
+        await self.egress.check_policy(policy)
         update = self.egress.update_policy(sandbox_id, policy, secrets or {}, placeholders)
         if update.ca_reissued:
             await self.trust.install(record.sandbox.guest, update.ca_pem)

@@ -58,8 +58,12 @@ async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> 
         pool_cfg = PoolSettings()
         # Sandbox namespaces and nftables need root; without it, sessions with a policy are refused
         # (egress_unavailable) and sessions without one run with no network, as always.
+        secret = settings.approval_webhook_secret
+        webhook_secret = secret.get_secret_value().encode() if secret is not None else None
         egress = (NodeEgress.create(netns_prefix=netns_prefix(settings.state_dir),
-                                    audit_path=Path(settings.state_dir) / AUDIT_FILE)
+                                    audit_path=Path(settings.state_dir) / AUDIT_FILE,
+                                    webhook_allow_networks=settings.webhook_allow_networks,
+                                    webhook_secret=webhook_secret)
                   if os.geteuid() == 0 else None)
         # Node-built templates are cached beside the image: a fresh state dir restores from them at once.
         source = TemplateSource(runtime, image, egress=egress, pool_size=pool_cfg.size,

@@ -17,8 +17,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import httpx
-
 from capsa.common.egress_policy import ApprovalScope
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
@@ -31,8 +29,6 @@ __all__ = [
     "ApprovalState",
     "Outcome",
     "new_approval_id",
-    "post_webhook",
-    "webhook_payload",
 ]
 
 _log = logging.getLogger(__name__)
@@ -222,24 +218,3 @@ class ApprovalBook:
 
 def new_approval_id() -> str:
     return new_id("apr")
-
-
-_WEBHOOK_TIMEOUT_S = 10.0
-
-
-async def post_webhook(url: str, payload: dict[str, Any]) -> None:
-    """POST ``payload`` as JSON to ``url`` once; failures are logged, never raised (the approval stays
-    pending and can still be decided through the API)."""
-    try:
-        async with httpx.AsyncClient(timeout=_WEBHOOK_TIMEOUT_S, follow_redirects=False,
-                                     trust_env=False) as client:
-            response = await client.post(url, json=payload, headers={"User-Agent": "capsa-approvals"})
-        if response.status_code >= 300:
-            _log.warning("approval webhook answered %d", response.status_code)
-    except httpx.HTTPError as exc:
-        _log.warning("approval webhook failed: %s", exc.__class__.__name__)
-
-
-def webhook_payload(approval: Approval) -> dict[str, Any]:
-    return {"type": "approval.pending", "approval": approval.as_dict()}
-

@@ -29,24 +29,23 @@ import socket
 import ssl
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 import h11
 
+from capsa.common.addresses import is_ip_literal, is_public_address
+from capsa.common.destinations import DestinationRefused, screen_host
 from capsa.common.errors import CapsaError
 from capsa.node.egress import dnswire
-from capsa.node.egress.addresses import is_ip_literal, is_public_address
 from capsa.node.egress.approvals import (
     PENDING_PER_SANDBOX,
     PREVIEW_BYTES,
     Approval,
     ApprovalBook,
     new_approval_id,
-    post_webhook,
-    webhook_payload,
 )
 from capsa.node.egress.audit import AuditSink, EgressEvent, emit_safely
 from capsa.node.egress.ca import SandboxCA, leaf_name
@@ -58,6 +57,7 @@ from capsa.node.egress.redaction import SecretLeak, SecretPatterns, StreamRedact
 from capsa.node.egress.secrets import SecretStore, is_placeholder, new_placeholder
 from capsa.node.egress.token_injection import TokenRefused, TokenRequest, inject_tokens
 from capsa.node.egress.tokens import ConnectionTokens
+from capsa.node.egress.webhooks import Notifier, WebhookNotifier
 from capsa.node.net.nsexec import open_listener
 from capsa.node.net.sandbox_net import ServicePorts
 
@@ -336,12 +336,13 @@ class EgressBroker:
         connect_timeout: float = 10.0,
         limits: BrokerLimits | None = None,
         approvals: ApprovalBook | None = None,
-        webhook: Callable[[str, dict[str, Any]], Coroutine[Any, Any, None]] = post_webhook,
+        notifier: Notifier | None = None,
         tokens: ConnectionTokens | None = None,
     ) -> None:
         """``allow_networks`` lets destinations resolve into otherwise refused ranges (private, loopback…);
-        it is empty by default and meant for tests and deliberate on-premises exceptions. ``webhook`` sends
-        a policy's ``approval_webhook`` notifications."""
+        it is empty by default and meant for tests and deliberate on-premises exceptions. ``notifier`` sends
+        a policy's ``approval_webhook`` notifications (default: screened with this broker's resolver, no
+        allow-list, unsigned)."""
         self.secrets = secrets
         self.sink = sink
         self.tokens = tokens if tokens is not None else ConnectionTokens()
@@ -362,8 +363,7 @@ class EgressBroker:
         self._tls_contexts: dict[str, ssl.SSLContext] = {}
         self.approvals = approvals or ApprovalBook()
         self.approvals.on_change = self._audit_approval
-        self.webhook = webhook
-        self._notifications: set[asyncio.Task[None]] = set()
+        self.notifier: Notifier = notifier if notifier is not None else WebhookNotifier(self.resolver)
 
     # -- sandbox lifecycle -------------------------------------------------------------------------
 
@@ -459,10 +459,7 @@ class EgressBroker:
     async def close(self) -> None:
         for sid in list(self._sandboxes):
             await self.unregister(sid)
-        for task in list(self._notifications):
-            task.cancel()
-        if self._notifications:
-            await asyncio.gather(*self._notifications, return_exceptions=True)
+        await self.notifier.close()
 
     @staticmethod
     def _forget_patterns(sbx: SandboxEgress) -> None:
@@ -1056,9 +1053,7 @@ class EgressBroker:
             approval_rule=match.name, scope=match.scope, preview=self._preview(sbx, body),
             body_bytes=len(body), created_at=now, expires_at=now + match.timeout_s))
         if sbx.policy.approval_webhook:
-            task = asyncio.create_task(self.webhook(sbx.policy.approval_webhook, webhook_payload(approval)))
-            self._notifications.add(task)
-            task.add_done_callback(self._notifications.discard)
+            self.notifier.notify(sbx.policy.approval_webhook, approval.as_dict())
         approval.waiter = asyncio.current_task()
         waiter = asyncio.ensure_future(self.approvals.wait(approval, _grant_key(rule, match)))
         watcher = asyncio.ensure_future(self._watch_client(client))
@@ -1154,16 +1149,11 @@ class EgressBroker:
 
     async def _resolve(self, host: str) -> str:
         try:
-            addresses = await self.resolver.resolve(host)
+            return await screen_host(host, self.resolver, self.allow_networks)
         except ResolveError as exc:
             raise _Deny(502, exc.message) from None
-        if not addresses:
-            raise _Deny(502, f"{host} has no address")
-        refused = [a for a in addresses if not is_public_address(a, self.allow_networks)]
-        if refused:
-            # One bad answer taints the whole set: rebinding attacks mix a public and a private address.
-            raise _Deny(403, f"{host} resolves to a non-public address ({refused[0]})")
-        return addresses[0]
+        except DestinationRefused as exc:
+            raise _Deny(403, exc.message) from None
 
     async def _upstream_for(self, req: _Request, tls: bool, current: _Upstream | None
                             ) -> tuple[_Upstream, str]:

@@ -3,6 +3,9 @@
 The stub never recurses: a name the sandbox's policy allows resolves to the broker's address in the
 sandbox's namespace (the broker then resolves the real destination itself); every other name gets
 NXDOMAIN. Every query is audited, which is also how DNS exfiltration attempts become visible.
+
+The :class:`Resolver` protocol and the system and static resolvers live in :mod:`capsa.common.destinations`
+(the control plane screens its own destinations with them too); they are re-exported here.
 """
 
 from __future__ import annotations
@@ -10,11 +13,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import random
-import socket
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, cast
+from typing import cast
 
-from capsa.common.errors import CapsaError
+from capsa.common.destinations import ResolveError, Resolver, StaticResolver, SystemResolver
 from capsa.node.egress import dnswire
 
 __all__ = [
@@ -31,11 +33,6 @@ __all__ = [
 # (rcode, IPv4 addresses) for a (name, qtype, source ip) question.
 DnsAnswer = tuple[int, list[str]]
 DnsHandler = Callable[[dnswire.Question, str], DnsAnswer]
-
-
-class ResolveError(CapsaError):
-    code = "resolve_failed"
-    status = 502
 
 
 class DnsServerProtocol(asyncio.DatagramProtocol):
@@ -72,40 +69,6 @@ def static_dns_handler(records: Mapping[str, Sequence[str]]) -> DnsHandler:
         return dnswire.NOERROR, table[q.name] if q.qtype == dnswire.QTYPE_A else []
 
     return handle
-
-
-class Resolver(Protocol):
-    async def resolve(self, host: str) -> list[str]:
-        """All addresses ``host`` has (strings); raise :class:`ResolveError` if it has none."""
-        ...
-
-
-class SystemResolver:
-    """The node's own resolver (getaddrinfo)."""
-
-    async def resolve(self, host: str) -> list[str]:
-        loop = asyncio.get_running_loop()
-        try:
-            infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise ResolveError(f"cannot resolve {host}: {exc.strerror or exc}") from None
-        out: list[str] = []
-        for info in infos:
-            addr = str(info[4][0])
-            if addr not in out:
-                out.append(addr)
-        return out
-
-
-class StaticResolver:
-    def __init__(self, records: Mapping[str, Sequence[str]]) -> None:
-        self.records = {k.lower(): list(v) for k, v in records.items()}
-
-    async def resolve(self, host: str) -> list[str]:
-        found = self.records.get(host.lower())
-        if not found:
-            raise ResolveError(f"cannot resolve {host}")
-        return list(found)
 
 
 class _OneShot(asyncio.DatagramProtocol):

@@ -15,18 +15,20 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from capsa.common.addresses import IPNetwork
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
 from capsa.node.egress.approvals import ApprovalBook
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker, PolicyUpdate
-from capsa.node.egress.dns import Resolver
+from capsa.node.egress.dns import Resolver, SystemResolver
 from capsa.node.egress.limits import raise_nofile
 from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import AttachedNetwork, EgressService
 from capsa.node.egress.tokens import ConnectionTokens
 from capsa.node.egress.trust_store import CA_BUNDLE, CA_PATH
+from capsa.node.egress.webhooks import WebhookNotifier
 from capsa.node.net.sandbox_net import NETNS_PREFIX, NetworkManager, SandboxNet
 
 __all__ = ["CA_BUNDLE", "CA_PATH", "EgressRequest", "NodeEgress"]
@@ -54,15 +56,21 @@ class NodeEgress:
     @classmethod
     def create(cls, *, netns_prefix: str = NETNS_PREFIX,
                resolver: Resolver | None = None, upstream_ssl: ssl.SSLContext | None = None,
-               allow_networks: Sequence[str] = (), audit_path: Path | None = None) -> NodeEgress:
+               allow_networks: Sequence[str] = (), audit_path: Path | None = None,
+               webhook_allow_networks: Sequence[IPNetwork] = (),
+               webhook_secret: bytes | None = None) -> NodeEgress:
         """``netns_prefix`` names this node agent's namespaces; each agent on a host needs its own, since
         :meth:`cleanup_stale` removes every namespace with the prefix. ``audit_path``: the file that makes
-        the audit buffer durable across node processes (memory only without one)."""
+        the audit buffer durable across node processes (memory only without one).
+        ``webhook_allow_networks`` and ``webhook_secret``: ``CAPSA_WEBHOOK_ALLOW_NETWORKS`` and
+        ``CAPSA_APPROVAL_WEBHOOK_SECRET`` (approval notifications, see webhooks.py)."""
         audit = AuditLog(path=audit_path)
         store = InMemorySecretStore(SecretBox(os.urandom(32)))
         raise_nofile()  # the broker's node-wide connection cap is bounded by the open-file limit
+        notifier = WebhookNotifier(resolver or SystemResolver(), allow_networks=webhook_allow_networks,
+                                   secret=webhook_secret)
         broker = EgressBroker(secrets=store, sink=audit, resolver=resolver, upstream_ssl=upstream_ssl,
-                              allow_networks=allow_networks, tokens=ConnectionTokens())
+                              allow_networks=allow_networks, tokens=ConnectionTokens(), notifier=notifier)
         return cls(EgressService(NetworkManager(netns_prefix=netns_prefix), broker, audit), store,
                    audit)
 
@@ -116,10 +124,12 @@ class NodeEgress:
                      net: SandboxNet | None = None) -> AttachedNetwork:
         """Give the sandbox its broker registration, listeners, CA and placeholders (``placeholders``:
         secret id -> the session's placeholder; missing ones are made up) on a new namespace and tap, or
-        on ``net``, a pooled VM's network from :meth:`pool_network`, which the sandbox then owns."""
+        on ``net``, a pooled VM's network from :meth:`pool_network`, which the sandbox then owns. A policy
+        whose approval webhook is refused (:meth:`check_policy`) is refused here."""
         if net is not None:
             self._pool_nets.pop(net.sandbox_id, None)
         try:
+            await self.check_policy(policy)
             self._store_secrets(sandbox_id, policy, values)
         except BaseException:
             if net is not None:
@@ -132,6 +142,12 @@ class NodeEgress:
             self._uses.pop(sandbox_id, None)
             self._drop_unused()
             raise
+
+    async def check_policy(self, policy: EgressPolicy) -> None:
+        """Refuse (``destination_refused``, 422) a policy whose ``approval_webhook`` is, or resolves to, an
+        address the node does not notify (screened again, and pinned, on every notification)."""
+        if policy.approval_webhook:
+            await self.service.broker.notifier.check(policy.approval_webhook)
 
     def update_policy(self, sandbox_id: str, policy: EgressPolicy, values: Mapping[str, str],
                       placeholders: Mapping[str, str] | None = None) -> PolicyUpdate:

@@ -1,9 +1,11 @@
-"""Which destination addresses the broker may connect to.
+"""Which destination addresses capsa's own outbound connections may reach: the egress broker's upstreams,
+approval webhooks from the node, OAuth providers from the control plane (screened through
+:func:`capsa.common.destinations.screen_host`).
 
 Only globally routable unicast addresses pass, minus the ranges that reach back into private space (6to4
 ``2002::/16`` embeds any IPv4 address, including private ones; deprecated site-local ``fec0::/10``) and minus
-the node's own addresses: a name that resolves to the node itself would reach the node's services from a
-sandbox.
+the host's own addresses: a name that resolves to the node itself would reach the node's services from a
+sandbox (or the control plane's from a provider's discovery document).
 """
 
 from __future__ import annotations
