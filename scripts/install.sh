@@ -72,10 +72,11 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     fresh=1
 fi
-# One pip pass: skipped when this venv already holds what pyproject.toml asks for, installed from this
-# checkout (the stamp records both); a reused venv and a new clone only re-point the editable install.
+# One pip pass: skipped when this venv already holds what pyproject.toml's [project] asks for (the key of
+# scripts/deps_key.py: tool settings do not count), installed from this checkout (the stamp records both);
+# a reused venv and a new clone only re-point the editable install.
 stamp="$VENV/.capsa-install"
-want="$(sha256sum "$REPO/pyproject.toml" | cut -c1-64) $EXTRAS"
+want="$(python3 "$REPO/scripts/deps_key.py" "$REPO/pyproject.toml") $EXTRAS"
 have="$(head -n1 "$stamp" 2>/dev/null || true)"
 if [ "$fresh" -eq 1 ] || [ "$have" != "$want" ]; then
     "$VENV/bin/python" -m pip install -q -e "$REPO$EXTRAS"
@@ -84,7 +85,7 @@ elif [ "$(sed -n 2p "$stamp")" != "$REPO" ]; then
     "$VENV/bin/python" -m pip install -q --no-deps -e "$REPO"
     printf '%s\n%s\n' "$want" "$REPO" > "$stamp"
 else
-    echo "up to date (pyproject.toml unchanged, installed from $REPO)"
+    echo "up to date (pyproject.toml's [project] unchanged, installed from $REPO)"
 fi
 "$VENV/bin/capsa" --version
 
