@@ -41,11 +41,13 @@ from capsa.node.warm_pool import IdentityBinder, PoolKey, PoolMetrics, WarmPool,
 __all__ = [
     "NET_TEMPLATE",
     "NET_TEMPLATE_MAC",
+    "CacheKey",
     "ColdBootSource",
     "MadeSandbox",
     "SandboxRequest",
     "SandboxSource",
     "TemplateSource",
+    "cache_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -174,6 +176,28 @@ def _ram_mode(template: Template, default: RamMode = RamMode.COPY) -> RamMode:
     """How a sandbox restored from ``template`` holds its RAM: its spec's ``ram: private`` (busy guests:
     browsers) maps a clone privately, otherwise ``default``."""
     return RamMode.CLONE if (template.spec or {}).get("ram") == "private" else default
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Where the template cache keeps a template: its entry name, size and NIC MAC (``None``: no NIC)."""
+
+    name: str
+    memory_mib: int
+    vcpus: int
+    mac: str | None
+
+
+def cache_key(store: TemplateStore, name: str) -> CacheKey:
+    """The cache key of ``base`` and ``base-net`` at the store's default size, and of a shipped template at
+    its spec's size (its entry named after the spec's digest, so an edited spec is another entry)."""
+    shipped = shipped_template(name) if name not in (BASE, NET_TEMPLATE) else None
+    if shipped is None:
+        return CacheKey(name, store.base_memory_mib, store.base_vcpus,
+                        NET_TEMPLATE_MAC if name == NET_TEMPLATE else None)
+    spec = shipped.spec
+    return CacheKey(shipped.cache_name, spec.memory_mib or store.base_memory_mib,
+                    spec.vcpus or store.base_vcpus, NET_TEMPLATE_MAC if spec.network else None)
 
 
 class TemplateSource:
@@ -469,8 +493,8 @@ class TemplateSource:
         shipped = shipped_template(name) if name not in (BASE, NET_TEMPLATE) else None
         if shipped is None:
             return await self.store.resolve(name, memory_mib, vcpus)
-        spec = shipped.spec
-        size = (spec.memory_mib or self.store.base_memory_mib, spec.vcpus or self.store.base_vcpus)
+        key = cache_key(self.store, name)
+        size = (key.memory_mib, key.vcpus)
         if (memory_mib, vcpus) not in ((None, None), size):
             raise CapsaError(f"template {name!r} is {size[0]} MiB/{size[1]} vCPU, not {memory_mib} MiB/"
                              f"{vcpus} vCPU", code="template_mismatch", status=409)
@@ -482,9 +506,8 @@ class TemplateSource:
             log.info("template %s was built from another spec; rebuilding it", name)
             await self.warm.drain(name)
             await asyncio.to_thread(self.store.delete, name)
-        return await self.store.ensure(name, *size, lambda: self.build_shipped(name),
-                                       mac=NET_TEMPLATE_MAC if spec.network else None,
-                                       cache_name=shipped.cache_name)
+        return await self.store.ensure(name, *size, lambda: self.build_shipped(name), mac=key.mac,
+                                       cache_name=key.name)
 
     async def build_shipped(self, name: str, progress: Callable[[str], None] | None = None) -> Template:
         """Build the shipped template ``name`` into the store at its spec's size (no cache, no lock)."""

@@ -22,10 +22,10 @@ from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
 from capsa.node.shipped import shipped_names, shipped_template
-from capsa.node.sources import NET_TEMPLATE, TemplateSource
+from capsa.node.sources import NET_TEMPLATE, TemplateSource, cache_key
 from capsa.node.storage.pool import StoragePool, StorageSettings
 from capsa.node.template_cache import TemplateCache
-from capsa.node.templates import BASE, NET_TEMPLATE_MAC, TemplateStore
+from capsa.node.templates import BASE
 
 __all__ = ["WarmResult", "warm_template_cache", "warm_templates", "warmable_names"]
 
@@ -74,17 +74,6 @@ async def _scratch_node(settings: Settings, image: GuestImage, *, network: bool,
         shutil.rmtree(state_dir, ignore_errors=True)
 
 
-def _cache_key(store: TemplateStore, name: str) -> tuple[str, int, int, str | None]:
-    """(cache name, MiB, vCPUs, MAC) of a warmable template."""
-    shipped = shipped_template(name) if name not in (BASE, NET_TEMPLATE) else None
-    if shipped is None:
-        mac = NET_TEMPLATE_MAC if name == NET_TEMPLATE else None
-        return name, store.base_memory_mib, store.base_vcpus, mac
-    spec = shipped.spec
-    return (shipped.cache_name, spec.memory_mib or store.base_memory_mib, spec.vcpus or store.base_vcpus,
-            NET_TEMPLATE_MAC if spec.network else None)
-
-
 def _prefixed(say: Progress, name: str) -> Progress:
     return lambda msg: say(f"{name}: {msg}")
 
@@ -108,8 +97,9 @@ async def warm_templates(settings: Settings, image: GuestImage, names: list[str]
         store = source.store
         for name in names:
             started = time.monotonic()
-            key, mib, cpus, mac = _cache_key(store, name)
-            found = await asyncio.to_thread(store.cached, key, mib, cpus, mac)
+            key = cache_key(store, name)
+            mib, cpus = key.memory_mib, key.vcpus
+            found = await asyncio.to_thread(store.cached, key.name, mib, cpus, key.mac)
             if found and not force:
                 say(f"{name}: cached ({found[0].name})")
                 results.append(WarmResult(name, found[0], False, time.monotonic() - started))
@@ -124,7 +114,7 @@ async def warm_templates(settings: Settings, image: GuestImage, names: list[str]
                 template = await source.build_shipped(name, progress=step)
             say(f"{name}: copying it into the template cache")
             assert store.cache is not None
-            entry = await asyncio.to_thread(store.cache.publish, key, template.path,
+            entry = await asyncio.to_thread(store.cache.publish, key.name, template.path,
                                             template.snapshot.manifest)
             say(f"{name}: built in {time.monotonic() - started:.0f} s, cached as {entry.name}")
             results.append(WarmResult(name, entry, True, time.monotonic() - started))
