@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, IPvAnyNetwork, SecretStr, TypeAdapter
 
 __all__ = [
     "APPROVAL_ID_PATTERN",
@@ -95,6 +95,9 @@ _Placeholders = Annotated[dict[Annotated[str, Field(pattern=r"^sec_[0-9a-z]{20}$
                           Field(max_length=64)]
 """secret id -> the session's placeholder for it (what its guest holds), recorded by the control plane."""
 _SessionId = Annotated[str, Field(max_length=64)]
+_Networks = Annotated[list[IPvAnyNetwork], Field(max_length=256)]
+"""The networks the session's tenant was granted (``/v1/egress-grants``): of the node's internal networks
+(``CAPSA_EGRESS_ALLOW_NETWORKS``), those the sandbox may reach."""
 _Labels = Annotated[dict[Annotated[str, Field(min_length=1, max_length=64)],
                          Annotated[str, Field(max_length=256)]], Field(max_length=32)]
 
@@ -131,6 +134,7 @@ class SandboxCreate(_Request):
     """Values of the secrets the policy binds, by id. Write-only: never returned, never logged."""
     placeholders: _Placeholders = Field(default_factory=dict)
     """The session's placeholders by secret id; a binding without one gets a random placeholder."""
+    granted_networks: _Networks = Field(default_factory=list)
 
 
 class SandboxInfo(_Answer):
@@ -159,6 +163,8 @@ class PolicyUpdate(_Request):
     secrets: _Secrets = Field(default_factory=dict)
     placeholders: _Placeholders = Field(default_factory=dict)
     """For new bindings (kept bindings keep the placeholder they have)."""
+    granted_networks: _Networks | None = None
+    """None: the sandbox keeps the ones it has."""
 
 
 class PolicyUpdated(_Answer):
@@ -424,6 +430,7 @@ class RestoreRequest(_Request):
     secrets: _Secrets = Field(default_factory=dict)
     placeholders: _Placeholders = Field(default_factory=dict)
     """The session's placeholders: those its guest already holds keep working."""
+    granted_networks: _Networks = Field(default_factory=list)
 
 
 class BranchEgress(_Request):
@@ -433,6 +440,7 @@ class BranchEgress(_Request):
     policy: dict[str, Any]
     secrets: _Secrets = Field(default_factory=dict)
     placeholders: _Placeholders = Field(default_factory=dict)
+    granted_networks: _Networks = Field(default_factory=list)
 
 
 class BranchRequest(_Request):

@@ -42,6 +42,7 @@ from capsa.control.routes import audit as audit_routes
 from capsa.control.routes import browser as browser_routes
 from capsa.control.routes import connections as connection_routes
 from capsa.control.routes import egress as egress_routes
+from capsa.control.routes import egress_grants as egress_grant_routes
 from capsa.control.routes import secrets as secret_routes
 from capsa.control.session_cache import SessionCache
 from capsa.control.settings import ControlSettings
@@ -127,7 +128,8 @@ def create_app(settings: ControlSettings | None = None,
     app.add_middleware(AuditMiddleware, plane=lambda: getattr(app.state, "plane", None))
     for module in (health, sessions, snapshots, commands, files, ports, terminals, keys, nodes):
         app.include_router(module.router, prefix="/v1")
-    for egress_module in (secret_routes, egress_routes, approvals, audit_routes, browser_routes):
+    for egress_module in (secret_routes, egress_routes, egress_grant_routes, approvals, audit_routes,
+                          browser_routes):
         app.include_router(egress_module.router, prefix="/v1")
     app.include_router(connection_routes.providers_router, prefix="/v1")
     app.include_router(connection_routes.router, prefix="/v1")

@@ -26,6 +26,7 @@ from capsa.common.placeholders import new_placeholder
 from capsa.control.audit_trail import AuditEntry, AuditKind
 from capsa.control.audit_trail import append as audit_append
 from capsa.control.connection_tokens import resolve_connections
+from capsa.control.egress_grants import tenant_networks
 from capsa.control.egress_schemas import (
     AuditEventOut,
     AuditList,
@@ -199,7 +200,7 @@ async def session_egress(plane: ControlPlane, tenant: str, session_id: str) -> E
             if stored is not None:
                 stored.placeholders = placeholders
                 await db.commit()
-    return EgressArgs(document, values, placeholders, session_id)
+    return EgressArgs(document, values, placeholders, session_id, await tenant_networks(plane, tenant))
 
 
 async def _session(db: DbSession, tenant: str, session_id: str) -> SessionRow:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -70,11 +70,13 @@ class EgressArgs:
     secrets: Mapping[str, str]
     placeholders: Mapping[str, str]
     session_id: str
+    networks: Sequence[str] = ()
+    """The internal networks the session's tenant was granted (capsa.control.egress_grants)."""
 
     def body(self) -> dict[str, Any]:
         # A plain dict, not the pydantic request: the secrets' values must go over the wire, not their mask.
         return {"session_id": self.session_id, "policy": dict(self.policy), "secrets": dict(self.secrets),
-                "placeholders": dict(self.placeholders)}
+                "placeholders": dict(self.placeholders), "granted_networks": list(self.networks)}
 
 
 class NodeError(CapsaError):
@@ -197,10 +199,14 @@ class NodeClient:
 
     # -- egress ----------------------------------------------------------------------------------------
     async def update_policy(self, sandbox_id: str, policy: Mapping[str, Any], secrets: Mapping[str, str],
-                            placeholders: Mapping[str, str] | None = None) -> PolicyUpdated:
-        return await self._call(PolicyUpdated, "PUT", f"/sandboxes/{sandbox_id}/policy",
-                                json={"policy": dict(policy), "secrets": dict(secrets),
-                                      "placeholders": dict(placeholders or {})})
+                            placeholders: Mapping[str, str] | None = None,
+                            networks: Sequence[str] | None = None) -> PolicyUpdated:
+        """``networks``: the tenant's granted internal networks (None: the sandbox keeps its own)."""
+        body: dict[str, Any] = {"policy": dict(policy), "secrets": dict(secrets),
+                                "placeholders": dict(placeholders or {})}
+        if networks is not None:
+            body["granted_networks"] = list(networks)
+        return await self._call(PolicyUpdated, "PUT", f"/sandboxes/{sandbox_id}/policy", json=body)
 
     async def list_approvals(self, session_ids: list[str], *, include_decided: bool = False) -> ApprovalList:
         params: list[tuple[str, str]] = [("session", sid) for sid in session_ids]

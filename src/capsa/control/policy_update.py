@@ -7,12 +7,15 @@ neither that module nor :mod:`capsa.control.sessions` has to import the other.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sqlalchemy import select
 
 from capsa.common.egress_policy import EgressPolicy, PolicyError
+from capsa.common.errors import CapsaError
 from capsa.control.egress import assign_placeholders, merge_patch, resolve_policy
+from capsa.control.egress_grants import check_policy_networks, tenant_networks
 from capsa.control.egress_schemas import PolicyOut
 from capsa.control.errors import InvalidState, ValidationFailed
 from capsa.control.nodeclient import NodeError
@@ -21,7 +24,9 @@ from capsa.control.sessions import node_call_failed, running_session
 from capsa.control.store.egress_models import SessionPolicyRow
 from capsa.control.store.models import SessionRow, utcnow
 
-__all__ = ["update_policy"]
+__all__ = ["refresh_networks", "update_policy"]
+
+log = logging.getLogger(__name__)
 
 
 async def update_policy(plane: ControlPlane, tenant: str, session_id: str, policy: dict[str, Any] | None,
@@ -46,12 +51,14 @@ async def update_policy(plane: ControlPlane, tenant: str, session_id: str, polic
             raise ValidationFailed(exc.message, [{"field": "body", "message": exc.message}]) from None
     assert policy is not None
     document, values = await resolve_policy(plane, tenant, policy)
+    await check_policy_networks(plane, tenant, document)
     placeholders = assign_placeholders(document, current.placeholders)
     reissued = False
     if row is not None and client is not None:
         assert row.sandbox_id is not None
         try:
-            answer = await client.update_policy(row.sandbox_id, document, values, placeholders)
+            answer = await client.update_policy(row.sandbox_id, document, values, placeholders,
+                                                await tenant_networks(plane, tenant))
         except NodeError as exc:
             raise await node_call_failed(plane, row, exc) from exc
         reissued = answer.ca_reissued
@@ -68,3 +75,29 @@ async def update_policy(plane: ControlPlane, tenant: str, session_id: str, polic
             stored.updated_at = now
             await db.commit()
     return PolicyOut(session_id=session_id, policy=document, updated_at=now, ca_reissued=reissued)
+
+
+async def refresh_networks(plane: ControlPlane, tenant: str) -> list[str]:
+    """Send each running session of ``tenant`` that has a policy its tenant's granted networks now (after a
+    grant or a revocation), with its current policy; returns the sessions a node did not take it from
+    (logged: they keep their old grants until their sandbox ends, and a revoked network stays refused by
+    every sandbox started after it)."""
+    networks = await tenant_networks(plane, tenant)
+    async with plane.db() as db:
+        ids = list(await db.scalars(
+            select(SessionRow.id).join(SessionPolicyRow, SessionPolicyRow.session_id == SessionRow.id)
+            .where(SessionRow.tenant == tenant, SessionRow.state == "running")))
+    missed: list[str] = []
+    for session_id in ids:
+        try:
+            row, client = await running_session(plane, tenant, session_id, fresh=True)
+            async with plane.db() as db:
+                current = await db.get(SessionPolicyRow, session_id, populate_existing=True)
+            if current is None or row.sandbox_id is None:
+                continue
+            document, values = await resolve_policy(plane, tenant, current.policy)
+            await client.update_policy(row.sandbox_id, document, values, current.placeholders or {}, networks)
+        except CapsaError as exc:
+            log.warning("egress grants of session %s not refreshed: %s", session_id, exc.code)
+            missed.append(session_id)
+    return missed

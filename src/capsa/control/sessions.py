@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import and_, delete, or_, select, update
 
 from capsa.common.ids import is_id, new_id
-from capsa.control import audit_trail, egress
+from capsa.control import audit_trail, egress, egress_grants
 from capsa.control.auth import Principal
 from capsa.control.errors import ApiError, InvalidState, NotFound, SessionFailed, ValidationFailed
 from capsa.control.lifecycle import transition
@@ -163,6 +163,7 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
     placeholders: dict[str, str] = {}
     if req.policy is not None:
         policy, secret_values = await egress.resolve_policy(plane, principal.tenant, req.policy)
+        await egress_grants.check_policy_networks(plane, principal.tenant, policy)
         placeholders = egress.assign_placeholders(policy)
     async with plane.db() as db:
         await lock_tenant(db, principal.tenant)
@@ -189,7 +190,9 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
         await db.commit()
     client = plane.node_client(node)
     try:
-        args = (EgressArgs(policy, secret_values, placeholders, session_id) if policy is not None else None)
+        args = (EgressArgs(policy, secret_values, placeholders, session_id,
+                           await egress_grants.tenant_networks(plane, principal.tenant))
+                if policy is not None else None)
         await client.create_sandbox(sandbox_id, req.template, req.memory_mib, req.vcpus, req.env, egress=args)
     except BaseException as exc:
         # Nothing may stay half-created: the node cleans up a failed boot itself, and we ask it again in

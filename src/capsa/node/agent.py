@@ -146,11 +146,13 @@ class NodeAgent:
     async def create(self, sandbox_id: str, template: str, memory_mib: int, vcpus: int,
                      env: Mapping[str, str], *, policy: EgressPolicy | None = None,
                      secrets: Mapping[str, str] | None = None, session_id: str | None = None,
-                     placeholders: Mapping[str, str] | None = None) -> SandboxRecord:
+                     placeholders: Mapping[str, str] | None = None,
+                     networks: Sequence[str] = ()) -> SandboxRecord:
         """Make a sandbox from the source. Without ``policy`` it has no NIC at all; with one it gets its own
         namespace behind the egress broker, the broker's CA in its trust store and the placeholders in
-        ``env`` (``placeholders``: secret id -> the session's placeholder; missing ones are made up)."""
-        request = (EgressRequest(policy, secrets or {}, placeholders or {}, session_id)
+        ``env`` (``placeholders``: secret id -> the session's placeholder; missing ones are made up).
+        ``networks``: the internal networks the session's tenant was granted."""
+        request = (EgressRequest(policy, secrets or {}, placeholders or {}, session_id, tuple(networks))
                    if policy is not None else None)
         egress = self._egress(request)
         started = time.perf_counter()
@@ -192,7 +194,8 @@ class NodeAgent:
 
     async def update_policy(self, sandbox_id: str, policy: EgressPolicy,
                             secrets: Mapping[str, str] | None = None,
-                            placeholders: Mapping[str, str] | None = None) -> bool:
+                            placeholders: Mapping[str, str] | None = None,
+                            networks: Sequence[str] | None = None) -> bool:
         """Replace a running sandbox's policy; returns whether its CA was re-issued (and re-installed).
 
         Placeholders of bindings that stay keep their value, new ones take ``placeholders`` (secret id ->
@@ -203,7 +206,7 @@ class NodeAgent:
                              "a policy can only be given when the session is created", code="no_network",
                              status=409)
         await self.egress.check_policy(policy)
-        update = self.egress.update_policy(sandbox_id, policy, secrets or {}, placeholders)
+        update = self.egress.update_policy(sandbox_id, policy, secrets or {}, placeholders, networks)
         if update.ca_reissued:
             await self.trust.install(record.sandbox.guest, update.ca_pem)
         placeholder_env = self.egress.placeholder_env(sandbox_id)

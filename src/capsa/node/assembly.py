@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from capsa.common.egress_networks import EgressNetworkSettings
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.agent import NodeAgent
@@ -60,8 +61,11 @@ async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> 
         # (egress_unavailable) and sessions without one run with no network, as always.
         secret = settings.approval_webhook_secret
         webhook_secret = secret.get_secret_value().encode() if secret is not None else None
+        exceptions = EgressNetworkSettings()  # CAPSA_EGRESS_ALLOW_NETWORKS, CAPSA_EGRESS_UPSTREAM_PROXY
         egress = (NodeEgress.create(netns_prefix=netns_prefix(settings.state_dir),
                                     audit_path=Path(settings.state_dir) / AUDIT_FILE,
+                                    internal_networks=exceptions.allow_networks,
+                                    upstream_proxy=exceptions.proxy(),
                                     webhook_allow_networks=settings.webhook_allow_networks,
                                     webhook_secret=webhook_secret)
                   if os.geteuid() == 0 else None)

@@ -29,7 +29,7 @@ class EgressHook:
         r = self.request
         self.attached = await self.egress.attach(self.sandbox_id, r.policy, r.secrets,
                                                  session_id=r.session_id, placeholders=r.placeholders,
-                                                 net=net)
+                                                 net=net, networks=r.networks)
         return self.attached.net
 
     async def prepare(self, sandbox: Sandbox) -> None:

@@ -19,7 +19,9 @@ router = APIRouter(tags=["egress"])
 async def update_policy(agent: Agent, sandbox_id: str, body: PolicyUpdate) -> PolicyUpdated:
     reissued = await agent.update_policy(sandbox_id, EgressPolicy.from_data(body.policy),
                                          {k: v.get_secret_value() for k, v in body.secrets.items()},
-                                         body.placeholders)
+                                         body.placeholders,
+                                         None if body.granted_networks is None
+                                         else [str(n) for n in body.granted_networks])
     return PolicyUpdated(ca_reissued=reissued)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Response
@@ -45,16 +45,17 @@ async def pause(agent: Agent, sandbox_id: str, body: PauseRequest) -> SnapshotIn
 
 
 def _egress(policy: dict[str, Any] | None, secrets: Mapping[str, SecretStr], placeholders: Mapping[str, str],
-            session_id: str | None) -> EgressRequest | None:
+            session_id: str | None, networks: Sequence[object] = ()) -> EgressRequest | None:
     if policy is None:
         return None
     values = {k: v.get_secret_value() for k, v in secrets.items()}
-    return EgressRequest(EgressPolicy.from_data(policy), values, dict(placeholders), session_id)
+    return EgressRequest(EgressPolicy.from_data(policy), values, dict(placeholders), session_id,
+                         tuple(str(n) for n in networks))
 
 
 @router.post("/snapshots/{snapshot_id}/restore", status_code=201, response_model=SandboxInfo)
 async def restore(agent: Agent, snapshot_id: str, body: RestoreRequest) -> SandboxInfo:
-    egress = _egress(body.policy, body.secrets, body.placeholders, body.session_id)
+    egress = _egress(body.policy, body.secrets, body.placeholders, body.session_id, body.granted_networks)
     return sandbox_info(await agent.restore(snapshot_id, body.id, body.env, egress=egress))
 
 
@@ -62,8 +63,8 @@ async def restore(agent: Agent, snapshot_id: str, body: RestoreRequest) -> Sandb
 async def branch(agent: Agent, snapshot_id: str, body: BranchRequest) -> SandboxList:
     egress = None
     if body.egress is not None:
-        egress = [r for r in (_egress(e.policy, e.secrets, e.placeholders, e.session_id) for e in body.egress)
-                  if r is not None]
+        egress = [r for r in (_egress(e.policy, e.secrets, e.placeholders, e.session_id, e.granted_networks)
+                              for e in body.egress) if r is not None]
     records = await agent.branch(snapshot_id, body.ids, body.env, egress=egress)
     return SandboxList(items=[sandbox_info(r) for r in records])
 

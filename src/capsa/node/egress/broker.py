@@ -38,6 +38,7 @@ import h11
 
 from capsa.common.addresses import is_ip_literal, is_public_address
 from capsa.common.destinations import DestinationRefused, screen_host
+from capsa.common.egress_networks import IPNetwork, UpstreamProxy
 from capsa.common.errors import CapsaError
 from capsa.node.egress import dnswire
 from capsa.node.egress.approvals import (
@@ -51,12 +52,14 @@ from capsa.node.egress.audit import AuditSink, EgressEvent, emit_safely
 from capsa.node.egress.ca import SandboxCA, leaf_name
 from capsa.node.egress.clienthello import MAX_HELLO, UNRECOGNIZED_NAME_ALERT, Hello, parse_client_hello
 from capsa.node.egress.dns import DnsAnswer, DnsServerProtocol, ResolveError, Resolver, SystemResolver
+from capsa.node.egress.internal_networks import InternalNetworks
 from capsa.node.egress.limits import BrokerLimits, ByteBudget, Pace
 from capsa.node.egress.policy import ApprovalRule, DomainRule, EgressPolicy, SecretBinding
 from capsa.node.egress.redaction import SecretLeak, SecretPatterns, StreamRedactor
 from capsa.node.egress.secrets import SecretStore, is_placeholder, new_placeholder
 from capsa.node.egress.token_injection import TokenRefused, TokenRequest, inject_tokens
 from capsa.node.egress.tokens import ConnectionTokens
+from capsa.node.egress.upstream_proxy import ProxyAddresses, ProxyRefused, open_tunnel
 from capsa.node.egress.webhooks import Notifier, WebhookNotifier
 from capsa.node.net.nsexec import open_listener
 from capsa.node.net.sandbox_net import ServicePorts
@@ -176,6 +179,8 @@ class SandboxEgress:
     """Redaction forms of the secrets this sandbox binds; built on first use, dropped on policy change."""
     patterns_tokens: int = -1
     """The token generation (ConnectionTokens.generation) ``patterns`` was built at."""
+    granted: tuple[IPNetwork, ...] = ()
+    """The networks its tenant was granted: of the node's internal networks, the ones it may reach."""
 
     @property
     def placeholder_env(self) -> dict[str, str]:
@@ -207,6 +212,13 @@ def _assign(policy: EgressPolicy, current: Mapping[str, SecretBinding],
             old = wanted
         out[old or new_placeholder()] = binding
     return out
+
+
+def _networks(cidrs: Sequence[str]) -> tuple[IPNetwork, ...]:
+    try:
+        return tuple(ipaddress.ip_network(c) for c in cidrs)
+    except ValueError as exc:
+        raise BrokerError(f"granted networks: {exc}", code="bad_request", status=422) from None
 
 
 def _scrub(sbx: SandboxEgress, path: str) -> str:
@@ -338,11 +350,15 @@ class EgressBroker:
         approvals: ApprovalBook | None = None,
         notifier: Notifier | None = None,
         tokens: ConnectionTokens | None = None,
+        internal: InternalNetworks | None = None,
+        upstream_proxy: UpstreamProxy | None = None,
     ) -> None:
-        """``allow_networks`` lets destinations resolve into otherwise refused ranges (private, loopback…);
-        it is empty by default and meant for tests and deliberate on-premises exceptions. ``notifier`` sends
-        a policy's ``approval_webhook`` notifications (default: screened with this broker's resolver, no
-        allow-list, unsigned)."""
+        """``allow_networks`` lets every sandbox's destinations resolve into otherwise refused ranges
+        (private, loopback…): a seam for tests, which no setting reaches. ``internal`` holds the operator's
+        ``CAPSA_EGRESS_ALLOW_NETWORKS``: a sandbox reaches them only where its tenant was granted them
+        (``register(networks=)``). With ``upstream_proxy`` every upstream connection is a CONNECT tunnel
+        through it, opened after every check. ``notifier`` sends a policy's ``approval_webhook``
+        notifications (default: screened with this broker's resolver, no allow-list, unsigned)."""
         self.secrets = secrets
         self.sink = sink
         self.tokens = tokens if tokens is not None else ConnectionTokens()
@@ -350,6 +366,9 @@ class EgressBroker:
         self.resolver: Resolver = resolver or SystemResolver()
         self.upstream_ssl = upstream_ssl or ssl.create_default_context()
         self.allow_networks = [ipaddress.ip_network(n) for n in allow_networks]
+        self.internal = internal or InternalNetworks()
+        self.upstream_proxy = upstream_proxy
+        self._proxy_addresses = ProxyAddresses(upstream_proxy) if upstream_proxy is not None else None
         self.upstream_http_port = upstream_http_port
         self.upstream_https_port = upstream_https_port
         self.connect_timeout = connect_timeout
@@ -369,10 +388,11 @@ class EgressBroker:
 
     def register(self, sandbox_id: str, guest_ip: str, policy: EgressPolicy, *,
                  session_id: str | None = None,
-                 placeholders: Mapping[str, str] | None = None) -> SandboxEgress:
+                 placeholders: Mapping[str, str] | None = None,
+                 networks: Sequence[str] = ()) -> SandboxEgress:
         """``placeholders`` (secret id -> placeholder) are the session's own, recorded by the control plane
         (a restored or branched sandbox gets the ones its guest already holds); a binding without one gets
-        a new random placeholder."""
+        a new random placeholder. ``networks``: the networks its tenant was granted (CIDRs)."""
         if sandbox_id in self._sandboxes:
             raise BrokerError(f"sandbox {sandbox_id} is already registered", code="conflict", status=409)
         ipaddress.ip_address(guest_ip)
@@ -380,6 +400,7 @@ class EgressBroker:
                             SandboxCA(sandbox_id, [r.domain for r in policy.domains]))
         sbx.budget = ByteBudget(self.limits.buffer_bytes_per_sandbox, parent=self.budget)
         sbx.placeholders = _assign(policy, {}, placeholders or {})
+        sbx.granted = _networks(networks)
         self._sandboxes[sandbox_id] = sbx
         self._tls_contexts[sandbox_id] = self._make_sni_context(sbx)
         return sbx
@@ -395,15 +416,18 @@ class EgressBroker:
             raise BrokerError(f"unknown sandbox {sandbox_id}", code="not_found", status=404) from None
 
     def update_policy(self, sandbox_id: str, policy: EgressPolicy,
-                      placeholders: Mapping[str, str] | None = None) -> PolicyUpdate:
+                      placeholders: Mapping[str, str] | None = None,
+                      networks: Sequence[str] | None = None) -> PolicyUpdate:
         """Replace a running sandbox's policy. Placeholders of bindings that remain keep their value;
         new bindings get the given placeholder or a new one (see ``placeholder_env``); removed ones stop
-        working."""
+        working. ``networks`` (None: unchanged) replaces its tenant's granted networks."""
         sbx = self.get(sandbox_id)
         kept = _assign(policy, sbx.placeholders, placeholders or {})
+        granted = sbx.granted if networks is None else _networks(networks)
         reissue = any(not sbx.ca.covers(r.domain[2:] if r.is_wildcard else r.domain) for r in policy.domains)
         sbx.policy = policy
         sbx.placeholders = kept
+        sbx.granted = granted
         self._forget_patterns(sbx)
         sbx.buckets.clear()
         self.approvals.clear_grants(sandbox_id)  # session approvals were given under the old rules
@@ -935,7 +959,7 @@ class EgressBroker:
                 if match is not None and not self.approvals.granted(sbx.sandbox_id, _grant_key(rule, match)):
                     await self._hold(sbx, client, req, rule, match, body, source)
             await self._inject_tokens(sbx, req, tls, source)
-            upstream, resolved = await self._upstream_for(req, tls, upstream)
+            upstream, resolved = await self._upstream_for(sbx, req, tls, upstream)
             status, resp_len = await self._exchange(sbx, client, upstream, req, length, limit, body)
         except _Deny as deny:
             if upstream is not None and deny.status != 429:
@@ -1147,33 +1171,71 @@ class EgressBroker:
             raise _Deny(refused.status, refused.reason, rule=rule) from None
         req.headers = head.headers
 
-    async def _resolve(self, host: str) -> str:
+    async def _resolve(self, sbx: SandboxEgress, host: str) -> str:
+        """The address the connection is pinned to (screen_host), never the upstream proxy's; one in the
+        operator's internal networks only where the sandbox's tenant is granted it (internal_networks.py)."""
+        proxy = self.upstream_proxy
+        if proxy is not None and host == proxy.host:
+            raise _Deny(403, "the upstream proxy is not a destination")
         try:
-            return await screen_host(host, self.resolver, self.allow_networks)
+            ip = await screen_host(host, self.resolver, [*self.allow_networks, *self.internal.networks])
+            if self._proxy_addresses is not None:
+                self.internal.proxy.update(ipaddress.ip_address(a) for a in await self._proxy_addresses.get())
         except ResolveError as exc:
             raise _Deny(502, exc.message) from None
         except DestinationRefused as exc:
             raise _Deny(403, exc.message) from None
+        except ProxyRefused as exc:
+            raise _Deny(502, str(exc)) from None
+        if self.internal.is_proxy(ip):
+            raise _Deny(403, f"{host} resolves to the upstream proxy's address")
+        if is_public_address(ip, self.allow_networks):
+            return ip
+        verdict = self.internal.verdict(ip, sbx.granted)
+        if verdict == "not_granted":
+            raise _Deny(403, f"{host} resolves to {ip}, in an internal network this session's tenant is not "
+                             "granted (an admin grants it: POST /v1/egress-grants)",
+                        detail={"internal_network": "not_granted"})
+        if verdict != "allowed":
+            raise _Deny(403, f"{host} resolves to {ip}, a node, control-plane, loopback or link-local "
+                             "address the internal networks do not name explicitly")
+        return ip
 
-    async def _upstream_for(self, req: _Request, tls: bool, current: _Upstream | None
+    async def _upstream_for(self, sbx: SandboxEgress, req: _Request, tls: bool, current: _Upstream | None
                             ) -> tuple[_Upstream, str]:
         if current is not None and current.key[0] == req.host and current.conn.our_state is h11.IDLE:
             return current, current.key[1]
         if current is not None:
             current.close()
-        ip = await self._resolve(req.host)
+        ip = await self._resolve(sbx, req.host)
         port = self.upstream_https_port if tls else self.upstream_http_port
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(ip, port, ssl=self.upstream_ssl if tls else None,
-                                        server_hostname=req.host if tls else None, limit=_STREAM_LIMIT),
-                self.connect_timeout)
+            reader, writer = await asyncio.wait_for(self._open(req.host, ip, port, tls), self.connect_timeout)
         except ssl.SSLCertVerificationError as exc:
             raise _Deny(502, f"upstream certificate of {req.host} failed verification: "
                              f"{exc.verify_message}") from None
+        except ProxyRefused as exc:
+            raise _Deny(502, f"cannot reach {req.host}: {exc}") from None
         except (OSError, TimeoutError, ssl.SSLError) as exc:
             raise _Deny(502, f"cannot reach {req.host}: {exc.__class__.__name__}") from None
         return _Upstream(reader, writer, (req.host, ip, port)), ip
+
+    async def _open(self, host: str, ip: str, port: int, tls: bool
+                    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection to the pinned ``ip``: direct, or through the upstream proxy's tunnel (with TLS to
+        ``host`` inside it)."""
+        if self.upstream_proxy is None or self._proxy_addresses is None:
+            return await asyncio.open_connection(ip, port, ssl=self.upstream_ssl if tls else None,
+                                                 server_hostname=host if tls else None, limit=_STREAM_LIMIT)
+        reader, writer = await open_tunnel(self.upstream_proxy, self._proxy_addresses, ip, port,
+                                           limit=_STREAM_LIMIT)
+        if tls:
+            try:
+                await writer.start_tls(self.upstream_ssl, server_hostname=host)
+            except BaseException:
+                writer.close()
+                raise
+        return reader, writer
 
     def _is_bound(self, sbx: SandboxEgress, host: str) -> bool:
         """Only a destination a secret is bound to can ever have received one: its responses are

@@ -15,13 +15,14 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from capsa.common.addresses import IPNetwork
+from capsa.common.egress_networks import IPNetwork, UpstreamProxy
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
 from capsa.node.egress.approvals import ApprovalBook
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker, PolicyUpdate
 from capsa.node.egress.dns import Resolver, SystemResolver
+from capsa.node.egress.internal_networks import InternalNetworks
 from capsa.node.egress.limits import raise_nofile
 from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
@@ -45,6 +46,9 @@ class EgressRequest:
     """secret id -> the session's placeholder (what its guest holds); missing ones are made up."""
     session_id: str | None = None
     """The audit identity of the sandbox's events."""
+    networks: Sequence[str] = ()
+    """The networks (CIDRs) the session's tenant was granted: of the node's internal networks
+    (``CAPSA_EGRESS_ALLOW_NETWORKS``), those its sandbox may reach."""
 
 
 class NodeEgress:
@@ -57,11 +61,15 @@ class NodeEgress:
     def create(cls, *, netns_prefix: str = NETNS_PREFIX,
                resolver: Resolver | None = None, upstream_ssl: ssl.SSLContext | None = None,
                allow_networks: Sequence[str] = (), audit_path: Path | None = None,
+               internal_networks: Sequence[IPNetwork] = (),
+               upstream_proxy: UpstreamProxy | None = None,
                webhook_allow_networks: Sequence[IPNetwork] = (),
                webhook_secret: bytes | None = None) -> NodeEgress:
         """``netns_prefix`` names this node agent's namespaces; each agent on a host needs its own, since
         :meth:`cleanup_stale` removes every namespace with the prefix. ``audit_path``: the file that makes
-        the audit buffer durable across node processes (memory only without one).
+        the audit buffer durable across node processes (memory only without one). ``internal_networks`` and
+        ``upstream_proxy``: ``CAPSA_EGRESS_ALLOW_NETWORKS`` and ``CAPSA_EGRESS_UPSTREAM_PROXY``
+        (capsa.common.egress_networks); ``allow_networks`` opens networks to every sandbox (tests only).
         ``webhook_allow_networks`` and ``webhook_secret``: ``CAPSA_WEBHOOK_ALLOW_NETWORKS`` and
         ``CAPSA_APPROVAL_WEBHOOK_SECRET`` (approval notifications, see webhooks.py)."""
         audit = AuditLog(path=audit_path)
@@ -70,7 +78,9 @@ class NodeEgress:
         notifier = WebhookNotifier(resolver or SystemResolver(), allow_networks=webhook_allow_networks,
                                    secret=webhook_secret)
         broker = EgressBroker(secrets=store, sink=audit, resolver=resolver, upstream_ssl=upstream_ssl,
-                              allow_networks=allow_networks, tokens=ConnectionTokens(), notifier=notifier)
+                              allow_networks=allow_networks, tokens=ConnectionTokens(), notifier=notifier,
+                              internal=InternalNetworks(tuple(internal_networks)),
+                              upstream_proxy=upstream_proxy)
         return cls(EgressService(NetworkManager(netns_prefix=netns_prefix), broker, audit), store,
                    audit)
 
@@ -121,7 +131,7 @@ class NodeEgress:
 
     async def attach(self, sandbox_id: str, policy: EgressPolicy, values: Mapping[str, str], *,
                      session_id: str | None, placeholders: Mapping[str, str] | None = None,
-                     net: SandboxNet | None = None) -> AttachedNetwork:
+                     net: SandboxNet | None = None, networks: Sequence[str] = ()) -> AttachedNetwork:
         """Give the sandbox its broker registration, listeners, CA and placeholders (``placeholders``:
         secret id -> the session's placeholder; missing ones are made up) on a new namespace and tap, or
         on ``net``, a pooled VM's network from :meth:`pool_network`, which the sandbox then owns. A policy
@@ -137,7 +147,7 @@ class NodeEgress:
             raise
         try:
             return await self.service.attach(sandbox_id, policy, session_id=session_id,
-                                             placeholders=placeholders, net=net)
+                                             placeholders=placeholders, net=net, networks=networks)
         except BaseException:
             self._uses.pop(sandbox_id, None)
             self._drop_unused()
@@ -150,11 +160,12 @@ class NodeEgress:
             await self.service.broker.notifier.check(policy.approval_webhook)
 
     def update_policy(self, sandbox_id: str, policy: EgressPolicy, values: Mapping[str, str],
-                      placeholders: Mapping[str, str] | None = None) -> PolicyUpdate:
+                      placeholders: Mapping[str, str] | None = None,
+                      networks: Sequence[str] | None = None) -> PolicyUpdate:
         previous = self._uses.get(sandbox_id, set())
         self._store_secrets(sandbox_id, policy, values)
         try:
-            update = self.service.update_policy(sandbox_id, policy, placeholders)
+            update = self.service.update_policy(sandbox_id, policy, placeholders, networks)
         except BaseException:
             self._uses[sandbox_id] = previous
             raise

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from capsa.node.egress.audit import AuditSink
@@ -50,9 +50,10 @@ class EgressService:
 
     async def attach(self, sandbox_id: str, policy: EgressPolicy | None, *,
                      session_id: str | None = None, placeholders: Mapping[str, str] | None = None,
-                     net: SandboxNet | None = None) -> AttachedNetwork:
+                     net: SandboxNet | None = None, networks: Sequence[str] = ()) -> AttachedNetwork:
         """``net``: a namespace and tap made earlier (a pooled VM's, :meth:`NetworkManager.create`) that
-        the sandbox takes over, instead of new ones; from here on it is the sandbox's (also on failure)."""
+        the sandbox takes over, instead of new ones; from here on it is the sandbox's (also on failure).
+        ``networks``: the internal networks its tenant was granted (EgressBroker.register)."""
         if net is None:
             net = await self.manager.create(sandbox_id)
         try:
@@ -60,7 +61,7 @@ class EgressService:
             ca_pem = b""
             if policy is not None:
                 sbx = self.broker.register(sandbox_id, net.guest_ip, policy, session_id=session_id,
-                                           placeholders=placeholders)
+                                           placeholders=placeholders, networks=networks)
                 await self.broker.listen(sandbox_id, net.gateway_ip, netns=net.netns, ports=net.ports)
                 ca_pem = sbx.ca.cert_pem
                 # The sandbox's own loopback is not the outside: without NO_PROXY, a tool that honours
@@ -79,8 +80,9 @@ class EgressService:
         return AttachedNetwork(net, ca_pem, env, policy is not None)
 
     def update_policy(self, sandbox_id: str, policy: EgressPolicy,
-                      placeholders: Mapping[str, str] | None = None) -> PolicyUpdate:
-        return self.broker.update_policy(sandbox_id, policy, placeholders)
+                      placeholders: Mapping[str, str] | None = None,
+                      networks: Sequence[str] | None = None) -> PolicyUpdate:
+        return self.broker.update_policy(sandbox_id, policy, placeholders, networks)
 
     async def detach(self, sandbox_id: str) -> None:
         """Close listeners, forget CA and placeholders, remove namespace/tap/rules. Idempotent."""
