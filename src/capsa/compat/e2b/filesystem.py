@@ -16,6 +16,7 @@ from typing import Any
 from capsa.common import node_api
 from capsa.compat.e2b.access import EnvdTarget
 from capsa.compat.e2b.connect import ConnectError
+from capsa.control import audit_trail
 from capsa.control.errors import ApiError
 from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
@@ -82,16 +83,20 @@ async def make_dir(control: ControlPlane, target: EnvdTarget, path: str) -> dict
     else:
         raise ConnectError("already_exists", f"{path} already exists")
     info = await _call(control, target, target.client.mkdir(target.sandbox_id, path, True))
+    audit_trail.note("file", "mkdir", session_id=target.row.id, detail={"path": path, "parents": True})
     return {"entry": entry_info(info)}
 
 
 async def move(control: ControlPlane, target: EnvdTarget, source: str, destination: str) -> dict[str, Any]:
     info = await _call(control, target, target.client.rename(target.sandbox_id, source, destination))
+    audit_trail.note("file", "move", session_id=target.row.id,
+                     detail={"path": source, "destination": destination})
     return {"entry": entry_info(info)}
 
 
 async def remove(control: ControlPlane, target: EnvdTarget, path: str) -> dict[str, Any]:
     await _call(control, target, target.client.remove(target.sandbox_id, path, True))
+    audit_trail.note("file", "delete", session_id=target.row.id, detail={"path": path, "recursive": True})
     return {}
 
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from capsa.compat.e2b.access import api_caller, plane
 from capsa.compat.e2b.versions import ENVD_VERSION
-from capsa.control import sessions, snapshots
+from capsa.control import session_audit, sessions, snapshots
 from capsa.control.auth import Principal
 from capsa.control.errors import InvalidState, NotFound
 from capsa.control.plane import ControlPlane
@@ -124,6 +124,7 @@ async def create_sandbox(request: Request, caller: Caller) -> Any:
         return e2b_error(400, f"invalid sandbox settings: {exc.errors()[0]['msg']}")
     await _count_starts(control, principal)
     out = await sessions.create_session(control, principal, create)
+    session_audit.created(out)
     return JSONResponse(_sandbox(out, key), status_code=201)
 
 
@@ -185,7 +186,8 @@ async def set_timeout(sandbox_id: str, body: TimeoutBody, request: Request, call
     principal, _ = caller
     control = plane(request)
     await _live(control, principal.tenant, sandbox_id)
-    await sessions.extend_session(control, principal.tenant, sandbox_id, max(body.timeout, 1))
+    out = await sessions.extend_session(control, principal.tenant, sandbox_id, max(body.timeout, 1))
+    session_audit.extended(out, max(body.timeout, 1))
     return Response(status_code=204)
 
 
@@ -203,7 +205,7 @@ async def pause_sandbox(sandbox_id: str, request: Request, caller: Caller) -> Re
     out = await _live(control, principal.tenant, sandbox_id)
     if out.state == "paused":
         return e2b_error(409, f"sandbox {sandbox_id} is already paused")
-    await snapshots.pause_session(control, principal.tenant, sandbox_id)
+    session_audit.paused(await snapshots.pause_session(control, principal.tenant, sandbox_id))
     return Response(status_code=204)
 
 
@@ -220,11 +222,13 @@ async def _resume_or_extend(control: ControlPlane, principal: Principal, sandbox
     if out.state == "paused":
         await _count_starts(control, principal)
         out = await snapshots.resume_session(control, principal.tenant, sandbox_id)
+        session_audit.resumed(out)
         resumed = True
     if out.state != "running":
         raise InvalidState(f"sandbox {sandbox_id} is {out.state}")
     if ttl > 0 and out.expires_at < utcnow() + timedelta(seconds=ttl):
         out = await sessions.extend_session(control, principal.tenant, sandbox_id, ttl)
+        session_audit.extended(out, ttl)
     return out, resumed
 
 
@@ -267,10 +271,12 @@ async def fork_sandbox(sandbox_id: str, request: Request, caller: Caller,
     await _live(control, principal.tenant, sandbox_id)
     await _count_starts(control, principal, fork.count)
     made = await snapshots.branch_session(control, principal.tenant, sandbox_id, fork.count)
+    session_audit.branched(sandbox_id, made)
     results = []
     for out in made.items:
         if fork.timeout is not None:
             out = await sessions.extend_session(control, principal.tenant, out.id, fork.timeout)
+            session_audit.extended(out, fork.timeout)
         results.append({"sandbox": _sandbox(out, key)})
     return JSONResponse(results, status_code=201)
 

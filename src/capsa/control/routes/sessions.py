@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 
-from capsa.control import audit_trail, sessions
+from capsa.control import session_audit, sessions
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import ValidationFailed
 from capsa.control.schemas import SessionCreate, SessionList, SessionOut, TimeoutUpdate
@@ -25,13 +25,8 @@ async def create_session(body: SessionCreate, plane: Plane, caller: Caller) -> S
     await plane.rates.hit(plane.db, caller.key_id, "sessions", plane.settings.session_create_limit,
                           plane.settings.rate_window_seconds)
     out = await sessions.create_session(plane, caller, body)
-    audit_trail.note("session", "create", session_id=out.id, detail=_session_detail(out))
+    session_audit.created(out)
     return out
-
-
-def _session_detail(out: SessionOut) -> dict[str, object]:
-    return {"state": out.state, "template": out.template, "vcpus": out.vcpus, "memory_mib": out.memory_mib,
-            "node_id": out.node_id, "expires_at": out.expires_at.isoformat()}
 
 
 @router.get("", response_model=SessionList)
@@ -61,8 +56,7 @@ async def get_session(session_id: str, plane: Plane, caller: Caller) -> SessionO
 @router.post("/{session_id}/timeout", response_model=SessionOut)
 async def extend_timeout(session_id: str, body: TimeoutUpdate, plane: Plane, caller: Caller) -> SessionOut:
     out = await sessions.extend_session(plane, caller.tenant, session_id, body.timeout)
-    audit_trail.note("session", "extend", session_id=session_id,
-                     detail={"timeout": body.timeout, "expires_at": out.expires_at.isoformat()})
+    session_audit.extended(out, body.timeout)
     return out
 
 

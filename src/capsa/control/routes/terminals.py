@@ -2,9 +2,13 @@
 :mod:`capsa.common.terminal_wire`; query ``cols``, ``rows``, ``cmd``, ``cwd``, ``user``, ``env=NAME=VALUE``).
 
 Authenticated with the API key (``Authorization: Bearer``) like every route; another tenant's session is
-404. Failures before the terminal runs (bad key 401, unknown session 404, bad ``cols`` 422, session not
-running 409 ...) answer the upgrade with problem+json. Once accepted, the control plane relays messages
-between the client and the node's terminal (:func:`relay`) and keeps the session active.
+404. Opening a terminal spends one unit of the key's command rate limit (``rate_limited``, answered on the
+upgrade) and is chained at once as a ``command`` ``terminal`` event (the ``cmd`` line, or the login shell,
+``cwd``, ``user``, ``env_keys``, ``pid``); how it ended (``terminal_exit``) is chained with the call's
+``api`` event when the socket closes. Failures before the terminal runs (bad key 401, unknown session 404,
+bad ``cols`` 422, session not running 409 ...) answer the upgrade with problem+json. Once accepted, the
+control plane relays messages between the client and the node's terminal (:func:`relay`) and keeps the
+session active.
 """
 
 from __future__ import annotations
@@ -25,11 +29,14 @@ from capsa.common.terminal_wire import (
     parse_client_message,
     started_message,
 )
+from capsa.control import audit_trail
+from capsa.control.audit_trail import AuditEntry
 from capsa.control.auth import authenticate, bearer_token
 from capsa.control.plane import ControlPlane
 from capsa.control.port_access import keep_active
 from capsa.control.problems import refuse_websocket
 from capsa.control.process_io import open_terminal
+from capsa.control.routes.commands import argv_detail
 
 __all__ = ["relay", "router"]
 
@@ -46,10 +53,13 @@ async def terminal(websocket: WebSocket, session_id: str) -> None:
         async with plane.db() as db:
             principal = await authenticate(db, bearer_token(websocket.headers.get("authorization")))
         options = TerminalOptions.from_query(websocket.query_params.multi_items())
+        await plane.rates.hit(plane.db, principal.key_id, "commands", plane.settings.command_limit,
+                              plane.settings.rate_window_seconds)
         term = await open_terminal(plane, principal.tenant, session_id, options)
     except CapsaError as exc:
         await refuse_websocket(websocket, exc)
         return
+    _chain_start(plane, principal.tenant, session_id, options, term.pid)
     try:
         await websocket.accept()
         await websocket.send_text(started_message(term.pid))
@@ -59,6 +69,29 @@ async def terminal(websocket: WebSocket, session_id: str) -> None:
         pass
     finally:
         await term.close()
+        ended = term.exit
+        audit_trail.note("command", "terminal_exit", session_id=session_id, detail={
+            "pid": term.pid, "exit_code": ended.exit_code if ended else None,
+            "signal": ended.signal if ended else None})
+
+
+def _chain_start(plane: ControlPlane, tenant: str, session_id: str, options: TerminalOptions,
+                 pid: int) -> None:
+    """The terminal's command goes into the chain now, not when the socket closes (hours later)."""
+    context = audit_trail.current()
+    detail = {**argv_detail(options.cmd if options.cmd is not None else "<login shell>"),
+              "login_shell": options.cmd is None, "cwd": options.cwd, "user": options.user,
+              "env_keys": sorted(options.env or {}), "pid": pid, "cols": options.cols, "rows": options.rows}
+    entry = AuditEntry("command", "terminal", session_id=session_id, detail=detail,
+                       key_id=context.key_id if context else None,
+                       request_id=context.request_id if context else None)
+    done = plane.audit.submit(tenant, [entry], urgent=True)
+    done.add_done_callback(_log_failure)
+
+
+def _log_failure(done: asyncio.Future[None]) -> None:
+    if not done.cancelled() and (exc := done.exception()) is not None:
+        log.error("could not chain a terminal's start", exc_info=exc)
 
 
 async def relay(websocket: WebSocket, term: TerminalClient) -> None:
