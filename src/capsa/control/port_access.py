@@ -22,6 +22,7 @@ from sqlalchemy import delete, select, update
 from starlette.requests import HTTPConnection
 
 from capsa.common.ids import new_id
+from capsa.control import audit_trail
 from capsa.control.auth import authenticate, bearer_token
 from capsa.control.errors import ApiError, InvalidState, NotFound, Unauthorized
 from capsa.control.keys import parse_key
@@ -123,6 +124,9 @@ async def _token_tenant(plane: ControlPlane, token: str, session_id: str, port: 
                  ).scalar_one_or_none()
     if found is None or found.session_id != session_id or found.port != port:
         raise NotFound(f"session {session_id} not found")
+    # Traffic on a token is chained like a key's: each request (a WebSocket: each connection) is an
+    # ``api`` event of the token's tenant, its ``key_id`` the token's id.
+    audit_trail.identify(found.tenant, found.id)
     return found.tenant
 
 
