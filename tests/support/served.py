@@ -87,17 +87,20 @@ class Served:
 
 
 def spawn(args: Sequence[str], *, url: str, state_dir: Path, log_dir: Path, env: dict[str, str] | None = None,
-          name: str = "serve", ready_path: str = "/v1/ready", timeout: float = START_TIMEOUT) -> Served:
+          name: str = "serve", ready_path: str = "/v1/ready", timeout: float = START_TIMEOUT,
+          prefix: Sequence[str] = ()) -> Served:
     """Run ``capsa <args>`` from the repository root and wait until ``GET url+ready_path`` answers 200.
     ``CAPSA_API_KEY`` is removed from the environment; ``env`` is laid over it. Logs go to
     ``log_dir/<name>-<n>.out|err``. Raises AssertionError (with the stderr tail) if it exits or is not
-    ready within ``timeout``."""
+    ready within ``timeout``. ``prefix``: a command that runs ``capsa`` (e.g. ``unshare`` with a private
+    mount namespace)."""
     n = len(list(log_dir.glob(f"{name}-*.out")))
     out, err = log_dir / f"{name}-{n}.out", log_dir / f"{name}-{n}.err"
     full_env = {**os.environ, **(env or {})}
     full_env.pop("CAPSA_API_KEY", None)
     with out.open("w") as o, err.open("w") as e:
-        proc = subprocess.Popen([*CAPSA, *args], stdout=o, stderr=e, text=True, env=full_env, cwd=ROOT)
+        proc = subprocess.Popen([*prefix, *CAPSA, *args], stdout=o, stderr=e, text=True, env=full_env,
+                                cwd=ROOT)
     served = Served(url, state_dir, proc, out, err)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -111,14 +114,15 @@ def spawn(args: Sequence[str], *, url: str, state_dir: Path, log_dir: Path, env:
     raise AssertionError(f"capsa {args[0]} did not become ready: {served.errors()}")
 
 
-def start_serve(state_dir: Path, log_dir: Path, env: dict[str, str] | None = None) -> Served:
+def start_serve(state_dir: Path, log_dir: Path, env: dict[str, str] | None = None,
+                prefix: Sequence[str] = ()) -> Served:
     """``capsa serve`` on a free port with TCG and no warm pool unless ``env`` asks for one
     (``CAPSA_POOL_SIZE``): the "nothing left" checks then mean exactly no VM (a pool keeps idle VMs by
     design). Creation still goes through template restore."""
     port = free_port()
     return spawn(["serve", "--port", str(port), "--state-dir", str(state_dir), "--accel", "tcg"],
                  url=f"http://127.0.0.1:{port}", state_dir=state_dir, log_dir=log_dir,
-                 env={"CAPSA_POOL_SIZE": "0", **(env or {})})
+                 env={"CAPSA_POOL_SIZE": "0", **(env or {})}, prefix=prefix)
 
 
 def capsa(served: Served, key: str | None, *args: str, stdin: str | None = None,
