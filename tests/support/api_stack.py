@@ -32,6 +32,7 @@ from capsa.node.egress.trust_store import TrustStore
 from capsa.node.runtime.base import Runtime, SnapshotCapable
 from capsa.node.snapshots import Snapshots, SnapshottingRuntime
 from capsa.node.sources import ColdBootSource, SandboxSource
+from capsa.node.storage.floor import SpaceFloor
 from capsa.node.warm_pool import bind_sandbox
 from tests.support.fake_runtime import FakeRuntime
 
@@ -90,6 +91,8 @@ class ApiStack:
     """Where the agent's sandboxes come from (default: cold boots of ``image``)."""
     snapshots: bool = True
     """Give the agent its snapshots part (when the runtime can snapshot); False: a node without."""
+    snapshot_floor: SpaceFloor | None = None
+    """The free-space floor the snapshots part keeps (None: none)."""
     admin_key: str = ""
     node_token: str = ""
     agent: NodeAgent | None = None
@@ -125,7 +128,8 @@ class ApiStack:
         if self.snapshots and isinstance(self.runtime, SnapshotCapable):
             # A fake guest runs on the host: it may not set the clock or hostname (FakeRuntime.bind_identity).
             bind = self.runtime.bind_identity if isinstance(self.runtime, FakeRuntime) else bind_sandbox
-            snapshots = Snapshots(cast(SnapshottingRuntime, self.runtime), source.image_for, bind=bind)
+            snapshots = Snapshots(cast(SnapshottingRuntime, self.runtime), source.image_for, bind=bind,
+                                  floor=self.snapshot_floor)
         self.agent = NodeAgent(self.runtime, self.image, node_id=self.node_id, capacity=self.capacity,
                                egress=self.egress, source=source, snapshots=snapshots, trust=self.trust)
         await self.agent.start()

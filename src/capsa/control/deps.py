@@ -51,6 +51,7 @@ _DESCRIPTIONS = {
     503: "No capacity or node unreachable (`no_capacity`, `node_unreachable`)",
     400: "Bad request (`login_state_invalid`, `login_denied`)",
     502: "The OAuth provider refused or could not be reached (`provider_error`)",
+    507: "The node's storage pool is at its free-space floor (`storage_full`)",
 }
 
 

@@ -102,7 +102,8 @@ async def rolling_once(plane: ControlPlane) -> list[str]:
         except ApiError as exc:
             # A lost sandbox was already handled (paused at the previous snapshot, or failed).
             log.warning("rolling snapshot of %s failed: %s", session_id, exc.message)
-            done = exc.code in ("invalid_state", "session_failed", "not_found")
+            # Over the tenant's snapshot quota: this one is not retried until the next is due.
+            done = exc.code in ("invalid_state", "session_failed", "not_found", "quota_exceeded")
         finally:
             await _release(plane, session_id, claimed_at, done)
     return taken

@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy import ColumnElement, and_, delete, or_, select, update
 
 from capsa.common.ids import is_id, new_id
 from capsa.control import audit_trail, egress, egress_grants
@@ -256,13 +256,18 @@ async def finish_session(plane: ControlPlane, session_id: str, target: str, reas
 
 
 async def purge_snapshots(plane: ControlPlane, session_id: str | None = None) -> list[str]:
-    """Delete the snapshots of ended sessions (all, or one session's) unless the session keeps them.
+    """Delete the snapshots of ended sessions (all, or one session's) unless the session keeps them, and
+    those ``keep_snapshots`` kept for longer than ``keep_snapshots_days`` after the session ended.
 
     A snapshot whose node cannot be reached keeps its record, so a later pass (the reaper) retries.
     """
+    unkept: ColumnElement[bool] = SessionRow.keep_snapshots.is_(False)
+    if plane.settings.keep_snapshots_days:
+        expired = utcnow() - timedelta(days=plane.settings.keep_snapshots_days)
+        unkept = or_(unkept, SessionRow.closed_at < expired)
     query = (select(SnapshotRow, NodeRow).join(SessionRow, SessionRow.id == SnapshotRow.session_id)
              .join(NodeRow, NodeRow.id == SnapshotRow.node_id, isouter=True)
-             .where(SessionRow.state.in_(("closed", "failed")), SessionRow.keep_snapshots.is_(False)))
+             .where(SessionRow.state.in_(("closed", "failed")), unkept))
     if session_id is not None:
         query = query.where(SnapshotRow.session_id == session_id)
     async with plane.db() as db:

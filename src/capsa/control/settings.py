@@ -14,13 +14,23 @@ __all__ = ["ControlSettings", "TenantQuota"]
 
 
 class TenantQuota(BaseModel):
-    """What one tenant's sessions may hold at once (sessions ``creating`` or ``running``); 0: no limit."""
+    """What one tenant may hold at once; 0: no limit. Sessions, vCPUs and memory count the sessions that
+    have (or are getting) a sandbox (``creating`` or ``running``); paused sessions and snapshots are
+    counted apart (they hold no sandbox but hold space in a node's storage pool)."""
 
     model_config = ConfigDict(extra="forbid")
 
     max_sessions: Annotated[int, Field(ge=0)] = 500
     max_vcpus: Annotated[int, Field(ge=0)] = 256
     max_memory_mib: Annotated[int, Field(ge=0)] = 256 * 1024
+    max_paused_sessions: Annotated[int, Field(ge=0)] = 100
+    """Sessions in state ``paused`` (each keeps at least its pause snapshot); checked at pause."""
+    max_snapshots: Annotated[int, Field(ge=0)] = 1000
+    """Snapshots of every kind (manual, rolling, branch, pause, and those ``keep_snapshots`` keeps after
+    a session ends), checked whenever one is taken."""
+    max_snapshot_bytes: Annotated[int, Field(ge=0)] = 100 * 1024**3
+    """Their bytes as the nodes report them (``size_bytes``); a snapshot that takes the tenant over it is
+    deleted again and refused."""
 
 
 class ControlSettings(BaseSettings):
@@ -35,6 +45,8 @@ class ControlSettings(BaseSettings):
     """Session creations allowed per API key per rate window."""
     command_limit: int = 600
     """Command executions allowed per API key per rate window."""
+    snapshot_limit: Annotated[int, Field(ge=1)] = 30
+    """Manual snapshots (``POST /v1/sessions/{id}/snapshots``) allowed per API key per rate window."""
     rate_window_seconds: int = 60
     rate_lease: Annotated[int, Field(ge=1)] = 16
     """Most rate-limit units a replica claims from the database at once and spends from memory (at most
@@ -98,6 +110,10 @@ class ControlSettings(BaseSettings):
     resume with ``quota_exceeded`` (403)."""
     tenant_quotas: dict[str, TenantQuota] = Field(default_factory=dict)
     """Per-tenant overrides of ``tenant_quota`` (``CAPSA_TENANT_QUOTAS='{"acme": {"max_vcpus": 512}}'``)."""
+    keep_snapshots_days: Annotated[float, Field(ge=0)] = 7.0
+    """How long a session created with ``keep_snapshots`` keeps its snapshots after it ends
+    (``CAPSA_KEEP_SNAPSHOTS_DAYS``); the reaper deletes them after that. 0: kept forever (they
+    still count against the tenant's snapshot quota either way)."""
 
     e2b_compat: bool = True
     """Serve the E2B dialect (REST API + envd protocol, ``capsa.compat.e2b``) under ``/e2b``

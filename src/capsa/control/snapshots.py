@@ -25,10 +25,17 @@ from capsa.control.lifecycle import transition
 from capsa.control.nodeclient import NodeClient, NodeError
 from capsa.control.placement import choose_snapshot_node
 from capsa.control.plane import ControlPlane
-from capsa.control.quotas import check_quota, lock_tenant
+from capsa.control.quotas import (
+    QuotaExceeded,
+    check_paused_quota,
+    check_quota,
+    check_snapshot_quota,
+    lock_tenant,
+)
 from capsa.control.schemas import BranchOut, SessionOut, SnapshotList, SnapshotOut
 from capsa.control.sessions import (
     fail_session,
+    finish_session,
     get_session,
     node_call_failed,
     node_of,
@@ -129,17 +136,36 @@ async def _running(plane: ControlPlane, tenant: str | None, session_id: str,
     return row, node, plane.node_client(node)
 
 
+async def _rolling_beyond(db: DbSession, session_id: str, keep: int | None) -> list[str]:
+    """The session's rolling snapshots past the newest ``keep`` (what :func:`prune_rolling` deletes)."""
+    if keep is None:
+        return []
+    return list((await db.execute(
+        select(SnapshotRow.id).where(SnapshotRow.session_id == session_id, SnapshotRow.kind == "rolling")
+        .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc()).offset(keep))).scalars())
+
+
 async def take_snapshot(plane: ControlPlane, tenant: str | None, session_id: str,
                         kind: str = "manual") -> SnapshotOut:
-    """Snapshot the running session now; the sandbox keeps running. ``tenant=None``: internal callers."""
+    """Snapshot the running session now; the sandbox keeps running. ``tenant=None``: internal callers.
+
+    Within the tenant's snapshot quota (``quota_exceeded``): checked before the node is asked (count, and
+    a tenant already at its bytes), and again with the snapshot's size once the node has taken it; a
+    snapshot refused then is deleted from the node and never recorded. A rolling snapshot counts without
+    those it makes :func:`prune_rolling` delete."""
     row, node, client = await _running(plane, tenant, session_id)
     assert row.sandbox_id is not None
+    rolling_keep = row.snapshot_keep if kind == "rolling" else None
+    async with plane.db() as db:
+        leaving = await _rolling_beyond(db, session_id, None if rolling_keep is None else rolling_keep - 1)
+        await check_snapshot_quota(db, plane.settings, row.tenant, snapshots=1, leaving=leaving)
     try:
         snap = await client.snapshot_sandbox(row.sandbox_id, retain=True,
                                              labels={"session": row.id, "kind": kind})
     except NodeError as exc:
         raise await node_call_failed(plane, row, exc) from exc
     async with plane.db() as db:
+        await lock_tenant(db, row.tenant)
         current = await db.get(SessionRow, session_id, populate_existing=True)
         if current is None or current.state != "running" or current.sandbox_id != row.sandbox_id:
             # Closed, paused or swapped while the snapshot was taken: it belongs to nothing now.
@@ -148,6 +174,13 @@ async def take_snapshot(plane: ControlPlane, tenant: str | None, session_id: str
         record = _record(row, node.id, snap, kind)
         db.add(record)
         current.last_snapshot_at = record.created_at
+        try:
+            await check_snapshot_quota(db, plane.settings, row.tenant,
+                                       leaving=await _rolling_beyond(db, session_id, rolling_keep))
+        except QuotaExceeded:
+            await db.rollback()
+            await _delete_on_node(client, snap.id)
+            raise
         await db.commit()
         out = snapshot_out(record)
     if kind == "rolling":
@@ -180,9 +213,18 @@ async def prune_rolling(plane: ControlPlane, session_id: str) -> list[str]:
 
 async def pause_session(plane: ControlPlane, tenant: str | None, session_id: str,
                         reason: str = "paused") -> SessionOut:
-    """Snapshot the session and destroy its sandbox; it keeps only the snapshot until it is resumed."""
+    """Snapshot the session and destroy its sandbox; it keeps only the snapshot until it is resumed.
+
+    Within the tenant's paused-session and snapshot quotas (``quota_exceeded``), checked before the node
+    is asked: once it answers the sandbox is gone, so the pause snapshot's bytes are counted after it
+    (a pause can take a tenant past its byte quota by that one snapshot; its next ones are refused), and
+    pauses in flight at once can pass the paused-session check together (at most the tenant's running
+    sessions)."""
     row, node, client = await _running(plane, tenant, session_id)
     assert row.sandbox_id is not None
+    async with plane.db() as db:
+        await check_paused_quota(db, plane.settings, row.tenant, pausing=1)
+        await check_snapshot_quota(db, plane.settings, row.tenant, snapshots=1)
     try:
         snap = await client.pause_sandbox(row.sandbox_id, labels={"session": row.id, "kind": "pause"})
     except NodeError as exc:
@@ -393,9 +435,14 @@ async def branch_session(plane: ControlPlane, tenant: str, session_id: str, n: i
 
 async def reap_to_pause(plane: ControlPlane, session_id: str, reason: str) -> bool:
     """The reaper's pause for ``on_timeout: pause``; a sandbox that is already gone goes through
-    :func:`lose_sandbox`. Returns whether the session ended up paused."""
+    :func:`lose_sandbox`. A pause the tenant's quota refuses closes the session instead (its time is up
+    and it cannot be kept). Returns whether the session ended up paused."""
     try:
         await pause_session(plane, None, session_id, reason=reason)
+    except QuotaExceeded as exc:
+        log.warning("session %s closed at %s instead of paused: %s", session_id, reason, exc.message)
+        await finish_session(plane, session_id, "closed", f"{reason}; not paused: {exc.message}")
+        return False
     except ApiError as exc:
         log.warning("could not pause session %s at %s: %s", session_id, reason, exc.message)
         async with plane.db() as db:

@@ -50,6 +50,7 @@ from capsa.node.sandbox_egress import EgressHook
 from capsa.node.sandboxes import NodeCapacity, SandboxRecord, SandboxTable, default_capacity
 from capsa.node.snapshots import Snapshots, SnapshottingRuntime, check_branch_count, nic_mac_of
 from capsa.node.sources import ColdBootSource, MadeSandbox, SandboxRequest, SandboxSource, TemplateSource
+from capsa.node.storage.floor import SpaceFloor
 from capsa.node.templates import BASE, Template
 from capsa.node.warm_pool import PoolMetrics
 
@@ -68,14 +69,16 @@ def _with_mac(network: SandboxNet | None, mac: str | None) -> SandboxNet | None:
     return dataclasses.replace(network, mac=mac) if network is not None and mac is not None else network
 
 
-def snapshots_for(runtime: Runtime, source: SandboxSource) -> Snapshots | None:
-    """The snapshots part for ``runtime`` if it can snapshot, else None."""
+def snapshots_for(runtime: Runtime, source: SandboxSource, *,
+                  floor: SpaceFloor | None = None) -> Snapshots | None:
+    """The snapshots part for ``runtime`` if it can snapshot, else None; ``floor``: the storage pool's
+    free-space floor it keeps."""
     if not isinstance(runtime, SnapshotCapable) or not runtime.can_snapshot:
         return None
     snaps = cast(SnapshottingRuntime, runtime)
     if isinstance(source, TemplateSource):
-        return Snapshots(snaps, source.image_for, ram_mode=source.ram_mode, bind=source.bind)
-    return Snapshots(snaps, source.image_for)
+        return Snapshots(snaps, source.image_for, ram_mode=source.ram_mode, bind=source.bind, floor=floor)
+    return Snapshots(snaps, source.image_for, floor=floor)
 
 
 class NodeAgent:
@@ -280,13 +283,14 @@ class NodeAgent:
         MAC is in the manifest's labels): it can only be restored with a policy, onto a new network."""
         snapshots, record = self._snapshottable(sandbox_id)
         return await snapshots.take(sandbox_id, record.sandbox, template=record.template, retain=retain,
-                                    labels=labels, nic_mac=record.nic_mac)
+                                    labels=labels, nic_mac=record.nic_mac, memory_mib=record.memory_mib)
 
     async def pause(self, sandbox_id: str, *, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Snapshot (retained) and destroy the sandbox (and its network)."""
         snapshots, record = self._snapshottable(sandbox_id)
         info = await snapshots.take(sandbox_id, record.sandbox, template=record.template, retain=True,
-                                    labels=labels, resume=False, nic_mac=record.nic_mac)
+                                    labels=labels, resume=False, nic_mac=record.nic_mac,
+                                    memory_mib=record.memory_mib)
         await self.destroy(sandbox_id)
         return info
 

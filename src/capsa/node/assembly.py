@@ -16,13 +16,14 @@ from pathlib import Path
 from capsa.common.egress_networks import EgressNetworkSettings
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
-from capsa.node.agent import NodeAgent
+from capsa.node.agent import NodeAgent, snapshots_for
 from capsa.node.egress.audit_log import AUDIT_FILE
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.runtime.base import RamMode
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
 from capsa.node.sources import TemplateSource
-from capsa.node.storage.pool import StoragePool
+from capsa.node.storage.floor import MiB, SpaceFloor
+from capsa.node.storage.pool import StoragePool, StorageSettings
 from capsa.node.template_cache import TemplateCache
 from capsa.node.warm_pool import PoolSettings
 
@@ -52,8 +53,10 @@ class NodeParts:
 async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> NodeParts:
     """The agent for ``settings.state_dir``: sessions come from template snapshots (warm pool or restore on
     demand) on the node's storage pool (:class:`~capsa.node.sources.TemplateSource`), with the snapshots
-    part (the QEMU runtime can snapshot). Removes what a previous process on this state dir left behind."""
-    storage = await asyncio.to_thread(StoragePool.from_settings, settings)
+    part (the QEMU runtime can snapshot) keeping the pool's free-space floor
+    (``CAPSA_STORAGE_MIN_FREE_MIB``). Removes what a previous process on this state dir left behind."""
+    storage_settings = StorageSettings()
+    storage = await asyncio.to_thread(StoragePool.from_settings, settings, storage_settings)
     try:
         runtime = QemuRuntime(settings, accel=settings.accel, storage=PoolStorage(storage))
         pool_cfg = PoolSettings()
@@ -74,7 +77,10 @@ async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> 
                                 pool_sizes=pool_cfg.sizes, pool_refill_delay=pool_cfg.refill_delay,
                                 cache=TemplateCache(settings.cache_dir),
                                 ram_mode=RamMode.CLONE if settings.sandbox_ram == "private" else RamMode.COPY)
-        agent = NodeAgent(runtime, image, node_id=node_id, egress=egress, source=source)
+        floor = (SpaceFloor(storage.free_bytes, storage_settings.min_free_mib * MiB)
+                 if storage_settings.min_free_mib else None)
+        agent = NodeAgent(runtime, image, node_id=node_id, egress=egress, source=source,
+                          snapshots=snapshots_for(runtime, source, floor=floor))
         await agent.start()
     except BaseException:
         await asyncio.to_thread(storage.unmount, lazy=True)

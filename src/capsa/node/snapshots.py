@@ -9,6 +9,11 @@ Snapshots of a sandbox carry their origin and retention in their manifest labels
 restart: ``capsa.sandbox`` (the agent's sandbox id), ``capsa.retain`` ("1" or "0"),
 ``capsa.template_name`` and, for a sandbox with a NIC, ``capsa.nic_mac``. Destroying a sandbox deletes its
 snapshots that are not retained (:meth:`Snapshots.drop_unretained`); pause snapshots are always retained.
+
+With a :class:`~capsa.node.storage.floor.SpaceFloor`, taking a snapshot (also for a pause), restoring and
+branching are refused with ``storage_full`` (507) when they could leave the storage pool with less free
+space than the floor: each may write up to its RAM size (a snapshot's memory file; a restored sandbox's
+RAM file, a reflink that diverges as the guest writes) per sandbox.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from capsa.common.ids import new_id
 from capsa.common.image import GuestImage
 from capsa.node.runtime.base import LABEL_PRIVATE_RAM, RamMode, Runtime, Sandbox, SnapshotCapable, VMSpec
 from capsa.node.runtime.snapshot.manifest import Snapshot
+from capsa.node.storage.floor import MiB, SpaceFloor
 from capsa.node.warm_pool import IdentityBinder, bind_sandbox
 
 __all__ = [
@@ -95,17 +101,26 @@ class Snapshots:
     """Snapshots of session sandboxes on ``runtime``; ``image_for`` finds the guest image of a digest."""
 
     def __init__(self, runtime: SnapshottingRuntime, image_for: Callable[[str], GuestImage], *,
-                 ram_mode: RamMode = RamMode.COPY, bind: IdentityBinder = bind_sandbox) -> None:
+                 ram_mode: RamMode = RamMode.COPY, bind: IdentityBinder = bind_sandbox,
+                 floor: SpaceFloor | None = None) -> None:
         self.runtime = runtime
         self.image_for = image_for
         self.ram_mode = ram_mode
         self.bind = bind
+        self.floor = floor
+        """The storage pool's free-space floor (None: none is kept)."""
+
+    def _check_space(self, memory_mib: int, what: str) -> None:
+        if self.floor is not None:
+            self.floor.check(memory_mib * MiB, what)
 
     async def take(self, sandbox_id: str, sandbox: Sandbox, *, template: str, retain: bool,
                    labels: Mapping[str, str] | None, resume: bool = True,
-                   nic_mac: str | None = None) -> dict[str, Any]:
+                   nic_mac: str | None = None, memory_mib: int = 0) -> dict[str, Any]:
         """Snapshot a running sandbox; ``resume=False`` leaves it stopped (pause: the caller destroys it).
-        ``nic_mac``: the sandbox's NIC (recorded, so a restore gives the device a network again)."""
+        ``nic_mac``: the sandbox's NIC (recorded, so a restore gives the device a network again);
+        ``memory_mib``: its RAM (what the snapshot may write, checked against the floor)."""
+        self._check_space(memory_mib, f"a snapshot of {sandbox_id}")
         all_labels = {**_check_labels(labels), LABEL_SANDBOX: sandbox_id,
                       LABEL_RETAIN: "1" if retain else "0", LABEL_TEMPLATE: template}
         if nic_mac is not None:
@@ -154,6 +169,7 @@ class Snapshots:
         """A new sandbox from ``snap``, bound to its identity (hostname from ``sandbox_id``); ``network``:
         the NIC's new tap (the runtime sets the guest's address for it). A snapshot of a sandbox with
         private RAM (a ``ram: private`` template's) is restored with private RAM again."""
+        self._check_space(snap.manifest.memory_mib, f"a sandbox restored from {snap.id}")
         if ram_mode is None:
             private = snap.manifest.labels.get(LABEL_PRIVATE_RAM) == "private"
             ram_mode = RamMode.CLONE if private else self.ram_mode
@@ -171,6 +187,8 @@ class Snapshots:
         """One new sandbox per id from ``snap``, restored concurrently with private RAM. All or nothing.
         ``networks``: one per id, for a snapshot with a NIC."""
         check_branch_count(len(sandbox_ids))
+        self._check_space(len(sandbox_ids) * snap.manifest.memory_mib,
+                          f"{len(sandbox_ids)} sandboxes branched from {snap.id}")
         nets = list(networks) if networks is not None else [None] * len(sandbox_ids)
         results = await asyncio.gather(
             *(self.runtime.restore(snap, self.spec_for(snap, {"sandbox": sid}, net), sandbox_id=sid,

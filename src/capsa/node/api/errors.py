@@ -49,6 +49,7 @@ STATUS: dict[str, int] = {
     "unauthorized": 401,
     "validation_error": 422,
     "snapshots_unavailable": 501,
+    "storage_full": 507,  # the storage pool's free-space floor (capsa.node.storage.floor)
     "internal_error": 500,
 }
 """HTTP status by error code. Codes not listed (the agent's own: ``sandbox_not_found``, ``no_capacity``…)

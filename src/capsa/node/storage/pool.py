@@ -31,8 +31,10 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import structlog
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from capsa.common.errors import CapsaError
@@ -71,6 +73,10 @@ class StorageSettings(BaseSettings):
     """Apparent size of the loop file; it is sparse, so this is a ceiling, not an allocation."""
     require_cow: bool = False
     """Fail instead of falling back to plain copies when the pool cannot reflink."""
+    min_free_mib: Annotated[int, Field(ge=0)] = 2048
+    """Free space the pool keeps (``CAPSA_STORAGE_MIN_FREE_MIB``): a snapshot, pause, restore or branch
+    that could leave less (counting the RAM size of what it writes) is refused with ``storage_full``
+    (507) instead of running the pool into ENOSPC. 0: no floor."""
 
 
 @dataclass(frozen=True)
@@ -323,8 +329,16 @@ class StoragePool:
         return removed
 
     def usage(self) -> PoolUsage:
+        """The pool's size and free space. A loop pool's file is sparse: what its filesystem reports free
+        can be more than the filesystem under the file still has, so the smaller of the two counts."""
         du = shutil.disk_usage(self.root)
-        return PoolUsage(total_bytes=du.total, free_bytes=du.free)
+        free = du.free
+        if self.loop_image is not None:
+            free = min(free, shutil.disk_usage(self.loop_image.parent).free)
+        return PoolUsage(total_bytes=du.total, free_bytes=free)
+
+    def free_bytes(self) -> int:
+        return self.usage().free_bytes
 
     def __repr__(self) -> str:
         return f"StoragePool(root={str(self.root)!r}, fstype={self.fstype!r}, cow={self.cow})"
