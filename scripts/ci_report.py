@@ -3,7 +3,8 @@ its skips, and the same figures of the previous runs for comparison.
 
     python3 scripts/ci_report.py RECORD_DIR
 
-RECORD_DIR holds ``stages.tsv`` (name, status, seconds per line) and ``junit*.xml``. Standard library only:
+RECORD_DIR holds ``stages.tsv`` (name, status, seconds and, since the lanes, the start in seconds from the
+start of scripts/test.sh, per line) and ``junit*.xml``. Standard library only:
 it runs with whatever python3 the machine has.
 """
 
@@ -14,15 +15,24 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 
-def stages(record: Path) -> list[tuple[str, str, int]]:
+def stages(record: Path) -> list[tuple[str, str, int, int | None]]:
+    """(name, status, seconds, start or None) per stage; records before the lanes have no start."""
     path = record / "stages.tsv"
     if not path.is_file():
         return []
     out = []
     for line in path.read_text().splitlines():
-        name, status, seconds = line.split("\t")
-        out.append((name, status, int(seconds)))
+        name, status, seconds, *start = line.split("\t")
+        out.append((name, status, int(seconds), int(start[0]) if start else None))
     return out
+
+
+def wall_time(done: list[tuple[str, str, int, int | None]]) -> int:
+    """From the first start to the last end; for an old record (no starts), the sum of the stages but the
+    background template build."""
+    if done and all(start is not None for _n, _st, _s, start in done):
+        return max(s + (start or 0) for _n, _st, s, start in done) - min(start or 0 for *_x, start in done)
+    return sum(s for n, _st, s, _start in done if n != "templates")
 
 
 def testcases(record: Path) -> list[tuple[str, float, str, str]]:
@@ -47,17 +57,18 @@ def testcases(record: Path) -> list[tuple[str, float, str, str]]:
 
 
 def _minutes(seconds: float) -> str:
-    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+    sign = "-" if seconds < 0 else ""
+    return f"{sign}{int(abs(seconds)) // 60}:{int(abs(seconds)) % 60:02d}"
 
 
 def main(record: Path) -> int:
     done = stages(record)
-    print(f"{'stage':<28} {'status':<7} {'time':>7}")
-    for name, status, seconds in done:
-        print(f"{name:<28} {status:<7} {_minutes(seconds):>7}")
-    # The background template build overlaps the stages that boot no VM: it is not in the wall time.
-    wall = sum(s for n, _st, s in done if n != "templates")
-    print(f"{'(wall time of the stages)':<28} {'':<7} {_minutes(wall):>7}")
+    # Stages overlap (two lanes, and the template build in the background): each shows when it started.
+    print(f"{'stage':<40} {'status':<7} {'time':>7} {'from':>7} {'to':>7}")
+    for name, status, seconds, start in sorted(done, key=lambda d: d[3] if d[3] is not None else 0):
+        span = f"{_minutes(start):>7} {_minutes(start + seconds):>7}" if start is not None else ""
+        print(f"{name:<40} {status:<7} {_minutes(seconds):>7} {span}")
+    print(f"{'(wall time)':<40} {'':<7} {_minutes(wall_time(done)):>7}")
 
     cases = testcases(record)
     if cases:
@@ -78,7 +89,7 @@ def main(record: Path) -> int:
     if runs:
         print("\nearlier runs (total of stages, tests):")
         for run in runs:
-            total = sum(s for n, _st, s in stages(run) if n != "templates")
+            total = wall_time(stages(run))
             print(f"  {run.name}: {_minutes(total)}, {len(testcases(run))} tests")
     return 0
 

@@ -4,14 +4,15 @@
 #   scripts/test.sh                    # everything, in stages (below)
 #   scripts/test.sh -k image -x        # extra arguments: one pytest run over the suites with them
 #
-# Stages, each timed: the guest image; the shipped templates (`capsa template warm`, in the background at
-# low priority); ruff, mypy --strict and the import contracts; the tests that boot no VM (while the
-# templates build; QEMU refuses to boot in this stage, so a VM test without the `vm` marker fails); then,
-# once the templates are ready, the tests marked `vm`. Every stage runs even if an earlier one fails; the
-# exit status is non-zero if any did; the templates' time is their background build's, beside the others.
-# At the end: the time of each stage, the 30 slowest tests and every
-# skip. A record of the run (stage times, junit XML, the template log) is kept under
-# $CAPSA_CACHE_DIR/ci/runs/ (default /var/cache/capsa).
+# Stages, each timed, in two lanes that overlap (both cores work: a TCG guest keeps one busy):
+#   - lane 1: ruff, mypy --strict, the import contracts, then the tests that boot no VM (QEMU refuses to
+#     boot there, so a VM test without the `vm` marker fails);
+#   - lane 2: the templates (`capsa template warm`, in the background at the lowest priority: base and
+#     base-net first, then the shipped ones), the tests marked `vm` as soon as base and base-net are
+#     cached, then those marked `shipped_templates` once browser and desktop are. VM tests run one at a time.
+# Every stage runs even if an earlier one fails; the exit status is non-zero if any did. At the end: each
+# stage's time and span, the 30 slowest tests and every skip. A record of the run (stage times, junit XML,
+# the template and no-VM logs) is kept under $CAPSA_CACHE_DIR/ci/runs/ (default /var/cache/capsa).
 #
 # Installs the dev dependencies into the venv ($CAPSA_VENV, default ./.venv) if they are missing.
 # Integration tests boot real microVMs and need root.
@@ -31,11 +32,15 @@ step() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
 RECORD="$CACHE/ci/runs/$(date -u +%Y%m%dT%H%M%SZ)-$(git rev-parse --short HEAD 2>/dev/null || echo nogit)"
 mkdir -p "$RECORD" || exit 1
 STAGES="$RECORD/stages.tsv"
-[ -n "${CAPSA_CI_INSTALL_SECONDS:-}" ] && printf 'install\tok\t%s\n' "$CAPSA_CI_INSTALL_SECONDS" > "$STAGES"
+# .ci/run's install ran before this script: it is recorded as starting that long before it.
+[ -n "${CAPSA_CI_INSTALL_SECONDS:-}" ] && printf 'install\tok\t%s\t%s\n' "$CAPSA_CI_INSTALL_SECONDS" \
+    "-$CAPSA_CI_INSTALL_SECONDS" > "$STAGES"
 
 failed=()
-record() {  # record NAME STATUS SECONDS
-    printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$STAGES"
+# stages.tsv: name, status, seconds, and when the stage started (seconds since this script started; the
+# lanes below overlap, so the report takes the wall time from the starts, not from a sum).
+record() {  # record NAME STATUS SECONDS [START]: START defaults to now minus SECONDS
+    printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-$((SECONDS - $3))}" >> "$STAGES"
     echo "$1: $2 ($3 s)"
     [ "$2" = ok ] || failed+=("$1")
 }
@@ -72,55 +77,102 @@ if [ $# -gt 0 ]; then
     done
     run "pytest" pytest "${suites[@]}" "${pytest_args[@]}" --junitxml="$RECORD/junit.xml" "$@"
 else
-    # The shipped templates build beside the stages that need no VM, at the lowest CPU and I/O priority.
-    step "templates (background: capsa template warm, log $RECORD/templates.log)"
-    (
-        start=$SECONDS
-        nice -n 19 ionice -c 3 capsa template warm --all > "$RECORD/templates.log" 2>&1
-        status=$?
-        echo $((SECONDS - start)) > "$RECORD/templates.seconds"
-        exit "$status"
-    ) &
+    # Two lanes, so both cores work (a TCG guest keeps one busy; the tests that boot no VM, the other):
+    #   lane 1: ruff, mypy, import contracts, then the tests that boot no VM (their output goes to a log,
+    #           printed whole when they end, so the lanes never interleave);
+    #   lane 2: the templates, built in the background at the lowest priority (`capsa template warm`): the
+    #           node's own first (base, base-net: what most VM tests restore), then the shipped ones
+    #           (browser, desktop); the VM tests start as soon as the templates they use are cached, those
+    #           of the shipped templates (marker `shipped_templates`) once those are.
+    # With a warm cache the VM tests start at once; the VM tests themselves run one at a time.
+    warm() {  # warm LOG NAME... : build what the cache lacks, at the lowest CPU and I/O priority
+        local log="$1"; shift
+        local status=0
+        nice -n 19 ionice -c 3 capsa template warm "$@" > "$log" 2>&1 || status=$?
+        echo "$SECONDS" > "$RECORD/templates.end"
+        return "$status"
+    }
+    tpl_start=$SECONDS
+    step "templates (background: capsa template warm base base-net, then --all; log $RECORD/templates.log)"
+    warm "$RECORD/templates.log" base base-net &
     tpl_pid=$!
-    # Interrupted or failing early: stop the build as Ctrl-C would (it removes its VMs, pool and mounts).
-    trap 'kill -INT "$tpl_pid" 2>/dev/null; wait "$tpl_pid" 2>/dev/null' EXIT
+    lane1_pid=""
+    # Interrupted or failing early: stop the background work as Ctrl-C would (the build removes its VMs,
+    # pool and mounts; pytest tears down its fixtures): the lane's own shell is ended so it starts nothing
+    # more, and what it runs gets SIGINT.
+    tree() {  # tree PID: PID's descendants, deepest first
+        local child
+        for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do tree "$child"; echo "$child"; done
+    }
+    stop_background() {
+        local pid kids
+        for pid in $tpl_pid $lane1_pid; do
+            kids="$(tree "$pid")"
+            kill -TERM "$pid" 2>/dev/null
+            [ -n "$kids" ] && kill -INT $kids 2>/dev/null
+        done
+        wait 2>/dev/null
+    }
+    trap stop_background EXIT
 
+    # Lane 1, in the background; its output goes to a log printed whole when it ends (lanes never interleave).
     lint_paths=(src tests)
     [ -d bench ] && lint_paths+=(bench)
-    run "ruff" ruff check "${lint_paths[@]}"
-    run "mypy --strict" mypy --strict
-    run "import contracts" lint-imports
-    # No VM may boot here: a QEMU that refuses -kernel/-incoming is first on PATH (tests/support/novm).
-    run "pytest: no VM" env PATH="$REPO/tests/support/novm:$PATH" \
-        pytest "${suites[@]}" -m "not vm" "${pytest_args[@]}" --junitxml="$RECORD/junit-novm.xml"
+    lane1() {
+        run "ruff" ruff check "${lint_paths[@]}"
+        run "mypy --strict" mypy --strict
+        run "import contracts" lint-imports
+        # No VM may boot here: a QEMU that refuses -kernel/-incoming is first on PATH (tests/support/novm).
+        run "pytest: no VM" env PATH="$REPO/tests/support/novm:$PATH" \
+            pytest "${suites[@]}" -m "not vm" "${pytest_args[@]}" --junitxml="$RECORD/junit-novm.xml"
+    }
+    step "lane 1 (background): ruff, mypy, import contracts, pytest: no VM (log $RECORD/lane1.log)"
+    lane1 > "$RECORD/lane1.log" 2>&1 &
+    lane1_pid=$!
 
-    step "templates (waiting for the background build)"
-    wait_start=$SECONDS
-    tpl_status=0
-    wait "$tpl_pid" || tpl_status=$?
+    templates_ready() {  # templates_ready WHAT LOG: wait for the background build; fail with its log
+        local status=0 wait_start=$SECONDS
+        wait "$tpl_pid" || status=$?
+        record "templates: waited for ($1)" ok $((SECONDS - wait_start))
+        if [ "$status" -ne 0 ]; then
+            echo "capsa template warm failed; its log ($2):"
+            tail -n 60 "$2"
+            return 1
+        fi
+        grep -E '^(cached|built)' "$2" || true
+    }
+    vm_ok=0
+    if templates_ready "base, base-net" "$RECORD/templates.log"; then
+        warm "$RECORD/templates-shipped.log" --all &
+        tpl_pid=$!
+        run "pytest: vm" pytest "${suites[@]}" -m "vm and not shipped_templates" "${pytest_args[@]}" \
+            --junitxml="$RECORD/junit-vm.xml"
+        if templates_ready "browser, desktop" "$RECORD/templates-shipped.log"; then
+            vm_ok=1
+            run "pytest: vm (shipped templates)" pytest "${suites[@]}" -m "vm and shipped_templates" \
+                "${pytest_args[@]}" --junitxml="$RECORD/junit-vm-shipped.xml"
+        fi
+    fi
+    tpl_end="$(cat "$RECORD/templates.end" 2>/dev/null || echo "$tpl_start")"
+    if [ "$vm_ok" -eq 1 ]; then
+        record "templates" ok $((tpl_end - tpl_start)) "$tpl_start"
+    else
+        record "templates" FAILED $((tpl_end - tpl_start)) "$tpl_start"
+        echo "the VM tests that need the missing templates did not run"
+    fi
+
+    step "lane 1 (its log)"
+    wait "$lane1_pid"
     trap - EXIT
-    built_s="$(cat "$RECORD/templates.seconds" 2>/dev/null || echo 0)"
-    if [ "$tpl_status" -eq 0 ]; then
-        tail -n 20 "$RECORD/templates.log"
-        record "templates" ok "$built_s"
-    else
-        echo "capsa template warm failed; its log ($RECORD/templates.log):"
-        tail -n 60 "$RECORD/templates.log"
-        record "templates" FAILED "$built_s"
-    fi
-    record "templates: waited for" ok $((SECONDS - wait_start))
-    if [[ " ${failed[*]} " == *" templates "* ]]; then
-        echo "pytest: vm not run: the templates did not build"
-        record "pytest: vm" FAILED 0
-    else
-        run "pytest: vm" pytest "${suites[@]}" -m vm "${pytest_args[@]}" --junitxml="$RECORD/junit-vm.xml"
-    fi
+    cat "$RECORD/lane1.log"
 fi
 
 step "Where the time went (record: $RECORD)"
 python3 "$REPO/scripts/ci_report.py" "$RECORD"
 
 echo
+# Stages of lane 1 ran in a subshell: the record, not this shell's list, has every stage's status.
+mapfile -t failed < <(awk -F'\t' '$2 != "ok" {print $1}' "$STAGES")
 if [ ${#failed[@]} -gt 0 ]; then
     echo "FAILED stages: ${failed[*]}"
     exit 1

@@ -37,6 +37,7 @@ from tests.support.site_egress import site_egress, template_stack
 
 pytestmark = [
     pytest.mark.vm,
+    pytest.mark.shipped_templates,
     pytest.mark.root,
     pytest.mark.timeout(3600),
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces and nftables"),
