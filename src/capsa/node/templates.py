@@ -350,14 +350,17 @@ class TemplateStore:
                 # Written data is in the guest's page cache: flush it into the disk image first.
                 await sandbox.guest.exec(["sync"], timeout=60)
             say("snapshotting")
+            # A private-RAM build VM's snapshot carries its RAM in the stream and is replaced below by one
+            # with a RAM file: only the snapshot that is kept is worth hashing (its disk is gigabytes).
+            kept = restore_spec is None or not restore_spec.private_ram
             snap = await self.runtime.snapshot(sandbox, work / new_id("snap"), resume=False,
-                                               labels={"capsa.template": name}, content_digest=True)
+                                               labels={"capsa.template": name}, content_digest=kept)
         except BaseException:
             await self.runtime.destroy(sandbox)
             await asyncio.to_thread(shutil.rmtree, work, True)
             raise
         await self.runtime.destroy(sandbox)
-        if snap.manifest.ram is None and restore_spec is not None:
+        if restore_spec is not None and (snap.manifest.ram is None or not kept):
             try:
                 snap = await self._ram_into_file(snap, restore_spec, work, name, say)
             except BaseException:
