@@ -10,7 +10,10 @@
   chunk as soon as it arrives (a client can wait for each acknowledgement before sending the next chunk);
 - ``POST|PUT /echo`` -> the request body back (Content-Length or chunked request), with its SHA-256 in
   ``X-Sha256``;
-- ``GET /ws`` with a WebSocket upgrade -> echo of every message (text and binary), close answered.
+- ``GET /ws`` with a WebSocket upgrade -> echo of every message (text and binary), close answered;
+- ``GET /hostile`` -> headers a hostile app would use against the origin it is served on (cookies for
+  other paths and domains, ``Clear-Site-Data``, ``Service-Worker-Allowed``, HSTS, NEL ...), and the
+  ``Referer`` it was sent, in ``X-Referer``.
 
 Its source is copied into the guest by the tests (``SOURCE``).
 """
@@ -27,9 +30,28 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["SOURCE", "main"]
+__all__ = ["HOSTILE_HEADERS", "SOURCE", "main"]
 
 _WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+
+HOSTILE_HEADERS = [
+    ("Set-Cookie", "own=1"),  # no Path: the request's directory, inside the port
+    ("Set-Cookie", "scoped=1; Path={prefix}/app"),
+    ("Set-Cookie", "root=1; Path=/"),
+    ("Set-Cookie", "api=1; Path=/v1"),
+    ("Set-Cookie", "domain=1; Domain=127.0.0.1; Path={prefix}/"),
+    ("Set-Cookie", "capsa_port_token=cpt_attacker; Path={prefix}/"),
+    ("Set-Cookie", "__Host-x=1; Path=/; Secure"),
+    ("Clear-Site-Data", '"cookies", "storage"'),
+    ("Service-Worker-Allowed", "/"),
+    ("Strict-Transport-Security", "max-age=31536000; includeSubDomains"),
+    ("NEL", '{"report_to": "x", "max_age": 86400, "include_subdomains": true}'),
+    ("Report-To", '{"group": "x", "max_age": 86400, "endpoints": [{"url": "https://collect.test/"}]}'),
+    ("Alt-Svc", 'h2="collect.test:443"'),
+    ("Referrer-Policy", "unsafe-url"),
+    ("X-Kept", "yes"),
+]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -63,6 +85,14 @@ class _Handler(BaseHTTPRequestHandler):
                     "port_token": self.headers.get("X-Capsa-Port-Token"),
                     "prefix": self.headers.get("X-Forwarded-Prefix")}
             self._send(200, b"hello from the sandbox", {"X-Seen": json.dumps(seen)})
+        elif url.path == "/hostile":
+            self.send_response(200)
+            for name, value in HOSTILE_HEADERS:
+                self.send_header(name, value.replace("{prefix}", self.headers.get("X-Forwarded-Prefix", "")))
+            self.send_header("X-Referer", self.headers.get("Referer", ""))
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
         elif url.path == "/bytes":
             n = int(parse_qs(url.query).get("n", ["0"])[0])
             self.send_response(200)

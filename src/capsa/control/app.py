@@ -22,6 +22,7 @@ from capsa.control.mcp import install_mcp
 from capsa.control.node_secrets import node_sealer
 from capsa.control.nodeclient import NodeClientPool
 from capsa.control.plane import ControlPlane
+from capsa.control.port_hosts import PortHostRouter
 from capsa.control.problems import install_problem_handlers
 from capsa.control.ratelimit import RateLimiter
 from capsa.control.reaper import run_reaper
@@ -125,6 +126,8 @@ def create_app(settings: ControlSettings | None = None,
     app = FastAPI(title="capsa", version=version("capsa"), lifespan=lifespan,
                   description="Self-hostable microVM sandboxes for AI agents (docs/api-contract.md).")
     install_problem_handlers(app)
+    if settings.ports_domain:  # ports on hosts of their own, never on the API's origin
+        app.add_middleware(PortHostRouter, domain=settings.ports_domain, ports_app=_ports_app(app))
     app.add_middleware(AuditMiddleware, plane=lambda: getattr(app.state, "plane", None))
     for module in (health, sessions, snapshots, commands, files, ports, terminals, keys, nodes):
         app.include_router(module.router, prefix="/v1")
@@ -137,6 +140,15 @@ def create_app(settings: ControlSettings | None = None,
     if settings.e2b_compat:
         app.mount(E2B_PATH, create_e2b_app(lambda: _plane_of(app)))
     return app
+
+
+def _ports_app(app: FastAPI) -> FastAPI:
+    """The app that ports' own hosts get: the port proxy's routes alone, sharing ``app``'s state."""
+    hosted = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    install_problem_handlers(hosted)
+    hosted.include_router(ports.proxy_router, prefix="/v1")
+    hosted.state = app.state
+    return hosted
 
 
 def _plane_of(app: FastAPI) -> ControlPlane:

@@ -7,9 +7,11 @@ streamed back, so uploads and downloads of any size flow through bounded buffers
 way to the guest). A WebSocket from the client is answered by a WebSocket client (wsproto) to the port
 over the tunnel; messages are relayed both ways and the close code is passed on.
 
-What the app in the sandbox sees: the path after ``/ports/{port}``, the query without ``token``, the
-client's headers less hop-by-hop ones, the API key and the port token, ``Host: localhost:<port>``, and
-``X-Forwarded-For``/``-Host``/``-Proto``/``-Prefix`` naming who reached it and where.
+What the app in the sandbox sees: the path after ``/ports/{port}`` (or the whole path on the port's own
+host, :mod:`capsa.control.port_hosts`), the query without ``token``, the client's headers less hop-by-hop
+ones, the API key and the port token (also out of a ``Referer``), ``Host: localhost:<port>``, and
+``X-Forwarded-For``/``-Host``/``-Proto`` (and ``-Prefix`` on the path route) naming who reached it and
+where. What the client sees of the app's answer: :mod:`capsa.control.port_headers`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
+from datetime import datetime
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import h11
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
@@ -31,6 +34,8 @@ from capsa.common.port_tunnel import PortTunnel
 from capsa.common.websocket import WebSocketClient, WebSocketRejected
 from capsa.control.errors import ApiError
 from capsa.control.port_access import TOKEN_COOKIE, TOKEN_HEADER, TOKEN_QUERY, PortAccess, port_path
+from capsa.control.port_headers import response_headers
+from capsa.control.store.models import utcnow
 
 __all__ = ["proxy_http", "proxy_websocket", "relay_tunnel"]
 
@@ -69,12 +74,27 @@ def _forward_headers(conn: HTTPConnection, access: PortAccess, port: int, *,
             value = _without_token_cookie(value)
             if not value:
                 continue
+        elif lower == "referer":
+            value = _without_token_query(value)
         out.append((lower, value))
     out += [("x-forwarded-for", conn.client.host if conn.client else ""),
             ("x-forwarded-host", conn.headers.get("host", "")),
-            ("x-forwarded-proto", "https" if conn.url.scheme in ("https", "wss") else "http"),
-            ("x-forwarded-prefix", port_path(access.row.id, port).rstrip("/"))]
+            ("x-forwarded-proto", "https" if conn.url.scheme in ("https", "wss") else "http")]
+    if not access.on_host:
+        out.append(("x-forwarded-prefix", port_path(access.row.id, port).rstrip("/")))
     return out
+
+
+def _without_token_query(url: str) -> str:
+    """``url`` (a Referer) without its ``token`` query parameter."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return ""
+    if TOKEN_QUERY not in parts.query:
+        return url
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != TOKEN_QUERY]
+    return urlunsplit(parts._replace(query=urlencode(query)))
 
 
 _RESPONSE_DROP = _HOP_BY_HOP - {"content-length"}
@@ -103,12 +123,20 @@ def _without_token_cookie(header: str) -> str:
 
 
 def _token_cookie(conn: HTTPConnection, access: PortAccess, port: int) -> tuple[bytes, bytes] | None:
+    """The token that came in the URL as a cookie: for the port's own host (no ``Domain``: that host
+    only), or for the port's path on the API's origin; it lasts as long as the token."""
     if access.query_token is None:
         return None
     secure = "; Secure" if conn.url.scheme == "https" else ""
-    value = (f"{TOKEN_COOKIE}={access.query_token}; Path={port_path(access.row.id, port)}; HttpOnly; "
+    path = "/" if access.on_host else port_path(access.row.id, port)
+    max_age = _seconds_left(access.token_expires_at)
+    value = (f"{TOKEN_COOKIE}={access.query_token}; Path={path}; Max-Age={max_age}; HttpOnly; "
              f"SameSite=Lax{secure}")
     return b"set-cookie", value.encode("latin-1")
+
+
+def _seconds_left(expires_at: datetime | None) -> int:
+    return 0 if expires_at is None else max(0, int((expires_at - utcnow()).total_seconds()))
 
 
 async def _events(conn: h11.Connection, tunnel: PortTunnel) -> AsyncIterator[h11.Event]:
@@ -182,11 +210,12 @@ async def proxy_http(request: Request, access: PortAccess, port: int, path: str,
     except BaseException:
         await _stop(upload, tunnel)
         raise
-    response_headers = [(k.lower(), v) for k, v in event.headers
-                        if k.decode("latin-1").lower() not in _RESPONSE_DROP]
+    relayed = response_headers(
+        [(k.lower(), v) for k, v in event.headers if k.decode("latin-1").lower() not in _RESPONSE_DROP],
+        None if access.on_host else port_path(access.row.id, port))
     cookie = _token_cookie(request, access, port)
     if cookie is not None:
-        response_headers.append(cookie)
+        relayed.append(cookie)
 
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -200,7 +229,7 @@ async def proxy_http(request: Request, access: PortAccess, port: int, path: str,
         finally:
             await _stop(upload, tunnel)
 
-    return _RelayedResponse(event.status_code, response_headers, body())
+    return _RelayedResponse(event.status_code, relayed, body())
 
 
 async def _stop(upload: asyncio.Task[None], tunnel: PortTunnel) -> None:

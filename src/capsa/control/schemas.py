@@ -26,6 +26,7 @@ from capsa.sdk.models import (
     CommandResult,
     FileInfo,
     PortToken,
+    PortTokenInfo,
     ProcessInfo,
     ProcessOutput,
     RollingSnapshots,
@@ -60,6 +61,9 @@ __all__ = [
     "NodeTokenCreate",
     "NodeUpdate",
     "PortToken",
+    "PortTokenCreate",
+    "PortTokenInfo",
+    "PortTokenList",
     "ProblemDetail",
     "ProcessInfo",
     "ProcessList",
@@ -261,6 +265,16 @@ class NodeUpdate(_Strict):
     capacity_limit: Capacity | None = None
     """The most the node may report (memory, vCPUs, sandboxes); its reports are bounded by it, so raising
     what a node takes needs an admin."""
+
+
+class PortTokenCreate(_Strict):
+    ttl_seconds: Annotated[int, Field(ge=60)] | None = None
+    """How long the token works (at least a minute, at most the API's ``CAPSA_PORT_TOKEN_MAX_TTL``,
+    a week by default); none: ``CAPSA_PORT_TOKEN_TTL`` (a day by default)."""
+
+
+class PortTokenList(BaseModel):
+    items: list[PortTokenInfo]
 
 
 class NodeTokenCreate(_Strict):

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from capsa.common.settings import AllowNetworks
 
 __all__ = ["ControlSettings", "TenantQuota"]
+
+_LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+_DOMAIN_RE = re.compile(rf"^(?=.{{1,200}}$){_LABEL}(\.{_LABEL})*(:[1-9][0-9]{{0,4}})?$")
+
+
+def _ports_domain(value: str | None) -> str | None:
+    """A host name (lower case, optional ``:port``), without scheme or path."""
+    if value is None or not value.strip():
+        return None
+    domain = value.strip().lower().rstrip(".")
+    if not _DOMAIN_RE.match(domain):
+        raise ValueError(f"ports_domain must be a host name such as ports.example.com[:8443], not {value!r}")
+    return domain
 
 
 class TenantQuota(BaseModel):
@@ -120,6 +134,16 @@ class ControlSettings(BaseSettings):
     (``CAPSA_E2B_COMPAT=false`` turns it off)."""
     public_url: str | None = None
     """The base URL clients reach the API at (port token URLs); none: the URL of the request that asks."""
+    ports_domain: Annotated[str | None, AfterValidator(_ports_domain)] = None
+    """Serve each session's ports on a host of their own, ``<port>-<session id>.<ports_domain>``
+    (``CAPSA_PORTS_DOMAIN=ports.example.com``, optionally with ``:port``), never on the API's origin: a
+    wildcard DNS name (and certificate) for it points at the control plane, which routes by ``Host``.
+    Port URLs the API answers use it. None: the path route ``/v1/sessions/{id}/ports/{port}/`` only,
+    whose answers are stripped of what could act on the API's origin (:mod:`capsa.control.port_headers`)."""
+    port_token_ttl: Annotated[int, Field(ge=60)] = 86400
+    """Seconds a port token lasts when its request names no ``ttl_seconds`` (``CAPSA_PORT_TOKEN_TTL``)."""
+    port_token_max_ttl: Annotated[int, Field(ge=60)] = 7 * 86400
+    """The longest ``ttl_seconds`` a port token may ask for (``CAPSA_PORT_TOKEN_MAX_TTL``)."""
     oauth_ca_file: Path | None = None
     """Extra CA certificates (PEM) trusted for connection providers' endpoints, beside the system's (an
     identity provider on a private CA); ``CAPSA_OAUTH_CA_FILE``."""

@@ -32,6 +32,7 @@ __all__ = [
     "OutputEnd",
     "OutputEvent",
     "PortToken",
+    "PortTokenInfo",
     "ProcessInfo",
     "ProcessOutput",
     "RollingSnapshots",
@@ -117,8 +118,22 @@ class PortToken(_Model):
     token: str
     """Shown once (stored hashed): pass it as ``?token=`` or the ``X-Capsa-Port-Token`` header."""
     url: str
-    """The port's proxy URL with the token in its query."""
+    """The port's URL with the token in its query: its own host under the API's ports domain when it has
+    one (``https://8080-ses_….ports.example.com/?token=…``), else the API's path route."""
     created_at: datetime
+    expires_at: datetime | None = None
+    """When the token stops working (``ttl_seconds`` after it was made; the API's default is a day)."""
+
+
+class PortTokenInfo(_Model):
+    """A port token as ``GET /v1/sessions/{id}/port-tokens`` lists it (never the token itself): those made
+    with ``POST …/ports/{port}/tokens`` and those ``GET …/browser`` made for its URLs."""
+
+    id: str
+    session_id: str
+    port: int
+    created_at: datetime
+    expires_at: datetime | None = None
 
 
 class SnapshotInfo(_Model):

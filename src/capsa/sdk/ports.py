@@ -21,7 +21,7 @@ from capsa.common.errors import CapsaError
 from capsa.common.port_tunnel import PortTunnel, open_tunnel
 from capsa.common.websocket import SocketStream
 from capsa.sdk.errors import CapsaConnectionError, error_from_problem
-from capsa.sdk.models import PortToken, parse
+from capsa.sdk.models import PortToken, PortTokenInfo, parse, parse_items
 from capsa.sdk.paths import seg
 
 if TYPE_CHECKING:
@@ -51,18 +51,30 @@ class AsyncPorts:
         need the API key, or a token from :meth:`create_token` (``?token=`` or ``X-Capsa-Port-Token``)."""
         return f"{self._client.config.api_url}/v1{self._path(port)}/"
 
-    async def create_token(self, port: int) -> PortToken:
-        """A new access token for ``port`` (revocable; it dies with the session)."""
-        data = await self._client.json("POST", f"{self._path(port)}/tokens")
+    async def create_token(self, port: int, *, ttl_seconds: int | None = None) -> PortToken:
+        """A new access token for ``port``: it expires after ``ttl_seconds`` (None: the API's default, a
+        day; at most its maximum, a week), can be revoked, and dies with the session."""
+        body = {"ttl_seconds": ttl_seconds} if ttl_seconds is not None else None
+        data = await self._client.json("POST", f"{self._path(port)}/tokens", json=body)
         return parse(PortToken, data)
 
-    async def revoke_token(self, port: int, token_id: str) -> None:
-        await self._client.request("DELETE", f"{self._path(port)}/tokens/{seg(token_id)}")
+    async def list_tokens(self) -> list[PortTokenInfo]:
+        """The session's port tokens that still work, every port (those :meth:`AsyncSession.browser` made
+        included); never the tokens themselves."""
+        data = await self._client.json("GET", f"/sessions/{seg(self._session_id)}/port-tokens")
+        return parse_items(PortTokenInfo, data)
 
-    async def url(self, port: int, path: str = "/") -> str:
-        """A URL of ``path`` on ``port`` that works without the API key (it carries a fresh token)."""
-        token = await self.create_token(port)
-        return f"{self.get_host(port)}{path.lstrip('/')}?token={token.token}"
+    async def revoke_token(self, port: int | None, token_id: str) -> None:
+        """Revoke a token (``port``: the port it opens, or None for any of the session's tokens)."""
+        where = f"/sessions/{seg(self._session_id)}/port-" if port is None else f"{self._path(port)}/"
+        await self._client.request("DELETE", f"{where}tokens/{seg(token_id)}")
+
+    async def url(self, port: int, path: str = "/", *, ttl_seconds: int | None = None) -> str:
+        """A URL of ``path`` on ``port`` that works without the API key (it carries a fresh token): on the
+        port's own host when the API serves ports on a domain of their own, else its path route."""
+        token = await self.create_token(port, ttl_seconds=ttl_seconds)
+        base, _, query = token.url.partition("?")
+        return f"{base.rstrip('/')}/{path.lstrip('/')}?{query}"
 
     async def open_tunnel(self, port: int) -> PortTunnel:
         """A raw TCP connection to ``port`` inside the sandbox, through the API (``read``/``write``/``end``/

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from capsa.sdk.models import PortToken
+from capsa.sdk.models import PortToken, PortTokenInfo
 from capsa.sdk.portal import Portal
 from capsa.sdk.ports import AsyncPortForward, AsyncPorts
 
@@ -18,14 +18,17 @@ class Ports:
     def get_host(self, port: int) -> str:
         return self._inner.get_host(port)
 
-    def create_token(self, port: int) -> PortToken:
-        return self._portal.call(self._inner.create_token(port))
+    def create_token(self, port: int, *, ttl_seconds: int | None = None) -> PortToken:
+        return self._portal.call(self._inner.create_token(port, ttl_seconds=ttl_seconds))
 
-    def revoke_token(self, port: int, token_id: str) -> None:
+    def list_tokens(self) -> list[PortTokenInfo]:
+        return self._portal.call(self._inner.list_tokens())
+
+    def revoke_token(self, port: int | None, token_id: str) -> None:
         self._portal.call(self._inner.revoke_token(port, token_id))
 
-    def url(self, port: int, path: str = "/") -> str:
-        return self._portal.call(self._inner.url(port, path))
+    def url(self, port: int, path: str = "/", *, ttl_seconds: int | None = None) -> str:
+        return self._portal.call(self._inner.url(port, path, ttl_seconds=ttl_seconds))
 
     def forward(self, port: int, local_port: int = 0, *, host: str = "127.0.0.1") -> PortForward:
         return PortForward(self._portal.call(self._inner.forward(port, local_port, host=host)), self._portal)

@@ -4,7 +4,8 @@
 A session has a browser when its template runs one (``templates/browser.yaml``): Chromium's DevTools on
 ``127.0.0.1:9222`` in the guest (:data:`capsa.control.cdp.CDP_PORT`). ``GET …/browser`` asks it for the
 browser's WebSocket path (``/json/version``) and answers a ``cdp_url`` through the ports proxy with a
-port token made for that port (one per call, gone with the session), which the stock Playwright client
+port token made for that port (one per call, expiring after ``CAPSA_PORT_TOKEN_TTL``, listed and revoked
+with the session's other port tokens, gone with the session), which the stock Playwright client
 (``connect_over_cdp``) and any CDP client can open. A session whose template has no browser answers 409
 ``browser_unavailable``. The screen of the computer actions is the session's ``screen`` metadata
 (``"1280x800"``, the default).
@@ -113,7 +114,9 @@ async def _live_url(plane: ControlPlane, tenant: str, session_id: str, base: str
     port = desktop.VNC_INTERACTIVE_PORT if interactive else desktop.VNC_VIEW_ONLY_PORT
     token = await create_token(plane, tenant, session_id, port, base)
     page = token.url.split("?", 1)[0].rstrip("/")
-    ws_path = f"{urlsplit(page).path.lstrip('/')}/websockify?token={token.token}"
+    prefix = urlsplit(page).path.strip("/")  # none on the port's own host
+    ws_path = f"{prefix}/websockify" if prefix else "websockify"
+    ws_path += f"?token={token.token}"
     return (f"{page}/vnc.html?autoconnect=true&reconnect=true&resize=off&view_only="
             f"{'false' if interactive else 'true'}&path={quote(ws_path, safe='')}&token={token.token}")
 
@@ -133,7 +136,7 @@ async def browser_info(session_id: str, request: Request, plane: Plane, caller: 
         raise BrowserUnavailable(f"the browser of session {session_id} names no CDP endpoint")
     base = plane.settings.public_url or str(request.base_url)
     token = await create_token(plane, caller.tenant, session_id, CDP_PORT, base)
-    http = token.url.split("?", 1)[0].rstrip("/")
+    http = token.url.split("?", 1)[0].rstrip("/")  # the port's own host, or its path on the API's
     scheme, rest = http.split("://", 1)
     ws_url = f"{'wss' if scheme == 'https' else 'ws'}://{rest}{path}?token={token.token}"
     session = await get_session(plane, caller.tenant, session_id)
