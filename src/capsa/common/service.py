@@ -20,7 +20,8 @@ from typing import Any
 
 import uvicorn
 
-__all__ = ["STOP_SIGNALS", "QuietServer", "RedactTokens", "bind_tcp", "run_service", "wait_started"]
+__all__ = ["STOP_SIGNALS", "QuietServer", "RedactTokens", "bind_tcp", "redact", "redact_server_logs",
+           "run_service", "wait_started"]
 
 log = logging.getLogger(__name__)
 
@@ -33,26 +34,46 @@ class QuietServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
-        access = logging.getLogger("uvicorn.access")
-        if not any(isinstance(f, RedactTokens) for f in access.filters):
-            access.addFilter(RedactTokens())
+        redact_server_logs()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
 
 
-_TOKEN_PARAM = re.compile(r"((?:^|[?&])(?:token|access_token)=)[^&#\s]*", re.IGNORECASE)
+_SERVER_LOGGERS = ("uvicorn.access", "uvicorn.error")
+"""uvicorn's request lines: ``uvicorn.access`` for HTTP, ``uvicorn.error`` for WebSocket handshakes
+(``"WebSocket /v1/…?token=…" [accepted]``)."""
+_CREDENTIAL = re.compile(
+    r"((?:^|[?&;/\s\"']|%2[6fF]|%3[fF])(?:token|access_token)(?:=|%3[dD]))[^&#\s\"';]*"  # token=, token%3D
+    r"|c(?:pt|sk)_[A-Za-z0-9_%-]{16,}",  # a port token or an API key anywhere (noVNC's path=, a Referer)
+    re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """``text`` with credentials carried in URLs blanked: ``token=`` / ``access_token=`` values, also
+    URL-encoded inside another parameter (noVNC's ``path=…%3Ftoken%3D…``), and any port token (``cpt_…``)
+    or API key (``csk_…``)."""
+    return _CREDENTIAL.sub(lambda m: (m[1] or "") + "[redacted]", text)
 
 
 class RedactTokens(logging.Filter):
-    """Blanks ``token=`` / ``access_token=`` query values (port tokens) in uvicorn's access log lines."""
+    """Blanks credentials in URLs (:func:`redact`) in a log record's message and arguments."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
         if isinstance(record.args, tuple) and record.args:
-            record.args = tuple(_TOKEN_PARAM.sub(r"\1[redacted]", a) if isinstance(a, str) else a
-                                for a in record.args)
+            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
         return True
+
+
+def redact_server_logs() -> None:
+    """Install :class:`RedactTokens` on uvicorn's access and error loggers (once)."""
+    for name in _SERVER_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactTokens) for f in logger.filters):
+            logger.addFilter(RedactTokens())
 
 
 async def _main_with_signals(main: Coroutine[Any, Any, None]) -> int:
