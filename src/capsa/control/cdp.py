@@ -222,17 +222,71 @@ def pin_downloads(message: str) -> str:
 
     Playwright's ``connect_over_cdp`` points downloads at a temporary directory named on the client's host,
     which does not exist in the guest; so does any client that sets its own path. Pinned, a download lands
-    under its own name where the files API finds it. Other messages pass unchanged (one substring test)."""
-    if "setDownloadBehavior" not in message:
+    under its own name where the files API finds it.
+
+    The message is read as the browser reads it: a real JSON parser (so ``\\u0042rowser.set…`` is the
+    same method), commands wrapped in ``Target.sendMessageToTarget`` unwrapped (to any depth the browser
+    would), a message whose objects repeat a key is sent on re-encoded as parsed (one key each), and one
+    that does not parse is replaced by ``{}``, so the browser cannot read another method or path than this
+    check did. Messages that cannot hold such a command (no ``DownloadBehavior`` and no escape in their
+    text) pass without being parsed.
+
+    This keeps honest clients' downloads where the files API finds them; it is not a security boundary:
+    whoever holds the CDP URL drives a browser running as root in the guest (docs/browser.md)."""
+    if "DownloadBehavior" not in message and "\\" not in message:
         return message
+    pinned = _pin_text(message, _MAX_NESTING)
+    return message if pinned is None else pinned
+
+
+_MAX_NESTING = 8
+_REFUSED = "{}"
+"""Sent instead of a message the rewrite could not read (the browser answers it with an error)."""
+
+
+class _Duplicates(Exception):
+    pass
+
+
+def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise _Duplicates
+    return obj
+
+
+def _pin_text(message: str, depth: int) -> str | None:
+    """``message`` rewritten (None: unchanged)."""
     try:
-        command = json.loads(message)
-    except ValueError:
-        return message
-    if not isinstance(command, dict) or command.get("method") not in _DOWNLOAD_METHODS:
-        return message
-    params = command.get("params")
-    if not isinstance(params, dict) or params.get("behavior") not in ("allow", "allowAndName"):
-        return message
-    command["params"] = {**params, "behavior": "allow", "downloadPath": DOWNLOADS_DIR}
-    return json.dumps(command)
+        command = json.loads(message, object_pairs_hook=_strict_object)
+        rewrite = False
+    except _Duplicates:
+        command = json.loads(message)  # the last of each key, as sent on
+        rewrite = True
+    except (ValueError, RecursionError):
+        # Not JSON to this parser: what the browser would make of it is not known, so it gets none of it.
+        return _REFUSED
+    if not isinstance(command, dict):
+        return json.dumps(command) if rewrite else None
+    changed = _pin_command(command, depth)
+    return json.dumps(command) if changed or rewrite else None
+
+
+def _pin_command(command: dict[str, Any], depth: int) -> bool:
+    method, params = command.get("method"), command.get("params")
+    if not isinstance(params, dict):
+        return False
+    if method in _DOWNLOAD_METHODS:
+        if params.get("behavior") in ("allow", "allowAndName") or "downloadPath" in params:
+            command["params"] = {**params, "behavior": "allow", "downloadPath": DOWNLOADS_DIR}
+            return True
+        return False
+    if method == "Target.sendMessageToTarget" and isinstance(params.get("message"), str):
+        if depth <= 0:  # deeper than any client nests: the inner command is not sent on
+            command["params"] = {**params, "message": _REFUSED}
+            return True
+        inner = _pin_text(params["message"], depth - 1)
+        if inner is not None:
+            command["params"] = {**params, "message": inner}
+            return True
+    return False

@@ -10,7 +10,8 @@
 - ``GET /sessions/{id}/port-tokens`` lists the session's tokens (every port, ``GET …/browser``'s too),
   ``DELETE /sessions/{id}/port-tokens/{token_id}`` revokes any of them.
 - ``/sessions/{id}/tunnels/{port}`` (WebSocket) is the raw TCP tunnel (:mod:`capsa.common.port_tunnel`)
-  that ``capsa port-forward`` uses.
+  that ``capsa port-forward`` uses. To the browser's CDP port it takes the API key only: CDP over a raw
+  tunnel would pass by the download-directory rewrite of the proxied CDP WebSocket.
 
 :data:`proxy_router` holds the proxy's routes alone: the app serves it on ports' own hosts
 (:mod:`capsa.control.port_hosts`).
@@ -34,6 +35,7 @@ from capsa.common.errors import CapsaError
 from capsa.common.port_tunnel import OK_MESSAGE, PortTunnel, problem_message
 from capsa.control.cdp import CDP_PORT, pin_downloads
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
+from capsa.control.errors import ApiError
 from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.port_access import (
@@ -65,6 +67,10 @@ _PROXY_DOC = {
                 "content": {"application/problem+json": {}}},
     },
 }
+
+
+class RawCdpRefused(ApiError):
+    code, status, title = "raw_tunnel_refused", 403, "Raw tunnel refused"
 
 
 def _base_url(plane: ControlPlane, request: Request) -> str:
@@ -149,6 +155,9 @@ async def tunnel(websocket: WebSocket, session_id: str, port: Port) -> None:
     assert isinstance(plane, ControlPlane)
     try:
         access = await authorize(plane, websocket, session_id, port)
+        if port == CDP_PORT and not access.used_api_key:
+            raise RawCdpRefused(f"a raw tunnel to port {CDP_PORT} (CDP) takes the API key; with a port token "
+                                f"use the CDP WebSocket of GET /v1/sessions/{session_id}/browser")
     except CapsaError as exc:
         await refuse_websocket(websocket, exc)
         return
