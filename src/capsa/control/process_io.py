@@ -98,13 +98,16 @@ class EventStream(Generic[_T]):
 
 async def _open_stream(plane: ControlPlane, row: SessionRow,
                        opened: contextlib.AbstractAsyncContextManager[AsyncIterator[_N]],
-                       convert: Callable[[_N], _T], failed: Callable[[str, str], _T]) -> EventStream[_T]:
-    """Open the node's stream (its refusal raises here), keep the session active while it is open, and
-    translate its events; a sandbox lost mid-stream is recorded and reported as the last event."""
+                       convert: Callable[[_N], _T], failed: Callable[[str, str], _T], *,
+                       active: bool = True) -> EventStream[_T]:
+    """Open the node's stream (its refusal raises here), keep the session active while it is open
+    (``active``), and translate its events; a sandbox lost mid-stream is recorded and reported as the
+    last event."""
     stack = AsyncExitStack()
     try:
         node_events = await stack.enter_async_context(opened)
-        await stack.enter_async_context(keep_active(plane, row.id))
+        if active:
+            await stack.enter_async_context(keep_active(plane, row.id))
     except NodeError as exc:
         await stack.aclose()
         raise await node_call_failed(plane, row, exc) from exc
@@ -161,12 +164,13 @@ def _watch_event(event: node_api.FileEvent | node_api.StreamError) -> FileEvent 
 
 
 async def watch_files(plane: ControlPlane, tenant: str, session_id: str, path: str, *,
-                      recursive: bool = False) -> EventStream[FileEvent | StreamError]:
+                      recursive: bool = False, active: bool = True) -> EventStream[FileEvent | StreamError]:
     """Changes under the directory ``path`` until the stream is closed (or the directory is removed).
-    Raises ``not_found``/``not_a_directory`` before streaming."""
+    Raises ``not_found``/``not_a_directory`` before streaming. ``active=False``: the open stream does not
+    keep the session active (a watcher whose reader comes back by polling, whose polls are activity)."""
     row, client, sandbox_id = await _session(plane, tenant, session_id)
     return await _open_stream(plane, row, client.watch_dir(sandbox_id, path, recursive=recursive),
-                              _watch_event, _stream_error)
+                              _watch_event, _stream_error, active=active)
 
 
 async def open_terminal(plane: ControlPlane, tenant: str, session_id: str,

@@ -132,6 +132,15 @@ class ControlSettings(BaseSettings):
     e2b_compat: bool = True
     """Serve the E2B dialect (REST API + envd protocol, ``capsa.compat.e2b``) under ``/e2b``
     (``CAPSA_E2B_COMPAT=false`` turns it off)."""
+    e2b_watcher_max_bytes: Annotated[int, Field(ge=4096)] = 1 << 20
+    """Bytes of unpolled events one E2B polled watcher (``CreateWatcher``) may buffer; past it the watcher
+    stops and its next poll answers ``resource_exhausted``."""
+    e2b_watchers_max_bytes: Annotated[int, Field(ge=4096)] = 64 << 20
+    """Bytes of unpolled events all E2B polled watchers on one replica may buffer together."""
+    e2b_watchers_per_tenant: Annotated[int, Field(ge=1)] = 64
+    """E2B polled watchers one tenant may hold on one replica (besides 64 per sandbox)."""
+    e2b_watcher_unpolled_seconds: Annotated[float, Field(gt=0)] = 120.0
+    """An E2B polled watcher not polled for this long is dropped (its stream closed, its buffer freed)."""
     public_url: str | None = None
     """The base URL clients reach the API at (port token URLs); none: the URL of the request that asks."""
     ports_domain: Annotated[str | None, AfterValidator(_ports_domain)] = None
