@@ -18,9 +18,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
-from starlette.datastructures import UploadFile
 
-from capsa.compat.e2b import filesystem, process, watch
+from capsa.compat.e2b import filesystem, multipart, process, watch
 from capsa.compat.e2b.access import EnvdTarget, envd_target, plane
 from capsa.compat.e2b.connect import (
     ConnectError,
@@ -47,7 +46,6 @@ MULTIPART = importlib.util.find_spec("python_multipart") is not None
 """Whether multipart uploads can be parsed here (the ``capsa[e2b]`` extra)."""
 _STREAMS = {"process.Process/Start", "process.Process/Connect", "filesystem.Filesystem/WatchDir",
             "process.Process/StreamInput"}
-_CHUNK = 1 << 20
 
 
 def _user(request: Request) -> str | None:
@@ -247,15 +245,11 @@ async def _bounded(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[by
             yield chunk
 
 
-async def _upload_chunks(upload: UploadFile) -> AsyncIterator[bytes]:
-    while chunk := await upload.read(_CHUNK):
-        yield chunk
-
-
 @router.post("/files")
 async def upload(request: Request, path: _PathQuery = None, username: _PathQuery = None) -> Response:
-    """An octet-stream body to ``path``, or multipart parts named ``file`` whose file names are their
-    paths (several files at once when ``path`` is absent)."""
+    """An octet-stream body to ``path``, or multipart file parts whose file names are their paths
+    (several files at once; with ``path``, the first part goes there). Parts are streamed to the sandbox
+    as they arrive (:mod:`capsa.compat.e2b.multipart`), never spooled."""
     try:
         control, target = plane(request), await envd_target(request)
         user = process.guest_user(username) if username else _user(request)
@@ -271,14 +265,10 @@ async def upload(request: Request, path: _PathQuery = None, username: _PathQuery
             if not MULTIPART:
                 raise ConnectError("unimplemented", "multipart uploads need python-multipart on the server "
                                                     "(pip install 'capsa[e2b]'); octet-stream uploads work")
-            async with request.form(max_files=1000, max_fields=1000) as form:
-                for _, part in form.multi_items():
-                    if not isinstance(part, UploadFile):
-                        continue
-                    name = path if path and len(form.getlist("file")) == 1 else part.filename
-                    dest = filesystem.resolve_path(name, user)
-                    info = await _write(control, target, dest, _bounded(_upload_chunks(part), limit))
-                    written.append(filesystem.write_entry(info))
+            async for part in multipart.file_parts(request):  # streamed: nothing is spooled
+                dest = filesystem.resolve_path(path if path and not written else part.filename, user)
+                info = await _write(control, target, dest, _bounded(part.chunks, limit))
+                written.append(filesystem.write_entry(info))
         else:
             dest = filesystem.resolve_path(path, user)
             info = await _write(control, target, dest, _bounded(request.stream(), limit))
