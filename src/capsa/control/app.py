@@ -11,6 +11,7 @@ from importlib.metadata import version
 from fastapi import FastAPI
 
 from capsa.common.audit_checkpoint import load_signing_key
+from capsa.common.request_limits import RequestLimits
 from capsa.compat.e2b import MOUNT_PATH as E2B_PATH
 from capsa.compat.e2b import create_e2b_app
 from capsa.control.audit_anchor import Checkpointer, CheckpointSink, FileCheckpointSink
@@ -26,6 +27,7 @@ from capsa.control.port_hosts import PortHostRouter
 from capsa.control.problems import install_problem_handlers
 from capsa.control.ratelimit import RateLimiter
 from capsa.control.reaper import run_reaper
+from capsa.control.request_gate import install_request_guard
 from capsa.control.rolling import run_rolling
 from capsa.control.routes import (
     approvals,
@@ -66,11 +68,13 @@ def _checkpointer(settings: ControlSettings, sink: CheckpointSink | None) -> Che
 
 def create_app(settings: ControlSettings | None = None,
                on_bootstrap_key: Callable[[str], None] | None = None,
-               checkpoint_sink: CheckpointSink | None = None) -> FastAPI:
+               checkpoint_sink: CheckpointSink | None = None,
+               request_limits: RequestLimits | None = None) -> FastAPI:
     """Build the app. Startup migrates the database, installs the bootstrap admin key and starts the reaper.
 
     ``on_bootstrap_key`` receives a freshly generated admin key, the only time it exists in clear.
     ``checkpoint_sink``: where signed audit checkpoints go instead of ``CAPSA_AUDIT_CHECKPOINT_FILE``.
+    ``request_limits``: body, concurrency and rate limits (default: ``CAPSA_REQUEST_*``).
     """
     settings = settings or ControlSettings()
 
@@ -139,6 +143,8 @@ def create_app(settings: ControlSettings | None = None,
     mcp_lifetime = install_mcp(app)
     if settings.e2b_compat:
         app.mount(E2B_PATH, create_e2b_app(lambda: _plane_of(app)))
+    # Last, so it is the outermost middleware: bodies are bounded and credentials checked before any route.
+    install_request_guard(app, settings, request_limits)
     return app
 
 

@@ -34,6 +34,7 @@ from capsa.control.store.db import DbSession
 from capsa.control.store.models import NodeEnrolTokenRow, NodeRow, SessionRow, utcnow
 
 __all__ = [
+    "check_enrol_token",
     "check_node_credential",
     "create_enrol_token",
     "enrol_node",
@@ -112,6 +113,19 @@ async def create_enrol_token(plane: ControlPlane, req: NodeTokenCreate) -> NodeT
         db.add(NodeEnrolTokenRow(token_hash=hash_secret(token), created_at=now, expires_at=expires_at))
         await db.commit()
     return NodeToken(token=token, expires_at=expires_at)
+
+
+async def check_enrol_token(plane: ControlPlane, enrol_token: str | None) -> None:
+    """Raise ``EnrolTokenInvalid`` unless ``enrol_token`` is known, unused and unexpired. Only a read:
+    :func:`enrol_node` is what consumes a token (the request guard asks this before reading the body)."""
+    if not enrol_token:
+        raise EnrolTokenInvalid()
+    async with plane.db() as db:
+        found = (await db.execute(select(NodeEnrolTokenRow.token_hash).where(
+            NodeEnrolTokenRow.token_hash == hash_secret(enrol_token), NodeEnrolTokenRow.used_at.is_(None),
+            NodeEnrolTokenRow.expires_at > utcnow()))).first()
+    if found is None:
+        raise EnrolTokenInvalid()
 
 
 async def enrol_node(plane: ControlPlane, enrol_token: str | None, req: NodeEnrol) -> NodeEnrolled:

@@ -14,12 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import Request
+from starlette.datastructures import Headers
 
-from capsa.control.auth import Principal, authenticate
+from capsa.control.auth import Principal, authenticate, authenticate_cached
 from capsa.control.nodeclient import NodeClient
 from capsa.control.plane import ControlPlane
 from capsa.control.sessions import running_session
 from capsa.control.store.models import SessionRow
+from capsa.sdk.e2b import E2B_ENVD_PATH as ENVD_PATH
 
 __all__ = [
     "ACCESS_TOKEN_HEADER",
@@ -28,7 +30,10 @@ __all__ = [
     "EnvdTarget",
     "PlaneGetter",
     "api_caller",
+    "api_key",
+    "check_credential",
     "envd_target",
+    "envd_token",
     "plane",
 ]
 
@@ -44,9 +49,27 @@ def plane(request: Request) -> ControlPlane:
     return getter()
 
 
+def api_key(headers: Headers) -> str:
+    """The credential of a REST call: ``X-API-KEY`` ("" when absent)."""
+    return (headers.get(API_KEY_HEADER) or "").strip()
+
+
+def envd_token(headers: Headers) -> str:
+    """The credential of an envd call: ``X-Access-Token``, else ``X-API-KEY`` ("" when absent)."""
+    return (headers.get(ACCESS_TOKEN_HEADER) or headers.get(API_KEY_HEADER) or "").strip()
+
+
+async def check_credential(control: ControlPlane, path: str, headers: Headers) -> None:
+    """Raise ``Unauthorized`` unless the request to ``path`` (under the E2B mount) carries a credential
+    that its route will accept: what the request guard checks before it reads a body
+    (:mod:`capsa.control.request_gate`), from the replica's key cache."""
+    token = envd_token(headers) if path == ENVD_PATH or path.startswith(ENVD_PATH + "/") else api_key(headers)
+    await authenticate_cached(control.db, control.keys, token or None)
+
+
 async def api_caller(request: Request) -> tuple[Principal, str]:
     """The principal of ``X-API-KEY`` (raises ``Unauthorized``) and the key itself."""
-    key = (request.headers.get(API_KEY_HEADER) or "").strip()
+    key = api_key(request.headers)
     async with plane(request).db() as db:
         return await authenticate(db, key or None), key
 
@@ -70,7 +93,7 @@ async def envd_target(request: Request) -> EnvdTarget:
 
     Raises capsa's ``Unauthorized``, ``NotFound`` (unknown or another tenant's), ``InvalidState`` (paused)
     or ``SessionFailed``."""
-    token = (request.headers.get(ACCESS_TOKEN_HEADER) or request.headers.get(API_KEY_HEADER) or "").strip()
+    token = envd_token(request.headers)
     control = plane(request)
     async with control.db() as db:
         principal = await authenticate(db, token or None)

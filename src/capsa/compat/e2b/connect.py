@@ -26,6 +26,7 @@ from capsa.common.errors import CapsaError
 __all__ = [
     "END_STREAM",
     "KEEPALIVE_S",
+    "MAX_MESSAGE_BYTES",
     "STREAM_MEDIA_TYPE",
     "ConnectError",
     "as_connect",
@@ -45,7 +46,8 @@ KEEPALIVE_S = 50.0
 """Idle seconds between keepalive messages on a stream (the SDK announces a 50 s ping interval)."""
 END_STREAM = 0x02
 _COMPRESSED = 0x01
-_MAX_MESSAGE = 4 << 20
+MAX_MESSAGE_BYTES = 4 << 20
+"""Largest request message (its JSON) a call may send."""
 
 _HTTP_STATUS = {
     "canceled": 499, "unknown": 500, "invalid_argument": 400, "deadline_exceeded": 504, "not_found": 404,
@@ -129,7 +131,7 @@ async def read_message(request: Request) -> dict[str, Any]:
     body = b""
     async for chunk in request.stream():
         body += chunk
-        if len(body) > _MAX_MESSAGE + 5:
+        if len(body) > MAX_MESSAGE_BYTES + 5:
             raise ConnectError("resource_exhausted", "request message too large")
     if content_type == STREAM_MEDIA_TYPE:
         if len(body) < 5:
@@ -156,7 +158,7 @@ async def read_messages(request: Request) -> AsyncIterator[dict[str, Any]]:
         buffer += chunk
         while len(buffer) >= 5:
             flags, length = struct.unpack(">BI", buffer[:5])
-            if length > _MAX_MESSAGE:
+            if length > MAX_MESSAGE_BYTES:
                 raise ConnectError("resource_exhausted", "request message too large")
             if len(buffer) < 5 + length:
                 break

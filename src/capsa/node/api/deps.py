@@ -12,9 +12,15 @@ from capsa.common.errors import CapsaError
 from capsa.common.node_api import GUEST_PATH_PATTERN
 from capsa.node.agent import NodeAgent
 
-__all__ = ["Agent", "GuestPath", "require_node_token", "websocket_authorized"]
+__all__ = ["Agent", "GuestPath", "bearer_matches", "require_node_token", "websocket_authorized"]
 
 _bearer = HTTPBearer(auto_error=False)
+
+
+def bearer_matches(authorization: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header is ``Bearer <token>`` (compared in constant time)."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
 async def require_node_token(
@@ -30,8 +36,7 @@ async def require_node_token(
 def websocket_authorized(websocket: WebSocket) -> bool:
     """The node token check for WebSocket routes (the dependency above reads HTTP requests only)."""
     token: str = websocket.app.state.node_token
-    scheme, _, given = websocket.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+    return bearer_matches(websocket.headers.get("authorization"), token)
 
 
 def _agent(request: Request) -> NodeAgent:
