@@ -22,11 +22,14 @@ from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.sessions import node_call_failed
 
-__all__ = ["MAX_DEPTH", "entry_info", "list_dir", "make_dir", "move", "remove", "resolve_path", "stat",
-           "write_entry"]
+__all__ = ["MAX_DEPTH", "MAX_LISTINGS", "entry_info", "list_dir", "make_dir", "move", "remove",
+           "resolve_path", "stat", "write_entry"]
 
 MAX_DEPTH = 8
 """Deepest ``ListDir`` recursion served (each level is one listing per directory)."""
+MAX_LISTINGS = 1_000
+"""Most directories one ``ListDir`` lists (one node call each); a deeper tree is refused
+(``resource_exhausted``) before the call past it is made."""
 _MAX_ENTRIES = 100_000
 _TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY"}
 _MODE_BITS = {"file": statmod.S_IFREG, "dir": statmod.S_IFDIR, "symlink": statmod.S_IFLNK}
@@ -100,14 +103,19 @@ async def remove(control: ControlPlane, target: EnvdTarget, path: str) -> dict[s
     return {}
 
 
-async def _walk(control: ControlPlane, target: EnvdTarget, path: str, depth: int,
+async def _walk(control: ControlPlane, target: EnvdTarget, path: str, depth: int, listings: list[int],
                 ) -> AsyncIterator[node_api.FileInfo]:
+    if listings[0] >= MAX_LISTINGS:
+        raise ConnectError("resource_exhausted", (
+            f"ListDir would list more than {MAX_LISTINGS} directories; ask for a smaller depth or a "
+            "deeper path"))
+    listings[0] += 1
     items: list[node_api.FileInfo] = await _call(control, target, target.client.list_dir(target.sandbox_id,
                                                                                           path))
     for item in items:
         yield item
         if depth > 1 and item.type == "dir":
-            async for sub in _walk(control, target, item.path, depth - 1):
+            async for sub in _walk(control, target, item.path, depth - 1, listings):
                 yield sub
 
 
@@ -118,7 +126,7 @@ async def list_dir(control: ControlPlane, target: EnvdTarget, path: str, depth: 
     if levels > MAX_DEPTH:
         raise ConnectError("invalid_argument", f"depth is at most {MAX_DEPTH} here")
     entries: list[dict[str, Any]] = []
-    async for info in _walk(control, target, path, levels):
+    async for info in _walk(control, target, path, levels, [0]):
         entries.append(entry_info(info))
         if len(entries) > _MAX_ENTRIES:
             raise ConnectError("resource_exhausted", f"more than {_MAX_ENTRIES} entries")
