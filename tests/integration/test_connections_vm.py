@@ -90,7 +90,8 @@ async def test_connection_sign_in_injection_refresh_and_revocation_with_a_real_v
         runtime = QemuRuntime(Settings(state_dir=state_dir), accel="auto", accel_cache=False)
         stack = ApiStack(f"sqlite+aiosqlite:///{state_dir}/capsa.db", runtime, guest_image,  # type: ignore[arg-type]
                          settings={"secret_key": base64.b64encode(os.urandom(32)).decode(),
-                                   "reaper_interval": 0, "oauth_ca_file": str(world.ca_file)},
+                                   "reaper_interval": 0, "oauth_ca_file": str(world.ca_file),
+                                   "oauth_allow_networks": [str(world.net)]},
                          egress=egress)
         async with stack, stack.client(await stack.tenant_key("acme")) as api:
             # The tenant registers the provider by discovery and adds a connection; a person signs in.

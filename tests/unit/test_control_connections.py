@@ -25,6 +25,8 @@ from tests.support.api_stack import ApiStack
 from tests.support.oauth_server import CLIENT_ID, CLIENT_SECRET, OAuthLab, start_oauth_server
 
 KEY = base64.b64encode(os.urandom(32)).decode()
+SETTINGS = {"secret_key": KEY, "oauth_allow_networks": ["127.0.0.0/8"]}
+"""The lab provider is on loopback: the operator's allow-list lets the control plane reach it."""
 
 
 @pytest.fixture
@@ -69,7 +71,7 @@ def _plane(stack: ApiStack) -> ControlPlane:
 
 async def test_code_sign_in_refresh_single_flight_and_revocation(
         make_stack: Callable[..., Awaitable[ApiStack]], lab: OAuthLab) -> None:
-    stack = await make_stack(settings={"secret_key": KEY})
+    stack = await make_stack(settings=SETTINGS)
     key = await stack.tenant_key("acme")
     async with stack.client(key) as api:
         conn_id = await _signed_in(stack, api, lab)
@@ -121,7 +123,7 @@ async def test_code_sign_in_refresh_single_flight_and_revocation(
 
 
 async def test_device_sign_in(make_stack: Callable[..., Awaitable[ApiStack]], lab: OAuthLab) -> None:
-    stack = await make_stack(settings={"secret_key": KEY})
+    stack = await make_stack(settings=SETTINGS)
     key = await stack.tenant_key("acme")
     async with stack.client(key) as api:
         assert (await api.post("/v1/connection-providers", json={
@@ -145,7 +147,7 @@ async def test_device_sign_in(make_stack: Callable[..., Awaitable[ApiStack]], la
 
 async def test_node_token_route_serves_only_sessions_on_that_node(
         make_stack: Callable[..., Awaitable[ApiStack]], lab: OAuthLab) -> None:
-    stack = await make_stack(settings={"secret_key": KEY})
+    stack = await make_stack(settings=SETTINGS)
     key = await stack.tenant_key("acme")
     async with stack.client(key) as api:
         conn_id = await _signed_in(stack, api, lab)
@@ -164,7 +166,7 @@ async def test_node_token_route_serves_only_sessions_on_that_node(
 
 async def test_policy_refers_to_connections_by_name_and_refuses_unknown_ones(
         make_stack: Callable[..., Awaitable[ApiStack]], lab: OAuthLab) -> None:
-    stack = await make_stack(settings={"secret_key": KEY})
+    stack = await make_stack(settings=SETTINGS)
     key = await stack.tenant_key("acme")
     async with stack.client(key) as api:
         unknown = await api.post("/v1/sessions", json={"policy": {
@@ -178,7 +180,7 @@ async def test_cli_add_login_ls_revoke(make_stack: Callable[..., Awaitable[ApiSt
 
     from capsa.cli.main import cli
 
-    stack = await make_stack(settings={"secret_key": KEY})
+    stack = await make_stack(settings=SETTINGS)
     env = {"CAPSA_API_URL": stack.url, "CAPSA_API_KEY": await stack.tenant_key("acme"),
            "LAB_SECRET": CLIENT_SECRET}
 
@@ -209,7 +211,7 @@ async def test_sdk_sign_in_waits_for_the_callback(make_stack: Callable[..., Awai
                                                  lab: OAuthLab) -> None:
     from capsa.sdk import AsyncClient
 
-    stack = await make_stack(settings={"secret_key": KEY})
+    stack = await make_stack(settings=SETTINGS)
     async with AsyncClient(stack.url, await stack.tenant_key("acme")) as client:
         await client.connection_providers.create("lab", client_id=CLIENT_ID, client_secret=CLIENT_SECRET,
                                                  issuer=lab.base_url)
@@ -234,7 +236,7 @@ async def test_sdk_device_sign_in_polls_until_approved(make_stack: Callable[...,
                                                        lab: OAuthLab) -> None:
     from capsa.sdk import AsyncClient
 
-    stack = await make_stack(settings={"secret_key": KEY})
+    stack = await make_stack(settings=SETTINGS)
     async with AsyncClient(stack.url, await stack.tenant_key("acme")) as client:
         await client.connection_providers.create("lab", client_id=CLIENT_ID, client_secret=CLIENT_SECRET,
                                                  issuer=lab.base_url)

@@ -24,15 +24,14 @@ __all__ = [
     "RevokeOut",
 ]
 
-_LOOPBACK = {"localhost", "127.0.0.1", "::1"}
-
-
 def _endpoint(value: str) -> str:
+    """The URL's form; where it may point (https on public addresses, http only inside
+    ``CAPSA_OAUTH_ALLOW_NETWORKS``) is checked when the provider is registered (oauth_client.Outbound)."""
     parts = urlsplit(value)
-    if parts.scheme != "https" and not (parts.scheme == "http" and parts.hostname in _LOOPBACK):
-        raise ValueError("an OAuth endpoint must be an https:// URL (http:// only on loopback)")
-    if not parts.hostname or parts.fragment:
-        raise ValueError("an OAuth endpoint needs a host and no fragment")
+    if parts.scheme not in ("http", "https"):
+        raise ValueError("an OAuth endpoint must be an https:// URL")
+    if not parts.hostname or parts.fragment or parts.username or parts.password:
+        raise ValueError("an OAuth endpoint needs a host and no fragment or credentials")
     return value
 
 

@@ -10,14 +10,14 @@ from sqlalchemy import select
 from capsa.common.ids import is_id
 from capsa.control.connection_schemas import ConnectionOut, ProviderOut
 from capsa.control.errors import ApiError, NotFound
-from capsa.control.oauth_client import Endpoints, OAuthClient, TokenSet
+from capsa.control.oauth_client import Endpoints, OAuthClient, Outbound, TokenSet
 from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import SecretSealer
 from capsa.control.store.connection_models import ConnectionProviderRow, ConnectionRow
 from capsa.control.store.db import DbSession
 
-__all__ = ["connection_out", "find_connection", "find_provider", "oauth_client", "provider_out", "sealer",
-           "store_tokens"]
+__all__ = ["connection_out", "find_connection", "find_provider", "oauth_client", "outbound", "provider_out",
+           "sealer", "store_tokens"]
 
 
 def sealer(plane: ControlPlane) -> SecretSealer:
@@ -46,6 +46,12 @@ async def find_connection(db: DbSession, tenant: str, ref: str) -> ConnectionRow
     return row
 
 
+def outbound(plane: ControlPlane) -> Outbound:
+    """Where this replica may connect for providers: screened by its resolver, with the operator's
+    ``CAPSA_OAUTH_ALLOW_NETWORKS``."""
+    return Outbound(plane.resolver, tuple(plane.settings.oauth_allow_networks))
+
+
 def oauth_client(plane: ControlPlane, provider: ConnectionProviderRow,
                  scopes: list[str] | None = None) -> OAuthClient:
     secret = (sealer(plane).open(provider.tenant, f"{provider.id}/client_secret", provider.client_secret)
@@ -54,7 +60,7 @@ def oauth_client(plane: ControlPlane, provider: ConnectionProviderRow,
     return OAuthClient(Endpoints(provider.token_endpoint, provider.authorization_endpoint,
                                  provider.revocation_endpoint, provider.device_authorization_endpoint),
                        provider.client_id, secret, scopes=scopes if scopes is not None else provider.scopes,
-                       ca_file=ca)
+                       outbound=outbound(plane), ca_file=ca)
 
 
 def store_tokens(plane: ControlPlane, row: ConnectionRow, tokens: TokenSet) -> None:

@@ -33,6 +33,7 @@ from capsa.control.connection_store import (
     find_connection,
     find_provider,
     oauth_client,
+    outbound,
     provider_out,
     sealer,
     store_tokens,
@@ -77,10 +78,17 @@ def _state_key(state: str) -> str:
 
 async def create_provider(plane: ControlPlane, tenant: str, body: ProviderCreate) -> ProviderOut:
     box = sealer(plane)
+    where = outbound(plane)
+    given = {"authorization_endpoint": body.authorization_endpoint, "token_endpoint": body.token_endpoint,
+             "revocation_endpoint": body.revocation_endpoint,
+             "device_authorization_endpoint": body.device_authorization_endpoint}
+    for name, url in given.items():
+        if url is not None:
+            await where.check(name, url)
     found: dict[str, Any] = {}
     if body.issuer is not None:
         ca = str(plane.settings.oauth_ca_file) if plane.settings.oauth_ca_file else None
-        found = await discover(body.issuer, ca_file=ca)
+        found = await discover(body.issuer, outbound=where, ca_file=ca)
     token_endpoint = body.token_endpoint or found.get("token_endpoint")
     if not token_endpoint:
         raise ApiError("the provider has no token endpoint", code="provider_incomplete", status=422)

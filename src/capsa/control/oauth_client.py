@@ -2,30 +2,62 @@
 with PKCE (S256), the code exchange, the device authorization grant, refresh and revocation.
 
 Only the control plane runs this: it holds the provider's client secret and every refresh token.
-Provider errors become :class:`ProviderError` with the provider's ``error`` code; nothing here logs a token.
+Provider errors become :class:`ProviderError` carrying only a standard OAuth error code (RFC 6749 section 5.2,
+RFC 8628 section 3.5, RFC 7009): whatever else a provider or a transport says is logged here, never shown to
+the tenant. Nothing here logs a token.
+
+Every endpoint, configured or discovered, is an :class:`Outbound` destination: ``https://`` whose host
+resolves only to public addresses, unless the operator's ``CAPSA_OAUTH_ALLOW_NETWORKS`` covers it (then
+``http://`` too); every connection goes to the address screened (:mod:`capsa.common.pinned_http`).
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 import ssl
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from authlib.integrations.httpx_client import AsyncOAuth2Client, OAuthError
 
+from capsa.common.addresses import IPNetwork, is_public_address
+from capsa.common.destinations import DestinationRefused, ResolveError, Resolver, SystemResolver, screen_host
+from capsa.common.pinned_http import pinned_transport
 from capsa.control.errors import ApiError
 
-__all__ = ["DEVICE_GRANT", "DeviceStart", "Endpoints", "OAuthClient", "ProviderError", "TokenSet",
-           "discover"]
+__all__ = ["DEVICE_GRANT", "STANDARD_ERRORS", "DeviceStart", "Endpoints", "OAuthClient", "Outbound",
+           "ProviderError", "TokenSet", "discover"]
+
+log = logging.getLogger(__name__)
+
+# authlib's client is an httpx2.AsyncClient when httpx2 is installed, else an httpx one: its transport must
+# come from the same module.
+_AUTHLIB_HTTP = importlib.import_module(
+    next(c for c in AsyncOAuth2Client.__mro__ if c.__name__ == "AsyncClient").__module__.partition(".")[0])
 
 DEVICE_GRANT = "urn:ietf:params:oauth:grant-type:device_code"
 _DEFAULT_LIFETIME = 3600.0
+STANDARD_ERRORS = frozenset({
+    # RFC 6749 section 5.2 (token endpoint)
+    "invalid_request", "invalid_client", "invalid_grant", "unauthorized_client", "unsupported_grant_type",
+    "invalid_scope",
+    # RFC 8628 section 3.5 (device grant polling)
+    "authorization_pending", "slow_down", "access_denied", "expired_token",
+    # RFC 7009 section 2.2.1 (revocation)
+    "unsupported_token_type",
+})
+"""The provider error codes a tenant may see; any other ``error`` becomes ``invalid_response``."""
 
 
 class ProviderError(ApiError):
-    """The provider refused or could not be reached; ``error`` is its OAuth error code."""
+    """The provider refused or could not be reached; ``error`` is a standard OAuth error code (or one of
+    capsa's own: ``server_error``, ``invalid_response``, ``discovery_failed``, ``invalid_issuer``)."""
 
     code, status, title = "provider_error", 502, "Provider error"
 
@@ -66,6 +98,39 @@ class DeviceStart:
         return f"DeviceStart(user_code={self.user_code!r})"
 
 
+@dataclass(frozen=True)
+class Outbound:
+    """Where the control plane may connect on a provider's behalf: names resolve through ``resolver`` and
+    must be public unless in ``allow_networks`` (``CAPSA_OAUTH_ALLOW_NETWORKS``)."""
+
+    resolver: Resolver = field(default_factory=SystemResolver)
+    allow_networks: Sequence[IPNetwork] = ()
+
+    def transport(self, verify: ssl.SSLContext | bool, http: ModuleType = httpx) -> Any:
+        return pinned_transport(self.resolver, self.allow_networks, verify=verify, http=http)
+
+    async def check(self, what: str, url: str) -> None:
+        """Refuse (``destination_refused``, 422) an endpoint that is not ``https://`` on a public address,
+        or ``http(s)://`` on an address in the allow-list. A name that does not resolve is refused too."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password \
+                or parts.fragment:
+            raise DestinationRefused(f"{what} must be an http(s) URL with a host, without credentials or "
+                                     "fragment")
+        try:
+            address = await screen_host(parts.hostname, self.resolver, self.allow_networks)
+        except ResolveError:
+            raise DestinationRefused(f"{what} {parts.hostname} does not resolve") from None
+        except DestinationRefused as exc:
+            raise DestinationRefused(f"{what} refused: {exc.message}") from None
+        if parts.scheme == "http" and is_public_address(address):
+            raise DestinationRefused(f"{what} must be https:// (http:// only in CAPSA_OAUTH_ALLOW_NETWORKS)")
+
+
+def _standard(error: object) -> str:
+    return error if isinstance(error, str) and error in STANDARD_ERRORS else "invalid_response"
+
+
 def _tokens(token: dict[str, Any]) -> TokenSet:
     access = token.get("access_token")
     if not isinstance(access, str) or not access:
@@ -87,14 +152,28 @@ def _verify(ca_file: str | None) -> ssl.SSLContext | bool:
     return ctx
 
 
-async def discover(issuer: str, *, ca_file: str | None = None, wait: float = 15.0) -> dict[str, Any]:
-    """The provider's metadata: OpenID Connect discovery, else RFC 8414 authorization-server metadata."""
+_DISCOVERED = ("authorization_endpoint", "token_endpoint", "revocation_endpoint",
+               "device_authorization_endpoint")
+
+
+async def discover(issuer: str, *, outbound: Outbound, ca_file: str | None = None,
+                   wait: float = 15.0) -> dict[str, Any]:
+    """The provider's metadata: OpenID Connect discovery, else RFC 8414 authorization-server metadata. The
+    issuer and every endpoint the document names are checked as configured ones are
+    (:meth:`Outbound.check`), so a document cannot point the control plane at an internal address."""
     base = issuer.rstrip("/")
-    async with httpx.AsyncClient(verify=_verify(ca_file), timeout=wait) as client:
+    await outbound.check("issuer", base)
+    async with httpx.AsyncClient(transport=outbound.transport(_verify(ca_file)), timeout=wait,
+                                 follow_redirects=False, trust_env=False) as client:
         for path in ("/.well-known/openid-configuration", "/.well-known/oauth-authorization-server"):
             try:
                 response = await client.get(base + path)
+            except DestinationRefused as exc:
+                log.warning("discovery at %s refused: %s", base, exc.message)
+                raise ProviderError(f"discovery at {base} was refused (destination_refused)",
+                                    "discovery_failed") from None
             except httpx.HTTPError as exc:
+                log.warning("discovery at %s failed: %r", base, exc)
                 raise ProviderError(f"discovery at {base} failed: {exc.__class__.__name__}") from None
             if response.status_code == 200:
                 try:
@@ -104,6 +183,12 @@ async def discover(issuer: str, *, ca_file: str | None = None, wait: float = 15.
                 if isinstance(data, dict) and data.get("token_endpoint"):
                     if str(data.get("issuer", "")).rstrip("/") != base:
                         raise ProviderError(f"discovery at {base} names another issuer", "invalid_issuer")
+                    for name in _DISCOVERED:
+                        if data.get(name) is not None:
+                            value = data[name]
+                            if not isinstance(value, str) or len(value) > 2048:
+                                raise DestinationRefused(f"discovered {name} is not a URL")
+                            await outbound.check(f"discovered {name}", value)
                     return data
     raise ProviderError(f"no OAuth/OpenID metadata found at {base}", "discovery_failed")
 
@@ -112,8 +197,10 @@ class OAuthClient:
     """One provider's client (``client_secret`` None: a public client, PKCE only)."""
 
     def __init__(self, endpoints: Endpoints, client_id: str, client_secret: str | None, *,
-                 scopes: list[str], ca_file: str | None = None, timeout: float = 15.0) -> None:
+                 scopes: list[str], outbound: Outbound, ca_file: str | None = None,
+                 timeout: float = 15.0) -> None:
         self.endpoints = endpoints
+        self._outbound = outbound
         self._client_id, self._secret = client_id, client_secret
         self._scope = " ".join(scopes) or None
         self._verify = _verify(ca_file)
@@ -127,16 +214,24 @@ class OAuthClient:
             client_id=self._client_id, client_secret=self._secret, scope=self._scope,
             redirect_uri=redirect_uri, code_challenge_method="S256",
             token_endpoint_auth_method="client_secret_basic" if self._secret else "none",
-            verify=self._verify, timeout=self._timeout)
+            transport=self._outbound.transport(self._verify, _AUTHLIB_HTTP), timeout=self._timeout,
+            trust_env=False,
+            follow_redirects=False)
 
     async def _call(self, what: str, coro: Any) -> Any:
         try:
             return await coro
         except OAuthError as exc:
-            status = 409 if exc.error in ("invalid_grant", "access_denied", "expired_token") else 502
-            raise ProviderError(f"the provider refused the {what}: {exc.error}", exc.error or "error",
-                                status) from None
+            error = _standard(exc.error)
+            log.warning("the provider refused the %s: %.200r (%.500r)", what, exc.error, exc.description)
+            status = 409 if error in ("invalid_grant", "access_denied", "expired_token") else 502
+            raise ProviderError(f"the provider refused the {what}: {error}", error, status) from None
+        except DestinationRefused as exc:
+            log.warning("the provider's %s endpoint was refused: %s", what, exc.message)
+            raise ProviderError(f"the provider's {what} endpoint is not a permitted destination",
+                                "server_error") from None
         except httpx.HTTPError as exc:
+            log.warning("the provider's %s failed: %r", what, exc)
             raise ProviderError(f"the provider's {what} failed: {exc.__class__.__name__}") from None
         except ValueError:
             raise ProviderError(f"the provider's {what} answer is not valid", "invalid_response") from None
@@ -171,18 +266,26 @@ class OAuthClient:
                            status=409)
         data = {"client_id": self._client_id, **({"scope": self._scope} if self._scope else {})}
         auth = httpx.BasicAuth(self._client_id, self._secret) if self._secret else None
-        async with httpx.AsyncClient(verify=self._verify, timeout=self._timeout) as client:
+        async with httpx.AsyncClient(transport=self._outbound.transport(self._verify), timeout=self._timeout,
+                                     trust_env=False, follow_redirects=False) as client:
             try:
                 response = await client.post(self.endpoints.device_authorization, data=data,
                                              auth=auth or httpx.USE_CLIENT_DEFAULT)
                 body = response.json()
+            except DestinationRefused as exc:
+                log.warning("the device authorization endpoint was refused: %s", exc.message)
+                raise ProviderError("the device authorization endpoint is not a permitted destination") \
+                    from None
             except httpx.HTTPError as exc:
+                log.warning("the device authorization failed: %r", exc)
                 raise ProviderError(f"the device authorization failed: {exc.__class__.__name__}") from None
             except ValueError:
                 raise ProviderError("the device authorization answer is not JSON", "invalid_response") \
                     from None
         if not response.is_success or not isinstance(body, dict) or "device_code" not in body:
-            error = str(body.get("error", "error")) if isinstance(body, dict) else "error"
+            error = _standard(body.get("error") if isinstance(body, dict) else None)
+            log.warning("the provider refused the device authorization (%d): %.500r", response.status_code,
+                        body)
             raise ProviderError(f"the provider refused the device authorization: {error}", error)
         return DeviceStart(str(body["device_code"]), str(body["user_code"]), str(body["verification_uri"]),
                            body.get("verification_uri_complete"), float(body.get("expires_in", 600)),

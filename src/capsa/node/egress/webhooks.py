@@ -162,8 +162,7 @@ class WebhookNotifier:
                     await asyncio.to_thread(httpx.create_ssl_context, verify=self._verify)
                 self._client = httpx.AsyncClient(
                     transport=pinned_transport(self.resolver, self.allow_networks, verify=verify,
-                                               limits=httpx.Limits(max_connections=_WORKERS,
-                                                                   max_keepalive_connections=_WORKERS)),
+                                               max_connections=_WORKERS, max_keepalive=_WORKERS),
                     timeout=self._timeout_s, follow_redirects=False, trust_env=False,
                     headers={"User-Agent": "capsa-approvals"})
             return self._client
