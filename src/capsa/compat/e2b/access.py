@@ -3,9 +3,9 @@
 E2B's REST API authenticates with ``X-API-KEY``; here that is a capsa API key (``csk_…``), so a tenant
 sees only its own sessions and another tenant's sandbox id answers not-found, exactly as on ``/v1``.
 The sandbox daemon protocol (envd) carries no API key: the SDK sends the sandbox's ``envdAccessToken``
-as ``X-Access-Token`` and the sandbox id as ``E2b-Sandbox-Id``. capsa hands out the caller's own API key
-as that token (it only ever goes back to the key's holder), so an envd call is authenticated and scoped
-by the same key, and the session is looked up within its tenant.
+as ``X-Access-Token`` and the sandbox id as ``E2b-Sandbox-Id``. capsa hands out a per-sandbox token
+(:mod:`capsa.compat.e2b.access_tokens`) that authenticates as the caller's key for that sandbox's envd
+calls only; an API key itself is accepted there too. The session is looked up within the key's tenant.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.datastructures import Headers
 
+from capsa.compat.e2b import access_tokens
 from capsa.control.auth import Principal, authenticate, authenticate_cached
 from capsa.control.nodeclient import NodeClient
 from capsa.control.plane import ControlPlane
@@ -32,9 +33,11 @@ __all__ = [
     "api_caller",
     "api_key",
     "check_credential",
+    "envd_principal",
     "envd_target",
     "envd_token",
     "plane",
+    "sandbox_id",
 ]
 
 API_KEY_HEADER = "x-api-key"
@@ -63,8 +66,24 @@ async def check_credential(control: ControlPlane, path: str, headers: Headers) -
     """Raise ``Unauthorized`` unless the request to ``path`` (under the E2B mount) carries a credential
     that its route will accept: what the request guard checks before it reads a body
     (:mod:`capsa.control.request_gate`), from the replica's key cache."""
-    token = envd_token(headers) if path == ENVD_PATH or path.startswith(ENVD_PATH + "/") else api_key(headers)
-    await authenticate_cached(control.db, control.keys, token or None)
+    if path == ENVD_PATH or path.startswith(ENVD_PATH + "/"):
+        await envd_principal(control, headers)
+    else:
+        await authenticate_cached(control.db, control.keys, api_key(headers) or None)
+
+
+async def envd_principal(control: ControlPlane, headers: Headers) -> Principal:
+    """Who an envd call speaks for: the sandbox's access token (valid only for the sandbox it names in
+    ``E2b-Sandbox-Id``) or an API key; else ``Unauthorized``."""
+    token = envd_token(headers)
+    if access_tokens.is_access_token(token):
+        return await access_tokens.principal_of(control, token, sandbox_id(headers))
+    return await authenticate_cached(control.db, control.keys, token or None)
+
+
+def sandbox_id(headers: Headers) -> str:
+    """The sandbox an envd call names (``E2b-Sandbox-Id``; "" when absent)."""
+    return (headers.get(SANDBOX_ID_HEADER) or "").strip()
 
 
 async def api_caller(request: Request) -> tuple[Principal, str]:
@@ -95,8 +114,11 @@ async def envd_target(request: Request) -> EnvdTarget:
     or ``SessionFailed``."""
     token = envd_token(request.headers)
     control = plane(request)
-    async with control.db() as db:
-        principal = await authenticate(db, token or None)
-    session_id = (request.headers.get(SANDBOX_ID_HEADER) or "").strip()
+    session_id = sandbox_id(request.headers)
+    if access_tokens.is_access_token(token):
+        principal = await access_tokens.principal_of(control, token, session_id)
+    else:
+        async with control.db() as db:
+            principal = await authenticate(db, token or None)
     row, client = await running_session(control, principal.tenant, session_id)
     return EnvdTarget(principal, row, client)

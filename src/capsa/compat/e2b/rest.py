@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from capsa.compat.e2b import access_tokens
 from capsa.compat.e2b.access import api_caller, plane
 from capsa.compat.e2b.versions import ENVD_VERSION
 from capsa.control import session_audit, sessions, snapshots
@@ -74,10 +75,15 @@ def _iso(when: datetime) -> str:
     return when.isoformat().replace("+00:00", "Z")
 
 
-def _sandbox(out: SessionOut, key: str) -> dict[str, Any]:
-    """E2B's ``Sandbox`` (create, connect, resume)."""
+def _sandbox(out: SessionOut, token: str) -> dict[str, Any]:
+    """E2B's ``Sandbox`` (create, connect, resume); ``token``: its envd access token (:func:`_token`)."""
     return {"templateID": out.template, "sandboxID": out.id, "clientID": _CLIENT_ID, "alias": out.template,
-            "envdVersion": ENVD_VERSION, "envdAccessToken": key, "domain": None}
+            "envdVersion": ENVD_VERSION, "envdAccessToken": token, "domain": None}
+
+
+def _token(control: ControlPlane, principal: Principal, out: SessionOut) -> str:
+    """The sandbox's ``envdAccessToken``: good for its own envd calls only, never the caller's API key."""
+    return access_tokens.mint(control.settings, principal.key_id, out.id)
 
 
 def _listed(out: SessionOut) -> dict[str, Any]:
@@ -88,9 +94,9 @@ def _listed(out: SessionOut) -> dict[str, Any]:
             "state": "paused" if out.state == "paused" else "running", "envdVersion": ENVD_VERSION}
 
 
-def _detail(out: SessionOut, key: str) -> dict[str, Any]:
+def _detail(out: SessionOut, token: str) -> dict[str, Any]:
     """E2B's ``SandboxDetail`` (``GET /sandboxes/{id}``)."""
-    return {**_listed(out), "envdAccessToken": key, "domain": None, "allowInternetAccess": False,
+    return {**_listed(out), "envdAccessToken": token, "domain": None, "allowInternetAccess": False,
             "lifecycle": {"onTimeout": "pause" if out.on_timeout == "pause" else "kill",
                           "autoResume": False}}
 
@@ -106,7 +112,7 @@ async def _live(control: ControlPlane, tenant: str, sandbox_id: str) -> SessionO
 @router.post("/sandboxes", status_code=201)
 @router.post("/v2/sandboxes", status_code=201)
 async def create_sandbox(request: Request, caller: Caller) -> Any:
-    principal, key = caller
+    principal, _ = caller
     try:
         body = NewSandbox.model_validate(await request.json())
     except (ValidationError, ValueError) as exc:
@@ -125,7 +131,7 @@ async def create_sandbox(request: Request, caller: Caller) -> Any:
     await _count_starts(control, principal)
     out = await sessions.create_session(control, principal, create)
     session_audit.created(out)
-    return JSONResponse(_sandbox(out, key), status_code=201)
+    return JSONResponse(_sandbox(out, _token(control, principal, out)), status_code=201)
 
 
 def _metadata_filter(raw: str | None) -> dict[str, str]:
@@ -167,8 +173,10 @@ async def list_sandboxes(
 
 @router.get("/sandboxes/{sandbox_id}")
 async def get_sandbox(sandbox_id: str, request: Request, caller: Caller) -> Any:
-    principal, key = caller
-    return _detail(await _live(plane(request), principal.tenant, sandbox_id), key)
+    principal, _ = caller
+    control = plane(request)
+    out = await _live(control, principal.tenant, sandbox_id)
+    return _detail(out, _token(control, principal, out))
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
@@ -237,22 +245,22 @@ async def _resume_or_extend(control: ControlPlane, principal: Principal, sandbox
 async def connect_sandbox(sandbox_id: str, request: Request, caller: Caller,
                           body: ConnectBody | None = None) -> Any:
     """A running sandbox: 200 (its timeout extended to at least ``timeout``); a paused one is resumed: 201."""
-    principal, key = caller
-    out, resumed = await _resume_or_extend(plane(request), principal, sandbox_id,
-                                           (body or ConnectBody()).timeout)
-    return JSONResponse(_sandbox(out, key), status_code=201 if resumed else 200)
+    principal, _ = caller
+    control = plane(request)
+    out, resumed = await _resume_or_extend(control, principal, sandbox_id, (body or ConnectBody()).timeout)
+    return JSONResponse(_sandbox(out, _token(control, principal, out)), status_code=201 if resumed else 200)
 
 
 @router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
 async def resume_sandbox(sandbox_id: str, request: Request, caller: Caller,
                          body: ConnectBody | None = None) -> Any:
-    principal, key = caller
+    principal, _ = caller
     control = plane(request)
     out = await _live(control, principal.tenant, sandbox_id)
     if out.state != "paused":
         return e2b_error(409, f"sandbox {sandbox_id} is not paused")
     out, _ = await _resume_or_extend(control, principal, sandbox_id, (body or ConnectBody()).timeout)
-    return JSONResponse(_sandbox(out, key), status_code=201)
+    return JSONResponse(_sandbox(out, _token(control, principal, out)), status_code=201)
 
 
 class ForkBody(_Body):
@@ -265,7 +273,7 @@ async def fork_sandbox(sandbox_id: str, request: Request, caller: Caller,
                        body: ForkBody | None = None) -> Any:
     """``count`` new sandboxes from the sandbox's state now: capsa's branch (a fresh snapshot of a running
     session, the latest of a paused one; the source keeps running with its id and expiry)."""
-    principal, key = caller
+    principal, _ = caller
     control = plane(request)
     fork = body or ForkBody()
     await _live(control, principal.tenant, sandbox_id)
@@ -277,7 +285,7 @@ async def fork_sandbox(sandbox_id: str, request: Request, caller: Caller,
         if fork.timeout is not None:
             out = await sessions.extend_session(control, principal.tenant, out.id, fork.timeout)
             session_audit.extended(out, fork.timeout)
-        results.append({"sandbox": _sandbox(out, key)})
+        results.append({"sandbox": _sandbox(out, _token(control, principal, out))})
     return JSONResponse(results, status_code=201)
 
 
