@@ -28,3 +28,11 @@ async def make_stack(db_url: str, tmp_path: Path) -> AsyncIterator[Callable[...,
     finally:
         for stack in stacks:
             await stack.stop()
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[ApiStack]:
+    """One API stack (fake runtime) on a SQLite database; modules that need another define their own."""
+    async with ApiStack(f"sqlite+aiosqlite:///{tmp_path}/capsa.db", FakeRuntime(),
+                        fake_image(tmp_path / "image")) as s:
+        yield s

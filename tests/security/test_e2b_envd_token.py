@@ -6,9 +6,6 @@ the same tenant), and dies with its API key.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import httpx
 import pytest
 from e2b import AsyncSandbox
@@ -16,16 +13,8 @@ from e2b import AsyncSandbox
 from capsa.sdk.config import ClientConfig
 from capsa.sdk.e2b import e2b_environment
 from tests.support.api_stack import ApiStack
-from tests.support.fake_runtime import FakeRuntime, fake_image
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-async def stack(tmp_path: Path) -> AsyncIterator[ApiStack]:
-    async with ApiStack(f"sqlite+aiosqlite:///{tmp_path}/capsa.db", FakeRuntime(),
-                        fake_image(tmp_path / "image")) as s:
-        yield s
 
 
 async def test_the_envd_token_reaches_only_its_own_sandbox(stack: ApiStack,

@@ -5,8 +5,6 @@ listings is refused with ``resource_exhausted`` after at most that many node cal
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,20 +13,12 @@ import pytest
 from capsa.compat.e2b import MOUNT_PATH
 from capsa.compat.e2b.filesystem import MAX_LISTINGS
 from tests.support.api_stack import ApiStack
-from tests.support.fake_runtime import FakeRuntime, fake_image
 
 pytestmark = pytest.mark.timeout(300)
 
 _TREE = "/tmp/tree"
 _TOP, _SUB = 40, 30
 """40 directories of 30: depth 2 takes 41 listings, depth 3 takes 1,241 (more than MAX_LISTINGS)."""
-
-
-@pytest.fixture
-async def stack(tmp_path: Path) -> AsyncIterator[ApiStack]:
-    async with ApiStack(f"sqlite+aiosqlite:///{tmp_path}/capsa.db", FakeRuntime(),
-                        fake_image(tmp_path / "image")) as s:
-        yield s
 
 
 async def test_a_deep_listdir_is_refused_within_the_listing_cap(stack: ApiStack,

@@ -22,6 +22,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from capsa.control.request_gate import MCP_BODY_BYTES
 from capsa.node.api import create_node_app
 from tests.support.api_stack import ApiStack
 from tests.support.control_db import sqlite_url
@@ -139,11 +140,11 @@ async def test_oversized_bodies_from_valid_callers_are_cut_at_the_limit(make_sta
     assert_problem(await send_counted(app, "POST", "/v1/sessions", declared, declared=True, headers=key),
              413, "payload_too_large")
     assert declared.pulled == 0
-    for path in ("/v1/sessions", "/v1/secrets", "/mcp"):
+    for path, limit in (("/v1/sessions", LIMIT), ("/v1/secrets", LIMIT), ("/mcp", MCP_BODY_BYTES)):
         chunked = CountedBody(ATTACK, first=b'{"template": "')
         assert_problem(await send_counted(app, "POST", path, chunked, declared=False, headers=key),
                  413, "payload_too_large")
-        assert chunked.pulled <= LIMIT + SLACK, (path, chunked.pulled)
+        assert chunked.pulled <= limit + SLACK, (path, chunked.pulled)
     envd = CountedBody(ATTACK)
     response = await send_counted(app, "POST", "/e2b/envd/process.Process/List", envd, declared=False,
                            headers={"x-access-token": key["authorization"][7:],

@@ -16,8 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import httpx
@@ -37,29 +36,12 @@ from capsa.node.egress.audit import EgressEvent
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.node_egress import NodeEgress
 from tests.support.api_stack import ApiStack
-from tests.support.fake_runtime import FakeRuntime, fake_image
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.postgresql]
 
 MakeStack = Callable[..., Awaitable[ApiStack]]
 API_TOKEN = "node-api-token-" + "c" * 24
 FLOOD = 30_000
-
-
-@pytest.fixture
-async def make_stack(db_url: str, tmp_path: Path) -> AsyncIterator[MakeStack]:
-    stacks: list[ApiStack] = []
-
-    async def factory(**kwargs: Any) -> ApiStack:
-        stack = ApiStack(db_url, FakeRuntime(), fake_image(tmp_path / "image"), **kwargs)
-        stacks.append(stack)
-        return await stack.start()
-
-    try:
-        yield factory
-    finally:
-        for stack in stacks:
-            await stack.stop()
 
 
 def _plane(stack: ApiStack) -> ControlPlane:

@@ -8,7 +8,9 @@ is a pure ASGI middleware; for each request, in this order:
 1. the per-client rate limit (``RequestLimits.rate_limit``, keyed by client address): 429 ``rate_limited``;
 2. the in-flight bound (``max_in_flight``, HTTP requests and WebSockets): 503 ``overloaded``;
 3. for a request that carries a body: a declared ``Content-Length`` over its route's limit is answered 413
-   ``payload_too_large``; then the app's :data:`Gate` checks the caller's credential (401, or whatever it
+   ``payload_too_large`` (read and dropped first only when the gate accepts the caller and the excess is
+   within ``drain_bytes``, so the caller can read the answer); then the app's :data:`Gate` checks the
+   caller's credential (401, or whatever it
    refuses with); then a route that reads its body whole must find room for it in ``body_memory_bytes``
    (503 ``overloaded``). All of this happens before a byte of the body is read.
 4. the body is counted as the app reads it: when a chunked body passes its route's limit, the client gets
@@ -197,6 +199,9 @@ class RequestGuard:
             return
         limit, streamed = self._rule(scope)
         if limit is not None and length is not None and length > limit:
+            if length <= limit + self.limits.drain_bytes and self.gate is not None \
+                    and await self.gate(scope) is None:
+                await _drain(receive)  # bounded by the declared length: a known caller reads its 413
             await _refusal(_TooLarge(f"body larger than {limit} bytes"))(scope, receive, send)
             return
         if self.gate is not None:
@@ -272,6 +277,14 @@ class _CountedBody:
                 raise
             # The app failed on the disconnect it was shown; the client has its 413 already.
             log.debug("request cut at %s bytes: the route ended with an error", self.limit, exc_info=True)
+
+
+async def _drain(receive: Receive) -> None:
+    """Read the request's body to its end and drop it (the server stops at the declared length)."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 async def _nothing() -> dict[str, Any]:

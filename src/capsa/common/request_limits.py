@@ -49,6 +49,11 @@ class RequestLimits(BaseSettings):
     request reserves its ``Content-Length`` (a chunked one its route's limit) before its body is read,
     and one that does not fit is answered 503 ``overloaded`` with ``Retry-After``. Streamed bodies do not
     count (the server reads them only as fast as they are passed on)."""
+    drain_bytes: Annotated[int, Field(ge=0)] = 8 << 20
+    """How far past its route's limit a declared body from a caller whose credential the gate accepted is
+    read and thrown away before the 413, so that a client that writes its whole body before reading the
+    answer (most do) gets the 413 instead of a reset connection. Unauthenticated bodies and bodies past
+    this are refused without reading any of them (the client may see the connection close)."""
     max_in_flight: Annotated[int, Field(ge=1)] = 1024
     """HTTP requests and WebSocket connections this process serves at once (long streams included);
     beyond it, 503 ``overloaded`` with ``Retry-After``. While a request waits for its route to read its

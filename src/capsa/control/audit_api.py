@@ -112,7 +112,7 @@ async def checkpoint_chain(plane: ControlPlane, tenant: str) -> AuditCheckpointO
     checkpointer = plane.checkpoints
     if checkpointer is None:
         raise ApiError("audit checkpoints are not configured on this control plane (set "
-                       "CAPSA_AUDIT_SIGNING_KEY_FILE)", code="audit_checkpoints_disabled", status=503)
+                       "CAPSA_AUDIT_SIGNING_KEY_FILE)", code="audit_checkpoints_disabled", status=409)
     await plane.audit.flush()
     try:
         written = await checkpoint_tenant(plane, checkpointer, tenant)

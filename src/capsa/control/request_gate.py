@@ -37,7 +37,7 @@ from capsa.control.routes.commands import MAX_STDIN_BODY
 from capsa.control.settings import ControlSettings
 from capsa.sdk.e2b import E2B_ENVD_PATH, E2B_MOUNT_PATH
 
-__all__ = ["body_rules", "credential_gate", "install_request_guard"]
+__all__ = ["MCP_BODY_BYTES", "body_rules", "credential_gate", "install_request_guard"]
 
 _ANY = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _PUBLIC = re.compile(r"/v1/(health|ready|connections/callback)")
@@ -56,6 +56,11 @@ def _port_route(scope: Scope, ports_domain: str | None) -> bool:
     if _PORT_TOKENS.fullmatch(path) and method in ("POST", "DELETE"):
         return False  # creating or revoking a port token: an API key route
     return _PORT.fullmatch(path) is not None
+
+
+MCP_BODY_BYTES = 4 << 20
+"""Largest MCP request over HTTP: the MCP SDK's default limit, so a tool call the transport would take is
+never cut here first."""
 
 
 def credential_gate(plane: Callable[[], ControlPlane | None], ports_domain: str | None = None) -> Gate:
@@ -96,6 +101,8 @@ def body_rules(settings: ControlSettings) -> list[BodyRule]:
         BodyRule(r"/v1/sessions/[^/]+/processes/[^/]+/stdin", frozenset({"POST"}), MAX_STDIN_BODY,
                  streamed=False),
         BodyRule(r"/v1/sessions/[^/]+/commands", frozenset({"POST"}), COMMAND_BODY_BYTES, streamed=False),
+        # MCP over HTTP: the MCP SDK's own request limit (4 MiB), which its transport enforces too.
+        BodyRule(r"/mcp/?", frozenset({"POST"}), MCP_BODY_BYTES, streamed=False),
         BodyRule(re.escape(_ENVD) + r"/files", frozenset({"POST"}), files),
         BodyRule(re.escape(_ENVD) + r"/process\.Process/StreamInput", frozenset({"POST"}), files),
         BodyRule(re.escape(_ENVD) + r"/(process\.Process|filesystem\.Filesystem)/[^/]+", frozenset({"POST"}),

@@ -43,6 +43,6 @@ async def verify_audit(plane: Plane, caller: Caller) -> AuditVerifyOut:
 @router.post("/checkpoints", response_model=AuditCheckpointOut, status_code=201)
 async def checkpoint_audit(plane: Plane, caller: Caller) -> AuditCheckpointOut:
     """Sign the tenant's chain head into the anchor outside the database now (the newest checkpoint when
-    the chain has not moved since). ``audit_checkpoints_disabled`` (503) without a signing key;
-    ``audit_chain_broken`` (409) when the chain no longer continues its last checkpoint."""
+    the chain has not moved since). ``audit_checkpoints_disabled`` (409: a setting, not a fault) without a
+    signing key; ``audit_chain_broken`` (409) when the chain no longer continues its last checkpoint."""
     return await audit_api.checkpoint_chain(plane, caller.tenant)
