@@ -7,7 +7,7 @@
 # Stages, each timed, in two lanes that overlap (both cores work: a TCG guest keeps one busy):
 #   - lane 1: ruff, mypy --strict, the import contracts, then the tests that boot no VM (QEMU refuses to
 #     boot there, so a VM test without the `vm` marker fails);
-#   - lane 2: the templates (`capsa template warm`, in the background at the lowest priority: base and
+#   - lane 2: the templates (`capsa template warm`, in the background at low priority: base and
 #     base-net first, then the shipped ones), the tests marked `vm` as soon as base and base-net are
 #     cached, then those marked `shipped_templates` once browser and desktop are. VM tests run one at a time.
 # Every stage runs even if an earlier one fails; the exit status is non-zero if any did. At the end: each
@@ -80,15 +80,20 @@ else
     # Two lanes, so both cores work (a TCG guest keeps one busy; the tests that boot no VM, the other):
     #   lane 1: ruff, mypy, import contracts, then the tests that boot no VM (their output goes to a log,
     #           printed whole when they end, so the lanes never interleave);
-    #   lane 2: the templates, built in the background at the lowest priority (`capsa template warm`): the
+    #   lane 2: the templates, built in the background at low priority (`capsa template warm`): the
     #           node's own first (base, base-net: what most VM tests restore), then the shipped ones
     #           (browser, desktop); the VM tests start as soon as the templates they use are cached, those
     #           of the shipped templates (marker `shipped_templates`) once those are.
     # With a warm cache the VM tests start at once; the VM tests themselves run one at a time.
-    warm() {  # warm LOG NAME... : build what the cache lacks, at the lowest CPU and I/O priority
+    # Priorities: the VM tests are the longest path, so they run at normal priority and everything beside
+    # them (the template builds, lane 1's tests) at `nice 10` and the lowest best-effort I/O class; the
+    # template builds share the second core with lane 1 rather than wait for it (the shipped VM tests wait
+    # for them).
+    low() { nice -n 10 ionice -c 2 -n 7 "$@"; }
+    warm() {  # warm LOG NAME... : build what the cache lacks, at low CPU and I/O priority
         local log="$1"; shift
         local status=0
-        nice -n 19 ionice -c 3 capsa template warm "$@" > "$log" 2>&1 || status=$?
+        low capsa template warm "$@" > "$log" 2>&1 || status=$?
         echo "$SECONDS" > "$RECORD/templates.end"
         return "$status"
     }
@@ -123,7 +128,7 @@ else
         run "mypy --strict" mypy --strict
         run "import contracts" lint-imports
         # No VM may boot here: a QEMU that refuses -kernel/-incoming is first on PATH (tests/support/novm).
-        run "pytest: no VM" env PATH="$REPO/tests/support/novm:$PATH" \
+        run "pytest: no VM" low env PATH="$REPO/tests/support/novm:$PATH" \
             pytest "${suites[@]}" -m "not vm" "${pytest_args[@]}" --junitxml="$RECORD/junit-novm.xml"
     }
     step "lane 1 (background): ruff, mypy, import contracts, pytest: no VM (log $RECORD/lane1.log)"
