@@ -14,9 +14,8 @@ stack, so the body is pulled only when the app asks for it and the count is exac
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -25,9 +24,7 @@ from fastapi import FastAPI
 from capsa.control.request_gate import MCP_BODY_BYTES
 from capsa.node.api import create_node_app
 from tests.support.api_stack import ApiStack
-from tests.support.control_db import sqlite_url
 from tests.support.counted_body import CHUNK, CountedBody, send_counted
-from tests.support.fake_runtime import FakeRuntime, fake_image
 from tests.support.problems import assert_problem
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,22 +41,6 @@ def _rss() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
-
-
-@pytest.fixture
-async def make_stack(tmp_path: Path) -> AsyncIterator[MakeStack]:
-    stacks: list[ApiStack] = []
-
-    async def factory(**kwargs: Any) -> ApiStack:
-        stack = ApiStack(sqlite_url(tmp_path), FakeRuntime(), fake_image(tmp_path / "image"), **kwargs)
-        stacks.append(stack)
-        return await stack.start()
-
-    try:
-        yield factory
-    finally:
-        for stack in stacks:
-            await stack.stop()
 
 
 def _control(stack: ApiStack) -> FastAPI:

@@ -17,9 +17,8 @@ The node's own free-space floor is in test_node_space_floor.py.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,7 +28,7 @@ from sqlalchemy import func, select, update
 from capsa.control.plane import ControlPlane
 from capsa.control.store.models import SessionRow, SnapshotRow, utcnow
 from tests.support.api_stack import ApiStack
-from tests.support.fake_runtime import FakeRuntime, fake_image
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.waits import eventually
 
 pytestmark = [
@@ -40,22 +39,6 @@ pytestmark = [
 
 MakeStack = Callable[..., Awaitable[ApiStack]]
 MiB = 1024 * 1024
-
-
-@pytest.fixture
-async def make_stack(db_url: str, tmp_path: Path) -> AsyncIterator[MakeStack]:
-    stacks: list[ApiStack] = []
-
-    async def factory(**settings: Any) -> ApiStack:
-        stack = ApiStack(db_url, FakeRuntime(), fake_image(tmp_path / "image"), settings=settings)
-        stacks.append(stack)
-        return await stack.start()
-
-    try:
-        yield factory
-    finally:
-        for stack in stacks:
-            await stack.stop()
 
 
 def _plane(stack: ApiStack) -> ControlPlane:
@@ -106,7 +89,7 @@ async def _rows(stack: ApiStack, tenant: str) -> int:
 
 async def test_snapshot_count_quota_refuses_snapshots_branches_and_pauses_of_one_tenant(
         make_stack: MakeStack) -> None:
-    stack = await make_stack(tenant_quota={"max_snapshots": 2})
+    stack = await make_stack(settings={"tenant_quota": {"max_snapshots": 2}})
     async with stack.client(await stack.tenant_key("greedy")) as g, \
             stack.client(await stack.tenant_key("other")) as o:
         sid = await _session(g)
@@ -140,7 +123,7 @@ async def test_snapshot_count_quota_refuses_snapshots_branches_and_pauses_of_one
 
 async def test_snapshot_byte_quota_counts_what_the_node_reports_and_deletes_the_snapshot_over_it(
         make_stack: MakeStack) -> None:
-    stack = await make_stack(tenant_quota={"max_snapshot_bytes": 6 * MiB})
+    stack = await make_stack(settings={"tenant_quota": {"max_snapshot_bytes": 6 * MiB}})
     async with stack.client(await stack.tenant_key("greedy")) as g, \
             stack.client(await stack.tenant_key("other")) as o:
         sid = await _session(g)
@@ -164,7 +147,7 @@ async def test_snapshot_byte_quota_counts_what_the_node_reports_and_deletes_the_
 
 
 async def test_paused_sessions_count_against_a_quota(make_stack: MakeStack) -> None:
-    stack = await make_stack(tenant_quota={"max_paused_sessions": 1})
+    stack = await make_stack(settings={"tenant_quota": {"max_paused_sessions": 1}})
     async with stack.client(await stack.tenant_key("greedy")) as g, \
             stack.client(await stack.tenant_key("other")) as o:
         first, second = await _session(g), await _session(g)
@@ -200,7 +183,7 @@ async def test_paused_sessions_count_against_a_quota(make_stack: MakeStack) -> N
 
 @pytest.mark.usefixtures("pinned_rate_window")
 async def test_manual_snapshots_are_rate_limited_per_key(make_stack: MakeStack) -> None:
-    stack = await make_stack(snapshot_limit=2, rate_window_seconds=3600)
+    stack = await make_stack(settings={"snapshot_limit": 2, "rate_window_seconds": 3600})
     async with stack.client(await stack.tenant_key("greedy")) as g, \
             stack.client(await stack.tenant_key("other")) as o:
         sid = await _session(g)
@@ -216,7 +199,7 @@ async def test_manual_snapshots_are_rate_limited_per_key(make_stack: MakeStack) 
 
 
 async def test_kept_snapshots_count_against_the_quota_and_expire(make_stack: MakeStack) -> None:
-    stack = await make_stack(tenant_quota={"max_snapshots": 1}, keep_snapshots_days=1)
+    stack = await make_stack(settings={"tenant_quota": {"max_snapshots": 1}, "keep_snapshots_days": 1})
     async with stack.client(await stack.tenant_key("greedy")) as g:
         kept = await _session(g, keep_snapshots=True)
         snap = (await _ok(await g.post(f"/v1/sessions/{kept}/snapshots"), 201))["id"]
