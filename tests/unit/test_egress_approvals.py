@@ -401,6 +401,13 @@ def test_approval_rules_are_validated() -> None:
     rule = EgressPolicy.from_data({"domains": [{"domain": "a.test", "approvals": [{}, {"name": "n"}],
                                                 "download_content_types": ["Text/*"]}]}).domains[0]
     assert [a.name for a in rule.approvals] == ["a.test#0", "n"] and rule.approvals[0].timeout_s == 300
+    # A policy survives its own round trip (the control plane sends it to the node as JSON): the default
+    # names it gave its rules ("<domain>#<index>", wildcards too) parse again.
+    named = EgressPolicy.from_data({"domains": [{"domain": "*.a.test", "approvals": [{}, {}]}]})
+    again = EgressPolicy.from_data(json.loads(named.to_json()))
+    assert [a.name for a in again.domains[0].approvals] == ["*.a.test#0", "*.a.test#1"]
+    with pytest.raises(PolicyError, match="approval rule name"):
+        EgressPolicy.from_data({"domains": [{"domain": "a.test", "approvals": [{"name": "Bad Name"}]}]})
     assert rule.allows_download("text/plain; charset=utf-8") and not rule.allows_download(None)
     assert not rule.allows_download("application/json")
 

@@ -49,6 +49,9 @@ APPROVAL_TIMEOUT_MAX = 3600
 """A held request keeps its connection (and its buffered body) for at most this long."""
 _MEDIA_RE = re.compile(r"^([a-z0-9][a-z0-9!#$&^_.+-]*|\*)/([a-z0-9][a-z0-9!#$&^_.+-]*|\*)$")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+_DEFAULT_NAME_RE = re.compile(r"^[a-z0-9*][a-z0-9*_.-]{0,252}#[0-9]{1,2}$")
+"""The name a rule without one is given, ``<domain>#<index>``: it must parse again when the policy is sent
+on as JSON (control plane to node)."""
 ApprovalScope = Literal["once", "session"]
 # Headers a binding may not target: they steer routing or framing, not credentials.
 _FORBIDDEN_BINDING_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "upgrade", "te"}
@@ -117,7 +120,7 @@ class ApprovalRule(BaseModel):
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str | None) -> str | None:
-        if value is not None and not _NAME_RE.match(value):
+        if value is not None and not _NAME_RE.match(value) and not _DEFAULT_NAME_RE.match(value):
             raise ValueError(f"approval rule name must be 1-64 of a-z 0-9 _ . - : {value!r}")
         return value
 
