@@ -61,7 +61,6 @@ async def stack(tmp_path: Path) -> AsyncIterator[ApiStack]:
 
 
 async def test_a_chunked_multipart_upload_past_the_bound_is_never_spooled(stack: ApiStack) -> None:
-    pytest.importorskip("python_multipart")
     key = await stack.tenant_key("acme")
     async with stack.client(key) as client:
         created = await client.post("/v1/sessions", json={"template": "base"})
