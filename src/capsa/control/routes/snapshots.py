@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from capsa.control import audit_trail, snapshots
+from capsa.control import audit_trail, session_audit, snapshots
 from capsa.control.auth import Principal
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.schemas import (
@@ -33,7 +33,7 @@ async def pause_session(session_id: str, plane: Plane, caller: Caller) -> Sessio
     """Snapshot the session and destroy its sandbox (state ``paused``); within the tenant's paused-session
     and snapshot quotas (``quota_exceeded``)."""
     out = await snapshots.pause_session(plane, caller.tenant, session_id)
-    audit_trail.note("session", "pause", session_id=session_id, detail={"state": out.state})
+    session_audit.paused(out)
     return out
 
 
@@ -43,8 +43,7 @@ async def resume_session(session_id: str, plane: Plane, caller: Caller) -> Sessi
     tenant's quota (``quota_exceeded``)."""
     await _count_start(plane, caller)
     out = await snapshots.resume_session(plane, caller.tenant, session_id)
-    audit_trail.note("session", "resume", session_id=session_id,
-                     detail={"state": out.state, "node_id": out.node_id})
+    session_audit.resumed(out)
     return out
 
 
@@ -54,12 +53,7 @@ async def branch_session(session_id: str, body: BranchRequest, plane: Plane, cal
     they count ``n`` against the rate limit and must fit the tenant's quota (``quota_exceeded``)."""
     await _count_start(plane, caller, body.n)
     out = await snapshots.branch_session(plane, caller.tenant, session_id, body.n)
-    audit_trail.note("session", "branch", session_id=session_id,
-                     detail={"snapshot_id": out.snapshot_id, "branches": [s.id for s in out.items]})
-    for branch in out.items:
-        audit_trail.note("session", "create", session_id=branch.id,
-                         detail={"state": branch.state, "branched_from": session_id,
-                                 "snapshot_id": out.snapshot_id})
+    session_audit.branched(session_id, out)
     return out
 
 
