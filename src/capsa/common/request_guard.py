@@ -41,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from capsa.common.errors import CapsaError
 from capsa.common.request_limits import RequestLimits
 
-__all__ = ["BodyRule", "Gate", "RequestGuard", "host_under", "problem"]
+__all__ = ["BodyRule", "Gate", "RequestGuard", "host_under", "hostname", "problem"]
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +50,16 @@ Gate = Callable[[Scope], Awaitable[CapsaError | None]]
 refuse it with, or None to let it through (the route still authenticates and authorizes it as before)."""
 
 
+def hostname(host: str) -> str:
+    """``host`` (a Host header or a configured domain) without its port, lower case, no trailing dot."""
+    if host.startswith("["):
+        return host.lower()
+    return host.rsplit(":", 1)[0].lower().rstrip(".") if ":" in host else host.lower().rstrip(".")
+
+
 def host_under(scope: Scope, domain: str) -> bool:
     """Whether the request's ``Host`` (its port left aside) is a name under ``domain`` (its port too)."""
-    def name(host: str) -> str:
-        bare = host.rsplit(":", 1)[0] if ":" in host and not host.startswith("[") else host
-        return bare.lower().rstrip(".")
-
-    return name(Headers(scope=scope).get("host", "")).endswith("." + name(domain))
+    return hostname(Headers(scope=scope).get("host", "")).endswith("." + hostname(domain))
 
 
 @dataclass(frozen=True)

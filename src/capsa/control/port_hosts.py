@@ -23,6 +23,7 @@ from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from capsa.common.ids import is_id
+from capsa.common.request_guard import hostname
 from capsa.control.problems import problem_response
 
 __all__ = ["HOST_SCOPE_KEY", "PortHost", "PortHostRouter", "on_port_host", "parse_port_host", "port_base_url",
@@ -44,17 +45,10 @@ def port_path(session_id: str, port: int) -> str:
     return f"/v1/sessions/{session_id}/ports/{port}/"
 
 
-def _hostname(host: str) -> str:
-    """``host`` (a Host header or a configured domain) without its port, lower case, no trailing dot."""
-    if host.startswith("["):
-        return host.lower()
-    return host.rsplit(":", 1)[0].lower().rstrip(".") if ":" in host else host.lower().rstrip(".")
-
-
 def parse_port_host(host: str, domain: str) -> PortHost | None:
     """The port and session a ``Host`` header names under ``domain``; None when it is not under it.
     Raises ValueError when it is under it but names no port of a session."""
-    name, suffix = _hostname(host), "." + _hostname(domain)
+    name, suffix = hostname(host), "." + hostname(domain)
     if not name.endswith(suffix):
         return None
     match = _LABEL_RE.match(name[: -len(suffix)])
