@@ -9,17 +9,17 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, SecretStr
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from capsa.common.egress_networks import parse_networks
+
 __all__ = ["AllowNetworks", "Settings", "default_cache_dir", "default_state_dir"]
 
 
-def _split_networks(value: object) -> object:
-    if isinstance(value, str):
-        return value.replace(",", " ").split()
-    return value
+def _networks(value: object) -> object:
+    return list(parse_networks(value)) if isinstance(value, str | list | tuple) else value
 
 
 AllowNetworks = Annotated[list[ipaddress.IPv4Network | ipaddress.IPv6Network], NoDecode,
-                          BeforeValidator(_split_networks)]
+                          BeforeValidator(_networks)]
 """An operator's allow-list of networks (CIDRs) an outbound path may reach although they are not public
 (private, loopback, link-local...): in the environment a comma- or space-separated list
 (``10.20.0.0/16,fd00:1::/64``), empty by default. Host bits set (``10.0.0.1/8``) are refused."""
