@@ -25,7 +25,6 @@ import httpx
 import pytest
 from sqlalchemy import func, select, update
 
-from capsa.control.plane import ControlPlane
 from capsa.control.store.models import SessionRow, SnapshotRow, utcnow
 from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime
@@ -39,12 +38,6 @@ pytestmark = [
 
 MakeStack = Callable[..., Awaitable[ApiStack]]
 MiB = 1024 * 1024
-
-
-def _plane(stack: ApiStack) -> ControlPlane:
-    plane = stack.replicas[0].app.state.plane
-    assert isinstance(plane, ControlPlane)
-    return plane
 
 
 def _problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
@@ -82,7 +75,7 @@ def _on_node(stack: ApiStack) -> set[str]:
 
 
 async def _rows(stack: ApiStack, tenant: str) -> int:
-    async with _plane(stack).db() as db:
+    async with stack.plane.db() as db:
         return int(await db.scalar(select(func.count()).select_from(SnapshotRow)
                                    .where(SnapshotRow.tenant == tenant)) or 0)
 
@@ -211,7 +204,7 @@ async def test_kept_snapshots_count_against_the_quota_and_expire(make_stack: Mak
         _problem(await g.post(f"/v1/sessions/{fresh}/snapshots"), 403, "quota_exceeded")
 
         # Past keep_snapshots_days the reaper deletes it, from the node and the database.
-        async with _plane(stack).db() as db:
+        async with stack.plane.db() as db:
             await db.execute(update(SessionRow).where(SessionRow.id == kept)
                              .values(closed_at=utcnow() - timedelta(days=1, minutes=1)))
             await db.commit()

@@ -44,12 +44,6 @@ API_TOKEN = "node-api-token-" + "c" * 24
 FLOOD = 30_000
 
 
-def _plane(stack: ApiStack) -> ControlPlane:
-    plane = stack.replicas[0].app.state.plane
-    assert isinstance(plane, ControlPlane)
-    return plane
-
-
 def _problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/problem+json")
@@ -130,7 +124,7 @@ async def test_flooded_session_cannot_evict_another_tenants_trail_and_drops_show
             stack.client(await stack.tenant_key("flooder")) as f:
         victim_sid = (await v.post("/v1/sessions", json={})).json()["id"]
         flood_sid = (await f.post("/v1/sessions", json={})).json()["id"]
-        plane = _plane(stack)
+        plane = stack.plane
         sandbox = await _sandboxes(plane)
         for n in range(5):
             node_egress.audit(_event(sandbox[victim_sid], victim_sid, n))
@@ -180,7 +174,7 @@ async def test_audit_retention_by_count_and_age_and_purged_events_do_not_return(
             stack.client(await stack.tenant_key("small")) as s:
         big_sid = (await b.post("/v1/sessions", json={})).json()["id"]
         small_sid = (await s.post("/v1/sessions", json={})).json()["id"]
-        plane = _plane(stack)
+        plane = stack.plane
         sandbox = await _sandboxes(plane)
         for n in range(300):
             node_egress.audit(_event(sandbox[big_sid], big_sid, n))
@@ -268,7 +262,7 @@ async def test_a_node_cannot_forge_audit_rows_of_sessions_placed_elsewhere(make_
     async with stack.client(victim) as v:
         victim_sid = (await v.post("/v1/sessions", json={})).json()["id"]
         assert (await _enrol(stack)).status_code == 201
-        plane = _plane(stack)
+        plane = stack.plane
         async with plane.db() as db:
             rogue = (await db.execute(select(NodeRow).where(NodeRow.id != stack.node_id))).scalar_one()
         liar = _LyingNode([victim_sid, "ses_unknownunknownunkn"])

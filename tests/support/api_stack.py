@@ -23,6 +23,7 @@ from capsa.common.connection_wire import ConnectionTokenOut
 from capsa.common.image import GuestImage
 from capsa.control.app import create_app
 from capsa.control.keys import generate_key
+from capsa.control.plane import ControlPlane
 from capsa.control.settings import ControlSettings
 from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.api import create_node_app
@@ -104,6 +105,13 @@ class ApiStack:
     @property
     def url(self) -> str:
         return self.replicas[0].url
+
+    @property
+    def plane(self) -> ControlPlane:
+        """The first replica's control plane (its state, caches and settings)."""
+        plane = self.replicas[0].app.state.plane
+        assert isinstance(plane, ControlPlane)
+        return plane
 
     def control_settings(self, **overrides: Any) -> ControlSettings:
         values = {

@@ -64,11 +64,6 @@ async def _signed_in(stack: ApiStack, api: httpx.AsyncClient, lab: OAuthLab, nam
     return str(conn.json()["id"])
 
 
-def _plane(stack: ApiStack) -> ControlPlane:
-    plane: ControlPlane = stack.replicas[0].app.state.plane
-    return plane
-
-
 async def test_code_sign_in_refresh_single_flight_and_revocation(
         make_stack: Callable[..., Awaitable[ApiStack]], lab: OAuthLab) -> None:
     stack = await make_stack(settings=SETTINGS)
@@ -85,7 +80,7 @@ async def test_code_sign_in_refresh_single_flight_and_revocation(
         for credential in lab.all_secrets():
             assert credential not in text
 
-        plane = _plane(stack)
+        plane = stack.plane
         first = await current_token(plane, conn_id)
         assert first.access_token in lab.tokens and lab.refreshes == 0  # fresh from the sign-in
         # The token expires (the row says so): 20 concurrent callers, one refresh at the provider.

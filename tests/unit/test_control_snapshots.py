@@ -20,7 +20,6 @@ import pytest
 from sqlalchemy import select
 
 from capsa.control.lifecycle import transition
-from capsa.control.plane import ControlPlane
 from capsa.control.rolling import _due, due_sessions
 from capsa.control.store.models import SessionRow, utcnow
 from tests.support.api_stack import ApiStack
@@ -38,14 +37,8 @@ def _problem(response: httpx.Response, status: int, code: str) -> None:
     assert response.json()["code"] == code, response.text
 
 
-def _plane(stack: ApiStack) -> ControlPlane:
-    plane = stack.replicas[0].app.state.plane
-    assert isinstance(plane, ControlPlane)
-    return plane
-
-
 async def _row(stack: ApiStack, session_id: str) -> SessionRow:
-    async with _plane(stack).db() as db:
+    async with stack.plane.db() as db:
         row = await db.get(SessionRow, session_id)
         assert row is not None
         return row
@@ -155,7 +148,7 @@ async def test_after_command_policy_marks_the_session_due(make_stack: Any) -> No
     # asks due_sessions, which leaves claimed sessions out.
     stack: ApiStack = await make_stack(settings={"rolling_snapshot_interval": 0})
     key = await stack.tenant_key("acme")
-    plane = _plane(stack)
+    plane = stack.plane
     async with stack.client(key) as c:
         policy = {"rolling_snapshots": {"after_command": True}}
         wants = (await c.post("/v1/sessions", json=policy)).json()["id"]
@@ -193,7 +186,7 @@ async def test_transition_sources_must_be_legal(stack: ApiStack) -> None:
     key = await stack.tenant_key("acme")
     async with stack.client(key) as c:
         sid = (await c.post("/v1/sessions", json={})).json()["id"]
-    async with _plane(stack).db() as db:
+    async with stack.plane.db() as db:
         with pytest.raises(ValueError, match="illegal transition"):
             await transition(db, sid, "running", sources=("closed",))
         # A legal but non-matching source does nothing.
@@ -209,7 +202,7 @@ async def test_one_replica_at_a_time_claims_a_rolling_snapshot(stack: ApiStack) 
     from capsa.control.rolling import _claim, _release
 
     second = await stack.add_replica()
-    planes = [_plane(stack), second.app.state.plane]
+    planes = [stack.plane, second.app.state.plane]
     key = await stack.tenant_key("acme")
     async with stack.client(key) as c:
         body = {"rolling_snapshots": {"after_command": True}}
