@@ -1,0 +1,77 @@
+"""One way every capsa process logs.
+
+capsa's modules log through the standard library's :mod:`logging` (``log = logging.getLogger(__name__)``), the
+API its dependencies (uvicorn, qemu.qmp, httpx, SQLAlchemy) log through too, so one configuration covers them
+all. :func:`configure`, called once by each process's entry point, renders every record, capsa's and the
+dependencies', through structlog's processor chain: one JSON object a line when stderr is not a terminal
+(systemd's journal, Kubernetes, a CI log), aligned ``time level logger event key=value`` lines when it is.
+Structured fields go in ``extra=``; they become the JSON object's keys. Credentials in URLs are blanked
+(:func:`capsa.common.service.redact`) in the rendered event and every string field.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any, TextIO
+
+import structlog
+from structlog.typing import Processor
+
+from capsa.common.service import redact
+
+__all__ = ["configure", "renders_json"]
+
+_QUIET = {  # dependencies whose INFO lines are chatter rather than events
+    "asyncio": logging.WARNING,
+    "httpx": logging.WARNING,
+    "httpcore": logging.WARNING,
+    "qemu": logging.CRITICAL,  # QMP's own notes about sockets closing under a VM that exits
+    "sqlalchemy": logging.WARNING,
+    "aiosqlite": logging.WARNING,
+}
+
+
+def _redact_fields(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
+    for key, value in event.items():
+        if isinstance(value, str):
+            event[key] = redact(value)
+    return event
+
+
+def renders_json(stream: TextIO) -> bool:
+    """Whether :func:`configure` renders JSON for ``stream``: when it is not a terminal."""
+    isatty = getattr(stream, "isatty", None)
+    return not (callable(isatty) and isatty())
+
+
+def configure(*, level: int = logging.INFO, json: bool | None = None, stream: TextIO | None = None) -> None:
+    """Send every log record of this process to ``stream`` (stderr: stdout carries results scripts parse),
+    rendered as JSON when ``json`` (default: when the stream is not a terminal). Replaces the root logger's
+    handlers, so calling it again reconfigures rather than doubles the output."""
+    out = stream if stream is not None else sys.stderr
+    as_json = renders_json(out) if json is None else json
+    shared: list[Processor] = [
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.ExtraAdder(),
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: Processor = (structlog.processors.JSONRenderer() if as_json
+                           else structlog.dev.ConsoleRenderer(colors=False))
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    *([structlog.processors.format_exc_info] if as_json else []),
+                    _redact_fields, renderer])
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+    for name, floor in _QUIET.items():
+        logging.getLogger(name).setLevel(max(floor, level))
+    logging.captureWarnings(True)  # a dependency's DeprecationWarning is a log line too, not a bare print
