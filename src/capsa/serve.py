@@ -2,10 +2,11 @@
 as ``capsa control`` and ``capsa node``.
 
 This module sits outside ``capsa.control`` and ``capsa.node`` because it is the one place allowed to wire
-the two together (import-linter keeps them independent). The control plane still reaches the node only over
-the node HTTP API, here on a Unix socket in the state directory guarded by a fresh random token; the node
-reaches the control plane through :class:`LocalControlLink`, which calls the control plane's node registry
-directly instead of over HTTP.
+the two together (import-linter keeps them independent). The control plane reaches the node only through the
+node API: its usual :class:`~capsa.control.nodeclient.NodeClient` with the node's app in-process for whole
+answers, and the node's Unix socket in the state directory (guarded by a fresh random token) for streams and
+WebSockets; the node reaches the control plane through :class:`LocalControlLink`, which calls the control
+plane's node registry directly instead of over HTTP.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from capsa.common.service import QuietServer, bind_tcp, wait_started
 from capsa.common.settings import Settings
 from capsa.control import connection_tokens, nodes
 from capsa.control.app import create_app
+from capsa.control.nodeclient import NodeClient
 from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import ensure_key_file
 from capsa.control.settings import ControlSettings
-from capsa.local_node import LocalNodeClient
 from capsa.node.daemon import NodeService
 from capsa.node.sources import TemplateSource
 from capsa.node.statedir import prepare_state_dir
@@ -117,9 +118,9 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
         plane: ControlPlane = app.state.plane
         service = NodeService(parts, LocalControlLink(plane, LOCAL_NODE_ID), uds=state_dir / "node.sock")
         await service.start()
-        # The control plane's calls on the session hot path reach this node in-process (capsa.local_node).
-        plane.nodes.add(LocalNodeClient(service.url, service.api_token, parts.agent,
-                                        timeout=control_settings.node_request_timeout))
+        # The control plane's calls with a whole answer (the session hot path) reach this node in-process.
+        plane.nodes.add(NodeClient(service.url, service.api_token, app=service.app,
+                                   timeout=control_settings.node_request_timeout))
         app.state.startup_pending = False
         source = parts.agent.source
         if isinstance(source, TemplateSource):

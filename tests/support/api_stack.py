@@ -1,8 +1,12 @@
-"""The whole server side in one test process: control plane + node agent, each behind a real HTTP server.
+"""The whole server side in one test process: control plane + node, each behind a real HTTP server.
 
-The node agent serves its API on a Unix socket and the control plane on 127.0.0.1 (ephemeral port), both
-with uvicorn, so requests take the same path as in ``capsa serve``. The runtime is pluggable: the fake one
-(real guest daemons as host processes) for fast unit tests, QemuRuntime for integration tests.
+The node is the production one (:func:`capsa.node.assembly.assemble_node` and
+:class:`capsa.node.daemon.NodeService` with :class:`~capsa.node.daemon.HttpControlLink`, as ``capsa node``
+runs them): it serves its API on a Unix socket, the control plane serves on 127.0.0.1 (ephemeral port), both
+with uvicorn, and the node registers, fetches connection tokens and leaves over the control plane's API. The
+runtime is pluggable: the fake one (real guest daemons as host processes) for fast unit tests, QemuRuntime
+for integration tests. The node does not heartbeat by itself: tests call :meth:`ApiStack.heartbeat` (one
+beat of the service's loop) when they mean to.
 """
 
 from __future__ import annotations
@@ -19,15 +23,14 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from capsa.common.connection_wire import ConnectionTokenOut
 from capsa.common.image import GuestImage
 from capsa.control.app import create_app
 from capsa.control.keys import generate_key
 from capsa.control.plane import ControlPlane
 from capsa.control.settings import ControlSettings
 from capsa.node.agent import NodeAgent, NodeCapacity
-from capsa.node.api import create_node_app
-from capsa.node.daemon import IDENTITY_FILE, HttpControlLink, NodeIdentity
+from capsa.node.assembly import NodeParts, assemble_node
+from capsa.node.daemon import IDENTITY_FILE, ControlLinkError, HttpControlLink, NodeIdentity, NodeService
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.trust_store import TrustStore
 from capsa.node.runtime.base import Runtime, SnapshotCapable
@@ -96,10 +99,12 @@ class ApiStack:
     """The free-space floor the snapshots part keeps (None: none)."""
     admin_key: str = ""
     node_token: str = ""
+    """The node's credential (what it presents to the control plane), also its API token until its service
+    registers with one of its own."""
     agent: NodeAgent | None = None
     replicas: list[Replica] = field(default_factory=list)
-    _node: Replica | None = None
-    _link: HttpControlLink | None = None
+    service: NodeService | None = None
+    """The running node (its agent, API server and control link)."""
     _tmp: Path | None = None
 
     @property
@@ -131,63 +136,63 @@ class ApiStack:
         self._tmp = Path(tempfile.mkdtemp(prefix="capsa-stack-"))
         self.admin_key = generate_key().full
         self.node_token = secrets.token_urlsafe(24)
-        source = self.source or ColdBootSource(self.runtime, {"base": self.image})
-        snapshots = None
-        if self.snapshots and isinstance(self.runtime, SnapshotCapable):
-            # A fake guest runs on the host: it may not set the clock or hostname (FakeRuntime.bind_identity).
-            bind = self.runtime.bind_identity if isinstance(self.runtime, FakeRuntime) else bind_sandbox
-            snapshots = Snapshots(cast(SnapshottingRuntime, self.runtime), source.image_for, bind=bind,
-                                  floor=self.snapshot_floor)
-        self.agent = NodeAgent(self.runtime, self.image, node_id=self.node_id, capacity=self.capacity,
-                               egress=self.egress, source=source, snapshots=snapshots, trust=self.trust)
-        await self.agent.start()
-        self._node = await serve_app(
-            create_node_app(self.agent, self.node_token), uds=str(self._tmp / "node.sock"), lifespan="off"
-        )
         await self.add_replica()
-        async with self.client(self.admin_key) as admin:
+        parts = await self._assemble(self.source or ColdBootSource(self.runtime, {"base": self.image}))
+        async with self.client(self.admin_key) as admin:  # an admin adds the node by hand, under its id
             response = await admin.post(
                 "/v1/nodes",
                 json={
                     "id": self.node_id,
-                    "url": self._node.url,
+                    "url": f"unix://{self._socket}",
                     "token": self.node_token,
                     "capacity": {
                         "memory_mib": self.capacity.memory_mib,
                         "vcpus": self.capacity.vcpus,
                         "max_sandboxes": self.capacity.max_sandboxes,
                     },
-                    "templates": sorted(self.agent.templates),
+                    "templates": sorted(parts.agent.templates),
                 },
             )
             response.raise_for_status()
-        if self.egress is not None:
-            # The node's control link (as `capsa node` has it, with this node's credential) fetches the
-            # access tokens of connections its sessions bind.
-            NodeIdentity(self.node_id, self.node_token, self.url).save(self._tmp / IDENTITY_FILE)
-            self._link = HttpControlLink(self.url, self._tmp, enrol_token=None)
-            link, node_id = self._link, self.node_id
-
-            async def fetch(session_id: str, connection_id: str) -> ConnectionTokenOut:
-                return await link.connection_token(node_id, session_id, connection_id)
-
-            self.egress.tokens.fetch = fetch
+        # The node keeps that token as its credential, as an enrolled `capsa node` keeps its own.
+        NodeIdentity(self.node_id, self.node_token, self.url).save(self._tmp / IDENTITY_FILE)
+        await self._serve(parts)
         return self
 
+    @property
+    def _socket(self) -> Path:
+        assert self._tmp is not None
+        return self._tmp / "node.sock"
+
+    async def _assemble(self, source: SandboxSource) -> NodeParts:
+        snapshots = None
+        if self.snapshots and isinstance(self.runtime, SnapshotCapable):
+            # A fake guest runs on the host: it may not set the clock or hostname (FakeRuntime.bind_identity).
+            bind = self.runtime.bind_identity if isinstance(self.runtime, FakeRuntime) else bind_sandbox
+            snapshots = Snapshots(cast(SnapshottingRuntime, self.runtime), source.image_for, bind=bind,
+                                  floor=self.snapshot_floor)
+        parts = await assemble_node(self.runtime, self.image, node_id=self.node_id, source=source,
+                                    snapshots=snapshots, egress=self.egress, capacity=self.capacity,
+                                    trust=self.trust)
+        self.agent = parts.agent
+        return parts
+
+    async def _serve(self, parts: NodeParts) -> None:
+        """The node's service on ``parts``: it serves its API on the socket and registers with its credential
+        (then fetches connection tokens with it). Its heartbeat loop never comes round in a test."""
+        assert self._tmp is not None
+        link = HttpControlLink(self.url, self._tmp, enrol_token=None)
+        self.service = NodeService(parts, link, uds=self._socket, heartbeat_interval=3600.0)
+        await self.service.start()
+
     async def restart_node(self, runtime: Runtime, egress: NodeEgress | None = None) -> None:
-        """What a node process restart does: the agent (and its sandboxes) and its API server stop, then a
-        new agent on ``runtime`` with ``egress`` serves the same socket under the same id and token."""
-        assert self.agent is not None and self._node is not None and self._tmp is not None
-        await self._node.stop()
-        await self.agent.close()
+        """What a node process restart does: the node stops (it leaves the control plane; its sandboxes
+        die), then a new one on ``runtime`` with ``egress`` serves the same socket under the same id and
+        credential, and registers again."""
+        assert self.service is not None
+        await self.service.stop()
         self.runtime, self.egress = runtime, egress
-        source = ColdBootSource(self.runtime, {"base": self.image})
-        self.agent = NodeAgent(self.runtime, self.image, node_id=self.node_id, capacity=self.capacity,
-                               egress=self.egress, source=source, trust=self.trust)
-        await self.agent.start()
-        self._node = await serve_app(
-            create_node_app(self.agent, self.node_token), uds=str(self._tmp / "node.sock"), lifespan="off"
-        )
+        await self._serve(await self._assemble(ColdBootSource(self.runtime, {"base": self.image})))
 
     async def add_replica(self, **overrides: Any) -> Replica:
         replica = await serve_app(create_app(self.control_settings(**overrides)))
@@ -205,33 +210,24 @@ class ApiStack:
             return str(response.json()["key"])
 
     async def heartbeat(self) -> httpx.Response:
-        """What a node agent's heartbeat loop does: report, then destroy what the control plane disowns."""
-        assert self.agent is not None
-        async with self.client(self.node_token) as client:
-            response = await client.post(
-                f"/v1/nodes/{self.node_id}/heartbeat",
-                json={
-                    "used": self.agent.used(),
-                    "failed_sandboxes": self.agent.failed_sandboxes(),
-                    "sandboxes": [r.id for r in self.agent.list()],
-                },
-            )
-        if response.status_code == 200:
-            for sandbox_id in response.json()["destroy_sandboxes"]:
-                await self.agent.destroy(sandbox_id)
-        return response
+        """One beat of the node's heartbeat loop (report, then destroy what the control plane disowns),
+        answered as the control plane's HTTP answer to it."""
+        assert self.service is not None
+        try:
+            answer = await self.service.beat()
+        except ControlLinkError as exc:
+            return httpx.Response(exc.status, json={"code": exc.code, "detail": exc.message})
+        return httpx.Response(200, json=answer.model_dump(mode="json"))
 
     async def stop(self) -> None:
-        if self._link is not None:
-            await self._link.aclose()
+        if self.service is not None:  # first: it leaves the control plane while that still answers
+            await self.service.stop()
+        elif self.agent is not None:
+            await self.agent.close()
         for replica in self.replicas:
             with contextlib.suppress(Exception):
                 await replica.stop()
         self.replicas.clear()
-        if self._node is not None:
-            await self._node.stop()
-        if self.agent is not None:
-            await self.agent.close()
         if self._tmp is not None:
             import shutil
 

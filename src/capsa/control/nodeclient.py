@@ -2,6 +2,13 @@
 
 A node URL is ``http(s)://host:port`` or ``unix:///path/to/socket``. Every call carries the node's token.
 Failures become :class:`NodeError` with the node's stable error code, or ``node_unreachable``.
+
+A node in the same process (``capsa serve``'s) is reached through the same client with its ASGI app
+(``NodeClient(url, token, app=node_app)``): calls with a whole answer (a command run to its end, a sandbox
+creation, every other unary call) go to the app in-process, through the node API's own routes, models,
+codes and statuses, without the socket's serializing, parsing and HTTP round trip; streamed answers
+(httpx's ``ASGITransport`` reads an answer to its end before returning it) and WebSockets still go over
+``url``.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from urllib.parse import urlsplit
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from starlette.types import ASGIApp
 
 from capsa.common.errors import CapsaError
 from capsa.common.node_api import (
@@ -57,6 +65,8 @@ from capsa.control import audit_trail
 __all__ = ["EgressArgs", "NodeClient", "NodeClientPool", "NodeError"]
 
 _PREFIX = "/node/v1"
+_STREAMED = "capsa_streamed"
+"""A request extension: the answer is read as a stream (over the network even for an in-process node)."""
 _TUNNEL_OPEN_TIMEOUT = 60.0
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -121,11 +131,35 @@ async def _carry_request_id(request: httpx.Request) -> None:
         request.headers["X-Request-Id"] = context.request_id
 
 
+class _InProcess(httpx.AsyncBaseTransport):
+    """Whole answers from the node's ASGI app in this process, streamed ones over ``network``."""
+
+    def __init__(self, app: ASGIApp, network: httpx.AsyncBaseTransport) -> None:
+        # raise_app_exceptions=False: an unexpected error answers 500 ``internal_error``, as over HTTP.
+        self._app = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        self._network = network
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.extensions.get(_STREAMED):
+            return await self._network.handle_async_request(request)
+        # The client's read timeout bounds the call as it would over HTTP (None: unbounded).
+        read = request.extensions.get("timeout", {}).get("read")
+        try:
+            async with asyncio.timeout(read):
+                return await self._app.handle_async_request(request)
+        except TimeoutError:
+            raise httpx.ReadTimeout("the in-process node did not answer in time", request=request) from None
+
+    async def aclose(self) -> None:
+        await self._network.aclose()
+
+
 class NodeClient:
-    """One node's API. ``transport`` replaces the network (e.g. ``httpx.ASGITransport(app=node_app)``)."""
+    """One node's API. ``transport`` replaces the network (e.g. ``httpx.ASGITransport(app=node_app)``);
+    ``app``: the node's ASGI app when the node runs in this process (see the module's docstring)."""
 
     def __init__(self, url: str, token: str, *, timeout: float = 120.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, app: ASGIApp | None = None) -> None:
         self._url = url
         self._token = token
         if url.startswith("unix://"):
@@ -134,6 +168,8 @@ class NodeClient:
         else:
             transport = transport or httpx.AsyncHTTPTransport()
             base = url.rstrip("/")
+        if app is not None:
+            transport = _InProcess(app, transport)
         self._client = httpx.AsyncClient(
             transport=transport, base_url=base + _PREFIX, timeout=httpx.Timeout(timeout, connect=5.0),
             headers={"Authorization": f"Bearer {token}"}, event_hooks={"request": [_carry_request_id]},
@@ -164,7 +200,7 @@ class NodeClient:
     @asynccontextmanager
     async def _stream(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
         try:
-            async with self._client.stream(method, path, **kwargs) as response:
+            async with self._client.stream(method, path, extensions={_STREAMED: True}, **kwargs) as response:
                 if not response.is_success:
                     _raise_for(response, await response.aread())
                 yield response
@@ -455,7 +491,7 @@ class NodeClientPool:
         self._retired: list[NodeClient] = []
 
     def add(self, client: NodeClient) -> None:
-        """Use ``client`` for its node (``capsa serve``: its own node, called in-process)."""
+        """Use ``client`` for its node (``capsa serve``: its own node, with its app in-process)."""
         replaced = self._clients.get((client.url, client.token))
         if replaced is not None:
             self._retired.append(replaced)  # closed with the pool: a call may still be using it

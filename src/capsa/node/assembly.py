@@ -1,7 +1,8 @@
 """Putting a node together from its parts: storage pool, runtime, egress and the agent.
 
-``capsa serve`` and ``capsa node`` both build their node here, so the two run the same agent with the same
-parts. :class:`NodeParts` owns what :func:`build_node` created; :meth:`NodeParts.close` undoes all of it
+``capsa serve`` and ``capsa node`` both build their node here (:func:`build_node`), so the two run the same
+agent with the same parts; the fast test stack plugs a fake runtime into the same assembly
+(:func:`assemble_node`). :class:`NodeParts` owns what was built; :meth:`NodeParts.close` undoes all of it
 (VMs, namespaces, the storage mount).
 """
 
@@ -16,18 +17,20 @@ from pathlib import Path
 from capsa.common.egress_networks import EgressNetworkSettings
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
-from capsa.node.agent import NodeAgent, snapshots_for
+from capsa.node.agent import NodeAgent, NodeCapacity, snapshots_for
 from capsa.node.egress.audit_log import AUDIT_FILE
 from capsa.node.egress.node_egress import NodeEgress
-from capsa.node.runtime.base import RamMode
+from capsa.node.egress.trust_store import TrustStore
+from capsa.node.runtime.base import RamMode, Runtime
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
-from capsa.node.sources import TemplateSource
+from capsa.node.snapshots import Snapshots
+from capsa.node.sources import SandboxSource, TemplateSource
 from capsa.node.storage.floor import MiB, SpaceFloor
 from capsa.node.storage.pool import StoragePool, StorageSettings
 from capsa.node.template_cache import TemplateCache
 from capsa.node.warm_pool import PoolSettings
 
-__all__ = ["NodeParts", "build_node", "netns_prefix"]
+__all__ = ["NodeParts", "assemble_node", "build_node", "netns_prefix"]
 
 
 def netns_prefix(state_dir: Path) -> str:
@@ -79,10 +82,21 @@ async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> 
                                 ram_mode=RamMode.CLONE if settings.sandbox_ram == "private" else RamMode.COPY)
         floor = (SpaceFloor(storage.free_bytes, storage_settings.min_free_mib * MiB)
                  if storage_settings.min_free_mib else None)
-        agent = NodeAgent(runtime, image, node_id=node_id, egress=egress, source=source,
-                          snapshots=snapshots_for(runtime, source, floor=floor))
-        await agent.start()
+        return await assemble_node(runtime, image, node_id=node_id, source=source, egress=egress,
+                                   snapshots=snapshots_for(runtime, source, floor=floor), storage=storage)
     except BaseException:
         await asyncio.to_thread(storage.unmount, lazy=True)
         raise
+
+
+async def assemble_node(runtime: Runtime, image: GuestImage, *, node_id: str, source: SandboxSource,
+                        snapshots: Snapshots | None, egress: NodeEgress | None = None,
+                        capacity: NodeCapacity | None = None, trust: TrustStore | None = None,
+                        storage: StoragePool | None = None) -> NodeParts:
+    """The agent on these parts, started (what a previous process left behind removed, the source's
+    template builds and warm pools begun); ``capacity``: default, the host's; ``trust``: default, the
+    source's trust store. The caller undoes ``storage`` if this fails."""
+    agent = NodeAgent(runtime, image, node_id=node_id, capacity=capacity, egress=egress, source=source,
+                      snapshots=snapshots, trust=trust)
+    await agent.start()
     return NodeParts(agent=agent, storage=storage)

@@ -189,15 +189,16 @@ class NodeService:
         self._on_registered = on_registered
         self._uds = uds
         self._bind: tuple[str, int] | None = None
-        app = create_node_app(parts.agent, self.api_token)
+        self.app = create_node_app(parts.agent, self.api_token)
+        """The node API (``capsa serve``'s control plane also calls it in-process)."""
         if uds is not None:
-            config = uvicorn.Config(app, uds=str(uds), log_level="warning", lifespan="off")
+            config = uvicorn.Config(self.app, uds=str(uds), log_level="warning", lifespan="off")
             self._url = advertise_url or f"unix://{uds}"
         else:
             assert listen is not None
             host, _, port = listen.rpartition(":")
             self._bind = (host.strip("[]"), int(port))
-            config = uvicorn.Config(app, host=self._bind[0], port=self._bind[1], log_level="warning",
+            config = uvicorn.Config(self.app, host=self._bind[0], port=self._bind[1], log_level="warning",
                                     lifespan="off")
             self._url = advertise_url or f"http://{listen}"
         self._server = QuietServer(config)
@@ -257,6 +258,16 @@ class NodeService:
                 await done
         return self.node_id
 
+    async def beat(self) -> HeartbeatOut:
+        """One heartbeat (what the loop :meth:`start` begins does every ``heartbeat_interval``): report to
+        the control plane, then destroy the sandboxes no live session owns; returns the control plane's
+        answer. Raises ControlLinkError as the link does."""
+        answer = await self.link.heartbeat(self.node_id or "", self._heartbeat_body())
+        for sandbox_id in answer.destroy_sandboxes:
+            log.warning("destroying sandbox %s: no live session owns it", sandbox_id)
+            await self.parts.agent.destroy(sandbox_id)
+        return answer
+
     async def _heartbeats(self) -> None:
         registered = True
         while True:
@@ -265,10 +276,7 @@ class NodeService:
                 if not registered:  # the control plane forgot us (e.g. its database was reset) or was down
                     await self.link.register(self._registration())
                     registered = True
-                answer = await self.link.heartbeat(self.node_id or "", self._heartbeat_body())
-                for sandbox_id in answer.destroy_sandboxes:
-                    log.warning("destroying sandbox %s: no live session owns it", sandbox_id)
-                    await self.parts.agent.destroy(sandbox_id)
+                await self.beat()
             except ControlLinkError as exc:
                 if exc.status == 404:
                     registered = False
