@@ -4,7 +4,7 @@
 Each part is timed by wrapping the function that does it (nothing in the product changes): the control
 plane's whole ASGI call for ``POST /v1/sessions/{id}/commands`` (and until its response head goes out),
 the API key check, the session lookup, the audit commit (after the answer by default: CAPSA_AUDIT_ACK),
-the node call (in-process in ``capsa serve``: capsa.local_node), the node agent's exec and the guest
+the node call (in-process in ``capsa serve``: NodeClient with the node's app), the node agent's exec and the guest
 channel's exec inside it. Alongside: a
 trivial authenticated ``GET /v1/sessions/{id}`` and the unauthenticated ``GET /v1/ready`` over one kept-
 alive connection, which show the HTTP stack's own cost. Writes bench/results/profile_api.json.
@@ -31,9 +31,9 @@ from rich.table import Table
 
 import capsa.control.audit_writer as audit_writer
 import capsa.control.deps as deps
+import capsa.control.nodeclient as nodeclient
 import capsa.control.routes.commands as commands_routes
 import capsa.control.sessions as control_sessions
-import capsa.local_node as local_node
 import capsa.node.agent as agent
 import capsa.node.guest_client as guest_client
 import capsa.node.sources as sources
@@ -101,11 +101,11 @@ def _instrument() -> None:
             (deps, "authenticate_cached", "auth (API key, cached per replica)"),
             (commands_routes, "running_session", "session lookup (running_session)"),
             (audit_writer.AuditWriter, "_drain", "audit commit (after the answer: CAPSA_AUDIT_ACK=async)"),
-            (local_node.LocalNodeClient, "exec", "node call (in-process: LocalNodeClient.exec)"),
+            (nodeclient.NodeClient, "exec", "node call (in-process: NodeClient.exec)"),
             (agent.NodeAgent, "exec", "node agent exec"),
             (guest_client.GuestClient, "exec", "guest channel exec"),
             (control_sessions, "create_session", "create: control plane (sessions.create_session)"),
-            (local_node.LocalNodeClient, "create_sandbox", "create: node call (in-process)"),
+            (nodeclient.NodeClient, "create_sandbox", "create: node call (in-process)"),
             (agent.NodeAgent, "create", "create: node agent create"),
             (sources.TemplateSource, "make", "create: template source make (pool take + bind)"),
             (warm_pool, "bind_identity", "create: identity bind (reseed, clock, hostname)")):
