@@ -2,12 +2,12 @@
 `capsa serve` (in this process), split into the parts the control plane and the node spend it on.
 
 Each part is timed by wrapping the function that does it (nothing in the product changes): the control
-plane's whole ASGI call for ``POST /v1/sessions/{id}/commands`` (and until its response head goes out),
-the API key check, the session lookup, the audit commit (after the answer by default: CAPSA_AUDIT_ACK),
-the node call (in-process in ``capsa serve``: NodeClient with the node's app), the node agent's exec and the guest
-channel's exec inside it. Alongside: a
-trivial authenticated ``GET /v1/sessions/{id}`` and the unauthenticated ``GET /v1/ready`` over one kept-
-alive connection, which show the HTTP stack's own cost. Writes bench/results/profile_api.json.
+plane's whole ASGI call for ``POST /v1/sessions/{id}/commands`` (and until its response head goes out), the
+API key check, the session lookup, the audit commit (after the answer by default: CAPSA_AUDIT_ACK), the node
+call (in-process in ``capsa serve``: NodeClient with the node's app), the node agent's exec and the guest
+channel's exec inside it. Alongside: a trivial authenticated ``GET /v1/sessions/{id}`` and the
+unauthenticated ``GET /v1/ready`` over one kept-alive connection, which show the HTTP stack's own cost.
+Writes bench/results/profile_api.json.
 
     .venv/bin/python bench/profile_api.py [--n 40]
 """

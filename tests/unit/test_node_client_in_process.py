@@ -85,6 +85,7 @@ async def test_errors_keep_the_node_apis_codes_and_statuses(node: Node) -> None:
     remote, local = node.remote, node.local
     request = ExecRequest(cmd=["true"], timeout=30)
     gone = new_id("sbx")
+    args: tuple[str, str, int, int, dict[str, str]]
     assert await _error(local.exec(gone, request)) == await _error(remote.exec(gone, request))
     assert (await _error(local.exec(gone, request)))[1] == 404
     for args in ((new_id("sbx"), "no-such-template", 256, 1, {}),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -69,6 +69,7 @@ _STREAMED = "capsa_streamed"
 """A request extension: the answer is read as a stream (over the network even for an in-process node)."""
 _TUNNEL_OPEN_TIMEOUT = 60.0
 _M = TypeVar("_M", bound=BaseModel)
+_W = TypeVar("_W")
 
 
 @dataclass(frozen=True)
@@ -317,7 +318,7 @@ class NodeClient:
         """Yields the command's events (output, then one result or error), once the node accepted it."""
         async with self._stream("POST", f"/sandboxes/{sandbox_id}/exec", json=request.model_dump(mode="json"),
                                 timeout=None, headers={"Accept": NDJSON}) as response:
-            yield _events(response.aiter_lines())
+            yield _lines_of(response.aiter_lines(), EXEC_EVENT, "an exec event")
 
     async def start_process(self, sandbox_id: str, request: ProcessStart) -> ProcessInfo:
         return await self._call(ProcessInfo, "POST", f"/sandboxes/{sandbox_id}/processes",
@@ -348,7 +349,7 @@ class NodeClient:
         params = {"stdout_from": stdout_from, "stderr_from": stderr_from}
         async with self._stream("GET", f"/sandboxes/{sandbox_id}/processes/{pid}/stream", params=params,
                                 timeout=None) as response:
-            yield _lines_of(response.aiter_lines(), OUTPUT_EVENT, "process output event")
+            yield _lines_of(response.aiter_lines(), OUTPUT_EVENT, "a process output event")
 
     @asynccontextmanager
     async def watch_dir(self, sandbox_id: str, path: str, *,
@@ -357,7 +358,7 @@ class NodeClient:
         params = {"path": path, "recursive": "true" if recursive else "false"}
         async with self._stream("GET", f"/sandboxes/{sandbox_id}/files/watch", params=params,
                                 timeout=None) as response:
-            yield _lines_of(response.aiter_lines(), WATCH_EVENT, "watch event")
+            yield _lines_of(response.aiter_lines(), WATCH_EVENT, "a watch event")
 
     async def kill_process(self, sandbox_id: str, pid: int, signal: int) -> ProcessInfo:
         return await self._call(ProcessInfo, "POST", f"/sandboxes/{sandbox_id}/processes/{pid}/kill",
@@ -369,31 +370,29 @@ class NodeClient:
         node's own socket: httpx cannot hand over an upgraded connection). Refusals raise NodeError with the
         node's code (``port_unreachable``, ``sandbox_not_found`` ...)."""
         target = f"{_PREFIX}/sandboxes/{sandbox_id}/ports/{port}/tunnel"
-        try:
-            stream, host = await self._socket()
-            # The node answers once the guest connected (or refused): its connect timeout plus slack.
-            async with asyncio.timeout(_TUNNEL_OPEN_TIMEOUT):
-                return await open_tunnel(stream, host, target, headers=self._auth())
-        except CapsaError as exc:
-            raise NodeError(exc.code, exc.status, exc.message) from None
-        except TimeoutError:
-            raise NodeError("node_unreachable", 503, f"the node did not open the port tunnel within "
-                                                     f"{_TUNNEL_OPEN_TIMEOUT:g} s") from None
-        except (OSError, ConnectionError) as exc:
-            raise NodeError("node_unreachable", 503, f"node unreachable: {exc}") from None
+        # The node answers once the guest connected (or refused): its connect timeout plus slack.
+        return await self._websocket("the port tunnel", lambda stream, host: open_tunnel(
+            stream, host, target, headers=self._auth()))
 
     async def open_terminal(self, sandbox_id: str, options: TerminalOptions) -> TerminalClient:
         """A pseudo-terminal in the sandbox (the node's ``/pty`` WebSocket, protocol
         :mod:`capsa.common.terminal_wire`). Refusals raise NodeError with the node's code."""
         target = f"{_PREFIX}/sandboxes/{sandbox_id}/pty?{options.query()}"
+        return await self._websocket("the terminal", lambda stream, host: TerminalClient.connect(
+            stream, host, target, headers=self._auth()))
+
+    async def _websocket(self, what: str, connect: Callable[[SocketStream, str], Awaitable[_W]]) -> _W:
+        """``connect`` on a connection of its own to the node (httpx cannot hand over an upgraded one),
+        within the open timeout; refusals raise NodeError with the node's code, failures
+        ``node_unreachable``."""
         try:
             stream, host = await self._socket()
             async with asyncio.timeout(_TUNNEL_OPEN_TIMEOUT):
-                return await TerminalClient.connect(stream, host, target, headers=self._auth())
+                return await connect(stream, host)
         except CapsaError as exc:
             raise NodeError(exc.code, exc.status, exc.message) from None
         except TimeoutError:
-            raise NodeError("node_unreachable", 503, f"the node did not open the terminal within "
+            raise NodeError("node_unreachable", 503, f"the node did not open {what} within "
                                                      f"{_TUNNEL_OPEN_TIMEOUT:g} s") from None
         except (OSError, ConnectionError) as exc:
             raise NodeError("node_unreachable", 503, f"node unreachable: {exc}") from None
@@ -466,18 +465,7 @@ async def _lines_of(lines: AsyncIterator[str], adapter: TypeAdapter[_E], what: s
         try:
             yield adapter.validate_json(line)
         except ValidationError as exc:
-            raise NodeError("bad_node_answer", 502, f"the node sent a {what} that does not parse: "
-                                                    f"{exc.error_count()} error(s)") from exc
-
-
-async def _events(lines: AsyncIterator[str]) -> AsyncIterator[ExecEvent]:
-    async for line in lines:
-        if not line:
-            continue
-        try:
-            yield EXEC_EVENT.validate_json(line)
-        except ValidationError as exc:
-            raise NodeError("bad_node_answer", 502, "the node sent an exec event that does not parse: "
+            raise NodeError("bad_node_answer", 502, f"the node sent {what} that does not parse: "
                                                     f"{exc.error_count()} error(s)") from exc
 
 
