@@ -23,7 +23,9 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from capsa.common.connection_wire import ConnectionTokenOut
 from capsa.common.image import GuestImage
+from capsa.common.node_wire import HeartbeatOut, NodeHeartbeat, NodeRegister
 from capsa.control.app import create_app
 from capsa.control.keys import generate_key
 from capsa.control.plane import ControlPlane
@@ -78,6 +80,30 @@ async def serve_app(
         port = server.servers[0].sockets[0].getsockname()[1]
         url = f"http://127.0.0.1:{port}"
     return Replica(app, server, task, url)
+
+
+class _ClaimsEgress:
+    """The node's control link, registering as able to run egress policies whatever its egress part, as
+    the stack's admin registration claims (the control plane's default): tests of a node refusing a policy
+    it cannot run need the control plane to place the session there."""
+
+    def __init__(self, link: HttpControlLink) -> None:
+        self._link = link
+
+    async def register(self, req: NodeRegister) -> str:
+        return await self._link.register(req.model_copy(update={"egress": True}))
+
+    async def heartbeat(self, node_id: str, req: NodeHeartbeat) -> HeartbeatOut:
+        return await self._link.heartbeat(node_id, req)
+
+    async def leave(self, node_id: str) -> None:
+        await self._link.leave(node_id)
+
+    async def connection_token(self, node_id: str, session_id: str, connection_id: str) -> ConnectionTokenOut:
+        return await self._link.connection_token(node_id, session_id, connection_id)
+
+    async def aclose(self) -> None:
+        await self._link.aclose()
 
 
 @dataclass
@@ -181,7 +207,7 @@ class ApiStack:
         """The node's service on ``parts``: it serves its API on the socket and registers with its credential
         (then fetches connection tokens with it). Its heartbeat loop never comes round in a test."""
         assert self._tmp is not None
-        link = HttpControlLink(self.url, self._tmp, enrol_token=None)
+        link = _ClaimsEgress(HttpControlLink(self.url, self._tmp, enrol_token=None))
         self.service = NodeService(parts, link, uds=self._socket, heartbeat_interval=3600.0)
         await self.service.start()
 
