@@ -101,7 +101,7 @@ async def held(make_stack: Callable[..., Awaitable[ApiStack]], upstream_port: in
                                resolver=StaticResolver({"api.test": ["127.0.0.1"]}),
                                allow_networks=["127.0.0.0/8"],
                                webhook_allow_networks=[ipaddress.ip_network("127.0.0.0/8")])
-    egress.service.broker.upstream_http_port = upstream_port
+    egress.service.broker.upstreams.http_port = upstream_port
     stack = await make_stack(egress=egress)
     key, other = await stack.tenant_key("acme"), await stack.tenant_key("other")
     sandbox_id = ""

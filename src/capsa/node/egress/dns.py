@@ -16,8 +16,11 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
+from capsa.common.addresses import is_ip_literal
 from capsa.common.destinations import ResolveError, Resolver, StaticResolver, SystemResolver
 from capsa.node.egress import dnswire
+from capsa.node.egress.limits import DNS_QUERIES_PER_SECOND
+from capsa.node.egress.sandboxes import SandboxEgress
 
 __all__ = [
     "DnsAnswer",
@@ -28,6 +31,7 @@ __all__ = [
     "StaticResolver",
     "SystemResolver",
     "static_dns_handler",
+    "stub_answer",
 ]
 
 # (rcode, IPv4 addresses) for a (name, qtype, source ip) question.
@@ -57,6 +61,29 @@ class DnsServerProtocol(asyncio.DatagramProtocol):
             return
         rcode, addresses = self._handler(q, str(addr[0]))
         self._transport.sendto(dnswire.build_response(q, rcode, addresses), addr)
+
+
+def stub_answer(sbx: SandboxEgress, broker_ip: str, q: dnswire.Question, source: str) -> DnsAnswer:
+    """The stub's answer to a query of the sandbox (audited): ``broker_ip`` for a name its policy allows."""
+    base = {"kind": "dns", "source": source, "destination": q.name, "method": f"QTYPE{q.qtype}"}
+    if source != sbx.guest_ip:
+        sbx.audit(decision="deny", reason="query from an address that is not the sandbox's",
+                  status=dnswire.REFUSED, **base)
+        return dnswire.REFUSED, []
+    if not sbx.dns_bucket.take():
+        # A flood is audited in summary (one event per ~second of refusals), not query by query.
+        sbx.dns_refused += 1
+        if sbx.dns_refused % DNS_QUERIES_PER_SECOND == 1:
+            sbx.audit(decision="deny", reason="DNS query rate limit exceeded",
+                      status=dnswire.REFUSED, count=sbx.dns_refused, **base)
+        return dnswire.REFUSED, []
+    rule = None if is_ip_literal(q.name) else sbx.policy.rule_for(q.name)
+    if rule is None or q.qclass != 1:
+        sbx.audit(decision="deny", reason="name not allowed by policy", status=dnswire.NXDOMAIN, **base)
+        return dnswire.NXDOMAIN, []
+    sbx.audit(decision="allow", rule=rule.domain, status=dnswire.NOERROR, **base)
+    # The sandbox only ever talks to the broker; AAAA gets an empty answer (the sandbox has no IPv6).
+    return dnswire.NOERROR, [broker_ip] if q.qtype == dnswire.QTYPE_A else []
 
 
 def static_dns_handler(records: Mapping[str, Sequence[str]]) -> DnsHandler:

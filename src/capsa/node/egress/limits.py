@@ -20,10 +20,12 @@ import resource
 import time
 from dataclasses import dataclass
 
-__all__ = ["BrokerLimits", "ByteBudget", "Pace", "raise_nofile"]
+__all__ = ["DNS_QUERIES_PER_SECOND", "BrokerLimits", "ByteBudget", "Pace", "TokenBucket", "raise_nofile"]
 
 KiB = 1024
 MiB = 1024 * KiB
+DNS_QUERIES_PER_SECOND = 100
+"""What one sandbox may ask its DNS stub (twice that as a burst)."""
 
 
 @dataclass(frozen=True)
@@ -126,3 +128,22 @@ class Pace:
         if left <= 0:
             raise TimeoutError("transfer below the minimum rate")
         return left
+
+
+class TokenBucket:
+    """A request rate: ``per_minute`` on average, ``burst`` (default: ``per_minute``) at once."""
+
+    def __init__(self, per_minute: int, burst: int | None) -> None:
+        self.rate = per_minute / 60.0
+        self.capacity = float(burst or per_minute)
+        self.tokens = self.capacity
+        self.stamp = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False

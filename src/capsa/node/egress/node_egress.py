@@ -20,11 +20,12 @@ from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
 from capsa.node.egress.approvals import ApprovalBook
 from capsa.node.egress.audit_log import AuditLog
-from capsa.node.egress.broker import EgressBroker, PolicyUpdate
+from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.dns import Resolver, SystemResolver
 from capsa.node.egress.internal_networks import InternalNetworks
 from capsa.node.egress.limits import raise_nofile
 from capsa.node.egress.policy import EgressPolicy
+from capsa.node.egress.sandboxes import PolicyUpdate
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import AttachedNetwork, EgressService
 from capsa.node.egress.tokens import ConnectionTokens

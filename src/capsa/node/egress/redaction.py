@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import base64
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-__all__ = ["REDACTED", "SecretLeak", "SecretPatterns", "StreamRedactor", "leak_run"]
+__all__ = ["REDACTED", "PatternCache", "SecretLeak", "SecretPatterns", "StreamRedactor", "leak_run"]
 
 REDACTED = b"[REDACTED]"
 _MIN_B64 = 8  # shorter base64 cores would match ordinary text
@@ -166,3 +166,26 @@ class StreamRedactor:
         keep = self.patterns.window
         self._sent_tail = (self._sent_tail + released)[-keep:] if keep else b""
         return released
+
+
+class PatternCache:
+    """One sandbox's :class:`SecretPatterns`, built on first use and kept until the values they spell change:
+    a policy change (:meth:`forget`) or a new ``generation`` of the tokens they hold."""
+
+    def __init__(self) -> None:
+        self._patterns: SecretPatterns | None = None
+        self._generation = -1
+
+    def get(self, generation: int, values: Callable[[], Iterable[bytes]]) -> SecretPatterns:
+        if self._patterns is not None and self._generation != generation:
+            self.forget()  # a token it holds changed: the old one's forms must go too
+        if self._patterns is None:
+            self._patterns = SecretPatterns(values())
+            self._generation = generation
+        return self._patterns
+
+    def forget(self) -> None:
+        if self._patterns is not None:
+            self._patterns = None
+            self._generation = -1
+            re.purge()  # the compiled forms (which spell the secrets) also sit in re's cache

@@ -16,9 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from capsa.node.egress.audit import AuditSink
-from capsa.node.egress.broker import EgressBroker, PolicyUpdate
+from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.netaudit import DropAuditor
 from capsa.node.egress.policy import EgressPolicy
+from capsa.node.egress.sandboxes import PolicyUpdate
 from capsa.node.net.sandbox_net import NetError, NetworkManager, SandboxNet
 
 LOOPBACK_NAMES = "localhost,127.0.0.1,::1"
