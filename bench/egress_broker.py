@@ -76,10 +76,10 @@ def upstream_process(conn: Connection, ca_dir: str) -> None:
 # --- broker process ---------------------------------------------------------------------------------
 
 async def _broker_main(conn: Connection, ca_dir: str, http_port: int, https_port: int) -> None:
+    from capsa.common.egress_policy import EgressPolicy
     from capsa.node.egress.audit import EgressEvent
     from capsa.node.egress.broker import EgressBroker
     from capsa.node.egress.dns import StaticResolver
-    from capsa.node.egress.policy import EgressPolicy
     from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
     from capsa.node.net.sandbox_net import ServicePorts
 

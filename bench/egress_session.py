@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from capsa.common.egress_policy import EgressPolicy
 from capsa.common.ids import new_id
 from capsa.control.secretbox import SecretSealer
 from capsa.node.egress.node_egress import NodeEgress
-from capsa.node.egress.policy import EgressPolicy
 from capsa.node.net.sandbox_net import NetworkManager
 from harness import host_facts, summary, write_results
 

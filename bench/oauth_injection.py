@@ -27,11 +27,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from capsa.common.connection_wire import ConnectionTokenOut
+from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress.audit import ListSink
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.ca import SandboxCA
 from capsa.node.egress.dns import StaticResolver
-from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.tokens import ConnectionTokens
 from capsa.node.net.sandbox_net import ServicePorts

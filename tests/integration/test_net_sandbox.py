@@ -128,9 +128,9 @@ async def test_cleanup_stale() -> None:
 
 
 async def test_egress_service_attach_detach() -> None:
+    from capsa.common.egress_policy import EgressPolicy
     from capsa.node.egress.audit import ListSink
     from capsa.node.egress.broker import EgressBroker
-    from capsa.node.egress.policy import EgressPolicy
     from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
     from capsa.node.egress.service import EgressService
 

@@ -23,11 +23,11 @@ import h11
 import pytest
 
 from capsa.common.destinations import StaticResolver
+from capsa.common.egress_policy import EgressPolicy
 from capsa.common.webhook_signature import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
 from capsa.node.egress.audit import ListSink
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.node_egress import NodeEgress
-from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.trust_store import TrustStore
 from capsa.node.egress.webhooks import WebhookNotifier

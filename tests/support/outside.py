@@ -24,11 +24,11 @@ from pathlib import Path
 
 import h11
 
+from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress.audit import ListSink
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.ca import SandboxCA
 from capsa.node.egress.dns import DnsResolver, DnsServerProtocol, static_dns_handler
-from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.net.nsexec import open_listener
 

@@ -21,9 +21,9 @@ from click.testing import CliRunner, Result
 from fastapi import FastAPI, Request
 
 from capsa.cli.main import cli
+from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress.dns import StaticResolver
 from capsa.node.egress.node_egress import NodeEgress
-from capsa.node.egress.policy import EgressPolicy
 from capsa.node.net.sandbox_net import ServicePorts
 from capsa.sdk import ApprovalInfo, AsyncClient, InvalidState, NotFound
 from tests.support.api_stack import ApiStack, serve_app

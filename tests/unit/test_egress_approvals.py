@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import h11
 import pytest
 
+from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.node.egress.approvals import Approval
 from capsa.node.egress.audit import ListSink
 from capsa.node.egress.broker import EgressBroker, SandboxEgress
 from capsa.node.egress.dns import StaticResolver
-from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.net.sandbox_net import ServicePorts
 from tests.support.h11_server import Answer, h11_handler

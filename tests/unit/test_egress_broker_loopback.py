@@ -14,12 +14,12 @@ from pathlib import Path
 import h11
 import pytest
 
+from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress import dnswire
 from capsa.node.egress.audit import EgressEvent, ListSink
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.ca import SandboxCA
 from capsa.node.egress.dns import StaticResolver
-from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.net.sandbox_net import ServicePorts
 from tests.support.h11_server import Answer, h11_handler

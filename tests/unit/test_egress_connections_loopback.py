@@ -18,12 +18,12 @@ import h11
 import pytest
 
 from capsa.common.connection_wire import ConnectionTokenOut
+from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.node.egress.audit import ListSink
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.ca import SandboxCA
 from capsa.node.egress.dns import StaticResolver
-from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.tokens import ConnectionTokens
 from capsa.node.net.sandbox_net import ServicePorts

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
 from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.egress.node_egress import NodeEgress
-from capsa.node.egress.policy import EgressPolicy
 from tests.support.fake_runtime import FakeRuntime, fake_image
 
 pytestmark = [

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
 from capsa.common.placeholders import new_placeholder
 from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.egress.node_egress import EgressRequest, NodeEgress
-from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.trust_store import TrustStore
 from capsa.node.runtime.base import VMSpec
 from capsa.node.snapshots import LABEL_NIC

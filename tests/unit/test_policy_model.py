@@ -6,8 +6,14 @@ import json
 
 import pytest
 
-from capsa.common.egress_policy import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
-from capsa.node.egress.policy import EgressPolicy, PolicyError, domain_matches, policy_json_schema
+from capsa.common.egress_policy import (
+    MAX_REQUEST_BYTES,
+    MAX_RESPONSE_BYTES,
+    EgressPolicy,
+    PolicyError,
+    domain_matches,
+    policy_json_schema,
+)
 
 YAML_DOC = """
 domains:
@@ -106,12 +112,12 @@ def test_schema_is_exported() -> None:
 
 def test_published_schema_file_matches_the_model() -> None:
     """src/capsa/node/egress/policy.schema.json is what users validate against; regenerate it with
-    ``python -c "from capsa.node.egress.policy import policy_json_schema; print(policy_json_schema())"``."""
+    ``python -c "from capsa.common.egress_policy import policy_json_schema; print(policy_json_schema())"``."""
     from pathlib import Path
 
-    import capsa.node.egress.policy as policy_module
+    import capsa.node.egress as egress_package
 
-    published = Path(policy_module.__file__).with_name("policy.schema.json").read_text()
+    published = Path(egress_package.__file__).with_name("policy.schema.json").read_text()
     assert published == policy_json_schema() + "\n"
 
 

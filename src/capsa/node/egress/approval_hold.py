@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from capsa.common.egress_policy import ApprovalRule, DomainRule
 from capsa.node.egress.approvals import (
     PENDING_PER_SANDBOX,
     PREVIEW_BYTES,
@@ -22,7 +23,6 @@ from capsa.node.egress.approvals import (
 from capsa.node.egress.audit import EgressEvent
 from capsa.node.egress.http1 import STREAM_LIMIT, Client, Deny, Request
 from capsa.node.egress.injection import Credentials
-from capsa.node.egress.policy import ApprovalRule, DomainRule
 from capsa.node.egress.redaction import SecretLeak, SecretPatterns
 from capsa.node.egress.sandboxes import SandboxEgress
 from capsa.node.egress.webhooks import Notifier

@@ -30,6 +30,8 @@ import ssl
 from collections.abc import Mapping, Sequence
 
 from capsa.common.egress_networks import UpstreamProxy
+from capsa.common.egress_policy import EgressPolicy
+from capsa.common.errors import CapsaError
 from capsa.node.egress.approval_hold import ApprovalHolds, approval_event
 from capsa.node.egress.approvals import ApprovalBook
 from capsa.node.egress.audit import AuditSink, emit_safely
@@ -39,10 +41,8 @@ from capsa.node.egress.injection import Credentials
 from capsa.node.egress.internal_networks import InternalNetworks
 from capsa.node.egress.limits import BrokerLimits, ByteBudget
 from capsa.node.egress.listeners import Listeners
-from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.request_loop import RequestLoop
 from capsa.node.egress.sandboxes import (
-    BrokerError,
     PolicyUpdate,
     SandboxEgress,
     assign_placeholders,
@@ -126,7 +126,7 @@ class EgressBroker:
         (a restored or branched sandbox gets the ones its guest already holds); a binding without one gets
         a new random placeholder. ``networks``: the networks its tenant was granted (CIDRs)."""
         if sandbox_id in self._sandboxes:
-            raise BrokerError(f"sandbox {sandbox_id} is already registered", code="conflict", status=409)
+            raise CapsaError(f"sandbox {sandbox_id} is already registered", code="conflict", status=409)
         ipaddress.ip_address(guest_ip)
         sbx = SandboxEgress(sandbox_id, session_id, guest_ip, policy,
                             SandboxCA(sandbox_id, [r.domain for r in policy.domains]), self.sink)
@@ -145,7 +145,7 @@ class EgressBroker:
         try:
             return self._sandboxes[sandbox_id]
         except KeyError:
-            raise BrokerError(f"unknown sandbox {sandbox_id}", code="not_found", status=404) from None
+            raise CapsaError(f"unknown sandbox {sandbox_id}", code="not_found", status=404) from None
 
     def update_policy(self, sandbox_id: str, policy: EgressPolicy,
                       placeholders: Mapping[str, str] | None = None,

@@ -16,7 +16,7 @@ from typing import Any
 
 import h11
 
-from capsa.node.egress.policy import DomainRule
+from capsa.common.egress_policy import DomainRule
 
 __all__ = [
     "HOP_BY_HOP",
@@ -26,6 +26,7 @@ __all__ = [
     "Request",
     "guarded",
     "header",
+    "next_event",
     "printable",
     "send_deny",
     "send_plain_error",
@@ -117,6 +118,19 @@ class Request:
     """The approval that let the request through (None: none was needed)."""
 
 
+async def next_event(conn: h11.Connection, reader: asyncio.StreamReader, left: Callable[[], float]
+                     ) -> h11.Event | type[h11.PAUSED]:
+    """The next event of ``conn``, reading ``reader`` as it needs; each read waits at most ``left()``
+    seconds (which raises once time is up)."""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            data = await asyncio.wait_for(reader.read(STREAM_LIMIT), left())
+            conn.receive_data(data)
+            continue
+        return event  # type: ignore[return-value]
+
+
 class Client:
     """The sandbox side of one connection, spoken with h11."""
 
@@ -126,13 +140,7 @@ class Client:
 
     async def next_event(self, left: Callable[[], float]) -> h11.Event | type[h11.PAUSED]:
         """The next event; each read waits at most ``left()`` seconds (which raises once time is up)."""
-        while True:
-            event = self.conn.next_event()
-            if event is h11.NEED_DATA:
-                data = await asyncio.wait_for(self.reader.read(STREAM_LIMIT), left())
-                self.conn.receive_data(data)
-                continue
-            return event  # type: ignore[return-value]
+        return await next_event(self.conn, self.reader, left)
 
     async def send(self, *events: h11.Event, left: Callable[[], float] | None = None) -> None:
         # One write per response: fewer segments and TLS records.

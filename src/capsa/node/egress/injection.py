@@ -14,9 +14,9 @@ import contextlib
 from collections.abc import Mapping
 from urllib.parse import unquote
 
+from capsa.common.egress_policy import SecretBinding
 from capsa.common.errors import CapsaError
 from capsa.node.egress.http1 import Deny, Request
-from capsa.node.egress.policy import SecretBinding
 from capsa.node.egress.redaction import SecretPatterns
 from capsa.node.egress.sandboxes import SandboxEgress
 from capsa.node.egress.secrets import SecretStore

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from capsa.common.egress_networks import IPNetwork, UpstreamProxy
+from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
 from capsa.node.egress.approvals import ApprovalBook
@@ -24,7 +25,6 @@ from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.dns import Resolver, SystemResolver
 from capsa.node.egress.internal_networks import InternalNetworks
 from capsa.node.egress.limits import raise_nofile
-from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.sandboxes import PolicyUpdate
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import AttachedNetwork, EgressService

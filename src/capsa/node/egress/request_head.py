@@ -7,8 +7,8 @@ from typing import Literal
 from urllib.parse import unquote, urlsplit
 
 from capsa.common.addresses import is_ip_literal
+from capsa.common.egress_policy import DomainRule
 from capsa.node.egress.http1 import Deny, Request, header
-from capsa.node.egress.policy import DomainRule
 
 __all__ = ["Mode", "body_length", "check_framing", "check_path", "check_upload", "destination", "split_host"]
 

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 import h11
 
 from capsa.common.addresses import is_ip_literal
+from capsa.common.egress_policy import DomainRule
 from capsa.node.egress.approval_hold import ApprovalHolds
 from capsa.node.egress.http1 import (
     HOP_BY_HOP,
@@ -30,7 +31,6 @@ from capsa.node.egress.http1 import (
 )
 from capsa.node.egress.injection import Credentials, PlaceholderScan
 from capsa.node.egress.limits import BrokerLimits, Pace, TokenBucket
-from capsa.node.egress.policy import DomainRule
 from capsa.node.egress.request_head import (
     Mode,
     body_length,

@@ -10,9 +10,9 @@ import time
 
 import h11
 
+from capsa.common.egress_policy import DomainRule
 from capsa.node.egress.http1 import HOP_BY_HOP, Client, Deny, Request, header, printable, until
 from capsa.node.egress.limits import BrokerLimits, ByteBudget, Pace
-from capsa.node.egress.policy import DomainRule
 from capsa.node.egress.redaction import SecretLeak, SecretPatterns, StreamRedactor
 from capsa.node.egress.upstream import Upstream
 

@@ -10,20 +10,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from capsa.common.egress_networks import IPNetwork
+from capsa.common.egress_policy import EgressPolicy, SecretBinding
 from capsa.common.errors import CapsaError
 from capsa.node.egress.audit import AuditSink, EgressEvent, emit_safely
 from capsa.node.egress.ca import SandboxCA
 from capsa.node.egress.limits import DNS_QUERIES_PER_SECOND, ByteBudget, TokenBucket
-from capsa.node.egress.policy import EgressPolicy, SecretBinding
 from capsa.node.egress.redaction import PatternCache
 from capsa.node.egress.secrets import is_placeholder, new_placeholder
 
-__all__ = ["BrokerError", "PolicyUpdate", "SandboxEgress", "assign_placeholders", "parse_networks"]
-
-
-class BrokerError(CapsaError):
-    code = "egress_error"
-    status = 500
+__all__ = ["PolicyUpdate", "SandboxEgress", "assign_placeholders", "parse_networks"]
 
 
 @dataclass(frozen=True)
@@ -107,7 +102,7 @@ def assign_placeholders(policy: EgressPolicy, current: Mapping[str, SecretBindin
         wanted = given.get(binding.secret)
         if old is None and wanted is not None and wanted not in out:
             if not is_placeholder(wanted):
-                raise BrokerError(f"not a placeholder for {binding.secret}", code="bad_request", status=422)
+                raise CapsaError(f"not a placeholder for {binding.secret}", code="bad_request", status=422)
             old = wanted
         out[old or new_placeholder()] = binding
     return out
@@ -118,4 +113,4 @@ def parse_networks(cidrs: Sequence[str]) -> tuple[IPNetwork, ...]:
     try:
         return tuple(ipaddress.ip_network(c) for c in cidrs)
     except ValueError as exc:
-        raise BrokerError(f"granted networks: {exc}", code="bad_request", status=422) from None
+        raise CapsaError(f"granted networks: {exc}", code="bad_request", status=422) from None

@@ -15,10 +15,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress.audit import AuditSink
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.netaudit import DropAuditor
-from capsa.node.egress.policy import EgressPolicy
 from capsa.node.egress.sandboxes import PolicyUpdate
 from capsa.node.net.sandbox_net import NetError, NetworkManager, SandboxNet
 

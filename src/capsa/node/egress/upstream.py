@@ -21,7 +21,7 @@ from capsa.common.addresses import is_public_address
 from capsa.common.destinations import DestinationRefused, screen_host
 from capsa.common.egress_networks import IPNetwork, UpstreamProxy
 from capsa.node.egress.dns import ResolveError, Resolver
-from capsa.node.egress.http1 import STREAM_LIMIT, Deny
+from capsa.node.egress.http1 import STREAM_LIMIT, Deny, next_event
 from capsa.node.egress.internal_networks import InternalNetworks
 from capsa.node.egress.upstream_proxy import ProxyAddresses, ProxyRefused, open_tunnel
 
@@ -37,13 +37,7 @@ class Upstream:
         self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
 
     async def next_event(self, left: Callable[[], float]) -> h11.Event:
-        while True:
-            event = self.conn.next_event()
-            if event is h11.NEED_DATA:
-                data = await asyncio.wait_for(self.reader.read(STREAM_LIMIT), left())
-                self.conn.receive_data(data)
-                continue
-            return event  # type: ignore[return-value]
+        return await next_event(self.conn, self.reader, left)  # type: ignore[return-value]
 
     async def send(self, event: h11.Event, left: Callable[[], float]) -> None:
         try:
