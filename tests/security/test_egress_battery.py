@@ -24,8 +24,9 @@ import pytest_asyncio
 
 from capsa.node.egress import dnswire
 from capsa.node.egress.audit import EgressEvent, ListSink
-from capsa.node.egress.broker import EgressBroker, SandboxEgress
+from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.netaudit import DropAuditor
+from capsa.node.egress.sandboxes import SandboxEgress
 from capsa.node.net.nsexec import run_in_netns
 from capsa.node.net.sandbox_net import NetworkManager, SandboxNet
 from capsa.node.net.wire import GuestNamespace

@@ -29,10 +29,11 @@ from capsa.common.addresses import node_addresses
 from capsa.common.egress_networks import EgressNetworkSettings, UpstreamProxy, parse_networks
 from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress.audit import ListSink
-from capsa.node.egress.broker import EgressBroker, SandboxEgress
+from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.ca import SandboxCA
 from capsa.node.egress.dns import StaticResolver
 from capsa.node.egress.internal_networks import InternalNetworks
+from capsa.node.egress.sandboxes import SandboxEgress
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.net.sandbox_net import ServicePorts
 from tests.support.connect_proxy import ConnectProxy
