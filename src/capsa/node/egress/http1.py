@@ -112,7 +112,6 @@ class Request:
     headers: list[tuple[bytes, bytes]]
     rule: DomainRule | None = None
     secret_ids: list[str] = field(default_factory=list)
-    connection_ids: list[str] = field(default_factory=list)
     bytes_out: int = 0
     approval_id: str | None = None
     """The approval that let the request through (None: none was needed)."""

@@ -59,8 +59,7 @@ class Credentials:
 
     async def inject_tokens(self, sbx: SandboxEgress, req: Request, tls: bool, source: str) -> None:
         """Set the header of every connection bound to ``req.host`` (replacing one the sandbox sent) to the
-        connection's current token, over verified HTTPS only; the connections used go to
-        ``req.connection_ids``."""
+        connection's current token, over verified HTTPS only (each use audited)."""
         rule = req.rule.domain if req.rule else None
         for binding in sbx.policy.connections_for(req.host):
             cid = binding.connection
@@ -88,7 +87,6 @@ class Credentials:
             name = binding.header.lower().encode()
             req.headers = [(k, v) for k, v in req.headers if k != name]
             req.headers.append((name, binding.header_value(issued.value).encode()))
-            req.connection_ids.append(cid)
             sbx.audit(decision="allow", reason=f"connection {cid}: token injected",
                       detail={"connection_id": cid, "action": "inject"}, **base)
 
