@@ -16,16 +16,21 @@ from capsa.common import logs
 
 @pytest.fixture
 def restored() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
+    """The logging state :func:`logs.configure` changes, put back after the test."""
+    names = ["", "uvicorn", "uvicorn.error", "uvicorn.access", *logs._QUIET]
+    kept = {name: (list(logging.getLogger(name).handlers), logging.getLogger(name).level,
+                   logging.getLogger(name).propagate) for name in names}
     try:
         yield
     finally:
-        for handler in list(root.handlers):
-            root.removeHandler(handler)
-        for handler in handlers:
-            root.addHandler(handler)
-        root.setLevel(level)
+        for name, (handlers, level, propagate) in kept.items():
+            logger = logging.getLogger(name)
+            for handler in list(logger.handlers):
+                logger.removeHandler(handler)
+            for handler in handlers:
+                logger.addHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
         logging.captureWarnings(False)
 
 

@@ -33,6 +33,10 @@ _QUIET = {  # dependencies whose INFO lines are chatter rather than events
 }
 
 
+_SERVER_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+"""Configured by ``uvicorn.Config`` unless its ``log_config`` is None (capsa's servers pass None)."""
+
+
 def _redact_fields(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
     for key, value in event.items():
         if isinstance(value, str):
@@ -74,4 +78,10 @@ def configure(*, level: int = logging.INFO, json: bool | None = None, stream: Te
     root.setLevel(level)
     for name, floor in _QUIET.items():
         logging.getLogger(name).setLevel(max(floor, level))
+    for name in _SERVER_LOGGERS:  # uvicorn.Config gave them handlers and levels of their own: ours instead
+        server = logging.getLogger(name)
+        for old in list(server.handlers):
+            server.removeHandler(old)
+        server.propagate = True
+        server.setLevel(logging.NOTSET)
     logging.captureWarnings(True)  # a dependency's DeprecationWarning is a log line too, not a bare print
