@@ -181,7 +181,7 @@ async def _create_with_policy(n: int) -> dict[str, Any]:
             record = await pooled_agent.create(sid, "base", 256, 1, {}, policy=_policy(),
                                                secrets={SECRET_ID: "v"}, session_id="ses_bench")
             t1 = time.perf_counter()
-            await pooled_agent.exec(sid, ["true"])
+            await pooled_agent.guest(sid).exec(["true"])
             assert record.source == "pool"
             pooled.append((t1 - t0) * 1000)
             pooled_first.append((time.perf_counter() - t0) * 1000)

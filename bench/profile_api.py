@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import capsa.node.guest_client as guest_client
 import httpx
 from rich.console import Console
 from rich.table import Table
@@ -35,7 +36,6 @@ import capsa.control.nodeclient as nodeclient
 import capsa.control.routes.commands as commands_routes
 import capsa.control.sessions as control_sessions
 import capsa.node.agent as agent
-import capsa.node.guest_client as guest_client
 import capsa.node.sources as sources
 import capsa.node.warm_pool as warm_pool
 import capsa.serve as serve_module

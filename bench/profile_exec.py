@@ -44,7 +44,7 @@ from capsa.common.settings import Settings
 from capsa.images import ensure_image
 from capsa.images.build import image_from_manifest, load_manifest
 from capsa.node.agent import NodeAgent, NodeCapacity
-from capsa.node.guest_client import GuestClient
+from capsa.node.guestlink.client import GuestClient
 from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.sources import TemplateSource
@@ -70,7 +70,7 @@ async def _timed_true(sandbox: QemuSandbox, cmd: str | list[str]) -> tuple[float
     client: GuestClient = await sandbox._usable_client()
     t0 = time.perf_counter()
     # The raw RESULT frame (the public ExecResult keeps only the fields every caller needs).
-    frame = await client._call("exec", {"cmd": cmd})
+    frame = await client.call("exec", {"cmd": cmd})
     elapsed = (time.perf_counter() - t0) * 1000
     if frame.meta.get("exit_code") != 0:
         raise RuntimeError(f"true failed in the guest: {frame.meta}")
@@ -178,7 +178,7 @@ async def _agent_series(agent: NodeAgent, source: TemplateSource, n: int, pooled
         sources.append(record.source)
         for i in range(AFTER_RESTORE):
             t1 = time.perf_counter()
-            result = await agent.exec(sid, ["true"])
+            result = await agent.guest(sid).exec(["true"])
             per_index[i].append((time.perf_counter() - t1) * 1000)
             if result.exit_code != 0:
                 raise RuntimeError(f"true failed: {result}")
@@ -233,7 +233,7 @@ async def node_paths(args: argparse.Namespace, image: GuestImage, base_dir: Path
         t1 = time.perf_counter()
         record = await agent.create(sid, "base", 256, 1, {})
         created = (time.perf_counter() - t1) * 1000
-        first = await agent.exec(sid, ["true"])
+        first = await agent.guest(sid).exec(["true"])
         first_ms = (time.perf_counter() - t1) * 1000 - created
         out["fresh_node"] = {"ready_ms": ready, "imports": source.store.imports,
                              "cold_boots": 0 if source.store.imports else 1, "first_create_ms": created,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from capsa.node.guest_client import GuestError
+from capsa.node.guestlink.errors import GuestError
 from capsa.node.runtime.base import SandboxState
 from capsa.node.runtime.qemu import QemuSandbox
 

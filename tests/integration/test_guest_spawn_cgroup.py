@@ -12,6 +12,7 @@ import shutil
 import pytest
 
 from capsa.node.runtime.qemu import QemuSandbox
+from tests.support.guest_waits import wait_exit
 
 pytestmark = [
     pytest.mark.vm,
@@ -37,7 +38,7 @@ async def test_a_command_is_in_its_own_cgroup_from_its_first_instruction(sandbox
     assert shell_pid == str(r.pid) and re.fullmatch(r"/work/n[0-9]+", group), r
     assert shell_pid in members and len(members) <= 2, r  # the shell and its cat
     proc = await sandbox.guest.start_process(["cat", "/proc/self/cgroup"])
-    await sandbox.guest.wait_process(proc.pid, timeout=TIMEOUT)
+    await wait_exit(sandbox.guest, proc.pid, timeout=TIMEOUT)
     out = await sandbox.guest.process_output(proc.pid)
     assert re.fullmatch(r"0::/work/n[0-9]+", out.stdout.decode().strip()), out
     # Each command's group is removed once it is done; the daemon stays where init put it.

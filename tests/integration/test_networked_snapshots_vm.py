@@ -162,7 +162,7 @@ async def test_networked_session_from_the_pool_pauses_resumes_and_branches(
             started = time.perf_counter()
             record = await agent.create(sid, "base", 256, 1, {}, policy=request.policy, secrets=values,
                                         session_id="ses_parent", placeholders=placeholders)
-            first = await agent.exec(sid, ["true"])
+            first = await agent.guest(sid).exec(["true"])
             create_and_first = time.perf_counter() - started
             assert first.exit_code == 0
             assert record.source == "pool" and record.env["API_KEY"] == placeholders[SECRET_ID]

@@ -22,6 +22,7 @@ from capsa.node.runtime.base import RuntimeError_, SandboxFailed, SandboxState, 
 from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
 from capsa.node.runtime.snapshot.manifest import SnapshotError
 from capsa.node.runtime.workdir import VM_UID_BASE, VM_UID_COUNT
+from tests.support.guest_waits import wait_exit
 
 pytestmark = [
     pytest.mark.vm,
@@ -154,7 +155,7 @@ async def test_background_process_survives_between_execs(sandbox: QemuSandbox) -
     assert first.stdout.startswith(b"tick 0\n")
     assert len(second.stdout.splitlines()) > len(first.stdout.splitlines())
     killed = await sandbox.guest.kill_process(proc.pid, signal.SIGKILL)
-    final = await sandbox.guest.wait_process(killed.pid, timeout=10)
+    final = await wait_exit(sandbox.guest, killed.pid, timeout=10)
     assert not final.running and final.signal == signal.SIGKILL
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from capsa.compat.e2b import MOUNT_PATH
 from capsa.compat.e2b.filesystem import MAX_LISTINGS
+from capsa.node.guestlink.facade import SandboxGuest
 from tests.support.api_stack import ApiStack
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,16 +33,15 @@ async def test_a_deep_listdir_is_refused_within_the_listing_cap(stack: ApiStack,
         made = await client.post(f"/v1/sessions/{sid}/commands", json={"cmd": ["sh", "-c", script]})
         assert made.json()["exit_code"] == 0, made.text
 
-    agent = stack.agent
-    assert agent is not None
+    assert stack.agent is not None
     calls = [0]
-    real_list_dir = agent.list_dir
+    real_list_dir = SandboxGuest.list_dir
 
-    async def counted_list_dir(*args: Any, **kwargs: Any) -> Any:
+    async def counted_list_dir(self: SandboxGuest, *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
-        return await real_list_dir(*args, **kwargs)
+        return await real_list_dir(self, *args, **kwargs)
 
-    monkeypatch.setattr(agent, "list_dir", counted_list_dir)
+    monkeypatch.setattr(SandboxGuest, "list_dir", counted_list_dir)
 
     async with httpx.AsyncClient(base_url=stack.url + MOUNT_PATH + "/envd", timeout=120, headers={
             "X-Access-Token": key, "E2b-Sandbox-Id": sid}) as envd:

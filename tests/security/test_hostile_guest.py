@@ -19,9 +19,9 @@ from typing import Any, cast
 import pytest
 
 from capsa.guest import files as guest_files
+from capsa.guest.background import RingBuffer
 from capsa.guest.channel import Stream
 from capsa.guest.errors import OpError
-from capsa.guest.procs import RingBuffer
 from capsa.guest.protocol import (
     INITIAL_WINDOW,
     MAX_LISTING_BYTES,
@@ -31,13 +31,10 @@ from capsa.guest.protocol import (
     Kind,
     encode_frame,
 )
-from capsa.node.guest_client import (
-    MAX_EVENTS_PER_CALL,
-    GuestClient,
-    GuestDeadlines,
-    GuestError,
-    GuestTimeout,
-)
+from capsa.node.api.errors import status_of
+from capsa.node.guestlink.client import GuestClient
+from capsa.node.guestlink.errors import GuestError, GuestTimeout
+from capsa.node.guestlink.streams import MAX_EVENTS_PER_CALL, GuestDeadlines
 
 MIB = 1024 * 1024
 CHUNK = b"x" * 65536
@@ -290,7 +287,7 @@ def test_the_guest_refuses_a_listing_larger_than_the_client_accepts(tmp_path: Pa
     with pytest.raises(OpError) as e:
         guest_files.op_list(cast(Stream, big), {"path": str(tmp_path)}, b"")
     assert e.value.code == "too_large" and not big.data and big.meta is None
-    assert GuestError("too_large", "m").status == 413
+    assert status_of(GuestError("too_large", "m")) == 413
 
 
 def test_the_guest_keeps_no_more_process_output_than_the_client_accepts() -> None:
@@ -314,7 +311,6 @@ ONE_FRAME_CALLS: dict[str, Call] = {
     "proc_start": lambda c: c.start_process("sleep 1"),
     "proc_kill": lambda c: c.kill_process(7),
     "proc_output": lambda c: c.process_output(7),
-    "proc_wait": lambda c: c.wait_process(7, timeout=0.1),
     "exec": lambda c: c.exec("true", timeout=0.1),
     "read_file": lambda c: c.read_file("/x"),
     "write_file": lambda c: c.write_file("/x", b"data"),
@@ -336,7 +332,7 @@ async def test_every_call_to_a_silent_guest_fails_at_its_deadline(name: str) -> 
         with pytest.raises(GuestTimeout) as e:
             await asyncio.wait_for(ONE_FRAME_CALLS[name](client), 20)  # the guard only catches a hang
         took = time.monotonic() - started
-        assert e.value.code == "guest_timeout" and e.value.status == 504
+        assert e.value.code == "guest_timeout" and status_of(e.value) == 504
         assert took < 5, took
 
 

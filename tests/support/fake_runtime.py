@@ -36,7 +36,7 @@ from pathlib import Path
 from capsa.common.errors import CapsaError
 from capsa.common.ids import is_id, new_id
 from capsa.common.image import GuestImage
-from capsa.node.guest_client import GuestClient
+from capsa.node.guestlink.client import GuestClient
 from capsa.node.runtime.base import Accelerator, BootError, RamMode, Sandbox, SandboxState, VMSpec
 from capsa.node.runtime.snapshot.manifest import (
     DISK_FILE,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest_asyncio
 
-from capsa.node.guest_client import GuestClient
+from capsa.node.guestlink.client import GuestClient
 
 __all__ = ["GUEST_PACKAGE", "LocalGuest", "guest_client", "local_guest", "local_guest_client"]
 

@@ -22,7 +22,10 @@ from pathlib import Path
 import pytest
 
 from capsa.guest.protocol import INITIAL_WINDOW, MAGIC, PROTOCOL_VERSION, Decoder, Frame, Kind, encode_frame
-from capsa.node.guest_client import ChannelClosed, GuestClient, GuestDeadlines, GuestError
+from capsa.node.api.errors import status_of
+from capsa.node.guestlink.client import GuestClient
+from capsa.node.guestlink.errors import ChannelClosed, GuestError
+from capsa.node.guestlink.streams import GuestDeadlines
 from tests.support.local_guest import GUEST_PACKAGE, LocalGuest, guest_client, local_guest
 from tests.support.processes import processes_with
 
@@ -241,7 +244,7 @@ async def test_lost_connection_fails_every_pending_call_at_once(
 
     client = await fake_guest(behaviour)
     results = await asyncio.wait_for(asyncio.gather(
-        client.exec("sleep 100"), client.read_file("/a"), client.wait_process(1),
+        client.exec("sleep 100"), client.read_file("/a"), client.stream_process(1),
         return_exceptions=True), 60)
     assert all(isinstance(r, ChannelClosed) for r in results), results
     assert client.closed
@@ -284,7 +287,7 @@ async def test_health_timeout_on_a_silent_guest(fake_guest: Callable[[Behaviour]
     with pytest.raises(GuestError) as e:
         await client.health(timeout=0.2)
     assert e.value.code == "guest_timeout"
-    assert e.value.status == 504
+    assert status_of(e.value) == 504
     with pytest.raises(GuestError) as e:
         await client.wait_ready(timeout=0.5, interval=0.1)
     assert e.value.code == "guest_timeout"

@@ -1,11 +1,11 @@
-"""capsa.guest.procs.Deadlines: one thread runs every command's timeout callback in deadline order; a
+"""capsa.guest.foreground.Deadlines: one thread runs every command's timeout callback in deadline order; a
 cancelled one never runs; a failing callback does not stop the ones after it."""
 
 from __future__ import annotations
 
 import threading
 
-from capsa.guest.procs import Deadlines
+from capsa.guest.foreground import Deadlines
 
 
 def test_callbacks_run_in_deadline_order_and_cancelled_ones_never() -> None:

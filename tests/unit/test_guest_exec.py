@@ -14,7 +14,9 @@ import uuid
 
 import pytest
 
-from capsa.node.guest_client import GuestClient, GuestError
+from capsa.node.guestlink.client import GuestClient
+from capsa.node.guestlink.errors import GuestError
+from tests.support.guest_waits import wait_exit
 from tests.support.local_guest import LocalGuest, guest_client, local_guest
 from tests.support.processes import processes_with
 
@@ -231,7 +233,7 @@ async def test_host_disconnect_cancels_exec_but_background_processes_survive(loc
         await task
     assert await wait_gone(f"fg-{marker}") == []
     second = await local_guest.client()
-    info = (await second.wait_process(bg.pid, timeout=0.1))
+    info = (await wait_exit(second, bg.pid, timeout=0.1))
     assert info.running
     assert (await second.process_output(bg.pid)).stdout == b"started\n"
     await second.kill_process(bg.pid, signal.SIGKILL)
@@ -244,21 +246,21 @@ async def test_background_process_lifecycle(guest_client: GuestClient) -> None:
     # Other work goes on meanwhile.
     assert (await guest_client.exec("echo between")).stdout == b"between\n"
     assert p.pid in [q.pid for q in await guest_client.list_processes() if q.running]
-    waited = await guest_client.wait_process(p.pid, timeout=0.6)
+    waited = await wait_exit(guest_client, p.pid, timeout=0.6)
     assert waited.running  # wait with a timeout returns the state, still running
     out = await guest_client.process_output(p.pid)
     assert (out.stdout, out.stderr, out.running) == (b"one\n", b"two\n", True)
     killed = await guest_client.kill_process(p.pid, signal.SIGTERM)
     assert not killed.running and killed.signal == signal.SIGTERM
-    final = await guest_client.wait_process(p.pid)
+    final = await wait_exit(guest_client, p.pid)
     assert final.signal == signal.SIGTERM and final.finished_at is not None
     done = await guest_client.start_process(["sh", "-c", "exit 4"])
-    assert (await guest_client.wait_process(done.pid, timeout=10)).exit_code == 4
+    assert (await wait_exit(guest_client, done.pid, timeout=10)).exit_code == 4
 
 
 async def test_background_output_is_a_bounded_ring_with_offsets(guest_client: GuestClient) -> None:
     p = await guest_client.start_process("head -c 3145728 /dev/zero | tr '\\0' a; printf END")
-    await guest_client.wait_process(p.pid, timeout=30)
+    await wait_exit(guest_client, p.pid, timeout=30)
     out = await guest_client.process_output(p.pid)
     assert out.stdout_truncated and len(out.stdout) == 1024 * 1024
     assert out.stdout.endswith(b"aEND") and out.stdout_end == 3 * 1024 * 1024 + 3
@@ -268,7 +270,7 @@ async def test_background_output_is_a_bounded_ring_with_offsets(guest_client: Gu
 
 async def test_background_process_errors(guest_client: GuestClient) -> None:
     with pytest.raises(GuestError) as e:
-        await guest_client.wait_process(999999999)
+        await wait_exit(guest_client, 999999999)
     assert e.value.code == "no_such_process"
     with pytest.raises(GuestError) as e:
         await guest_client.start_process(["/no/such/thing"])
@@ -293,7 +295,7 @@ async def test_pty_session(guest_client: GuestClient) -> None:
 
     await pty.write(b"tty; stty size\n")
     await until(b"30 100\r\n")
-    await pty.resize(40, 120)
+    await pty.resize(120, 40)
     await pty.write(b"stty size; exit 5\n")
     async for chunk in reader:
         out += chunk
@@ -328,14 +330,14 @@ async def test_reseed_and_clock(guest_client: GuestClient) -> None:
 
 async def test_unknown_op_and_bad_arguments(guest_client: GuestClient) -> None:
     with pytest.raises(GuestError) as e:
-        await guest_client._call("no_such_op")
+        await guest_client.call("no_such_op")
     assert e.value.code == "unknown_op"
     bad: list[tuple[str, dict[str, object]]] = [
         ("exec", {"cmd": 5}), ("exec", {"cmd": "true", "max_output": "x"}), ("file_read", {"path": 3}),
         ("proc_kill", {"pid": "x"}), ("pty_open", {"rows": 0}), ("exec", {"cmd": "true", "stdin": "yes"})]
     for op, args in bad:
         with pytest.raises(GuestError) as e:
-            await guest_client._call(op, args)
+            await guest_client.call(op, args)
         assert e.value.code == "bad_request", (op, args)
     with pytest.raises(GuestError) as e:
         await guest_client.poweroff()

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from capsa.node.guest_client import GuestClient, GuestError
+from capsa.node.api.errors import status_of
+from capsa.node.guestlink.client import GuestClient
+from capsa.node.guestlink.errors import GuestError
 from tests.support.local_guest import guest_client, local_guest
 
 __all__ = ["guest_client", "local_guest"]
@@ -115,7 +117,7 @@ async def test_file_errors_have_stable_codes(guest_client: GuestClient, tmp_path
         with pytest.raises(GuestError) as e:
             await call
         assert e.value.code == code
-        assert e.value.status in (400, 404, 409)
+        assert status_of(e.value) in (400, 404, 409)
     # Input the client cannot even send is a clear error too, and the channel stays usable.
     with pytest.raises(GuestError) as e:
         await guest_client.exec("true", env={"BIG": "x" * 100_000})

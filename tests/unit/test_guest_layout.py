@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from capsa.guest.layout import ADDR_NO_RANDOMIZE
-from capsa.node.guest_client import GuestClient, GuestError
+from capsa.node.guestlink.client import GuestClient
+from capsa.node.guestlink.errors import GuestError
+from tests.support.guest_waits import wait_exit
 from tests.support.local_guest import LocalGuest, guest_client, local_guest
 
 __all__ = ["guest_client", "local_guest"]
@@ -51,7 +53,7 @@ async def test_randomized_by_default_fixed_on_request_and_back(guest_client: Gue
     assert len(await _libc_starts(guest_client, 4)) == 1
     # A background process is spawned the same way.
     proc = await guest_client.start_process(["cat", "/proc/self/personality"])
-    waited = await guest_client.wait_process(proc.pid, timeout=10)
+    waited = await wait_exit(guest_client, proc.pid, timeout=10)
     assert waited.exit_code == 0
     output = await guest_client.process_output(proc.pid)
     assert int(output.stdout.strip(), 16) & ADDR_NO_RANDOMIZE
@@ -66,6 +68,6 @@ async def test_randomized_by_default_fixed_on_request_and_back(guest_client: Gue
 async def test_set_aslr_wants_a_boolean(guest_client: GuestClient) -> None:
     for bad in ("no", 0, None):
         with pytest.raises(GuestError) as caught:
-            await guest_client._call("set_aslr", {"enabled": bad})
+            await guest_client.call("set_aslr", {"enabled": bad})
         assert caught.value.code == "bad_request"
     assert not await _personality(guest_client) & ADDR_NO_RANDOMIZE

@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from capsa.node.guest_client import GuestClient, GuestError
+from capsa.node.api.errors import status_of
+from capsa.node.guestlink.client import GuestClient
+from capsa.node.guestlink.errors import GuestError
 from tests.support.local_guest import guest_client, local_guest
 
 __all__ = ["guest_client", "local_guest"]
@@ -66,7 +68,7 @@ async def test_closed_port_is_port_unreachable(guest_client: GuestClient) -> Non
         port = sock.getsockname()[1]  # bound, not listening: refused
         with pytest.raises(GuestError) as failed:
             await guest_client.tcp_open(port)
-    assert failed.value.code == "port_unreachable" and failed.value.status == 502
+    assert failed.value.code == "port_unreachable" and status_of(failed.value) == 502
     for bad in (0, 65536):
         with pytest.raises(GuestError) as refused:
             await guest_client.tcp_open(bad)

@@ -9,7 +9,12 @@ import pathlib
 
 import pytest
 
-from capsa.node.guest_client import GuestClient, GuestError, OutputChunk, StreamEnd, WatchEvent
+from capsa.guest.results import WatchEvent
+from capsa.node.api.errors import status_of
+from capsa.node.guestlink.client import GuestClient
+from capsa.node.guestlink.errors import GuestError
+from capsa.node.guestlink.handles.output import OutputChunk, StreamEnd
+from tests.support.guest_waits import wait_exit
 from tests.support.local_guest import LocalGuest, guest_client, local_guest
 
 __all__ = ["guest_client", "local_guest"]
@@ -25,13 +30,13 @@ async def test_stdin_two_writes_then_close(guest_client: GuestClient) -> None:
     closed = await guest_client.close_stdin(p.pid)
     assert not closed.stdin_open
     await guest_client.close_stdin(p.pid)  # twice is fine
-    info = await guest_client.wait_process(p.pid, timeout=30)
+    info = await wait_exit(guest_client, p.pid, timeout=30)
     assert info.exit_code == 0
     out = await guest_client.process_output(p.pid)
     assert out.stdout == b"got one\ngot two\neof\n"
     with pytest.raises(GuestError) as e:
         await guest_client.send_stdin(p.pid, b"late\n")
-    assert e.value.code == "process_exited" and e.value.status == 409
+    assert e.value.code == "process_exited" and status_of(e.value) == 409
 
 
 async def test_stdin_refused_without_pipe_or_process(guest_client: GuestClient) -> None:
@@ -46,14 +51,14 @@ async def test_stdin_refused_without_pipe_or_process(guest_client: GuestClient) 
     await guest_client.kill_process(p.pid, 9)
     with pytest.raises(GuestError) as e:
         await guest_client.send_stdin(999999999, b"x")
-    assert e.value.code == "no_such_process" and e.value.status == 404
+    assert e.value.code == "no_such_process" and status_of(e.value) == 404
 
 
 async def test_stdin_larger_than_a_frame_reaches_the_process(guest_client: GuestClient) -> None:
     p = await guest_client.start_process("wc -c", stdin=True)
     await guest_client.send_stdin(p.pid, b"x" * (3 * 1024 * 1024 + 5))
     await guest_client.close_stdin(p.pid)
-    await guest_client.wait_process(p.pid, timeout=30)
+    await wait_exit(guest_client, p.pid, timeout=30)
     assert (await guest_client.process_output(p.pid)).stdout.strip() == str(3 * 1024 * 1024 + 5).encode()
 
 
@@ -100,7 +105,7 @@ async def test_stream_follows_output_and_reattaches_without_loss_or_repeat(guest
 
 async def test_stream_reports_bytes_the_ring_buffer_dropped(guest_client: GuestClient) -> None:
     p = await guest_client.start_process("head -c 1200000 /dev/zero")  # more than the 1 MiB kept
-    await guest_client.wait_process(p.pid, timeout=30)
+    await wait_exit(guest_client, p.pid, timeout=30)
     chunks, end = await _collect(guest_client, p.pid)
     assert end is not None and chunks[0].lost == 1200000 - 1024 * 1024
     assert sum(len(c.data) for c in chunks) == 1024 * 1024 and end.stdout_end == 1200000

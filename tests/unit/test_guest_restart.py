@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from capsa.guest.protocol import HELLO_EVENT, INSTANCE_KEY, UNAVAILABLE, Decoder, Frame, Kind, encode_frame
-from capsa.node.guest_client import GuestClient, GuestError, GuestUnavailable
+from capsa.node.api.errors import status_of
+from capsa.node.guestlink.client import GuestClient
+from capsa.node.guestlink.errors import GuestError, GuestUnavailable
 from tests.support.local_guest import LocalGuest, local_guest
 
 __all__ = ["local_guest"]
@@ -140,7 +142,7 @@ async def test_a_restarted_daemon_fails_the_call_in_flight_at_once_and_the_next_
             await asyncio.wait_for(first, 5)
         assert time.monotonic() - started < 2.0
         assert failure.value.code == "guest_unavailable"
-        assert failure.value.status == 503
+        assert status_of(failure.value) == 503
         assert not client.closed
         assert client.instance == "second" and client.daemon_restarts == 1
 
@@ -215,4 +217,4 @@ async def test_real_daemon_announces_itself_and_refuses_requests_for_another_ins
 async def test_guest_unavailable_is_a_503_guest_error() -> None:
     err = GuestUnavailable("gone")
     assert isinstance(err, GuestError)
-    assert (err.code, err.status, err.message) == ("guest_unavailable", 503, "gone")
+    assert (err.code, status_of(err), err.message) == ("guest_unavailable", 503, "gone")

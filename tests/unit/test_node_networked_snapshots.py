@@ -105,7 +105,7 @@ async def test_networked_sandbox_from_the_pool_pauses_resumes_and_branches(
     # The CA went in by file writes onto the copy of the image's bundle made when base-net was built.
     bundle = await record.sandbox.guest.read_file(TRUST.bundle)
     assert bundle.endswith(ca_first) and await record.sandbox.guest.read_file(TRUST.base) == b""
-    await agent.write_file(sid, "/tmp/work.txt", _chunks(b"state before pause"))
+    await agent.guest(sid).write_file("/tmp/work.txt", _chunks(b"state before pause"))
 
     snap = await agent.pause(sid)
     assert agent.snapshots is not None

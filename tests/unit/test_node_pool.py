@@ -11,8 +11,9 @@ from collections.abc import Callable
 import pytest
 from prometheus_client import generate_latest
 
+from capsa.node.guestlink.identity import bind_identity
 from capsa.node.runtime.base import SandboxState
-from capsa.node.warm_pool import PoolKey, WarmPool, bind_identity
+from capsa.node.warm_pool import PoolKey, WarmPool
 from tests.support.waits import eventually
 
 KEY: PoolKey = ("base", 256, 1)

@@ -28,7 +28,7 @@ pytestmark = [
 
 
 async def _sh(agent: NodeAgent, sid: str, cmd: str) -> str:
-    result = await agent.exec(sid, cmd)
+    result = await agent.guest(sid).exec(cmd)
     assert result.exit_code == 0, result.stderr
     return result.stdout.decode()
 
@@ -152,7 +152,7 @@ async def test_a_node_without_snapshots_refuses_them(tmp_path: Path) -> None:
             assert refused.value.code == "snapshots_unavailable" and refused.value.status == 501
         with pytest.raises(CapsaError):
             agent.list_templates()
-        assert (await agent.exec(sid, "echo up")).stdout == b"up\n"
+        assert (await agent.guest(sid).exec("echo up")).stdout == b"up\n"
     finally:
         await agent.close()
 
@@ -187,7 +187,7 @@ async def test_template_source_pool_bind_restore_on_demand_and_snapshots(tmp_pat
 
         # Snapshots work on restored sandboxes too; a session's files stay its own.
         await _sh(agent, first, "echo one > /tmp/f")
-        assert (await agent.exec(second, "cat /tmp/f")).exit_code != 0
+        assert (await agent.guest(second).exec("cat /tmp/f")).exit_code != 0
         paused = await agent.pause(first)
         again = new_id("sbx")
         record = await agent.restore(paused["id"], again, {})

@@ -32,7 +32,7 @@ def logged_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def _lines(agent: NodeAgent, sid: str) -> int:
-    result = await agent.exec(sid, f"cat {_LOG} 2>/dev/null || true")
+    result = await agent.guest(sid).exec(f"cat {_LOG} 2>/dev/null || true")
     return len(result.stdout.decode().splitlines())
 
 

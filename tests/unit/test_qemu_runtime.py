@@ -12,7 +12,7 @@ import pytest
 
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
-from capsa.node.guest_client import GuestError
+from capsa.node.guestlink.errors import GuestError
 from capsa.node.runtime.base import Accelerator, BootError, VMSpec
 from capsa.node.runtime.qemu import QemuRuntime
 from capsa.node.runtime.qemu.cmdline import SANDBOX_OPTIONS

@@ -73,7 +73,7 @@ def run(memory_mib: int, vcpus: int, accel: str | None, timeout: float | None, m
 
 async def _run(settings: Settings, image: object, argv: list[str], *, memory_mib: int, vcpus: int,
                cmd_timeout: float | None, max_output: int, stdin: bytes | None, verbose: bool) -> int:
-    from capsa.node.guest_client import GuestError
+    from capsa.node.guestlink.errors import GuestError
     from capsa.node.runtime.base import BootError, GuestImage, SandboxFailed, VMSpec
     from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
 

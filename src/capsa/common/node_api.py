@@ -12,6 +12,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, IPvAnyNetwork, SecretStr, TypeAdapter
 
+from capsa.guest.limits import (
+    COMMAND_ENV_ENTRIES,
+    DEFAULT_MAX_OUTPUT,
+    ENV_NAME_CHARS,
+    ENV_VALUE_CHARS,
+    MAX_OUTPUT,
+)
+
 __all__ = [
     "APPROVAL_ID_PATTERN",
     "EXEC_EVENT",
@@ -72,7 +80,7 @@ GUEST_PATH_PATTERN = r"^/[^\x00]*$"
 """An absolute path inside the sandbox (query parameter ``path`` of the file routes, at most 4096 chars)."""
 APPROVAL_ID_PATTERN = r"^apr_[a-z0-9]{20}$"
 """An approval's id (made by the node that holds its request)."""
-MAX_EXEC_OUTPUT = 1 << 30
+MAX_EXEC_OUTPUT = MAX_OUTPUT
 """Upper bound of :attr:`ExecRequest.max_output` (bytes kept per stream)."""
 
 
@@ -85,8 +93,9 @@ class _Answer(BaseModel):
 
 
 _SandboxId = Annotated[str, Field(pattern=r"^sbx_[0-9a-z]{20}$")]
-_Env = Annotated[dict[Annotated[str, Field(max_length=128)], Annotated[str, Field(max_length=4096)]],
-                 Field(max_length=256)]
+_Env = Annotated[dict[Annotated[str, Field(max_length=ENV_NAME_CHARS)],
+                      Annotated[str, Field(max_length=ENV_VALUE_CHARS)]],
+                 Field(max_length=COMMAND_ENV_ENTRIES)]
 _Secrets = Annotated[dict[Annotated[str, Field(pattern=r"^sec_[0-9a-z]{20}$")],
                           Annotated[SecretStr, Field(min_length=1, max_length=65536)]],
                      Field(max_length=64)]
@@ -264,7 +273,7 @@ class ProcessStart(CommandSpec):
 class ExecRequest(CommandSpec):
     timeout: Annotated[float, Field(gt=0)] | None = None
     stdin: str | None = None
-    max_output: Annotated[int, Field(ge=0, le=MAX_EXEC_OUTPUT)] = 16 << 20
+    max_output: Annotated[int, Field(ge=0, le=MAX_EXEC_OUTPUT)] = DEFAULT_MAX_OUTPUT
     """Bytes of stdout and of stderr kept; the rest is counted as truncated."""
 
 

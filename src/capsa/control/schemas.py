@@ -22,6 +22,7 @@ from capsa.common.node_wire import (
     NodeRegister,
 )
 from capsa.control.egress_schemas import PolicyDocument
+from capsa.guest.limits import ENV_ENTRIES, ENV_NAME_CHARS, ENV_VALUE_CHARS, STDIN_CHARS
 from capsa.sdk.models import (
     CommandResult,
     FileInfo,
@@ -82,8 +83,8 @@ __all__ = [
 ]
 
 _NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
-_Name = Annotated[str, Field(pattern=_NAME_PATTERN, min_length=1, max_length=128)]
-_Value = Annotated[str, Field(max_length=4096)]
+_Name = Annotated[str, Field(pattern=_NAME_PATTERN, min_length=1, max_length=ENV_NAME_CHARS)]
+_Value = Annotated[str, Field(max_length=ENV_VALUE_CHARS)]
 
 
 def _no_nul(mapping: dict[str, str]) -> dict[str, str]:
@@ -94,7 +95,8 @@ def _no_nul(mapping: dict[str, str]) -> dict[str, str]:
     return mapping
 
 
-_StrMap = Annotated[dict[_Name, _Value], Field(max_length=64), AfterValidator(_no_nul)]
+_StrMap = Annotated[dict[_Name, _Value], Field(max_length=ENV_ENTRIES), AfterValidator(_no_nul)]
+"""An env (and a session's metadata): :data:`~capsa.guest.limits.ENV_ENTRIES` entries at most."""
 _Text = Annotated[str, AfterValidator(lambda s: _no_nul({"text": s})["text"])]
 
 
@@ -189,7 +191,7 @@ class CommandRequest(_Strict):
     cwd: Annotated[_Text, Field(min_length=1, max_length=4096)] | None = None
     user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]*$", max_length=32)] | None = None
     timeout: Annotated[float, Field(gt=0, le=86400)] | None = None
-    stdin: Annotated[str, Field(max_length=16 * 1024 * 1024)] | None = None
+    stdin: Annotated[str, Field(max_length=STDIN_CHARS)] | None = None
     background: bool = False
     open_stdin: bool = False
     """Background only: keep a pipe to the process's stdin for ``/processes/{pid}/stdin`` (else /dev/null)."""

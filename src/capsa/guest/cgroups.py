@@ -4,7 +4,7 @@ init puts itself and the daemon in the ``agent`` cgroup with a high CPU weight a
 reach; every user command gets a cgroup of its own under ``work`` (low CPU weight, bounded process count)
 and the normal OOM score before it runs any of the user's code: :func:`born_in_command_group` has the
 daemon step into a fresh command group for the instant it forks, so the child starts life there (when
-that is not possible the daemon spawns it held, see procs.py, and :func:`place_command` moves it).
+that is not possible the daemon spawns it held, see command.py, and :func:`place_command` moves it).
 Without this, a fork bomb on a 1-vCPU guest starves the daemon and the host can no longer stop it.
 Every step is best effort: a kernel without cgroup2 keeps working as before.
 
@@ -212,7 +212,7 @@ def enter_work() -> None:
 
 
 def place_command(pid: int) -> None:
-    """From the daemon: move the command ``pid`` (held before it runs user code, see procs.spawn) into a
+    """From the daemon: move the command ``pid`` (held before it runs user code, see command.spawn) into a
     cgroup of its own under ``work`` and make it an ordinary OOM victim, as :func:`enter_work` does from
     inside a child."""
     if _ACTIVE:

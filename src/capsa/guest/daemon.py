@@ -21,7 +21,6 @@ proc_stream    pid, stdout_from, stderr_from (offsets)      EVENT {streaming}; D
                                                             lost?} as written, until exited;
                                                             ProcessInfo + *_end
 proc_list                                                   {"processes": [ProcessInfo]}
-proc_wait      pid, timeout                                 ProcessInfo (maybe still running)
 proc_kill      pid, signal                                  ProcessInfo
 proc_output    pid, stdout_from, stderr_from (offsets)      DATA {"ch"}; ProcessInfo + *_start/_end/
                                                             _truncated
@@ -79,10 +78,11 @@ from collections.abc import Callable
 from typing import Any
 
 from capsa.guest import cgroups, files
+from capsa.guest.background import ProcessTable
 from capsa.guest.channel import Connection, Handler
+from capsa.guest.foreground import op_exec
 from capsa.guest.layout import op_set_aslr
 from capsa.guest.ports import op_tcp_open
-from capsa.guest.procs import ProcessTable, op_exec
 from capsa.guest.protocol import Decoder
 from capsa.guest.system import System
 from capsa.guest.terminal import op_pty
@@ -111,7 +111,6 @@ class Daemon:
             "exec": op_exec,
             "proc_start": self.processes.op_start,
             "proc_list": self.processes.op_list,
-            "proc_wait": self.processes.op_wait,
             "proc_kill": self.processes.op_kill,
             "proc_output": self.processes.op_output,
             "proc_stdin": self.processes.op_stdin,

@@ -14,6 +14,7 @@ from typing import Any
 from capsa.guest.channel import Stream
 from capsa.guest.errors import OpError, from_os_error
 from capsa.guest.protocol import CHUNK_SIZE, MAX_LISTING_BYTES
+from capsa.guest.results import FileInfo
 
 __all__ = [
     "TAR_OPS",
@@ -55,10 +56,8 @@ def _type_of(mode: int) -> str:
 def file_info(path: str, st: os.stat_result | None = None) -> dict[str, Any]:
     if st is None:
         st = os.lstat(path)
-    return {
-        "path": path, "name": os.path.basename(path) or "/", "type": _type_of(st.st_mode),
-        "size": st.st_size, "mode": stat.S_IMODE(st.st_mode), "mtime": st.st_mtime,
-    }
+    return FileInfo(path=path, name=os.path.basename(path) or "/", type=_type_of(st.st_mode),
+                    size=st.st_size, mode=stat.S_IMODE(st.st_mode), mtime=st.st_mtime).to_meta()
 
 
 def _guard(what: str) -> contextlib.AbstractContextManager[None]:

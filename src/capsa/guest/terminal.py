@@ -15,9 +15,10 @@ import threading
 from typing import Any
 
 from capsa.guest.channel import ChannelGone, Stream
+from capsa.guest.command import killpg, parse_command, reaped, spawn
 from capsa.guest.errors import OpError
-from capsa.guest.procs import _exit_fields, killpg, parse_command, reaped, spawn
 from capsa.guest.protocol import CHUNK_SIZE, Kind
+from capsa.guest.results import exit_fields
 
 __all__ = ["op_pty"]
 
@@ -98,7 +99,7 @@ def op_pty(stream: Stream, args: dict[str, Any], data: bytes) -> None:
         os.close(master)
     if stream.cancelled.is_set():
         raise ChannelGone("terminal closed")
-    stream.result(_exit_fields(returncode))
+    stream.result(exit_fields(returncode))
 
 
 def _finish(proc: subprocess.Popen[bytes]) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 from capsa.guest.channel import ChannelGone, Stream
 from capsa.guest.errors import OpError, from_os_error
 from capsa.guest.protocol import Kind
+from capsa.guest.results import WatchEvent
 
 __all__ = ["MAX_WATCHES", "op_file_watch"]
 
@@ -114,7 +115,7 @@ class Watcher:
             name = raw[pos + _HEADER.size: pos + _HEADER.size + length].rstrip(b"\0")
             pos += _HEADER.size + length
             if mask & IN_Q_OVERFLOW:
-                events.append({"type": "overflow", "path": self.root, "is_dir": True})
+                events.append(WatchEvent("overflow", self.root, True).to_meta())
                 continue
             folder = self.dirs.get(wd)
             if folder is None:
@@ -136,7 +137,7 @@ class Watcher:
                 kind = "removed"
             else:
                 kind = "modified"
-            event = {"type": kind, "path": path, "is_dir": is_dir}
+            event = WatchEvent(kind, path, is_dir).to_meta()
             if not events or events[-1] != event or kind != "modified":
                 events.append(event)
         return events, gone

@@ -1,7 +1,8 @@
 """The node agent: owns the runtime on one host and the sandboxes the control plane asked for.
 
 It knows nothing about sessions or tenants; it creates and destroys sandboxes by id, reports capacity, and
-relays guest operations. The HTTP surface is in :mod:`capsa.node.api`.
+hands out a sandbox's guest (:class:`~capsa.node.guestlink.facade.SandboxGuest`). The HTTP surface is in
+:mod:`capsa.node.api`.
 
 One class, made of parts (ARCHITECTURE.md, node agent):
 
@@ -20,11 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, cast
 
 from capsa.common.egress_policy import ApprovalScope, EgressPolicy
@@ -32,19 +32,9 @@ from capsa.common.errors import CapsaError
 from capsa.node.egress.approvals import ApprovalError
 from capsa.node.egress.node_egress import EgressRequest, NodeEgress
 from capsa.node.egress.trust_store import TrustStore
-from capsa.node.guest_client import (
-    DEFAULT_MAX_OUTPUT,
-    DirWatch,
-    ExecResult,
-    FileInfo,
-    OutputStream,
-    ProcessInfo,
-    ProcessOutput,
-    PtyHandle,
-    TcpTunnel,
-)
+from capsa.node.guestlink.facade import SandboxGuest
 from capsa.node.net.sandbox_net import SandboxNet
-from capsa.node.runtime.base import GuestImage, Runtime, SandboxState, SnapshotCapable
+from capsa.node.runtime.base import GuestImage, Runtime, SnapshotCapable
 from capsa.node.runtime.snapshot.manifest import Snapshot
 from capsa.node.sandbox_egress import EgressHook
 from capsa.node.sandboxes import NodeCapacity, SandboxRecord, SandboxTable, default_capacity
@@ -57,12 +47,6 @@ from capsa.node.warm_pool import PoolMetrics
 __all__ = ["NodeAgent", "NodeCapacity", "SandboxRecord", "default_capacity", "snapshots_for"]
 
 log = logging.getLogger(__name__)
-
-ExecChunk = tuple[Literal["stdout", "stderr"], bytes]
-"""A piece of a running command's output (:meth:`NodeAgent.exec_stream`)."""
-# Guest failures that mean the channel, not the request, failed.
-_GUEST_GONE = frozenset({"channel_closed", "internal_error", "guest_unavailable"})
-
 
 def _with_mac(network: SandboxNet | None, mac: str | None) -> SandboxNet | None:
     """The sandbox's new network with the NIC's MAC from its snapshot (the guest kept that device)."""
@@ -415,218 +399,8 @@ class NodeAgent:
     def pool_status(self) -> builtins.list[dict[str, object]]:
         return self._templates().pool_status()
 
-    # -- guest operations ----------------------------------------------------------------------------------
-    # What the node API calls for a sandbox's guest. Each runs with the sandbox's env under the command's
-    # own, and fails with a stable code: ``sandbox_failed`` when the VM died, ``guest_unavailable`` when the
-    # guest channel broke, else the guest's own code (capsa.node.api.errors maps codes to HTTP statuses).
-
-    @contextlib.contextmanager
-    def _guest_call(self, record: SandboxRecord) -> Iterator[None]:
-        try:
-            yield
-        except (CapsaError, OSError, EOFError, asyncio.IncompleteReadError) as exc:
-            raise self._guest_failure(record, exc) from exc
-
-    @staticmethod
-    def _guest_failure(record: SandboxRecord, exc: BaseException) -> CapsaError:
-        if record.sandbox.state == SandboxState.FAILED:
-            return CapsaError(f"sandbox {record.id} failed: {record.sandbox.failure or 'VM died'}",
-                              code="sandbox_failed", status=409)
-        if isinstance(exc, CapsaError) and exc.code == "sandbox_failed":
-            return exc
-        if isinstance(exc, CapsaError) and exc.code not in _GUEST_GONE:
-            # The guest refused the request: its code stands; a code the node does not know is a 400.
-            status = exc.status if 400 <= exc.status < 500 else 400
-            return CapsaError(exc.message, code=exc.code, status=status)
-        return CapsaError(f"guest channel failed: {getattr(exc, 'message', None) or type(exc).__name__}",
-                          code="guest_unavailable", status=503)
-
-    async def exec(self, sandbox_id: str, cmd: str | Sequence[str], *, env: Mapping[str, str] | None = None,
-                   cwd: str | None = None, user: str | None = None, stdin: bytes | None = None,
-                   timeout: float | None = None,  # noqa: ASYNC109 - the guest enforces it
-                   max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
-        """Run a command to its end and return its output."""
+    # -- guest -----------------------------------------------------------------------------------------------
+    def guest(self, sandbox_id: str) -> SandboxGuest:
+        """The guest of the live sandbox (the node API's guest operations); raises like :meth:`get`."""
         record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.exec(cmd, env={**record.env, **(env or {})}, cwd=cwd, user=user,
-                                                   stdin=stdin, timeout=timeout, max_output=max_output)
-
-    def exec_stream(self, sandbox_id: str, cmd: str | Sequence[str], *, env: Mapping[str, str] | None = None,
-                    cwd: str | None = None, user: str | None = None, stdin: bytes | None = None,
-                    timeout: float | None = None,
-                    max_output: int = DEFAULT_MAX_OUTPUT) -> AsyncGenerator[ExecChunk | ExecResult, None]:
-        """Run a command, yielding its output as it comes and then its :class:`ExecResult`.
-
-        The sandbox is looked up now (an unknown one raises here, not at the first event); a failure
-        later is raised by the iterator. Closing the iterator early kills the command in the guest."""
-        record = self.get(sandbox_id)
-        return self._exec_events(record, cmd, env={**record.env, **(env or {})}, cwd=cwd, user=user,
-                                 stdin=stdin, timeout=timeout, max_output=max_output)
-
-    async def _exec_events(self, record: SandboxRecord, cmd: str | Sequence[str], *, env: dict[str, str],
-                           cwd: str | None, user: str | None, stdin: bytes | None,
-                           timeout: float | None,  # noqa: ASYNC109
-                           max_output: int) -> AsyncGenerator[ExecChunk | ExecResult, None]:
-        # Bounded: a caller that reads slowly holds up the guest (through the channel's credit window).
-        queue: asyncio.Queue[ExecChunk] = asyncio.Queue(maxsize=64)
-        run = asyncio.create_task(record.sandbox.guest.exec(
-            cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout=timeout, max_output=max_output,
-            on_stdout=lambda b: queue.put(("stdout", b)), on_stderr=lambda b: queue.put(("stderr", b))))
-        getter: asyncio.Future[ExecChunk] | None = None
-        try:
-            while True:
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait((getter, run), return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    yield getter.result()
-                    continue
-                getter.cancel()
-                while not queue.empty():
-                    yield queue.get_nowait()
-                with self._guest_call(record):
-                    result = run.result()
-                yield result
-                return
-        finally:
-            if getter is not None:
-                getter.cancel()
-            if not run.done():
-                run.cancel()  # the caller went away: cancelling kills the guest process
-            with contextlib.suppress(asyncio.CancelledError, CapsaError, OSError, EOFError):
-                await run
-
-    async def start_process(self, sandbox_id: str, cmd: str | Sequence[str], *,
-                            env: Mapping[str, str] | None = None, cwd: str | None = None,
-                            user: str | None = None, stdin: bool = False) -> ProcessInfo:
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.start_process(cmd, env={**record.env, **(env or {})}, cwd=cwd,
-                                                            user=user, stdin=stdin)
-
-    async def send_stdin(self, sandbox_id: str, pid: int, data: bytes) -> ProcessInfo:
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.send_stdin(pid, data)
-
-    async def close_stdin(self, sandbox_id: str, pid: int) -> ProcessInfo:
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.close_stdin(pid)
-
-    async def stream_process(self, sandbox_id: str, pid: int, *, stdout_from: int = 0,
-                             stderr_from: int = 0) -> OutputStream:
-        """The process's output from the given offsets until it exits (``no_such_process`` raises here)."""
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.stream_process(pid, stdout_from=stdout_from,
-                                                             stderr_from=stderr_from)
-
-    async def watch_dir(self, sandbox_id: str, path: str, *, recursive: bool = False) -> DirWatch:
-        """Changes under a directory of the sandbox until closed (a bad path raises here)."""
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.watch_dir(path, recursive=recursive)
-
-    async def open_terminal(self, sandbox_id: str, *, cols: int, rows: int, cmd: str | None = None,
-                            env: Mapping[str, str] | None = None, cwd: str | None = None,
-                            user: str | None = None) -> PtyHandle:
-        """A command (default: the login shell) on a pseudo-terminal in the sandbox."""
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.pty_open(cmd, rows=rows, cols=cols,
-                                                       env={**record.env, **(env or {})}, cwd=cwd, user=user)
-
-    async def list_processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]:
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.list_processes()
-
-    async def get_process(self, sandbox_id: str, pid: int) -> ProcessInfo:
-        for info in await self.list_processes(sandbox_id):
-            if info.pid == pid:
-                return info
-        raise CapsaError(f"no process {pid}", code="not_found", status=404)
-
-    async def kill_process(self, sandbox_id: str, pid: int, signal: int) -> ProcessInfo:
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.kill_process(pid, signal)
-
-    async def process_output(self, sandbox_id: str, pid: int) -> ProcessOutput:
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.process_output(pid)
-
-    async def read_file(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
-        """The file's bytes; the first chunk is read before this returns, so a missing file raises here."""
-        record = self.get(sandbox_id)
-        return await self._first_then_rest(record, record.sandbox.guest.iter_file(path))
-
-    async def write_file(self, sandbox_id: str, path: str, data: AsyncIterable[bytes],
-                         mode: int | None = None) -> FileInfo:
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.write_file(path, data, mode=mode)
-
-    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileInfo]:
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.list_dir(path)
-
-    async def stat(self, sandbox_id: str, path: str) -> FileInfo:
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.stat(path)
-
-    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileInfo:
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.mkdir(path, parents=parents)
-
-    async def rename(self, sandbox_id: str, src: str, dst: str) -> FileInfo:
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            await record.sandbox.guest.rename(src, dst)
-            return await record.sandbox.guest.stat(dst)
-
-    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            await record.sandbox.guest.remove(path, recursive=recursive)
-
-    async def export_archive(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
-        """A tar stream of ``path``; like :meth:`read_file`, a failure to start raises here."""
-        record = self.get(sandbox_id)
-        return await self._first_then_rest(record, record.sandbox.guest.tar_export(path))
-
-    async def import_archive(self, sandbox_id: str, path: str, data: AsyncIterable[bytes]) -> None:
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            await record.sandbox.guest.tar_import(path, data)
-
-    async def open_port(self, sandbox_id: str, port: int) -> TcpTunnel:
-        """A TCP connection to ``127.0.0.1:port`` inside the sandbox, over the guest channel
-        (``port_unreachable`` when nothing listens there)."""
-        record = self.get(sandbox_id)
-        with self._guest_call(record):
-            return await record.sandbox.guest.tcp_open(port)
-
-    async def _first_then_rest(self, record: SandboxRecord,
-                               chunks: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
-        with self._guest_call(record):
-            try:
-                first = await anext(chunks)
-            except StopAsyncIteration:
-                first = b""
-
-        async def rest() -> AsyncGenerator[bytes, None]:
-            try:
-                if first:
-                    yield first
-                with self._guest_call(record):
-                    async for chunk in chunks:
-                        yield chunk
-            finally:
-                await chunks.aclose()
-
-        return rest()
+        return SandboxGuest(record.id, record.sandbox, record.env)

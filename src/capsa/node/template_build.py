@@ -42,12 +42,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from capsa.common.errors import CapsaError
 from capsa.node.egress.trust_store import TrustStore
+from capsa.node.guestlink.identity import bind_identity
 from capsa.node.net.sandbox_net import SandboxNet
 from capsa.node.runtime.base import RamMode, Sandbox, VMSpec
 from capsa.node.storage.filecopy import copy_file
 from capsa.node.template_rootfs import download_debs, guest_dpkg_status, install_debs
 from capsa.node.templates import BASE, NET_TEMPLATE_MAC, Template, TemplateStore, check_template_name
-from capsa.node.warm_pool import bind_identity
 
 __all__ = ["BuildNetwork", "FileSpec", "TemplateBuildError", "TemplateSpec", "build_template", "load_spec",
            "parse_spec", "remove_stale_work", "spec_record"]

@@ -1,10 +1,10 @@
 """The warm pool: per template, sandboxes restored ahead of time and idle until a request binds one.
 
 A pooled sandbox is handed out exactly once and never comes back: after a user had it, it is destroyed
-like any other. Identity is given at bind time (:func:`bind_identity`), not when it was restored: a fresh
-forced CRNG reseed, the clock and the hostname. An empty pool is not an error: the caller restores on
-demand (a miss). Refills run in the background, one restore at a time across the node, because a restore
-is CPU-bound under TCG and would otherwise slow down the requests being served.
+like any other. Identity is given at bind time (:func:`~capsa.node.guestlink.identity.bind_identity`), not
+when it was restored: a fresh forced CRNG reseed, the clock and the hostname. An empty pool is not an
+error: the caller restores on demand (a miss). Refills run in the background, one restore at a time across
+the node, because a restore is CPU-bound under TCG and would otherwise slow down the requests being served.
 """
 
 from __future__ import annotations
@@ -12,21 +12,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from capsa.node.guestlink.identity import bind_identity
 from capsa.node.runtime.base import Sandbox, SandboxState
 
-__all__ = ["IdentityBinder", "IdentityGuest", "PoolKey", "PoolMetrics", "PoolSettings", "WarmPool",
-           "bind_identity", "bind_sandbox"]
+__all__ = ["IdentityBinder", "PoolKey", "PoolMetrics", "PoolSettings", "WarmPool", "bind_sandbox"]
 
 log = logging.getLogger(__name__)
 
@@ -49,30 +47,6 @@ class PoolSettings(BaseSettings):
     size: int = Field(default=1, ge=0, le=64)
     sizes: dict[str, int] = Field(default_factory=dict)
     refill_delay: float = Field(default=1.0, ge=0, le=60)
-
-
-class IdentityGuest(Protocol):
-    """The guest calls that give a restored sandbox its own identity."""
-
-    async def reseed(self, entropy: bytes | None = None) -> None: ...
-
-    async def set_clock(self, unix_ns: int | None = None) -> None: ...
-
-    async def set_hostname(self, name: str) -> None: ...
-
-
-async def bind_identity(guest: IdentityGuest, *, hostname: str | None) -> None:
-    """Make a restored sandbox someone's: its own RNG state, the current time and its hostname.
-
-    The reseed at restore time already separated pooled clones from each other; this one makes the
-    sandbox's randomness independent of anything that happened while it sat idle in the pool. The three
-    calls are independent, so they go out at once (the guest daemon runs requests concurrently): one
-    channel round trip instead of three on the create path.
-    """
-    calls = [guest.reseed(os.urandom(64)), guest.set_clock()]
-    if hostname:
-        calls.append(guest.set_hostname(hostname))
-    await asyncio.gather(*calls)
 
 
 IdentityBinder = Callable[[Sandbox, str], Awaitable[None]]

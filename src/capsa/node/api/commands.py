@@ -33,10 +33,13 @@ from capsa.common.node_api import (
     ProcessStart,
     StreamError,
 )
-from capsa.node import guest_client as guest
-from capsa.node.agent import ExecChunk, NodeAgent
+from capsa.guest.results import ProcessInfo as GuestProcess
+from capsa.node.agent import NodeAgent
 from capsa.node.api.deps import Agent
 from capsa.node.api.errors import status_of
+from capsa.node.guestlink.client import ExecResult as GuestExec
+from capsa.node.guestlink.facade import ExecChunk
+from capsa.node.guestlink.handles.output import OutputStream, StreamEnd
 
 __all__ = ["exec_status", "exec_to_end", "output_lines", "process_info", "router"]
 
@@ -49,13 +52,13 @@ def _text(value: bytes) -> str:
     return value.decode("utf-8", errors="replace")
 
 
-def exec_status(res: guest.ExecResult) -> ExecStatus:
+def exec_status(res: GuestExec) -> ExecStatus:
     return ExecStatus(exit_code=res.exit_code, signal=res.signal, stdout_truncated=res.stdout_truncated,
                       stderr_truncated=res.stderr_truncated, timed_out=res.timed_out,
                       duration_ms=round(res.duration * 1000, 3), oom_killed=res.oom_killed)
 
 
-def process_info(info: guest.ProcessInfo) -> ProcessInfo:
+def process_info(info: GuestProcess) -> ProcessInfo:
     cmd = info.cmd
     return ProcessInfo(pid=info.pid, cmd=[cmd] if isinstance(cmd, str) else list(cmd), running=info.running,
                        exit_code=info.exit_code, signal=info.signal,
@@ -71,8 +74,9 @@ async def exec_command(agent: Agent, sandbox_id: str, body: ExecRequest,
                        accept: Annotated[str | None, Header()] = None) -> ExecResult | StreamingResponse:
     stdin = body.stdin.encode() if body.stdin is not None else None
     if accept and NDJSON in accept:
-        events = agent.exec_stream(sandbox_id, body.cmd, env=body.env, cwd=body.cwd, user=body.user,
-                                   stdin=stdin, timeout=body.timeout, max_output=body.max_output)
+        events = agent.guest(sandbox_id).exec_stream(body.cmd, env=body.env, cwd=body.cwd, user=body.user,
+                                                     stdin=stdin, timeout=body.timeout,
+                                                     max_output=body.max_output)
         return StreamingResponse(_lines(events), media_type=NDJSON)
     return await exec_to_end(agent, sandbox_id, body)
 
@@ -80,12 +84,12 @@ async def exec_command(agent: Agent, sandbox_id: str, body: ExecRequest,
 async def exec_to_end(agent: NodeAgent, sandbox_id: str, body: ExecRequest) -> ExecResult:
     """What ``POST /exec`` answers without a stream (also called in-process by ``capsa serve``)."""
     stdin = body.stdin.encode() if body.stdin is not None else None
-    res = await agent.exec(sandbox_id, body.cmd, env=body.env, cwd=body.cwd, user=body.user, stdin=stdin,
-                           timeout=body.timeout, max_output=body.max_output)
+    res = await agent.guest(sandbox_id).exec(body.cmd, env=body.env, cwd=body.cwd, user=body.user,
+                                             stdin=stdin, timeout=body.timeout, max_output=body.max_output)
     return ExecResult(**exec_status(res).model_dump(), stdout=_text(res.stdout), stderr=_text(res.stderr))
 
 
-async def _lines(events: AsyncGenerator[ExecChunk | guest.ExecResult, None]) -> AsyncIterator[bytes]:
+async def _lines(events: AsyncGenerator[ExecChunk | GuestExec, None]) -> AsyncIterator[bytes]:
     """The agent's events as NDJSON; closing this (the client went away) kills the command."""
     decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace")
                 for name in ("stdout", "stderr")}
@@ -100,7 +104,7 @@ async def _lines(events: AsyncGenerator[ExecChunk | guest.ExecResult, None]) -> 
     async with contextlib.aclosing(events):
         try:
             async for event in events:
-                if isinstance(event, guest.ExecResult):
+                if isinstance(event, GuestExec):
                     yield flush("stdout") + flush("stderr")
                     yield line(ExecFinished(**exec_status(event).model_dump()))
                     return
@@ -118,23 +122,24 @@ async def _lines(events: AsyncGenerator[ExecChunk | guest.ExecResult, None]) -> 
 
 @router.post("/processes", response_model=ProcessInfo)
 async def start_process(agent: Agent, sandbox_id: str, body: ProcessStart) -> ProcessInfo:
-    return process_info(await agent.start_process(sandbox_id, body.cmd, env=body.env, cwd=body.cwd,
-                                                  user=body.user, stdin=body.open_stdin))
+    guest = agent.guest(sandbox_id)
+    return process_info(await guest.start_process(body.cmd, env=body.env, cwd=body.cwd, user=body.user,
+                                                  stdin=body.open_stdin))
 
 
 @router.get("/processes", response_model=ProcessList)
 async def list_processes(agent: Agent, sandbox_id: str) -> ProcessList:
-    return ProcessList(items=[process_info(p) for p in await agent.list_processes(sandbox_id)])
+    return ProcessList(items=[process_info(p) for p in await agent.guest(sandbox_id).list_processes()])
 
 
 @router.get("/processes/{pid}", response_model=ProcessInfo)
 async def get_process(agent: Agent, sandbox_id: str, pid: int) -> ProcessInfo:
-    return process_info(await agent.get_process(sandbox_id, pid))
+    return process_info(await agent.guest(sandbox_id).get_process(pid))
 
 
 @router.get("/processes/{pid}/output", response_model=ProcessOutput)
 async def process_output(agent: Agent, sandbox_id: str, pid: int) -> ProcessOutput:
-    out = await agent.process_output(sandbox_id, pid)
+    out = await agent.guest(sandbox_id).process_output(pid)
     return ProcessOutput(stdout=_text(out.stdout), stderr=_text(out.stderr), running=out.running,
                          exit_code=out.exit_code, signal=out.signal, stdout_truncated=out.stdout_truncated,
                          stderr_truncated=out.stderr_truncated)
@@ -153,12 +158,12 @@ async def send_stdin(agent: Agent, sandbox_id: str, pid: int, request: Request) 
         data += chunk
         if len(data) > MAX_STDIN_WRITE:
             raise CapsaError(f"at most {MAX_STDIN_WRITE} bytes per stdin write", code="too_large", status=413)
-    return process_info(await agent.send_stdin(sandbox_id, pid, bytes(data)))
+    return process_info(await agent.guest(sandbox_id).send_stdin(pid, bytes(data)))
 
 
 @router.post("/processes/{pid}/stdin/close", response_model=ProcessInfo)
 async def close_stdin(agent: Agent, sandbox_id: str, pid: int) -> ProcessInfo:
-    return process_info(await agent.close_stdin(sandbox_id, pid))
+    return process_info(await agent.guest(sandbox_id).close_stdin(pid))
 
 
 @router.get("/processes/{pid}/stream", response_class=StreamingResponse,
@@ -168,12 +173,13 @@ async def stream_process(agent: Agent, sandbox_id: str, pid: int,
                          stderr_from: Annotated[int, Query(ge=0)] = 0) -> StreamingResponse:
     """The process's output from the offsets until it exits (see :class:`capsa.common.node_api.OutputChunk`).
     """
-    output = await agent.stream_process(sandbox_id, pid, stdout_from=stdout_from, stderr_from=stderr_from)
+    output = await agent.guest(sandbox_id).stream_process(pid, stdout_from=stdout_from,
+                                                          stderr_from=stderr_from)
     return StreamingResponse(output_lines(output, {"stdout": stdout_from, "stderr": stderr_from}),
                              media_type=NDJSON)
 
 
-async def output_lines(output: guest.OutputStream, start: dict[str, int]) -> AsyncIterator[bytes]:
+async def output_lines(output: OutputStream, start: dict[str, int]) -> AsyncIterator[bytes]:
     """NDJSON :data:`OutputEvent` lines. Text is cut only at whole UTF-8 characters, so every line's
     ``offset`` is a byte offset a client may resume from. Closing this (the client left) ends the stream."""
     decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -186,7 +192,7 @@ async def output_lines(output: guest.OutputStream, start: dict[str, int]) -> Asy
     chunks = output.chunks()
     try:
         async for item in chunks:
-            if isinstance(item, guest.StreamEnd):
+            if isinstance(item, StreamEnd):
                 info = item.info
                 yield line(OutputEnd(exit_code=info.exit_code, signal=info.signal, stdout_end=item.stdout_end,
                                      stderr_end=item.stderr_end))
@@ -213,4 +219,4 @@ async def output_lines(output: guest.OutputStream, start: dict[str, int]) -> Asy
 
 @router.post("/processes/{pid}/kill", response_model=ProcessInfo)
 async def kill_process(agent: Agent, sandbox_id: str, pid: int, body: KillRequest) -> ProcessInfo:
-    return process_info(await agent.kill_process(sandbox_id, pid, body.signal))
+    return process_info(await agent.guest(sandbox_id).kill_process(pid, body.signal))

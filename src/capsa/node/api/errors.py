@@ -1,4 +1,7 @@
-"""Errors at the node API's edge: the one table of HTTP statuses, and problem+json bodies."""
+"""Errors at the node API's edge: the one table of HTTP statuses, and problem+json bodies.
+
+Nothing below the edge decides the HTTP status of a guest error: the guest client's errors
+(:class:`~capsa.node.guestlink.errors.GuestError`) carry only their code, and :func:`status_of` maps it."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsa.common.errors import CapsaError
+from capsa.node.guestlink.errors import GuestError, GuestRefused
 
 __all__ = ["STATUS", "install_error_handlers", "problem", "status_of"]
 
@@ -38,11 +42,11 @@ STATUS: dict[str, int] = {
     "timeout": 504,
     "guest_timeout": 504,
     "no_space": 507,
-    # The guest client's own verdicts on what the guest sent (capsa.node.guest_client).
+    # The guest client's own verdicts on what the guest sent (capsa.node.guestlink).
     "too_large": 413,
     "protocol_error": 502,
     "port_unreachable": 502,
-    # The sandbox or its guest channel is gone (capsa.node.agent, guest operations).
+    # The sandbox or its guest channel is gone (capsa.node.guestlink.facade).
     "sandbox_failed": 409,
     "guest_unavailable": 503,
     # The edge itself.
@@ -53,11 +57,19 @@ STATUS: dict[str, int] = {
     "internal_error": 500,
 }
 """HTTP status by error code. Codes not listed (the agent's own: ``sandbox_not_found``, ``no_capacity``…)
-keep the status the agent raised them with."""
+keep the status the agent raised them with; guest errors whose code is not listed: see :func:`status_of`."""
 
 
 def status_of(exc: CapsaError) -> int:
-    return STATUS.get(exc.code, exc.status)
+    """The HTTP status of an error raised below the edge. A guest code the table does not list is the
+    request's fault (400) when a sandbox's guest refused the request, else the guest's (502)."""
+    if exc.code in STATUS:
+        return STATUS[exc.code]
+    if isinstance(exc, GuestRefused):
+        return 400
+    if isinstance(exc, GuestError):
+        return 502
+    return exc.status
 
 
 def problem(status: int, code: str, detail: str) -> JSONResponse:

@@ -11,8 +11,9 @@ from fastapi.responses import StreamingResponse
 
 from capsa.common.errors import CapsaError
 from capsa.common.node_api import NDJSON, WATCH_EVENT, FileEvent, FileInfo, FileList, StreamError
-from capsa.node import guest_client as guest
+from capsa.guest.results import FileInfo as GuestFile
 from capsa.node.api.deps import Agent, GuestPath
+from capsa.node.guestlink.handles.watch import DirWatch
 
 __all__ = ["file_info", "router"]
 
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/sandboxes/{sandbox_id}/files", tags=["files"])
 
 
-def file_info(info: guest.FileInfo) -> FileInfo:
+def file_info(info: GuestFile) -> FileInfo:
     return FileInfo.model_validate(info, from_attributes=True)
 
 
@@ -43,11 +44,11 @@ async def watch(agent: Agent, sandbox_id: str, path: GuestPath,
                 recursive: bool = False) -> StreamingResponse:
     """Changes under the directory, one :data:`WatchEvent` per line, until the client closes the stream
     (or the directory is removed)."""
-    watcher = await agent.watch_dir(sandbox_id, path, recursive=recursive)
+    watcher = await agent.guest(sandbox_id).watch_dir(path, recursive=recursive)
     return StreamingResponse(_watch_lines(watcher), media_type=NDJSON)
 
 
-async def _watch_lines(watcher: guest.DirWatch) -> AsyncIterator[bytes]:
+async def _watch_lines(watcher: DirWatch) -> AsyncIterator[bytes]:
     events = watcher.events()
     try:
         async for event in events:
@@ -62,51 +63,51 @@ async def _watch_lines(watcher: guest.DirWatch) -> AsyncIterator[bytes]:
 
 @router.get("/content", response_class=StreamingResponse)
 async def read_file(agent: Agent, sandbox_id: str, path: GuestPath) -> StreamingResponse:
-    chunks = await agent.read_file(sandbox_id, path)
+    chunks = await agent.guest(sandbox_id).read_file(path)
     return StreamingResponse(_relay(sandbox_id, chunks), media_type="application/octet-stream")
 
 
 @router.put("/content", response_model=FileInfo)
 async def write_file(agent: Agent, sandbox_id: str, path: GuestPath, request: Request,
                      mode: Annotated[str | None, Query(pattern=r"^[0-7]{3,4}$")] = None) -> FileInfo:
-    return file_info(await agent.write_file(sandbox_id, path, request.stream(),
-                                            mode=int(mode, 8) if mode else None))
+    return file_info(await agent.guest(sandbox_id).write_file(path, request.stream(),
+                                                              mode=int(mode, 8) if mode else None))
 
 
 @router.get("/list", response_model=FileList)
 async def list_dir(agent: Agent, sandbox_id: str, path: GuestPath) -> FileList:
-    return FileList(items=[file_info(i) for i in await agent.list_dir(sandbox_id, path)])
+    return FileList(items=[file_info(i) for i in await agent.guest(sandbox_id).list_dir(path)])
 
 
 @router.get("/stat", response_model=FileInfo)
 async def stat(agent: Agent, sandbox_id: str, path: GuestPath) -> FileInfo:
-    return file_info(await agent.stat(sandbox_id, path))
+    return file_info(await agent.guest(sandbox_id).stat(path))
 
 
 @router.post("/mkdir", response_model=FileInfo)
 async def mkdir(agent: Agent, sandbox_id: str, path: GuestPath, parents: bool = True) -> FileInfo:
-    return file_info(await agent.mkdir(sandbox_id, path, parents=parents))
+    return file_info(await agent.guest(sandbox_id).mkdir(path, parents=parents))
 
 
 @router.post("/rename", response_model=FileInfo)
 async def rename(agent: Agent, sandbox_id: str, path: GuestPath, to: GuestPath) -> FileInfo:
     """Move ``path`` to ``to`` (a rename in the guest; across filesystems a copy); answers ``to``'s info."""
-    return file_info(await agent.rename(sandbox_id, path, to))
+    return file_info(await agent.guest(sandbox_id).rename(path, to))
 
 
 @router.delete("", status_code=204, response_class=Response)
 async def remove(agent: Agent, sandbox_id: str, path: GuestPath, recursive: bool = False) -> Response:
-    await agent.remove(sandbox_id, path, recursive=recursive)
+    await agent.guest(sandbox_id).remove(path, recursive=recursive)
     return Response(status_code=204)
 
 
 @router.get("/archive", response_class=StreamingResponse)
 async def export_archive(agent: Agent, sandbox_id: str, path: GuestPath) -> StreamingResponse:
-    chunks = await agent.export_archive(sandbox_id, path)
+    chunks = await agent.guest(sandbox_id).export_archive(path)
     return StreamingResponse(_relay(sandbox_id, chunks), media_type="application/x-tar")
 
 
 @router.put("/archive", status_code=204, response_class=Response)
 async def import_archive(agent: Agent, sandbox_id: str, path: GuestPath, request: Request) -> Response:
-    await agent.import_archive(sandbox_id, path, request.stream())
+    await agent.guest(sandbox_id).import_archive(path, request.stream())
     return Response(status_code=204)

@@ -25,7 +25,8 @@ from capsa.common.port_tunnel import OK_MESSAGE, problem_message
 from capsa.node.agent import NodeAgent
 from capsa.node.api.deps import websocket_authorized
 from capsa.node.api.errors import status_of
-from capsa.node.guest_client import GuestError, TcpTunnel
+from capsa.node.guestlink.errors import GuestError
+from capsa.node.guestlink.handles.tunnel import TcpTunnel
 
 __all__ = ["router"]
 
@@ -46,7 +47,7 @@ async def tunnel(websocket: WebSocket, sandbox_id: str, port: Port) -> None:
     assert isinstance(agent, NodeAgent)
     await websocket.accept()
     try:
-        tcp = await agent.open_port(sandbox_id, port)
+        tcp = await agent.guest(sandbox_id).open_port(port)
     except CapsaError as exc:
         await websocket.send_text(problem_message(status_of(exc), exc.code, exc.message))
         await websocket.close()

@@ -27,7 +27,8 @@ from capsa.common.terminal_wire import (
 from capsa.node.agent import NodeAgent
 from capsa.node.api.deps import websocket_authorized
 from capsa.node.api.errors import status_of
-from capsa.node.guest_client import GuestError, PtyHandle
+from capsa.node.guestlink.errors import GuestError
+from capsa.node.guestlink.handles.pty import PtyHandle
 
 __all__ = ["relay_terminal", "router"]
 
@@ -46,8 +47,9 @@ async def terminal(websocket: WebSocket, sandbox_id: str) -> None:
         if not websocket_authorized(websocket):
             raise CapsaError("missing or wrong node token", code="unauthorized", status=401)
         options = TerminalOptions.from_query(websocket.query_params.multi_items())
-        pty = await agent.open_terminal(sandbox_id, cols=options.cols, rows=options.rows, cmd=options.cmd,
-                                        env=options.env, cwd=options.cwd, user=options.user)
+        pty = await agent.guest(sandbox_id).open_terminal(cols=options.cols, rows=options.rows,
+                                                          cmd=options.cmd, env=options.env, cwd=options.cwd,
+                                                          user=options.user)
     except CapsaError as exc:
         with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
             await websocket.send_text(error_message(status_of(exc), exc.code, exc.message))
@@ -77,7 +79,7 @@ async def relay_terminal(websocket: WebSocket, pty: PtyHandle) -> None:
                 continue
             kind, cols, rows = parse_client_message(text)
             if kind == "resize":
-                await pty.resize(rows, cols)
+                await pty.resize(cols, rows)
             elif kind == "kill":
                 await pty.send_signal(signal.SIGKILL)
 

@@ -46,7 +46,7 @@ class _Stat(Protocol):
 
 
 class TrustGuest(Protocol):
-    """The guest calls a CA install needs (:class:`capsa.node.guest_client.GuestClient` has them)."""
+    """The guest calls a CA install needs (:class:`capsa.node.guestlink.client.GuestClient` has them)."""
 
     async def stat(self, path: str) -> _Stat: ...
 

@@ -2,7 +2,7 @@
 
 The node agent only ever talks to a driver through these types; it never builds a QEMU command
 line or speaks QMP itself. A driver returns :class:`Sandbox` handles; the guest is reached through
-``sandbox.guest`` (a :class:`capsa.node.guest_client.GuestClient`).
+``sandbox.guest`` (a :class:`capsa.node.guestlink.client.GuestClient`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from capsa.common.errors import CapsaError
 from capsa.common.image import GuestImage
 
 if TYPE_CHECKING:
-    from capsa.node.guest_client import GuestClient
+    from capsa.node.guestlink.client import GuestClient
     from capsa.node.runtime.snapshot.manifest import Snapshot
 
 __all__ = [

@@ -13,7 +13,7 @@ import socket
 import struct
 from pathlib import Path
 
-from capsa.node.guest_client import GuestClient
+from capsa.node.guestlink.client import GuestClient
 
 __all__ = ["WrongPeer", "connect_agent", "peer_credentials"]
 

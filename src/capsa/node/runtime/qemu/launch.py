@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from capsa.node.guest_client import ChannelClosed, GuestClient, GuestError
+from capsa.node.guestlink.client import GuestClient
+from capsa.node.guestlink.errors import ChannelClosed, GuestError
+from capsa.node.guestlink.identity import refresh_guest
 from capsa.node.runtime.base import Accelerator, BootError, GuestImage, TapNetwork, VMSpec
 from capsa.node.runtime.hostinfo import tsc_khz
 from capsa.node.runtime.qemu.agent_socket import WrongPeer, connect_agent
@@ -28,7 +30,6 @@ from capsa.node.runtime.qemu.process import BACKGROUND_NICE, QemuProcess, QemuPr
 from capsa.node.runtime.qemu.sandbox import QemuSandbox
 from capsa.node.runtime.qemu.storage import VmFiles
 from capsa.node.runtime.snapshot.manifest import SnapshotError
-from capsa.node.runtime.snapshot.mechanics import refresh_guest
 from capsa.node.runtime.workdir import VmDir
 from capsa.node.storage.disks import DiskError
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from capsa.node.guest_client import GuestClient
+from capsa.node.guestlink.client import GuestClient
 from capsa.node.runtime.base import BootError, TapNetwork
 
 __all__ = ["configure_guest_network", "open_tap"]

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
-from capsa.node.guest_client import ChannelClosed, GuestClient
+from capsa.node.guestlink.client import GuestClient
+from capsa.node.guestlink.errors import ChannelClosed
 from capsa.node.runtime.base import Accelerator, FailureCallback, SandboxFailed, SandboxState, VMSpec
 from capsa.node.runtime.qemu.agent_socket import connect_agent
 from capsa.node.runtime.qemu.process import BACKGROUND_NICE, QemuProcess

@@ -19,7 +19,8 @@ The migration stream always travels over a file descriptor handed to QEMU on the
 user, and the node, not QEMU, decides which file it reads or writes.
 
 After every restore the guest kernel still holds the RNG state and clock of the moment of the snapshot,
-so :func:`refresh_guest` pushes fresh entropy with a forced reseed and sets the clock.
+so :func:`capsa.node.guestlink.identity.refresh_guest` pushes fresh entropy with a forced reseed and sets
+the clock.
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ __all__ = [
     "MAX_BRANCHES",
     "MEMORY_BACKEND_ID",
     "CloneFn",
-    "GuestRefresher",
     "Monitor",
     "RamMode",
     "RestorePlan",
@@ -62,7 +62,6 @@ __all__ = [
     "load_state",
     "memory_backend_args",
     "plan_restore",
-    "refresh_guest",
     "save_snapshot",
 ]
 
@@ -80,14 +79,6 @@ class Monitor(Protocol):
     async def execute(self, cmd: str, arguments: Mapping[str, object] | None = None) -> object: ...
 
     def send_fd_scm(self, fd: int) -> None: ...
-
-
-class GuestRefresher(Protocol):
-    """The part of ``capsa.node.guest_client.GuestClient`` used right after a restore."""
-
-    async def reseed(self, entropy: bytes | None = None) -> None: ...
-
-    async def set_clock(self, unix_ns: int | None = None) -> None: ...
 
 
 CloneFn = Callable[[Path, Path], bool]
@@ -402,11 +393,3 @@ def plan_restore(
                        state=snapshot_dir / manifest.device_state.path, extra_args=args)
 
 
-async def refresh_guest(guest: GuestRefresher, *, entropy: bytes | None = None) -> None:
-    """Give a just-restored guest its own RNG state and the current time.
-
-    Every restore of one snapshot starts with the same kernel CRNG state; without a forced reseed with
-    host entropy two clones return identical ``os.urandom`` bytes (RECIPES.md). The clock is stale by
-    however long the snapshot sat on disk.
-    """
-    await asyncio.gather(guest.reseed(entropy if entropy is not None else os.urandom(64)), guest.set_clock())

@@ -1,0 +1,48 @@
+"""What makes a guest restored from a snapshot its own: fresh entropy, the current time, a hostname.
+
+Every restore of one snapshot starts with the same kernel CRNG state; without a forced reseed with host
+entropy two clones return identical ``os.urandom`` bytes (RECIPES.md), and the clock is stale by however
+long the snapshot sat on disk. :func:`refresh_guest` runs right after a restore; :func:`bind_identity`
+when a restored sandbox is handed to a session (the warm pool), with its hostname.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Protocol
+
+__all__ = ["GuestRefresher", "IdentityGuest", "bind_identity", "refresh_guest"]
+
+
+class GuestRefresher(Protocol):
+    """The guest calls made right after a restore."""
+
+    async def reseed(self, entropy: bytes | None = None) -> None: ...
+
+    async def set_clock(self, unix_ns: int | None = None) -> None: ...
+
+
+class IdentityGuest(GuestRefresher, Protocol):
+    """The guest calls that give a restored sandbox its own identity."""
+
+    async def set_hostname(self, name: str) -> None: ...
+
+
+async def refresh_guest(guest: GuestRefresher, *, entropy: bytes | None = None) -> None:
+    """Give a just-restored guest its own RNG state and the current time (both calls at once)."""
+    await asyncio.gather(guest.reseed(entropy if entropy is not None else os.urandom(64)), guest.set_clock())
+
+
+async def bind_identity(guest: IdentityGuest, *, hostname: str | None) -> None:
+    """Make a restored sandbox someone's: its own RNG state, the current time and its hostname.
+
+    The reseed at restore time already separated pooled clones from each other; this one makes the
+    sandbox's randomness independent of anything that happened while it sat idle in the pool. The three
+    calls are independent, so they go out at once (the guest daemon runs requests concurrently): one
+    channel round trip instead of three on the create path.
+    """
+    calls = [guest.reseed(os.urandom(64)), guest.set_clock()]
+    if hostname:
+        calls.append(guest.set_hostname(hostname))
+    await asyncio.gather(*calls)
