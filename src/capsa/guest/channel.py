@@ -11,7 +11,7 @@ import contextlib
 import queue
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from capsa.guest.errors import OpError, from_os_error
@@ -112,6 +112,13 @@ class Stream:
         if not isinstance(item, Frame):
             raise ChannelGone("request cancelled")
         return item
+
+    def frames(self) -> Iterator[Frame]:
+        """Inbound DATA/END/EVENT frames as they come; raises like :meth:`next_frame` when cancelled."""
+        while True:
+            frame = self.next_frame()
+            if frame is not None:
+                yield frame
 
     def consumed(self, n: int) -> None:
         """Return credit for ``n`` inbound bytes the request has used up."""

@@ -39,6 +39,7 @@ __all__ = [
     "parse_command",
     "reaped",
     "spawn",
+    "write_all",
 ]
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -257,6 +258,13 @@ def spawn(spec: CommandSpec, *, stdin: int, stdout: int, stderr: int,
                     pipe.close()
             raise
     return proc
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to a blocking ``fd`` (raises OSError when it fails)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def killpg(pid: int, sig: int = signal.SIGKILL) -> None:

@@ -17,7 +17,16 @@ from typing import Any
 
 from capsa.guest.cgroups import oom_kills
 from capsa.guest.channel import ChannelGone, Stream
-from capsa.guest.command import DRAIN_IDLE, READ_SIZE, grow_pipes, killpg, parse_command, reaped, spawn
+from capsa.guest.command import (
+    DRAIN_IDLE,
+    READ_SIZE,
+    grow_pipes,
+    killpg,
+    parse_command,
+    reaped,
+    spawn,
+    write_all,
+)
 from capsa.guest.errors import OpError
 from capsa.guest.limits import DEFAULT_MAX_OUTPUT, MAX_OUTPUT
 from capsa.guest.protocol import Kind
@@ -40,19 +49,14 @@ def _feed_stdin(stream: Stream, proc: subprocess.Popen[bytes]) -> None:
     fd = proc.stdin.fileno()
     broken = False
     try:
-        while True:
-            frame = stream.next_frame()
-            if frame is None:
-                continue
+        for frame in stream.frames():
             if frame.kind == Kind.END:
                 break
             if frame.kind != Kind.DATA:
                 continue
             if not broken:
                 try:
-                    view = memoryview(frame.data)
-                    while view:
-                        view = view[os.write(fd, view):]
+                    write_all(fd, frame.data)
                 except OSError:
                     broken = True  # the command stopped reading; keep draining so the host is not stuck
             stream.consumed(len(frame.data))

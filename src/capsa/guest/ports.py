@@ -99,10 +99,7 @@ def op_tcp_open(stream: Stream, args: dict[str, Any], data: bytes) -> None:
 def _to_socket(stream: Stream, sock: socket.socket, counts: dict[str, int]) -> None:
     """Host DATA -> socket; host END -> half-close. Credit is returned only once the socket took the bytes."""
     try:
-        while True:
-            frame = stream.next_frame()
-            if frame is None:
-                continue
+        for frame in stream.frames():
             if frame.kind == Kind.DATA:
                 try:
                     sock.sendall(frame.data)

@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 from capsa.guest.channel import ChannelGone, Stream
-from capsa.guest.command import killpg, parse_command, reaped, spawn
+from capsa.guest.command import killpg, parse_command, reaped, spawn, write_all
 from capsa.guest.errors import OpError
 from capsa.guest.protocol import CHUNK_SIZE, Kind
 from capsa.guest.results import exit_fields
@@ -127,17 +127,10 @@ def _output(stream: Stream, master: int) -> None:
 
 def _input(stream: Stream, master: int, proc: subprocess.Popen[bytes]) -> None:
     try:
-        while True:
-            frame = stream.next_frame()
-            if frame is None:
-                continue
+        for frame in stream.frames():
             if frame.kind == Kind.DATA:
-                try:
-                    view = memoryview(frame.data)
-                    while view:
-                        view = view[os.write(master, view):]
-                except OSError:
-                    pass
+                with contextlib.suppress(OSError):
+                    write_all(master, frame.data)
                 stream.consumed(len(frame.data))
             elif frame.kind == Kind.EVENT and "signal" in frame.meta:
                 sig = frame.meta.get("signal")

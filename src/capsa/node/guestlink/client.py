@@ -16,10 +16,10 @@ import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from capsa.guest.limits import DEFAULT_MAX_OUTPUT
-from capsa.guest.protocol import CHUNK_SIZE, MAX_LISTING_BYTES, PROCESS_OUTPUT_KEPT, Kind
+from capsa.guest.protocol import CHUNK_SIZE, MAX_LISTING_BYTES, PROCESS_OUTPUT_KEPT, Frame, Kind
 from capsa.guest.results import FileInfo, ProcessInfo, opt_int
 from capsa.node.guestlink.connection import GuestConnection
 from capsa.node.guestlink.errors import ChannelClosed, GuestError, GuestTimeout
@@ -27,7 +27,7 @@ from capsa.node.guestlink.handles.output import OutputStream
 from capsa.node.guestlink.handles.pty import PtyHandle
 from capsa.node.guestlink.handles.tunnel import TcpTunnel
 from capsa.node.guestlink.handles.watch import DirWatch
-from capsa.node.guestlink.streams import loop_time
+from capsa.node.guestlink.streams import CallStream, loop_time
 
 __all__ = [
     "DEFAULT_MAX_READ",
@@ -43,6 +43,7 @@ STDIN_PIECE = 512 * 1024
 """Bytes per ``proc_stdin`` request (the body rides inline in the request frame, at most 1 MiB)."""
 
 OutputCallback = Callable[[bytes], Awaitable[None] | None]
+H = TypeVar("H")
 
 
 @dataclass(frozen=True)
@@ -199,32 +200,16 @@ class GuestClient(GuestConnection):
 
     async def stream_process(self, pid: int, *, stdout_from: int = 0, stderr_from: int = 0) -> OutputStream:
         """Open the process's output stream (raises ``no_such_process`` before anything streams)."""
-        deadline = loop_time() + self.deadlines.call
-        stream = await self.request("proc_stream", {"pid": pid, "stdout_from": stdout_from,
-                                    "stderr_from": stderr_from},
-                                    limits=None, deadline=deadline)
-        try:
-            while True:
-                frame = await self.next_frame(stream, deadline)
-                if frame.kind == Kind.EVENT and frame.meta.get("streaming"):
-                    return OutputStream(self, stream, pid)
-        except BaseException:
-            await self.abandon(stream)
-            raise
+        return await self._open_handle("proc_stream", {"pid": pid, "stdout_from": stdout_from,
+                                                       "stderr_from": stderr_from},
+                                       started="streaming", seconds=self.deadlines.call,
+                                       make=lambda stream, _: OutputStream(self, stream, pid))
 
     async def watch_dir(self, path: str, *, recursive: bool = False) -> DirWatch:
         """Watch a directory (raises ``not_found``/``not_a_directory`` before anything streams)."""
-        deadline = loop_time() + self.deadlines.long_call
-        stream = await self.request("file_watch", {"path": path, "recursive": recursive}, limits=None,
-                                    deadline=deadline)
-        try:
-            while True:
-                frame = await self.next_frame(stream, deadline)
-                if frame.kind == Kind.EVENT and frame.meta.get("watching"):
-                    return DirWatch(self, stream, path)
-        except BaseException:
-            await self.abandon(stream)
-            raise
+        return await self._open_handle("file_watch", {"path": path, "recursive": recursive},
+                                       started="watching", seconds=self.deadlines.long_call,
+                                       make=lambda stream, _: DirWatch(self, stream, path))
 
     async def list_processes(self) -> list[ProcessInfo]:
         meta = (await self.call("proc_list")).meta
@@ -264,29 +249,32 @@ class GuestClient(GuestConnection):
                        user: str | int | None = None) -> PtyHandle:
         args = {"cmd": cmd if cmd is None or isinstance(cmd, str) else list(cmd), "rows": rows, "cols": cols,
                 "env": env, "cwd": cwd, "user": user}
-        deadline = loop_time() + self.deadlines.idle
-        stream = await self.request("pty_open", args, limits=None, deadline=deadline)
-        try:
-            while True:
-                frame = await self.next_frame(stream, deadline)
-                if frame.kind == Kind.EVENT and frame.meta.get("started"):
-                    return PtyHandle(self, stream, int(frame.meta["pid"]))
-        except BaseException:
-            await self.abandon(stream)
-            raise
+        return await self._open_handle(
+            "pty_open", args, started="started", seconds=self.deadlines.idle,
+            make=lambda stream, frame: PtyHandle(self, stream, int(frame.meta["pid"])))
 
     async def tcp_open(self, port: int, *, connect_timeout: float = 10.0) -> TcpTunnel:
         """Connect to ``127.0.0.1:port`` inside the guest (``port_unreachable`` if nothing listens there)."""
-        deadline = loop_time() + connect_timeout + self.deadlines.call
-        stream = await self.request("tcp_open", {"port": port, "connect_timeout": connect_timeout},
-                                    limits=None, deadline=deadline)
+        return await self._open_handle(
+            "tcp_open", {"port": port, "connect_timeout": connect_timeout}, started="connected",
+            seconds=connect_timeout + self.deadlines.call,
+            make=lambda stream, _: TcpTunnel(self, stream, port),
+            ended=lambda: GuestError("port_unreachable", f"port {port} closed the connection at once"))
+
+    async def _open_handle(self, op: str, args: dict[str, Any], *, started: str, seconds: float,
+                           make: Callable[[CallStream, Frame], H],
+                           ended: Callable[[], GuestError] | None = None) -> H:
+        """Open a streamed call and wait, ``seconds`` at most, for the guest's EVENT ``started``; then
+        ``make`` the handle. With ``ended``, a RESULT before that event fails the call with its error."""
+        deadline = loop_time() + seconds
+        stream = await self.request(op, args, limits=None, deadline=deadline)
         try:
             while True:
                 frame = await self.next_frame(stream, deadline)
-                if frame.kind == Kind.EVENT and frame.meta.get("connected"):
-                    return TcpTunnel(self, stream, port)
-                if frame.kind == Kind.RESULT:
-                    raise GuestError("port_unreachable", f"port {port} closed the connection at once")
+                if frame.kind == Kind.EVENT and frame.meta.get(started):
+                    return make(stream, frame)
+                if frame.kind == Kind.RESULT and ended is not None:
+                    raise ended()
         except BaseException:
             await self.abandon(stream)
             raise

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterable, Iterator, Mapping, Sequence
-from typing import Literal
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Iterator, Mapping, Sequence
+from typing import Literal, TypeVar
 
 from capsa.common.errors import CapsaError
 from capsa.guest.limits import DEFAULT_MAX_OUTPUT
@@ -26,6 +26,8 @@ from capsa.node.runtime.base import Sandbox, SandboxState
 
 __all__ = ["ExecChunk", "SandboxGuest"]
 
+T = TypeVar("T")
+
 ExecChunk = tuple[Literal["stdout", "stderr"], bytes]
 """A piece of a running command's output (:meth:`SandboxGuest.exec_stream`)."""
 # Guest failures that mean the channel, not the request, failed.
@@ -38,14 +40,15 @@ class SandboxGuest:
     def __init__(self, sandbox_id: str, sandbox: Sandbox, env: Mapping[str, str]) -> None:
         self.sandbox_id = sandbox_id
         self._sandbox = sandbox
+        self._guest: GuestClient = sandbox.guest
         self._env = env
-
-    @property
-    def _guest(self) -> GuestClient:
-        return self._sandbox.guest
 
     def _with_env(self, env: Mapping[str, str] | None) -> dict[str, str]:
         return {**self._env, **(env or {})}
+
+    async def _run(self, call: Awaitable[T]) -> T:
+        with self._call():
+            return await call
 
     @contextlib.contextmanager
     def _call(self) -> Iterator[None]:
@@ -74,9 +77,8 @@ class SandboxGuest:
                    timeout: float | None = None,  # noqa: ASYNC109 - the guest enforces it
                    max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
         """Run a command to its end and return its output."""
-        with self._call():
-            return await self._guest.exec(cmd, env=self._with_env(env), cwd=cwd, user=user, stdin=stdin,
-                                          timeout=timeout, max_output=max_output)
+        return await self._run(self._guest.exec(cmd, env=self._with_env(env), cwd=cwd, user=user, stdin=stdin,
+                                                timeout=timeout, max_output=max_output))
 
     def exec_stream(self, cmd: str | Sequence[str], *, env: Mapping[str, str] | None = None,
                     cwd: str | None = None, user: str | None = None, stdin: bytes | None = None,
@@ -123,26 +125,22 @@ class SandboxGuest:
     async def start_process(self, cmd: str | Sequence[str], *, env: Mapping[str, str] | None = None,
                             cwd: str | None = None, user: str | None = None,
                             stdin: bool = False) -> ProcessInfo:
-        with self._call():
-            return await self._guest.start_process(cmd, env=self._with_env(env), cwd=cwd, user=user,
-                                                   stdin=stdin)
+        return await self._run(self._guest.start_process(cmd, env=self._with_env(env), cwd=cwd, user=user,
+                                                         stdin=stdin))
 
     async def send_stdin(self, pid: int, data: bytes) -> ProcessInfo:
-        with self._call():
-            return await self._guest.send_stdin(pid, data)
+        return await self._run(self._guest.send_stdin(pid, data))
 
     async def close_stdin(self, pid: int) -> ProcessInfo:
-        with self._call():
-            return await self._guest.close_stdin(pid)
+        return await self._run(self._guest.close_stdin(pid))
 
     async def stream_process(self, pid: int, *, stdout_from: int = 0, stderr_from: int = 0) -> OutputStream:
         """The process's output from the given offsets until it exits (``no_such_process`` raises here)."""
-        with self._call():
-            return await self._guest.stream_process(pid, stdout_from=stdout_from, stderr_from=stderr_from)
+        return await self._run(self._guest.stream_process(pid, stdout_from=stdout_from,
+                                                          stderr_from=stderr_from))
 
     async def list_processes(self) -> list[ProcessInfo]:
-        with self._call():
-            return await self._guest.list_processes()
+        return await self._run(self._guest.list_processes())
 
     async def get_process(self, pid: int) -> ProcessInfo:
         for info in await self.list_processes():
@@ -151,52 +149,43 @@ class SandboxGuest:
         raise CapsaError(f"no process {pid}", code="not_found", status=404)
 
     async def kill_process(self, pid: int, signal: int) -> ProcessInfo:
-        with self._call():
-            return await self._guest.kill_process(pid, signal)
+        return await self._run(self._guest.kill_process(pid, signal))
 
     async def process_output(self, pid: int) -> ProcessOutput:
-        with self._call():
-            return await self._guest.process_output(pid)
+        return await self._run(self._guest.process_output(pid))
 
     async def open_terminal(self, *, cols: int, rows: int, cmd: str | None = None,
                             env: Mapping[str, str] | None = None, cwd: str | None = None,
                             user: str | None = None) -> PtyHandle:
         """A command (default: the login shell) on a pseudo-terminal in the sandbox."""
-        with self._call():
-            return await self._guest.pty_open(cmd, cols=cols, rows=rows, env=self._with_env(env), cwd=cwd,
-                                              user=user)
+        return await self._run(self._guest.pty_open(cmd, cols=cols, rows=rows, env=self._with_env(env),
+                                                    cwd=cwd, user=user))
 
     async def open_port(self, port: int) -> TcpTunnel:
         """A TCP connection to ``127.0.0.1:port`` inside the sandbox, over the guest channel
         (``port_unreachable`` when nothing listens there)."""
-        with self._call():
-            return await self._guest.tcp_open(port)
+        return await self._run(self._guest.tcp_open(port))
 
     # -- files --------------------------------------------------------------------------------------------
     async def watch_dir(self, path: str, *, recursive: bool = False) -> DirWatch:
         """Changes under a directory of the sandbox until closed (a bad path raises here)."""
-        with self._call():
-            return await self._guest.watch_dir(path, recursive=recursive)
+        return await self._run(self._guest.watch_dir(path, recursive=recursive))
 
     async def read_file(self, path: str) -> AsyncGenerator[bytes, None]:
         """The file's bytes; the first chunk is read before this returns, so a missing file raises here."""
         return await self._first_then_rest(self._guest.iter_file(path))
 
     async def write_file(self, path: str, data: AsyncIterable[bytes], mode: int | None = None) -> FileInfo:
-        with self._call():
-            return await self._guest.write_file(path, data, mode=mode)
+        return await self._run(self._guest.write_file(path, data, mode=mode))
 
     async def list_dir(self, path: str) -> list[FileInfo]:
-        with self._call():
-            return await self._guest.list_dir(path)
+        return await self._run(self._guest.list_dir(path))
 
     async def stat(self, path: str) -> FileInfo:
-        with self._call():
-            return await self._guest.stat(path)
+        return await self._run(self._guest.stat(path))
 
     async def mkdir(self, path: str, *, parents: bool = True) -> FileInfo:
-        with self._call():
-            return await self._guest.mkdir(path, parents=parents)
+        return await self._run(self._guest.mkdir(path, parents=parents))
 
     async def rename(self, src: str, dst: str) -> FileInfo:
         with self._call():
@@ -204,16 +193,14 @@ class SandboxGuest:
             return await self._guest.stat(dst)
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        with self._call():
-            await self._guest.remove(path, recursive=recursive)
+        await self._run(self._guest.remove(path, recursive=recursive))
 
     async def export_archive(self, path: str) -> AsyncGenerator[bytes, None]:
         """A tar stream of ``path``; like :meth:`read_file`, a failure to start raises here."""
         return await self._first_then_rest(self._guest.tar_export(path))
 
     async def import_archive(self, path: str, data: AsyncIterable[bytes]) -> None:
-        with self._call():
-            await self._guest.tar_import(path, data)
+        await self._run(self._guest.tar_import(path, data))
 
     async def _first_then_rest(self, chunks: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
         with self._call():
