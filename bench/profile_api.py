@@ -25,7 +25,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import capsa.node.guest_client as guest_client
 import httpx
 from rich.console import Console
 from rich.table import Table
@@ -36,6 +35,8 @@ import capsa.control.nodeclient as nodeclient
 import capsa.control.routes.commands as commands_routes
 import capsa.control.sessions as control_sessions
 import capsa.node.agent as agent
+import capsa.node.guestlink.client as guest_client
+import capsa.node.guestlink.facade as guest_facade
 import capsa.node.sources as sources
 import capsa.node.warm_pool as warm_pool
 import capsa.serve as serve_module
@@ -102,7 +103,7 @@ def _instrument() -> None:
             (commands_routes, "running_session", "session lookup (running_session)"),
             (audit_writer.AuditWriter, "_drain", "audit commit (after the answer: CAPSA_AUDIT_ACK=async)"),
             (nodeclient.NodeClient, "exec", "node call (in-process: NodeClient.exec)"),
-            (agent.NodeAgent, "exec", "node agent exec"),
+            (guest_facade.SandboxGuest, "exec", "node agent exec (SandboxGuest.exec)"),
             (guest_client.GuestClient, "exec", "guest channel exec"),
             (control_sessions, "create_session", "create: control plane (sessions.create_session)"),
             (nodeclient.NodeClient, "create_sandbox", "create: node call (in-process)"),

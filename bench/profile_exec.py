@@ -14,9 +14,9 @@ all wall-clock in this process unless said otherwise:
   ``true``, to compare the first command of a restored sandbox with its tenth;
 - ``node_paths`` (``--paths N``, 0 to skip): through the node agent with the production
   ``TemplateSource``, N sandboxes from the warm pool and N restored on demand, each with its 1st through
-  10th ``["true"]`` (agent.exec), for two variants in the same run: ``before`` (no warm-up before the
-  template snapshot, none after a restore on demand) and ``after`` (the defaults); then a node on a fresh
-  state directory with the template cache the ``after`` variant filled: time until ready (the base
+  10th ``["true"]`` (``agent.guest(sid).exec``), for two variants in the same run: ``before`` (no warm-up
+  before the template snapshot, none after a restore on demand) and ``after`` (the defaults); then a node on a
+  fresh state directory with the template cache the ``after`` variant filled: time until ready (the base
   template imported, no cold boot) and its first create + first ``true``.
 The breakdown row "channel + host" is the round trip minus the guest-side duration. The machine is shared:
 the load average is recorded with the numbers.
@@ -275,7 +275,7 @@ def print_table(results: dict[str, Any]) -> None:
             series = paths[path]
             row(f"{variant}: {path} create, ms", series["create_ms"])
             for i in ("1", "2", "10"):
-                row(f'{variant}: {path} agent.exec ["true"] #{i}, ms', series["true_ms"][i])
+                row(f'{variant}: {path} agent.guest(sid).exec ["true"] #{i}, ms', series["true_ms"][i])
     Console().print(table)
     fresh = results.get("node_paths", {}).get("fresh_node")
     if fresh:
