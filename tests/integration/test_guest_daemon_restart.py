@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from capsa.node.api.errors import status_of
 from capsa.node.guestlink.errors import GuestError
 from capsa.node.runtime.base import SandboxState
 from capsa.node.runtime.qemu import QemuSandbox
@@ -43,7 +44,7 @@ async def _kill_daemon_in_flight(sandbox: QemuSandbox, killer: str) -> float:
         await asyncio.wait_for(sandbox.guest.exec(killer, timeout=COMMAND_TIMEOUT), COMMAND_TIMEOUT + 30)
     elapsed = time.monotonic() - started
     assert failure.value.code == "guest_unavailable", failure.value
-    assert failure.value.status == 503
+    assert status_of(failure.value) == 503
     assert elapsed < FAIL_WITHIN, f"the call in flight failed only after {elapsed:.1f} s"
     with pytest.raises(GuestError) as other:
         await asyncio.wait_for(bystander, FAIL_WITHIN)
