@@ -34,14 +34,13 @@ from capsa.common.node_api import (
     StreamError,
 )
 from capsa.guest.results import ProcessInfo as GuestProcess
-from capsa.node.agent import NodeAgent
 from capsa.node.api.deps import Agent
 from capsa.node.api.errors import status_of
 from capsa.node.guestlink.client import ExecResult as GuestExec
 from capsa.node.guestlink.facade import ExecChunk
 from capsa.node.guestlink.handles.output import OutputStream, StreamEnd
 
-__all__ = ["exec_status", "exec_to_end", "output_lines", "process_info", "router"]
+__all__ = ["exec_status", "output_lines", "process_info", "router"]
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +72,13 @@ def process_info(info: GuestProcess) -> ProcessInfo:
 async def exec_command(agent: Agent, sandbox_id: str, body: ExecRequest,
                        accept: Annotated[str | None, Header()] = None) -> ExecResult | StreamingResponse:
     stdin = body.stdin.encode() if body.stdin is not None else None
+    guest = agent.guest(sandbox_id)
     if accept and NDJSON in accept:
-        events = agent.guest(sandbox_id).exec_stream(body.cmd, env=body.env, cwd=body.cwd, user=body.user,
-                                                     stdin=stdin, timeout=body.timeout,
-                                                     max_output=body.max_output)
+        events = guest.exec_stream(body.cmd, env=body.env, cwd=body.cwd, user=body.user, stdin=stdin,
+                                   timeout=body.timeout, max_output=body.max_output)
         return StreamingResponse(_lines(events), media_type=NDJSON)
-    return await exec_to_end(agent, sandbox_id, body)
-
-
-async def exec_to_end(agent: NodeAgent, sandbox_id: str, body: ExecRequest) -> ExecResult:
-    """What ``POST /exec`` answers without a stream (also called in-process by ``capsa serve``)."""
-    stdin = body.stdin.encode() if body.stdin is not None else None
-    res = await agent.guest(sandbox_id).exec(body.cmd, env=body.env, cwd=body.cwd, user=body.user,
-                                             stdin=stdin, timeout=body.timeout, max_output=body.max_output)
+    res = await guest.exec(body.cmd, env=body.env, cwd=body.cwd, user=body.user, stdin=stdin,
+                           timeout=body.timeout, max_output=body.max_output)
     return ExecResult(**exec_status(res).model_dump(), stdout=_text(res.stdout), stderr=_text(res.stderr))
 
 
