@@ -18,6 +18,7 @@ from capsa.common.node_api import ApprovalDecision, ApprovalInfo
 from capsa.control.approval_schemas import ApprovalDecisionIn, ApprovalList, ApprovalOut
 from capsa.control.auth import Principal
 from capsa.control.errors import ApprovalDecided, ApprovalNotFound
+from capsa.control.node_calls import attempt
 from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.store.models import NodeRow, SessionRow
@@ -51,10 +52,9 @@ async def list_approvals(plane: ControlPlane, tenant: str, session_id: str | Non
     reached is left out (logged): its held requests time out as their rules say."""
     items: list[ApprovalOut] = []
     for node, sids in (await _placed(plane, tenant, session_id, running=True)).values():
-        try:
-            page = await plane.node_client(node).list_approvals(sids, include_decided=include_decided)
-        except NodeError as exc:
-            log.warning("could not list approvals on node %s: %s", node.id, exc)
+        page = await attempt(plane.node_client(node).list_approvals(sids, include_decided=include_decided))
+        if isinstance(page, NodeError):
+            log.warning("could not list approvals on node %s: %s", node.id, page)
             continue
         mine = set(sids)
         items += [ApprovalOut.of(a, a.session_id) for a in page.items if a.session_id in mine]
@@ -66,11 +66,10 @@ async def _find(plane: ControlPlane, tenant: str, approval_id: str) -> tuple[Nod
     if not is_id(approval_id, "apr"):
         raise ApprovalNotFound(f"approval {approval_id} not found")
     for node, sids in (await _placed(plane, tenant, None, running=False)).values():
-        try:
-            info = await plane.node_client(node).get_approval(approval_id)
-        except NodeError as exc:
-            if exc.code != "approval_not_found":
-                log.warning("could not look up approval %s on node %s: %s", approval_id, node.id, exc)
+        info = await attempt(plane.node_client(node).get_approval(approval_id))
+        if isinstance(info, NodeError):
+            if info.code != "approval_not_found":
+                log.warning("could not look up approval %s on node %s: %s", approval_id, node.id, info)
             continue
         if info.session_id is not None and info.session_id in sids:
             return node, info, info.session_id
@@ -90,12 +89,11 @@ async def decide(plane: ControlPlane, caller: Principal, approval_id: str, *, ap
         raise ApprovalDecided(f"approval {approval_id} is already {info.state}")
     decision = ApprovalDecision(approve=approve, decided_by=caller.key_id, session_id=session_id,
                                 scope=body.scope if body else None, reason=body.reason if body else None)
-    try:
-        decided = await plane.node_client(node).decide_approval(approval_id, decision)
-    except NodeError as exc:
-        if exc.code == "approval_decided":
-            raise ApprovalDecided(exc.message) from None
-        if exc.code == "approval_not_found":
+    decided = await attempt(plane.node_client(node).decide_approval(approval_id, decision))
+    if isinstance(decided, NodeError):
+        if decided.code == "approval_decided":
+            raise ApprovalDecided(decided.message) from None
+        if decided.code == "approval_not_found":
             raise ApprovalNotFound(f"approval {approval_id} not found") from None
-        raise
+        raise decided  # as the node said it (the problem handler answers with its status and code)
     return ApprovalOut.of(decided, session_id)

@@ -17,7 +17,7 @@ from capsa.control.store.db import DbSession
 from capsa.control.store.models import ApiKeyRow, utcnow
 
 __all__ = ["KeyCache", "Principal", "authenticate", "authenticate_cached", "bearer_token",
-           "ensure_bootstrap_key", "require_admin"]
+           "ensure_bootstrap_key", "key_principal", "require_admin"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,21 @@ class KeyCache:
         self._keys.pop(key_id, None)
 
 
+async def _known(db: async_sessionmaker[DbSession], cache: KeyCache, key_id: str) -> _KnownKey:
+    """The key's record through ``cache`` (the database is read only for keys not seen within its ttl);
+    ``Unauthorized`` for an unknown or revoked key."""
+    known = cache.lookup(key_id)
+    if known is None:
+        async with db() as session:
+            row = await session.get(ApiKeyRow, key_id)
+        if row is None:
+            raise Unauthorized()
+        known = cache.store(row)
+    if known.revoked:
+        raise Unauthorized()
+    return known
+
+
 async def authenticate_cached(db: async_sessionmaker[DbSession], cache: KeyCache,
                               token: str | None) -> Principal:
     """:func:`authenticate` through ``cache``: the database is read only for keys not seen within its
@@ -101,17 +116,19 @@ async def authenticate_cached(db: async_sessionmaker[DbSession], cache: KeyCache
     parsed = parse_key(token) if token else None
     if parsed is None:
         raise Unauthorized()
-    known = cache.lookup(parsed.key_id)
-    if known is None:
-        async with db() as session:
-            row = await session.get(ApiKeyRow, parsed.key_id)
-        if row is None:
-            raise Unauthorized()
-        known = cache.store(row)
-    if known.revoked or not verify_key(parsed.full, known.secret_hash):
+    known = await _known(db, cache, parsed.key_id)
+    if not verify_key(parsed.full, known.secret_hash):
         raise Unauthorized()
     audit_trail.identify(known.tenant, parsed.key_id)
     return Principal(parsed.key_id, known.tenant, known.admin)
+
+
+async def key_principal(db: async_sessionmaker[DbSession], cache: KeyCache, key_id: str) -> Principal:
+    """Who the key ``key_id`` speaks for, its secret already proven another way (a credential derived
+    from it): through ``cache``; ``Unauthorized`` for an unknown or revoked key."""
+    known = await _known(db, cache, key_id)
+    audit_trail.identify(known.tenant, key_id)
+    return Principal(key_id, known.tenant, known.admin)
 
 
 def require_admin(principal: Principal) -> Principal:

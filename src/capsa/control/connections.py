@@ -40,7 +40,7 @@ from capsa.control.connection_store import (
 )
 from capsa.control.errors import ApiError, InvalidState
 from capsa.control.lifecycle import ACTIVE_STATES
-from capsa.control.nodeclient import NodeError
+from capsa.control.node_calls import quietly
 from capsa.control.oauth_client import ProviderError, discover
 from capsa.control.plane import ControlPlane
 from capsa.control.store.connection_models import ConnectionLoginRow, ConnectionProviderRow, ConnectionRow
@@ -332,12 +332,9 @@ async def revoke_connection(plane: ControlPlane, tenant: str, ref: str) -> Revok
     notified: list[str] = []
     unreached: list[str] = []
     for node in await _nodes_binding(plane, tenant, conn.id):
-        try:
-            await plane.node_client(node).revoke_connection(conn.id)
-            notified.append(node.id)
-        except NodeError as exc:
-            log.warning("node %s was not told that connection %s is revoked: %s", node.id, conn.id, exc)
-            unreached.append(node.id)
+        told = await quietly(plane.node_client(node).revoke_connection(conn.id),
+                             f"node {node.id} was not told that connection {conn.id} is revoked")
+        (notified if told else unreached).append(node.id)
     provider_revoked = False
     client = oauth_client(plane, provider, conn.scopes)
     try:

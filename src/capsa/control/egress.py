@@ -36,6 +36,7 @@ from capsa.control.egress_schemas import (
     SecretOut,
 )
 from capsa.control.errors import ApiError, NotFound, ValidationFailed
+from capsa.control.node_calls import quietly
 from capsa.control.nodeclient import EgressArgs, NodeClient, NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import SecretSealer
@@ -372,10 +373,7 @@ async def list_audit(plane: ControlPlane, tenant: str, session_id: str, limit: i
         session = await _session(db, tenant, session_id)
         node = await db.get(NodeRow, session.node_id) if session.node_id else None
     if node is not None:
-        try:
-            await collect_audit(plane, node)
-        except NodeError as exc:
-            log.warning("could not collect audit events from node %s: %s", node.id, exc)
+        await quietly(collect_audit(plane, node), f"could not collect audit events from node {node.id}")
     query = select(AuditEventRow).where(AuditEventRow.tenant == tenant,
                                         AuditEventRow.session_id == session_id)
     if decision is not None:

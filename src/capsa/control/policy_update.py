@@ -14,13 +14,12 @@ from sqlalchemy import select
 
 from capsa.common.egress_policy import EgressPolicy, PolicyError
 from capsa.common.errors import CapsaError
+from capsa.control import relay
 from capsa.control.egress import assign_placeholders, merge_patch, resolve_policy
 from capsa.control.egress_grants import check_policy_networks, tenant_networks
 from capsa.control.egress_schemas import PolicyOut
 from capsa.control.errors import InvalidState, ValidationFailed
-from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
-from capsa.control.sessions import node_call_failed, running_session
 from capsa.control.store.egress_models import SessionPolicyRow
 from capsa.control.store.models import SessionRow, utcnow
 
@@ -37,7 +36,7 @@ async def update_policy(plane: ControlPlane, tenant: str, session_id: str, polic
         state = await db.scalar(select(SessionRow.state).where(SessionRow.id == session_id,
                                                               SessionRow.tenant == tenant))
     paused = state == "paused"
-    row, client = (None, None) if paused else await running_session(plane, tenant, session_id, fresh=True)
+    target = None if paused else await relay.running(plane, tenant, session_id, fresh=True)
     async with plane.db() as db:
         current = await db.get(SessionPolicyRow, session_id, populate_existing=True)
     if current is None:
@@ -54,13 +53,10 @@ async def update_policy(plane: ControlPlane, tenant: str, session_id: str, polic
     await check_policy_networks(plane, tenant, document)
     placeholders = assign_placeholders(document, current.placeholders)
     reissued = False
-    if row is not None and client is not None:
-        assert row.sandbox_id is not None
-        try:
-            answer = await client.update_policy(row.sandbox_id, document, values, placeholders,
-                                                await tenant_networks(plane, tenant))
-        except NodeError as exc:
-            raise await node_call_failed(plane, row, exc) from exc
+    if target is not None:
+        networks = await tenant_networks(plane, tenant)
+        answer = await relay.call(target, lambda node, sandbox: node.update_policy(
+            sandbox, document, values, placeholders, networks))
         reissued = answer.ca_reissued
     now = utcnow()
     async with plane.db() as db:
@@ -90,13 +86,14 @@ async def refresh_networks(plane: ControlPlane, tenant: str) -> list[str]:
     missed: list[str] = []
     for session_id in ids:
         try:
-            row, client = await running_session(plane, tenant, session_id, fresh=True)
+            target = await relay.running(plane, tenant, session_id, fresh=True)
             async with plane.db() as db:
                 current = await db.get(SessionPolicyRow, session_id, populate_existing=True)
-            if current is None or row.sandbox_id is None:
+            if current is None:
                 continue
             document, values = await resolve_policy(plane, tenant, current.policy)
-            await client.update_policy(row.sandbox_id, document, values, current.placeholders or {}, networks)
+            await target.client.update_policy(target.sandbox_id, document, values, current.placeholders or {},
+                                              networks)
         except CapsaError as exc:
             log.warning("egress grants of session %s not refreshed: %s", session_id, exc.code)
             missed.append(session_id)

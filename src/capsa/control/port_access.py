@@ -30,11 +30,11 @@ from capsa.control import audit_trail
 from capsa.control.auth import authenticate, bearer_token
 from capsa.control.errors import ApiError, InvalidState, NotFound, Unauthorized, ValidationFailed
 from capsa.control.keys import parse_key
-from capsa.control.nodeclient import NodeClient
 from capsa.control.plane import ControlPlane
 from capsa.control.port_hosts import on_port_host, port_base_url, port_path
+from capsa.control.relay import SessionTarget, running
 from capsa.control.schemas import PortToken, PortTokenInfo
-from capsa.control.sessions import get_session, running_session
+from capsa.control.sessions import get_session
 from capsa.control.store.models import PortTokenRow, SessionRow, utcnow
 
 __all__ = ["ACTIVITY_INTERVAL", "TOKEN_COOKIE", "TOKEN_HEADER", "TOKEN_PREFIX", "TOKEN_QUERY", "PortAccess",
@@ -91,8 +91,8 @@ def check_exposed(row: SessionRow, port: int) -> None:
 
 @dataclass(frozen=True)
 class PortAccess:
-    row: SessionRow
-    client: NodeClient
+    target: SessionTarget
+    """The running session, for the relay's calls."""
     used_api_key: bool
     """The request authenticated with the API key in Authorization (which must not reach the sandbox)."""
     query_token: str | None = None
@@ -122,9 +122,9 @@ async def authorize(plane: ControlPlane, conn: HTTPConnection, session_id: str, 
         audit_trail.identify(found.tenant, found.id)
     else:
         raise Unauthorized("an API key or a port token (?token= or X-Capsa-Port-Token) is required")
-    row, client = await running_session(plane, tenant, session_id, fresh=True)
-    check_exposed(row, port)
-    return PortAccess(row, client, used_key, in_query if in_query and not used_key else None,
+    target = await running(plane, tenant, session_id, fresh=True)
+    check_exposed(target.row, port)
+    return PortAccess(target, used_key, in_query if in_query and not used_key else None,
                       expires_at, on_port_host(conn))
 
 

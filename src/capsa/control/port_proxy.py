@@ -81,7 +81,7 @@ def _forward_headers(conn: HTTPConnection, access: PortAccess, port: int, *,
             ("x-forwarded-host", conn.headers.get("host", "")),
             ("x-forwarded-proto", "https" if conn.url.scheme in ("https", "wss") else "http")]
     if not access.on_host:
-        out.append(("x-forwarded-prefix", port_path(access.row.id, port).rstrip("/")))
+        out.append(("x-forwarded-prefix", port_path(access.target.id, port).rstrip("/")))
     return out
 
 
@@ -128,7 +128,7 @@ def _token_cookie(conn: HTTPConnection, access: PortAccess, port: int) -> tuple[
     if access.query_token is None:
         return None
     secure = "; Secure" if conn.url.scheme == "https" else ""
-    path = "/" if access.on_host else port_path(access.row.id, port)
+    path = "/" if access.on_host else port_path(access.target.id, port)
     max_age = _seconds_left(access.token_expires_at)
     value = (f"{TOKEN_COOKIE}={access.query_token}; Path={path}; Max-Age={max_age}; HttpOnly; "
              f"SameSite=Lax{secure}")
@@ -212,7 +212,7 @@ async def proxy_http(request: Request, access: PortAccess, port: int, path: str,
         raise
     relayed = response_headers(
         [(k.lower(), v) for k, v in event.headers if k.decode("latin-1").lower() not in _RESPONSE_DROP],
-        None if access.on_host else port_path(access.row.id, port))
+        None if access.on_host else port_path(access.target.id, port))
     cookie = _token_cookie(request, access, port)
     if cookie is not None:
         relayed.append(cookie)

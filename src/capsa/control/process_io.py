@@ -16,18 +16,17 @@ itself runs on, a terminal is hung up).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from typing import Generic, TypeVar
 
 from capsa.common import node_api
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
-from capsa.control.nodeclient import NodeClient, NodeError
+from capsa.control import relay
+from capsa.control.node_calls import NodeLost, until_lost
+from capsa.control.nodeclient import NodeClient
 from capsa.control.plane import ControlPlane
 from capsa.control.port_access import keep_active
-from capsa.control.sessions import SANDBOX_GONE_CODES, lose_sandbox, node_call_failed, running_session
-from capsa.control.store.models import SessionRow
 from capsa.sdk.models import FileEvent, OutputChunk, OutputEnd, ProcessInfo, StreamError
 
 __all__ = ["EventStream", "close_stdin", "open_terminal", "send_stdin", "start_background", "stream_output",
@@ -37,43 +36,28 @@ _T = TypeVar("_T")
 _N = TypeVar("_N")
 
 
-async def _session(plane: ControlPlane, tenant: str, session_id: str) -> tuple[SessionRow, NodeClient, str]:
-    row, client = await running_session(plane, tenant, session_id)
-    assert row.sandbox_id is not None
-    return row, client, row.sandbox_id
-
-
 async def start_background(plane: ControlPlane, tenant: str, session_id: str, cmd: str | list[str], *,
                            env: dict[str, str] | None = None, cwd: str | None = None, user: str | None = None,
                            open_stdin: bool = False) -> ProcessInfo:
     """Start a background process (``open_stdin``: keep a pipe to its stdin for :func:`send_stdin`)."""
-    row, client, sandbox_id = await _session(plane, tenant, session_id)
+    target = await relay.running(plane, tenant, session_id)
     start = node_api.ProcessStart(cmd=cmd, env=env or {}, cwd=cwd, user=user, open_stdin=open_stdin)
-    try:
-        info = await client.start_process(sandbox_id, start)
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
+    info = await relay.call(target, lambda node, sandbox: node.start_process(sandbox, start))
     return ProcessInfo.model_validate(info.model_dump())
 
 
 async def send_stdin(plane: ControlPlane, tenant: str, session_id: str, pid: int, data: bytes) -> ProcessInfo:
     """Write ``data`` to the process's stdin: 409 ``stdin_closed`` (not started with ``open_stdin``, or
     closed) or ``process_exited``; 404 ``no_such_process``."""
-    row, client, sandbox_id = await _session(plane, tenant, session_id)
-    try:
-        info = await client.send_stdin(sandbox_id, pid, data)
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
+    target = await relay.running(plane, tenant, session_id)
+    info = await relay.call(target, lambda node, sandbox: node.send_stdin(sandbox, pid, data))
     return ProcessInfo.model_validate(info.model_dump())
 
 
 async def close_stdin(plane: ControlPlane, tenant: str, session_id: str, pid: int) -> ProcessInfo:
     """Close the process's stdin (it reads EOF); closing twice is fine."""
-    row, client, sandbox_id = await _session(plane, tenant, session_id)
-    try:
-        info = await client.close_stdin(sandbox_id, pid)
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
+    target = await relay.running(plane, tenant, session_id)
+    info = await relay.call(target, lambda node, sandbox: node.close_stdin(sandbox, pid))
     return ProcessInfo.model_validate(info.model_dump())
 
 
@@ -96,37 +80,30 @@ class EventStream(Generic[_T]):
         await self._stack.aclose()
 
 
-async def _open_stream(plane: ControlPlane, row: SessionRow,
-                       opened: contextlib.AbstractAsyncContextManager[AsyncIterator[_N]],
+async def _open_stream(target: relay.SessionTarget,
+                       opener: Callable[[NodeClient, str], AbstractAsyncContextManager[AsyncIterator[_N]]],
                        convert: Callable[[_N], _T], failed: Callable[[str, str], _T], *,
                        active: bool = True) -> EventStream[_T]:
     """Open the node's stream (its refusal raises here), keep the session active while it is open
     (``active``), and translate its events; a sandbox lost mid-stream is recorded and reported as the
     last event."""
-    stack = AsyncExitStack()
-    try:
-        node_events = await stack.enter_async_context(opened)
-        if active:
-            await stack.enter_async_context(keep_active(plane, row.id))
-    except NodeError as exc:
-        await stack.aclose()
-        raise await node_call_failed(plane, row, exc) from exc
-    except BaseException:
-        await stack.aclose()
-        raise
+    node_events, stack = await relay.open_stream(target, opener)
+    if active:
+        try:
+            await stack.enter_async_context(keep_active(target.plane, target.id))
+        except BaseException:
+            await stack.aclose()
+            raise
 
     async def events() -> AsyncIterator[_T]:
-        try:
-            async for node_event in node_events:
-                if isinstance(node_event, node_api.StreamError) and node_event.code in SANDBOX_GONE_CODES:
-                    state = await lose_sandbox(plane, row.id, node_event.detail or node_event.code,
-                                               row.sandbox_id)
-                    yield failed("session_failed" if state == "failed" else "invalid_state",
-                                 f"session {row.id} lost its sandbox ({state}): {node_event.detail}")
-                    return
-                yield convert(node_event)
-        except NodeError as exc:
-            yield failed("node_unreachable", f"lost the node while streaming: {exc.message}")
+        async for node_event in until_lost(node_events):
+            if isinstance(node_event, NodeLost):
+                yield failed("node_unreachable", f"lost the node while streaming: {node_event.message}")
+                return
+            if isinstance(node_event, node_api.StreamError) and node_event.code in relay.SANDBOX_GONE_CODES:
+                yield failed(*await relay.sandbox_lost(target, node_event.code, node_event.detail))
+                return
+            yield convert(node_event)
 
     return EventStream(events(), stack)
 
@@ -152,9 +129,9 @@ async def stream_output(plane: ControlPlane, tenant: str, session_id: str, pid: 
     Reattach after a disconnect with the last ``offset`` seen per channel: nothing is lost or repeated
     while the guest's ring buffer (the last 1 MiB per channel) still holds it; older bytes are reported
     as ``lost`` on the first chunk after the gap."""
-    row, client, sandbox_id = await _session(plane, tenant, session_id)
-    opened = client.stream_process(sandbox_id, pid, stdout_from=stdout_from, stderr_from=stderr_from)
-    return await _open_stream(plane, row, opened, _output_event, _stream_error)
+    target = await relay.running(plane, tenant, session_id)
+    return await _open_stream(target, lambda node, sandbox: node.stream_process(
+        sandbox, pid, stdout_from=stdout_from, stderr_from=stderr_from), _output_event, _stream_error)
 
 
 def _watch_event(event: node_api.FileEvent | node_api.StreamError) -> FileEvent | StreamError:
@@ -168,8 +145,9 @@ async def watch_files(plane: ControlPlane, tenant: str, session_id: str, path: s
     """Changes under the directory ``path`` until the stream is closed (or the directory is removed).
     Raises ``not_found``/``not_a_directory`` before streaming. ``active=False``: the open stream does not
     keep the session active (a watcher whose reader comes back by polling, whose polls are activity)."""
-    row, client, sandbox_id = await _session(plane, tenant, session_id)
-    return await _open_stream(plane, row, client.watch_dir(sandbox_id, path, recursive=recursive),
+    target = await relay.running(plane, tenant, session_id)
+    return await _open_stream(target, lambda node, sandbox: node.watch_dir(sandbox, path,
+                                                                           recursive=recursive),
                               _watch_event, _stream_error, active=active)
 
 
@@ -177,8 +155,6 @@ async def open_terminal(plane: ControlPlane, tenant: str, session_id: str,
                         options: TerminalOptions) -> TerminalClient:
     """A pseudo-terminal in the session's sandbox (default command: the login shell). The caller relays
     it and closes it; keep the session active meanwhile with :func:`keep_active`."""
-    row, client, sandbox_id = await _session(plane, tenant, session_id)
-    try:
-        return await client.open_terminal(sandbox_id, options.check())
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
+    target = await relay.running(plane, tenant, session_id)
+    checked = options.check()
+    return await relay.call(target, lambda node, sandbox: node.open_terminal(sandbox, checked))

@@ -14,8 +14,9 @@ from sqlalchemy import ColumnElement, and_, delete, or_, select, update
 from capsa.common.ids import is_id, new_id
 from capsa.control import audit_trail, egress, egress_grants
 from capsa.control.auth import Principal
-from capsa.control.errors import ApiError, InvalidState, NotFound, SessionFailed, ValidationFailed
+from capsa.control.errors import InvalidState, NotFound, SessionFailed, ValidationFailed
 from capsa.control.lifecycle import transition
+from capsa.control.node_calls import quietly
 from capsa.control.nodeclient import EgressArgs, NodeClient, NodeError
 from capsa.control.placement import choose_node
 from capsa.control.plane import ControlPlane
@@ -32,29 +33,25 @@ from capsa.control.store.models import (
 )
 
 __all__ = [
-    "SANDBOX_GONE_CODES",
     "activity_stale",
     "close_session",
     "create_session",
+    "destroy_quietly",
     "extend_session",
     "fail_session",
     "finish_session",
     "get_session",
     "list_sessions",
     "lose_sandbox",
-    "node_call_failed",
     "node_of",
     "purge_snapshots",
-    "running_session",
+    "runs_on",
     "sessions_to_expire",
     "stamp_interval",
     "to_out",
 ]
 
 log = logging.getLogger(__name__)
-
-SANDBOX_GONE_CODES = frozenset({"sandbox_failed", "sandbox_not_found"})
-"""Node error codes meaning the session's VM is gone: the session becomes ``failed``."""
 
 
 def _policy(row: SessionRow) -> RollingSnapshots | None:
@@ -93,18 +90,6 @@ async def _load(db: DbSession, tenant: str, session_id: str) -> SessionRow:
     if row is None or row.tenant != tenant:
         raise NotFound(f"session {session_id} not found")
     return row
-
-
-async def _load_with_node(db: DbSession, tenant: str, session_id: str) -> tuple[SessionRow, NodeRow | None]:
-    """:func:`_load` and the session's node in one query (every command looks both up)."""
-    if not is_id(session_id, "ses"):
-        raise NotFound(f"session {session_id} not found")
-    found = (await db.execute(
-        select(SessionRow, NodeRow).outerjoin(NodeRow, NodeRow.id == SessionRow.node_id)
-        .where(SessionRow.id == session_id).execution_options(populate_existing=True))).first()
-    if found is None or found[0].tenant != tenant:
-        raise NotFound(f"session {session_id} not found")
-    return found[0], found[1]
 
 
 async def get_session(plane: ControlPlane, tenant: str, session_id: str) -> SessionOut:
@@ -213,17 +198,15 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
             plane.sessions.store(row, node)  # its first command needs no read either
             return to_out(row, dict(req.metadata))
         # Closed (or reaped) while the VM was booting: the VM must not outlive the decision.
-        await _destroy_quietly(client, sandbox_id)
+        await destroy_quietly(client, sandbox_id)
         row = await _load(db, principal.tenant, session_id)
         return to_out(row, (await _metadata(db, [row.id]))[row.id])
 
 
-async def _destroy_quietly(client: NodeClient, sandbox_id: str) -> None:
-    try:
-        await client.destroy_sandbox(sandbox_id)
-    except NodeError as exc:
-        # Left for the heartbeat reconciliation, which destroys sandboxes that no active session owns.
-        log.warning("could not destroy sandbox %s: %s", sandbox_id, exc)
+async def destroy_quietly(client: NodeClient, sandbox_id: str) -> None:
+    """Destroy the sandbox; a failure is logged and left for the heartbeat reconciliation, which destroys
+    sandboxes that no active session owns."""
+    await quietly(client.destroy_sandbox(sandbox_id), f"could not destroy sandbox {sandbox_id}")
 
 
 async def node_of(db: DbSession, row: SessionRow) -> NodeRow | None:
@@ -249,7 +232,7 @@ async def finish_session(plane: ControlPlane, session_id: str, target: str, reas
         if not done:
             return False
     if row is not None and node is not None and row.sandbox_id:
-        await _destroy_quietly(plane.node_client(node), row.sandbox_id)
+        await destroy_quietly(plane.node_client(node), row.sandbox_id)
         await egress.collect_audit_quietly(plane, node)  # the sandbox's last events, incl. its teardown
     await purge_snapshots(plane, session_id)
     return True
@@ -274,13 +257,10 @@ async def purge_snapshots(plane: ControlPlane, session_id: str | None = None) ->
         found = list((await db.execute(query)).all())
     deleted: list[str] = []
     for snap, node in found:
-        if node is not None:
-            try:
-                await plane.node_client(node).delete_snapshot(snap.id)
-            except NodeError as exc:
-                if exc.code != "snapshot_not_found":
-                    log.warning("could not delete snapshot %s: %s", snap.id, exc)
-                    continue
+        if node is not None and not await quietly(plane.node_client(node).delete_snapshot(snap.id),
+                                                  f"could not delete snapshot {snap.id}",
+                                                  fine=("snapshot_not_found",)):
+            continue
         async with plane.db() as db:
             await db.execute(delete(SnapshotRow).where(SnapshotRow.id == snap.id))
             await db.commit()
@@ -318,7 +298,7 @@ async def lose_sandbox(plane: ControlPlane, session_id: str, reason: str,
             now = await db.get(SessionRow, session_id, populate_existing=True)
             return now.state if now is not None else "failed"
     if node is not None and sandbox_id:
-        await _destroy_quietly(plane.node_client(node), sandbox_id)
+        await destroy_quietly(plane.node_client(node), sandbox_id)
     log.warning("session %s lost its sandbox (%s); paused at snapshot %s", session_id, reason, latest)
     return "paused"
 
@@ -336,6 +316,13 @@ async def close_session(plane: ControlPlane, tenant: str, session_id: str,
     return await get_session(plane, tenant, session_id)
 
 
+async def runs_on(plane: ControlPlane, session_id: str, sandbox_id: str) -> bool:
+    """Whether the session still runs on the sandbox ``sandbox_id`` (read now, not from the cache)."""
+    async with plane.db() as db:
+        row = await db.get(SessionRow, session_id, populate_existing=True)
+    return row is not None and row.state == "running" and row.sandbox_id == sandbox_id
+
+
 async def extend_session(plane: ControlPlane, tenant: str, session_id: str, ttl: int) -> SessionOut:
     async with plane.db() as db:
         row = await _load(db, tenant, session_id)
@@ -346,47 +333,6 @@ async def extend_session(plane: ControlPlane, tenant: str, session_id: str, ttl:
                          .values(expires_at=now + timedelta(seconds=ttl), updated_at=now))
         await db.commit()
     return await get_session(plane, tenant, session_id)
-
-
-def _not_running(row: SessionRow, node: NodeRow | None) -> ApiError | None:
-    """Why a command cannot run in the session ``row`` (None: it can)."""
-    if row.state == "failed":
-        return SessionFailed(f"session {row.id} failed: {row.failure_reason}")
-    if row.state != "running":
-        return InvalidState(f"session {row.id} is {row.state}, not running")
-    if node is None or not row.sandbox_id:
-        return SessionFailed(f"session {row.id} has no sandbox")
-    return None
-
-
-async def running_session(plane: ControlPlane, tenant: str, session_id: str, *, fresh: bool = False
-                          ) -> tuple[SessionRow, NodeClient]:
-    """The session (which must be running) and a client for its node; records activity for idle timeouts.
-
-    The row may come from this replica's :class:`~capsa.control.session_cache.SessionCache` (``fresh``:
-    always read it); a caller whose node call fails hands the error to :func:`node_call_failed`, which
-    reads the row again when it was cached."""
-    hit = None if fresh else plane.sessions.lookup(session_id)
-    if hit is not None:
-        row, node = hit
-        if row.tenant != tenant:  # another tenant's session is indistinguishable from a missing one
-            raise NotFound(f"session {session_id} not found")
-    else:
-        async with plane.db() as db:
-            row, found = await _load_with_node(db, tenant, session_id)
-        if (refused := _not_running(row, found)) is not None:
-            raise refused
-        assert found is not None
-        node = found
-        plane.sessions.store(row, node)
-    now = utcnow()
-    if activity_stale(row, now, plane.settings.activity_stamp_interval):
-        async with plane.db() as db:
-            await db.execute(update(SessionRow).where(SessionRow.id == session_id)
-                             .values(last_activity_at=now))
-            await db.commit()
-        row.last_activity_at = now  # the cached row is this object: the cache sees the stamp too
-    return row, plane.node_client(node)
 
 
 def stamp_interval(idle_timeout: int | None, interval: float) -> float:
@@ -402,29 +348,6 @@ def activity_stale(row: SessionRow, now: datetime, interval: float) -> bool:
     if row.last_snapshot_at is not None and last <= row.last_snapshot_at:
         return True
     return (now - last).total_seconds() >= stamp_interval(row.idle_timeout, interval)
-
-
-async def node_call_failed(plane: ControlPlane, row: SessionRow, exc: NodeError) -> ApiError:
-    """Turn a node error into the API error to show; a vanished sandbox fails the session.
-
-    When ``row`` may have come from the session cache, the row is read again first: a session that left
-    ``running`` or moved to another sandbox since gets the error its current state gives, not a loss."""
-    if plane.sessions.forget(row.id) and exc.code in SANDBOX_GONE_CODES:
-        async with plane.db() as db:
-            now, node = await _load_with_node(db, row.tenant, row.id)
-        if (refused := _not_running(now, node)) is not None:
-            return refused
-        if now.sandbox_id != row.sandbox_id:
-            return InvalidState(f"session {row.id} moved to another sandbox while the call was on its way; "
-                                "send it again")
-    if exc.code in SANDBOX_GONE_CODES:
-        if await lose_sandbox(plane, row.id, exc.message or exc.code, row.sandbox_id) == "paused":
-            return InvalidState(f"session {row.id} lost its sandbox and was paused at its latest snapshot; "
-                                f"resume it to continue ({exc.message})")
-        return SessionFailed(f"session {row.id} failed: {exc.message}")
-    if exc.code == "node_unreachable":
-        return ApiError(exc.message, code="node_unreachable", status=503)
-    return ApiError(exc.message, code=exc.code, status=exc.status if 400 <= exc.status < 600 else 502)
 
 
 async def sessions_to_expire(db: DbSession, stamp_every: float = 0.0) -> list[tuple[str, str]]:

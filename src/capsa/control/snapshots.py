@@ -22,6 +22,7 @@ from capsa.common.node_api import SnapshotInfo
 from capsa.control import egress
 from capsa.control.errors import ApiError, InvalidState, NotFound, SessionFailed
 from capsa.control.lifecycle import transition
+from capsa.control.node_calls import node_error, quietly
 from capsa.control.nodeclient import NodeClient, NodeError
 from capsa.control.placement import choose_snapshot_node
 from capsa.control.plane import ControlPlane
@@ -32,15 +33,9 @@ from capsa.control.quotas import (
     check_snapshot_quota,
     lock_tenant,
 )
+from capsa.control.relay import call, running
 from capsa.control.schemas import BranchOut, SessionOut, SnapshotList, SnapshotOut
-from capsa.control.sessions import (
-    fail_session,
-    finish_session,
-    get_session,
-    node_call_failed,
-    node_of,
-    to_out,
-)
+from capsa.control.sessions import destroy_quietly, fail_session, finish_session, get_session, to_out
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import NodeRow, SessionMetadataRow, SessionRow, SnapshotRow, utcnow
 
@@ -103,37 +98,16 @@ async def list_snapshots(plane: ControlPlane, tenant: str, session_id: str) -> S
         return SnapshotList(items=[snapshot_out(r) for r in rows.scalars()])
 
 
-def _record(row: SessionRow, node_id: str, snap: SnapshotInfo, kind: str) -> SnapshotRow:
-    return SnapshotRow(id=snap.id, tenant=row.tenant, session_id=row.id, node_id=node_id,
+def _record(row: SessionRow, snap: SnapshotInfo, kind: str) -> SnapshotRow:
+    assert row.node_id is not None  # a running session's
+    return SnapshotRow(id=snap.id, tenant=row.tenant, session_id=row.id, node_id=row.node_id,
                        sandbox_id=row.sandbox_id, kind=kind, created_at=utcnow(), size_bytes=snap.size_bytes,
                        parent=snap.parent)
 
 
 async def _delete_on_node(client: NodeClient, snapshot_id: str) -> bool:
-    try:
-        await client.delete_snapshot(snapshot_id)
-    except NodeError as exc:
-        if exc.code != "snapshot_not_found":
-            log.warning("could not delete snapshot %s: %s", snapshot_id, exc)
-            return False
-    return True
-
-
-async def _running(plane: ControlPlane, tenant: str | None, session_id: str,
-                   ) -> tuple[SessionRow, NodeRow, NodeClient]:
-    async with plane.db() as db:
-        if tenant is None:
-            row = await db.get(SessionRow, session_id, populate_existing=True)
-            if row is None:
-                raise NotFound(f"session {session_id} not found")
-        else:
-            row = await _load(db, tenant, session_id)
-        if row.state != "running":
-            raise _state_error(row, "running")
-        node = await node_of(db, row)
-    if node is None or not row.sandbox_id:
-        raise SessionFailed(f"session {session_id} has no sandbox")
-    return row, node, plane.node_client(node)
+    return await quietly(client.delete_snapshot(snapshot_id), f"could not delete snapshot {snapshot_id}",
+                         fine=("snapshot_not_found",))
 
 
 async def _rolling_beyond(db: DbSession, session_id: str, keep: int | None) -> list[str]:
@@ -153,17 +127,14 @@ async def take_snapshot(plane: ControlPlane, tenant: str | None, session_id: str
     a tenant already at its bytes), and again with the snapshot's size once the node has taken it; a
     snapshot refused then is deleted from the node and never recorded. A rolling snapshot counts without
     those it makes :func:`prune_rolling` delete."""
-    row, node, client = await _running(plane, tenant, session_id)
-    assert row.sandbox_id is not None
+    target = await running(plane, tenant, session_id, activity=False)
+    row, client = target.row, target.client
     rolling_keep = row.snapshot_keep if kind == "rolling" else None
     async with plane.db() as db:
         leaving = await _rolling_beyond(db, session_id, None if rolling_keep is None else rolling_keep - 1)
         await check_snapshot_quota(db, plane.settings, row.tenant, snapshots=1, leaving=leaving)
-    try:
-        snap = await client.snapshot_sandbox(row.sandbox_id, retain=True,
-                                             labels={"session": row.id, "kind": kind})
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
+    snap = await call(target, lambda node, sandbox: node.snapshot_sandbox(
+        sandbox, retain=True, labels={"session": row.id, "kind": kind}))
     async with plane.db() as db:
         await lock_tenant(db, row.tenant)
         current = await db.get(SessionRow, session_id, populate_existing=True)
@@ -171,7 +142,7 @@ async def take_snapshot(plane: ControlPlane, tenant: str | None, session_id: str
             # Closed, paused or swapped while the snapshot was taken: it belongs to nothing now.
             await _delete_on_node(client, snap.id)
             raise InvalidState(f"session {session_id} changed state while it was snapshotted")
-        record = _record(row, node.id, snap, kind)
+        record = _record(row, snap, kind)
         db.add(record)
         current.last_snapshot_at = record.created_at
         try:
@@ -220,17 +191,15 @@ async def pause_session(plane: ControlPlane, tenant: str | None, session_id: str
     (a pause can take a tenant past its byte quota by that one snapshot; its next ones are refused), and
     pauses in flight at once can pass the paused-session check together (at most the tenant's running
     sessions)."""
-    row, node, client = await _running(plane, tenant, session_id)
-    assert row.sandbox_id is not None
+    target = await running(plane, tenant, session_id, activity=False)
+    row, client = target.row, target.client
     async with plane.db() as db:
         await check_paused_quota(db, plane.settings, row.tenant, pausing=1)
         await check_snapshot_quota(db, plane.settings, row.tenant, snapshots=1)
-    try:
-        snap = await client.pause_sandbox(row.sandbox_id, labels={"session": row.id, "kind": "pause"})
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
+    snap = await call(target, lambda node, sandbox: node.pause_sandbox(
+        sandbox, labels={"session": row.id, "kind": "pause"}))
     async with plane.db() as db:
-        record = _record(row, node.id, snap, "pause")
+        record = _record(row, snap, "pause")
         paused = await transition(db, session_id, "paused", sources=("running",), sandbox_id=None,
                                   pause_reason=reason, last_snapshot_at=record.created_at)
         plane.sessions.forget(session_id)
@@ -285,25 +254,11 @@ async def resume_session(plane: ControlPlane, tenant: str, session_id: str,
             await transition(db, session_id, "paused", sources=("creating",), sandbox_id=None,
                              node_id=snap.node_id, pause_reason=pause_reason)
             await db.commit()
-        await _destroy_quietly(client, sandbox_id)
+        await destroy_quietly(client, sandbox_id)
         if isinstance(exc, NodeError):
-            raise _node_error(exc, f"session {session_id} could not be resumed") from exc
+            raise node_error(exc, f"session {session_id} could not be resumed") from exc
         raise
     return await _started(plane, tenant, session_id, sandbox_id, client)
-
-
-def _node_error(exc: NodeError, what: str) -> ApiError:
-    if exc.code == "node_unreachable":
-        return ApiError(f"{what}: {exc.message}", code="node_unreachable", status=503)
-    status = exc.status if 400 <= exc.status < 600 else 502
-    return ApiError(f"{what}: {exc.message}", code=exc.code, status=status)
-
-
-async def _destroy_quietly(client: NodeClient, sandbox_id: str) -> None:
-    try:
-        await client.destroy_sandbox(sandbox_id)
-    except NodeError as exc:
-        log.warning("could not destroy sandbox %s: %s", sandbox_id, exc)
 
 
 async def _started(plane: ControlPlane, tenant: str, session_id: str, sandbox_id: str,
@@ -319,7 +274,7 @@ async def _started(plane: ControlPlane, tenant: str, session_id: str, sandbox_id
         await db.commit()
     if not started:
         # Closed while the sandbox was starting: the sandbox must not outlive that decision.
-        await _destroy_quietly(client, sandbox_id)
+        await destroy_quietly(client, sandbox_id)
     return await get_session(plane, tenant, session_id)
 
 
@@ -353,12 +308,12 @@ async def restore_session(plane: ControlPlane, tenant: str, session_id: str, sna
             await transition(db, session_id, "running", sources=("creating",), sandbox_id=old_sandbox,
                              node_id=old_node_id)
             await db.commit()
-        await _destroy_quietly(client, sandbox_id)
+        await destroy_quietly(client, sandbox_id)
         if isinstance(exc, NodeError):
-            raise _node_error(exc, f"session {session_id} could not be restored") from exc
+            raise node_error(exc, f"session {session_id} could not be restored") from exc
         raise
     if old_node is not None and old_sandbox:
-        await _destroy_quietly(plane.node_client(old_node), old_sandbox)
+        await destroy_quietly(plane.node_client(old_node), old_sandbox)
     return await _started(plane, tenant, session_id, sandbox_id, client)
 
 
@@ -421,12 +376,12 @@ async def branch_session(plane: ControlPlane, tenant: str, session_id: str, n: i
         for child_id, _ in children:
             await fail_session(plane, child_id, f"branch could not be started ({reason})")
         if isinstance(exc, NodeError):
-            raise _node_error(exc, f"session {session_id} could not be branched") from exc
+            raise node_error(exc, f"session {session_id} could not be branched") from exc
         raise
     async with plane.db() as db:
         for child_id, sandbox_id in children:
             if not await transition(db, child_id, "running", sources=("creating",)):
-                await _destroy_quietly(client, sandbox_id)
+                await destroy_quietly(client, sandbox_id)
         await db.commit()
         rows = [await db.get(SessionRow, cid, populate_existing=True) for cid, _ in children]
         items = [to_out(r, metadata) for r in rows if r is not None]

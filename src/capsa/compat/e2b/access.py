@@ -17,11 +17,9 @@ from fastapi import Request
 from starlette.datastructures import Headers
 
 from capsa.compat.e2b import access_tokens
+from capsa.control import relay
 from capsa.control.auth import Principal, authenticate, authenticate_cached
-from capsa.control.nodeclient import NodeClient
 from capsa.control.plane import ControlPlane
-from capsa.control.sessions import running_session
-from capsa.control.store.models import SessionRow
 from capsa.sdk.e2b import E2B_ENVD_PATH as ENVD_PATH
 
 __all__ = [
@@ -95,16 +93,19 @@ async def api_caller(request: Request) -> tuple[Principal, str]:
 
 @dataclass(frozen=True)
 class EnvdTarget:
-    """The running session an envd call goes to, and a client for its node."""
+    """Who an envd call speaks for, and the running session it goes to (for the relay's calls)."""
 
     principal: Principal
-    row: SessionRow
-    client: NodeClient
+    session: relay.SessionTarget
+
+    @property
+    def id(self) -> str:
+        """The session's id."""
+        return self.session.id
 
     @property
     def sandbox_id(self) -> str:
-        assert self.row.sandbox_id is not None
-        return self.row.sandbox_id
+        return self.session.sandbox_id
 
 
 async def envd_target(request: Request) -> EnvdTarget:
@@ -120,5 +121,4 @@ async def envd_target(request: Request) -> EnvdTarget:
     else:
         async with control.db() as db:
             principal = await authenticate(db, token or None)
-    row, client = await running_session(control, principal.tenant, session_id)
-    return EnvdTarget(principal, row, client)
+    return EnvdTarget(principal, await relay.running(control, principal.tenant, session_id))

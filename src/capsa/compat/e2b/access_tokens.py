@@ -18,13 +18,11 @@ import re
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from capsa.control import audit_trail
-from capsa.control.auth import Principal
+from capsa.control.auth import Principal, key_principal
 from capsa.control.errors import ApiError, Unauthorized
 from capsa.control.node_secrets import derive_secret_key
 from capsa.control.plane import ControlPlane
 from capsa.control.settings import ControlSettings
-from capsa.control.store.models import ApiKeyRow
 
 __all__ = ["TOKEN_PREFIX", "is_access_token", "mint", "principal_of"]
 
@@ -80,14 +78,4 @@ async def principal_of(control: ControlPlane, token: str, session_id: str) -> Pr
     key_id = _KEY_PREFIX + match.group(1)
     if not hmac.compare_digest(match.group(2), _mac(control.settings, key_id, session_id)):
         raise Unauthorized()
-    known = control.keys.lookup(key_id)
-    if known is None:
-        async with control.db() as db:
-            row = await db.get(ApiKeyRow, key_id)
-        if row is None:
-            raise Unauthorized()
-        known = control.keys.store(row)
-    if known.revoked:
-        raise Unauthorized()
-    audit_trail.identify(known.tenant, key_id)
-    return Principal(key_id, known.tenant, known.admin)
+    return await key_principal(control.db, control.keys, key_id)

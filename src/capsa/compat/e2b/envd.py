@@ -19,6 +19,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from capsa.common import node_api
 from capsa.compat.e2b import filesystem, multipart, process, watch
 from capsa.compat.e2b.access import EnvdTarget, envd_target, plane
 from capsa.compat.e2b.connect import (
@@ -31,12 +32,10 @@ from capsa.compat.e2b.connect import (
     stream_response,
     unary_response,
 )
-from capsa.control import audit_trail
+from capsa.control import audit_trail, relay
 from capsa.control.audit_digest import StreamDigest
 from capsa.control.errors import ApiError, PayloadTooLarge
-from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
-from capsa.control.sessions import node_call_failed
 
 __all__ = ["MULTIPART", "Call", "Live", "live_state", "router"]
 
@@ -216,21 +215,14 @@ _PathQuery = Annotated[str | None, Query(max_length=4096)]
 @router.get("/files")
 async def download(request: Request, path: _PathQuery = None, username: _PathQuery = None) -> Response:
     try:
-        control, target = plane(request), await envd_target(request)
+        target = await envd_target(request)
         user = process.guest_user(username) if username else _user(request)
         guest_path = filesystem.resolve_path(path, user)
-        stack = AsyncExitStack()
-        try:
-            chunks = await stack.enter_async_context(target.client.read_file(target.sandbox_id, guest_path))
-        except NodeError as exc:
-            await stack.aclose()
-            raise await node_call_failed(control, target.row, exc) from exc
-        except BaseException:
-            await stack.aclose()
-            raise
+        chunks, stack = await relay.open_stream(target.session,
+                                                lambda node, sandbox: node.read_file(sandbox, guest_path))
     except (ApiError, ConnectError) as exc:
         return _files_error(exc)
-    return StreamingResponse(_relay(chunks, stack, target.row.id, guest_path),
+    return StreamingResponse(_relay(chunks, stack, target.id, guest_path),
                              media_type="application/octet-stream",
                              background=BackgroundTask(stack.aclose))
 
@@ -267,24 +259,21 @@ async def upload(request: Request, path: _PathQuery = None, username: _PathQuery
                                                     "(pip install 'capsa[e2b]'); octet-stream uploads work")
             async for part in multipart.file_parts(request):  # streamed: nothing is spooled
                 dest = filesystem.resolve_path(path if path and not written else part.filename, user)
-                info = await _write(control, target, dest, _bounded(part.chunks, limit))
+                info = await _write(target, dest, _bounded(part.chunks, limit))
                 written.append(filesystem.write_entry(info))
         else:
             dest = filesystem.resolve_path(path, user)
-            info = await _write(control, target, dest, _bounded(request.stream(), limit))
+            info = await _write(target, dest, _bounded(request.stream(), limit))
             written.append(filesystem.write_entry(info))
     except (ApiError, ConnectError) as exc:
         return _files_error(exc)
     return JSONResponse(written)
 
 
-async def _write(control: ControlPlane, target: EnvdTarget, path: str, body: AsyncIterator[bytes]) -> Any:
+async def _write(target: EnvdTarget, path: str, body: AsyncIterator[bytes]) -> node_api.FileInfo:
     digest = StreamDigest()
-    try:
-        info = await target.client.write_file(target.sandbox_id, path, None, digest.through(body))
-    except NodeError as exc:
-        audit_trail.note("file", "upload", session_id=target.row.id,
-                         detail=digest.detail(path, error=exc.code))
-        raise await node_call_failed(control, target.row, exc) from exc
-    audit_trail.note("file", "upload", session_id=target.row.id, detail=digest.detail(path))
-    return info
+    chunks = digest.through(body)
+    written: node_api.FileInfo = await relay.call(
+        target.session, lambda node, sandbox: node.write_file(sandbox, path, None, chunks),
+        audit=relay.streamed("upload", digest, path))
+    return written

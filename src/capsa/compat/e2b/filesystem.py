@@ -16,11 +16,9 @@ from typing import Any
 from capsa.common import node_api
 from capsa.compat.e2b.access import EnvdTarget
 from capsa.compat.e2b.connect import ConnectError
-from capsa.control import audit_trail
+from capsa.control import relay
 from capsa.control.errors import ApiError
-from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
-from capsa.control.sessions import node_call_failed
 
 __all__ = ["MAX_DEPTH", "MAX_LISTINGS", "entry_info", "list_dir", "make_dir", "move", "remove",
            "resolve_path", "stat", "write_entry"]
@@ -63,15 +61,8 @@ def write_entry(info: node_api.FileInfo) -> dict[str, Any]:
     return {"name": info.name, "type": "dir" if info.type == "dir" else "file", "path": info.path}
 
 
-async def _call(control: ControlPlane, target: EnvdTarget, call: Any) -> Any:
-    try:
-        return await call
-    except NodeError as exc:
-        raise await node_call_failed(control, target.row, exc) from exc
-
-
 async def stat(control: ControlPlane, target: EnvdTarget, path: str) -> dict[str, Any]:
-    info = await _call(control, target, target.client.stat(target.sandbox_id, path))
+    info = await relay.call(target.session, lambda node, sandbox: node.stat(sandbox, path))
     return {"entry": entry_info(info)}
 
 
@@ -79,27 +70,28 @@ async def make_dir(control: ControlPlane, target: EnvdTarget, path: str) -> dict
     """Create the directory and its parents; one that exists already is ``already_exists`` (the SDK's
     ``make_dir`` then answers False)."""
     try:
-        await _call(control, target, target.client.stat(target.sandbox_id, path))
+        await relay.call(target.session, lambda node, sandbox: node.stat(sandbox, path))
     except ApiError as exc:
         if exc.code != "not_found":
             raise
     else:
         raise ConnectError("already_exists", f"{path} already exists")
-    info = await _call(control, target, target.client.mkdir(target.sandbox_id, path, True))
-    audit_trail.note("file", "mkdir", session_id=target.row.id, detail={"path": path, "parents": True})
+    info = await relay.call(target.session, lambda node, sandbox: node.mkdir(sandbox, path, True),
+                            audit=relay.Audit("file", "mkdir", lambda _: {"path": path, "parents": True}))
     return {"entry": entry_info(info)}
 
 
 async def move(control: ControlPlane, target: EnvdTarget, source: str, destination: str) -> dict[str, Any]:
-    info = await _call(control, target, target.client.rename(target.sandbox_id, source, destination))
-    audit_trail.note("file", "move", session_id=target.row.id,
-                     detail={"path": source, "destination": destination})
+    moved = relay.Audit[node_api.FileInfo]("file", "move",
+                                           lambda _: {"path": source, "destination": destination})
+    info = await relay.call(target.session, lambda node, sandbox: node.rename(sandbox, source, destination),
+                            audit=moved)
     return {"entry": entry_info(info)}
 
 
 async def remove(control: ControlPlane, target: EnvdTarget, path: str) -> dict[str, Any]:
-    await _call(control, target, target.client.remove(target.sandbox_id, path, True))
-    audit_trail.note("file", "delete", session_id=target.row.id, detail={"path": path, "recursive": True})
+    await relay.call(target.session, lambda node, sandbox: node.remove(sandbox, path, True),
+                     audit=relay.Audit("file", "delete", lambda _: {"path": path, "recursive": True}))
     return {}
 
 
@@ -110,8 +102,7 @@ async def _walk(control: ControlPlane, target: EnvdTarget, path: str, depth: int
             f"ListDir would list more than {MAX_LISTINGS} directories; ask for a smaller depth or a "
             "deeper path"))
     listings[0] += 1
-    items: list[node_api.FileInfo] = await _call(control, target, target.client.list_dir(target.sandbox_id,
-                                                                                          path))
+    items = await relay.call(target.session, lambda node, sandbox: node.list_dir(sandbox, path))
     for item in items:
         yield item
         if depth > 1 and item.type == "dir":

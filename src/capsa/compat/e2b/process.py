@@ -29,11 +29,9 @@ from capsa.common.errors import CapsaError
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
 from capsa.compat.e2b.access import EnvdTarget
 from capsa.compat.e2b.connect import ConnectError, paced
-from capsa.control import audit_trail, process_io
-from capsa.control.nodeclient import NodeError
+from capsa.control import audit_trail, process_io, relay
 from capsa.control.plane import ControlPlane
 from capsa.control.port_access import keep_active
-from capsa.control.sessions import node_call_failed
 from capsa.sdk.models import OutputChunk, OutputEnd
 
 __all__ = ["SIGNALS", "StartSpec", "Terminals", "close_stdin", "guest_user", "list_processes",
@@ -106,13 +104,6 @@ def selected_pid(message: dict[str, Any]) -> int:
     raise ConnectError("invalid_argument", "process.pid is required")
 
 
-async def _guest(control: ControlPlane, target: EnvdTarget, call: Any) -> Any:
-    try:
-        return await call
-    except NodeError as exc:
-        raise await node_call_failed(control, target.row, exc) from exc
-
-
 def _end_event(exit_code: int | None, signal: int | None) -> dict[str, Any]:
     if signal is not None:
         name = {9: "killed", 15: "terminated", 1: "hangup", 2: "interrupt"}.get(signal, f"signal {signal}")
@@ -132,12 +123,12 @@ class Terminals:
     open: dict[tuple[str, int], TerminalClient] = field(default_factory=dict)
 
     def get(self, target: EnvdTarget, pid: int) -> TerminalClient | None:
-        return self.open.get((target.row.id, pid))
+        return self.open.get((target.id, pid))
 
 
 async def _process_output(control: ControlPlane, target: EnvdTarget, pid: int,
                           ) -> AsyncIterator[dict[str, Any]]:
-    stream = await process_io.stream_output(control, target.principal.tenant, target.row.id, pid)
+    stream = await process_io.stream_output(control, target.principal.tenant, target.id, pid)
     try:
         async for event in stream:
             if isinstance(event, OutputChunk):
@@ -156,10 +147,10 @@ async def _process_output(control: ControlPlane, target: EnvdTarget, pid: int,
 async def _terminal_output(control: ControlPlane, terminals: Terminals, target: EnvdTarget,
                            terminal: TerminalClient,
                            ) -> AsyncIterator[dict[str, Any]]:
-    key = (target.row.id, terminal.pid)
+    key = (target.id, terminal.pid)
     terminals.open[key] = terminal
     try:
-        async with keep_active(control, target.row.id):  # an open terminal is activity
+        async with keep_active(control, target.id):  # an open terminal is activity
             while (chunk := await terminal.recv()) is not None:
                 yield _data("pty", chunk)
         ended = terminal.exit
@@ -193,7 +184,7 @@ async def stream_process(control: ControlPlane, terminals: Terminals, target: En
         cmd = spec.cmd if isinstance(spec.cmd, str) else shlex.join(spec.cmd)
         options = TerminalOptions(cols=start.pty[0], rows=start.pty[1], cmd=cmd, env=spec.env or None,
                                   cwd=spec.cwd, user=spec.user)
-        terminal = await process_io.open_terminal(control, target.principal.tenant, target.row.id, options)
+        terminal = await process_io.open_terminal(control, target.principal.tenant, target.id, options)
         pid = terminal.pid
         source = _terminal_output(control, terminals, target, terminal)
 
@@ -203,22 +194,22 @@ async def stream_process(control: ControlPlane, terminals: Terminals, target: En
         if start is not None:
             spec = start.process
             started = await process_io.start_background(
-                control, target.principal.tenant, target.row.id, spec.cmd, env=dict(spec.env), cwd=spec.cwd,
+                control, target.principal.tenant, target.id, spec.cmd, env=dict(spec.env), cwd=spec.cwd,
                 user=spec.user, open_stdin=spec.open_stdin)
             pid = started.pid
         else:
-            info: node_api.ProcessInfo = await _guest(
-                control, target, target.client.get_process(target.sandbox_id, selected_pid(message)))
+            wanted = selected_pid(message)
+            info = await relay.call(target.session, lambda node, sandbox: node.get_process(sandbox, wanted))
             if not info.running:
                 raise ConnectError("not_found", f"process {info.pid} is not running")
             pid = info.pid
         source = _process_output(control, target, pid)
 
         async def on_deadline() -> None:
-            await _guest(control, target, target.client.kill_process(target.sandbox_id, pid, 9))
+            await relay.call(target.session, lambda node, sandbox: node.kill_process(sandbox, pid, 9))
     if start is not None:
         spec = start.process
-        audit_trail.note("command", "start", session_id=target.row.id, detail={
+        audit_trail.note("command", "start", session_id=target.id, detail={
             "argv": spec.cmd if isinstance(spec.cmd, str) else list(spec.cmd),
             "shell": isinstance(spec.cmd, str), "cwd": spec.cwd, "user": spec.user,
             "env_keys": sorted(spec.env), "pid": pid, "pty": start.pty is not None, "via": "e2b"})
@@ -229,12 +220,11 @@ async def stream_process(control: ControlPlane, terminals: Terminals, target: En
 
 
 async def list_processes(control: ControlPlane, terminals: Terminals, target: EnvdTarget) -> dict[str, Any]:
-    items: list[node_api.ProcessInfo] = await _guest(
-        control, target, target.client.list_processes(target.sandbox_id))
+    items = await relay.call(target.session, lambda node, sandbox: node.list_processes(sandbox))
     processes = [{"pid": p.pid, "config": {"cmd": p.cmd[0] if p.cmd else "", "args": p.cmd[1:], "envs": {}}}
                  for p in items if p.running]
     processes += [{"pid": pid, "config": {"cmd": "pty", "args": [], "envs": {}}}
-                  for (session, pid) in terminals.open if session == target.row.id]
+                  for (session, pid) in terminals.open if session == target.id]
     return {"processes": processes}
 
 
@@ -259,12 +249,12 @@ async def send_input(control: ControlPlane, terminals: Terminals, target: EnvdTa
     elif channel == "pty":
         raise ConnectError("not_found", f"no terminal {pid} on this server")
     else:
-        await process_io.send_stdin(control, target.principal.tenant, target.row.id, pid, data)
+        await process_io.send_stdin(control, target.principal.tenant, target.id, pid, data)
     return {}
 
 
 async def close_stdin(control: ControlPlane, target: EnvdTarget, message: dict[str, Any]) -> dict[str, Any]:
-    await process_io.close_stdin(control, target.principal.tenant, target.row.id, selected_pid(message))
+    await process_io.close_stdin(control, target.principal.tenant, target.id, selected_pid(message))
     return {}
 
 
@@ -292,5 +282,5 @@ async def send_signal(control: ControlPlane, terminals: Terminals, target: EnvdT
     if terminal is not None:
         await terminal.kill()  # a terminal's whole process group gets SIGKILL
     else:
-        await _guest(control, target, target.client.kill_process(target.sandbox_id, pid, signal))
+        await relay.call(target.session, lambda node, sandbox: node.kill_process(sandbox, pid, signal))
     return {}

@@ -10,7 +10,7 @@ running one's TTL; pause and resume are capsa's; kill closes the session. Errors
 from __future__ import annotations
 
 import urllib.parse
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -25,7 +25,6 @@ from capsa.control.auth import Principal
 from capsa.control.errors import InvalidState, NotFound
 from capsa.control.plane import ControlPlane
 from capsa.control.schemas import SessionCreate, SessionOut
-from capsa.control.store.models import utcnow
 
 __all__ = ["DEFAULT_TIMEOUT", "TEMPLATE_ALIASES", "capsa_template", "router"]
 
@@ -234,7 +233,7 @@ async def _resume_or_extend(control: ControlPlane, principal: Principal, sandbox
         resumed = True
     if out.state != "running":
         raise InvalidState(f"sandbox {sandbox_id} is {out.state}")
-    if ttl > 0 and out.expires_at < utcnow() + timedelta(seconds=ttl):
+    if ttl > 0 and out.expires_at < datetime.now(UTC) + timedelta(seconds=ttl):
         out = await sessions.extend_session(control, principal.tenant, sandbox_id, ttl)
         session_audit.extended(out, ttl)
     return out, resumed

@@ -29,10 +29,9 @@ from typing import Any
 from capsa.common.errors import CapsaError
 from capsa.compat.e2b.access import EnvdTarget
 from capsa.compat.e2b.connect import ConnectError, as_connect, paced
-from capsa.control import process_io
+from capsa.control import process_io, sessions
 from capsa.control.plane import ControlPlane
 from capsa.control.settings import ControlSettings
-from capsa.control.store.models import SessionRow
 from capsa.sdk.models import FileEvent, StreamError
 
 __all__ = ["MAX_WATCHERS_PER_SESSION", "WatchLimits", "Watchers", "event_cost", "watch_stream"]
@@ -47,7 +46,7 @@ async def _messages(control: ControlPlane, target: EnvdTarget, path: str, recurs
                     ) -> AsyncIterator[dict[str, Any]]:
     """The watch as ``WatchDirResponse`` messages: a ``start`` once the watch is set up, then its
     events (E2B ``FilesystemEvent``)."""
-    stream = await process_io.watch_files(control, target.principal.tenant, target.row.id, path,
+    stream = await process_io.watch_files(control, target.principal.tenant, target.id, path,
                                           recursive=recursive)
     try:
         yield {"start": {}}
@@ -109,9 +108,7 @@ class _Watcher:
 async def _sandbox_runs(control: ControlPlane, watcher: _Watcher) -> bool:
     """Whether the watcher's session still runs on the sandbox it was made on (else it ended, paused or
     moved, and its watch with it)."""
-    async with control.db() as db:
-        row = await db.get(SessionRow, watcher.session_id, populate_existing=True)
-    return row is not None and row.state == "running" and row.sandbox_id == watcher.sandbox_id
+    return await sessions.runs_on(control, watcher.session_id, watcher.sandbox_id)
 
 
 @dataclass
@@ -131,7 +128,7 @@ class Watchers:
 
     def _check_room(self, target: EnvdTarget, limits: WatchLimits) -> None:
         watchers = list(self.running.values())
-        if sum(w.session_id == target.row.id for w in watchers) >= limits.per_session:
+        if sum(w.session_id == target.id for w in watchers) >= limits.per_session:
             raise ConnectError("resource_exhausted", f"at most {limits.per_session} watchers per sandbox")
         if sum(w.tenant == target.principal.tenant for w in watchers) >= limits.per_tenant:
             raise ConnectError("resource_exhausted", f"at most {limits.per_tenant} watchers per tenant "
@@ -141,14 +138,14 @@ class Watchers:
         limits = self._limits(control)
         self._check_room(target, limits)
         # Refusals (no such directory, sandbox gone ...) raise here, before anything is kept.
-        stream = await process_io.watch_files(control, target.principal.tenant, target.row.id, path,
+        stream = await process_io.watch_files(control, target.principal.tenant, target.id, path,
                                               recursive=recursive, active=False)
         try:
             self._check_room(target, limits)  # again: other creates may have finished meanwhile
         except ConnectError:
             await stream.aclose()
             raise
-        watcher = _Watcher("w_" + secrets.token_hex(12), target.row.id, target.sandbox_id,
+        watcher = _Watcher("w_" + secrets.token_hex(12), target.id, target.sandbox_id,
                            target.principal.tenant, path)
         self.running[watcher.id] = watcher
         watcher.task = asyncio.create_task(self._run(control, watcher, stream, limits),
@@ -216,7 +213,7 @@ class Watchers:
 
     def _own(self, target: EnvdTarget, watcher_id: object) -> _Watcher:
         watcher = self.running.get(watcher_id) if isinstance(watcher_id, str) else None
-        if watcher is None or watcher.session_id != target.row.id:
+        if watcher is None or watcher.session_id != target.id:
             raise ConnectError("not_found", f"watcher {watcher_id} not found")
         return watcher
 

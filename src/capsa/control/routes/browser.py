@@ -28,16 +28,14 @@ from pydantic import BaseModel, Field
 
 from capsa.common.node_api import ExecRequest, ExecResult
 from capsa.common.port_tunnel import PortTunnel
-from capsa.control import desktop
+from capsa.control import desktop, relay
 from capsa.control.cdp import CDP_PORT, DOWNLOADS_DIR, BrowserUnavailable, CdpPages, OpenTunnel, devtools_json
 from capsa.control.computer import ComputerAction, ComputerResult, Screen, check_action, perform, set_screen
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import ValidationFailed
-from capsa.control.nodeclient import NodeClient, NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.port_access import create_token
-from capsa.control.sessions import get_session, node_call_failed, running_session
-from capsa.control.store.models import SessionRow
+from capsa.control.sessions import get_session
 
 __all__ = ["BrowserInfo", "router"]
 
@@ -55,19 +53,15 @@ class BrowserInfo(BaseModel):
                                                                   "under their own names (files API)")
 
 
-def _opener(plane: ControlPlane, row: SessionRow, client: NodeClient) -> OpenTunnel:
-    """Port tunnels to the CDP port of ``row``'s sandbox (a running session, looked up once per request)."""
-    sandbox_id = row.sandbox_id
-    assert sandbox_id is not None
+def _opener(target: relay.SessionTarget) -> OpenTunnel:
+    """Port tunnels to the CDP port of the session's sandbox (a running session, looked up once per
+    request)."""
+    missing = BrowserUnavailable(f"session {target.id} has no browser (nothing listens for CDP on port "
+                                 f"{CDP_PORT}; its template is {target.row.template!r})")
 
     async def open_tunnel() -> PortTunnel:
-        try:
-            return await client.open_port(sandbox_id, CDP_PORT)
-        except NodeError as exc:
-            if exc.code == "port_unreachable":
-                raise BrowserUnavailable(f"session {row.id} has no browser (nothing listens for CDP on "
-                                         f"port {CDP_PORT}; its template is {row.template!r})") from None
-            raise await node_call_failed(plane, row, exc) from exc
+        return await relay.call(target, lambda node, sandbox: node.open_port(sandbox, CDP_PORT),
+                                instead={"port_unreachable": missing})
 
     return open_tunnel
 
@@ -85,12 +79,8 @@ def _screen(metadata: dict[str, str]) -> Screen:
 
 def _guest(plane: ControlPlane, tenant: str, session_id: str) -> desktop.RunGuest:
     async def run(request: ExecRequest) -> ExecResult:
-        row, client = await running_session(plane, tenant, session_id)
-        assert row.sandbox_id is not None
-        try:
-            return await client.exec(row.sandbox_id, request)
-        except NodeError as exc:
-            raise await node_call_failed(plane, row, exc) from exc
+        target = await relay.running(plane, tenant, session_id)
+        return await relay.call(target, lambda node, sandbox: node.exec(sandbox, request))
 
     return run
 
@@ -128,8 +118,8 @@ async def browser_info(session_id: str, request: Request, plane: Plane, caller: 
                                        "only showing the screen")] = False) -> BrowserInfo:
     """The CDP URL of the session's browser (a new port token for the CDP port each call) and, on a
     desktop, the live view's URL (a new token for its VNC port)."""
-    row, client = await running_session(plane, caller.tenant, session_id)
-    version = await devtools_json(await _opener(plane, row, client)(), "/json/version")
+    target = await relay.running(plane, caller.tenant, session_id)
+    version = await devtools_json(await _opener(target)(), "/json/version")
     ws = version.get("webSocketDebuggerUrl") if isinstance(version, dict) else None
     path = urlsplit(ws).path if isinstance(ws, str) else ""
     if not path.startswith("/devtools/browser/"):
@@ -164,9 +154,8 @@ async def computer(session_id: str, request: Request, plane: Plane, caller: Call
         raise ValidationFailed(str(exc), [{"loc": "body", "msg": str(exc)}]) from None
     if on_desktop:
         return await desktop.perform(_guest(plane, caller.tenant, session_id), screen, action)
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
+    target = await relay.running(plane, caller.tenant, session_id)
     pages: CdpPages = request.app.state.cdp_pages
-    return await pages.use(session_id, row.sandbox_id, _opener(plane, row, client), screen,
+    return await pages.use(session_id, target.sandbox_id, _opener(target), screen,
                            lambda page: set_screen(page, screen),
                            lambda page: perform(page, session_id, screen, action))

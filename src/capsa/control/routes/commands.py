@@ -17,10 +17,10 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from capsa.common import node_api
-from capsa.control import audit_trail, process_io
+from capsa.control import audit_trail, process_io, relay
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import PayloadTooLarge
-from capsa.control.nodeclient import NodeError
+from capsa.control.node_calls import NodeLost, until_lost
 from capsa.control.plane import ControlPlane
 from capsa.control.rolling import command_finished
 from capsa.control.schemas import (
@@ -31,8 +31,6 @@ from capsa.control.schemas import (
     ProcessList,
     ProcessOutput,
 )
-from capsa.control.sessions import SANDBOX_GONE_CODES, lose_sandbox, node_call_failed, running_session
-from capsa.control.store.models import SessionRow
 from capsa.sdk.models import (
     EXEC_EVENT,
     OUTPUT_EVENT,
@@ -83,14 +81,18 @@ def argv_detail(cmd: str | list[str]) -> dict[str, object]:
     return {"argv": cut, "shell": isinstance(cmd, str), "argv_truncated": True, "argv_sha256": digest}
 
 
-def _note_command(row: SessionRow, body: CommandRequest, outcome: dict[str, object]) -> None:
-    """The ``command`` audit event: what ran, where, as whom, and how it ended."""
-    audit_trail.note("command", "run", session_id=row.id, detail={
-        **argv_detail(body.cmd if isinstance(body.cmd, str) else list(body.cmd)),
-        "cwd": body.cwd, "user": body.user, "env_keys": sorted(body.env), **outcome})
+def _command_detail(body: CommandRequest, outcome: dict[str, object]) -> dict[str, object]:
+    """The ``command`` audit event's detail: what ran, as whom, and how it ended."""
+    return {**argv_detail(body.cmd if isinstance(body.cmd, str) else list(body.cmd)),
+            "cwd": body.cwd, "user": body.user, "env_keys": sorted(body.env), **outcome}
 
 
-def _finished(status: ExecFinished | CommandResult) -> dict[str, object]:
+def _note_command(session_id: str, body: CommandRequest, outcome: dict[str, object]) -> None:
+    """The ``command`` audit event of a streamed command."""
+    audit_trail.note("command", "run", session_id=session_id, detail=_command_detail(body, outcome))
+
+
+def _finished(status: ExecFinished | node_api.ExecStatus) -> dict[str, object]:
     return {"exit_code": status.exit_code, "signal": status.signal, "timed_out": status.timed_out,
             "duration_ms": status.duration_ms}
 
@@ -99,36 +101,36 @@ def _line(event: ExecOutput | ExecFinished | ExecError) -> str:
     return EXEC_EVENT.dump_json(event).decode() + "\n"
 
 
-async def _stream(plane: ControlPlane, row: SessionRow, node_events: AsyncIterator[node_api.ExecEvent],
+async def _stream(target: relay.SessionTarget, node_events: AsyncIterator[node_api.ExecEvent],
                   stack: AsyncExitStack, body: CommandRequest) -> AsyncIterator[str]:
     failed = False
     outcome: dict[str, object] = {"error": "stream_closed"}
     try:
-        async for node_event in node_events:
+        async for node_event in until_lost(node_events, also=(httpx.HTTPError,)):
+            if isinstance(node_event, NodeLost):
+                _note_command(target.id, body, {"error": "node_unreachable"})
+                yield _line(ExecError(code="node_unreachable",
+                                      detail=f"lost the node while streaming: {node_event.kind}"))
+                return
             try:
                 event = EXEC_EVENT.validate_python(node_event.model_dump())
             except ValidationError:
                 yield _line(ExecError(code="internal_error", detail="the node sent a malformed stream event"))
                 failed = True
                 break
-            if isinstance(event, ExecError) and event.code in SANDBOX_GONE_CODES:
+            if isinstance(event, ExecError) and event.code in relay.SANDBOX_GONE_CODES:
                 # The node reports a vanished sandbox in-band once streaming has begun.
-                state = await lose_sandbox(plane, row.id, event.detail or event.code, row.sandbox_id)
-                event = ExecError(code="session_failed" if state == "failed" else "invalid_state",
-                                  detail=f"session {row.id} lost its sandbox ({state}): {event.detail}")
+                code, detail = await relay.sandbox_lost(target, event.code, event.detail)
+                event = ExecError(code=code, detail=detail)
                 failed = True
             if isinstance(event, ExecFinished):
                 outcome = _finished(event)
             elif isinstance(event, ExecError):
                 outcome = {"error": event.code}
             yield _line(event)
-        _note_command(row, body, outcome)
+        _note_command(target.id, body, outcome)
         if not failed:
-            await command_finished(plane, row)
-    except (NodeError, httpx.HTTPError) as exc:
-        _note_command(row, body, {"error": "node_unreachable"})
-        yield _line(ExecError(code="node_unreachable",
-                              detail=f"lost the node while streaming: {type(exc).__name__}"))
+            await command_finished(target.plane, target.row)
     finally:
         await stack.aclose()
 
@@ -151,78 +153,50 @@ async def run_command(session_id: str, body: CommandRequest, plane: Plane, calle
             "cwd": body.cwd, "user": body.user,
             "env_keys": sorted(body.env), "pid": process.pid, "background": True})
         return JSONResponse(process.model_dump(mode="json"), status_code=201)
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
+    target = await relay.running(plane, caller.tenant, session_id)
     node_request = _node_request(plane, body)
     if accept and _NDJSON in accept:
-        stack = AsyncExitStack()
-        try:
-            events = await stack.enter_async_context(client.exec_stream(row.sandbox_id, node_request))
-        except NodeError as exc:
-            await stack.aclose()
-            raise await node_call_failed(plane, row, exc) from exc
-        except BaseException:
-            await stack.aclose()
-            raise
-        return StreamingResponse(_stream(plane, row, events, stack, body), media_type=_NDJSON,
+        events, stack = await relay.open_stream(target, lambda node, sandbox: node.exec_stream(sandbox,
+                                                                                              node_request))
+        return StreamingResponse(_stream(target, events, stack, body), media_type=_NDJSON,
                                  background=BackgroundTask(stack.aclose))
-    try:
-        result = await client.exec(row.sandbox_id, node_request)
-    except NodeError as exc:
-        _note_command(row, body, {"error": exc.code})
-        raise await node_call_failed(plane, row, exc) from exc
-    await command_finished(plane, row)
-    answer = CommandResult.model_validate(result.model_dump())
-    _note_command(row, body, _finished(answer))
-    return answer
+    ran = relay.Audit[node_api.ExecResult]("command", "run",
+                                           lambda done: _command_detail(body, _finished(done)),
+                                           lambda code: _command_detail(body, {"error": code}))
+    result = await relay.call(target, lambda node, sandbox: node.exec(sandbox, node_request), audit=ran)
+    await command_finished(plane, target.row)
+    return CommandResult.model_validate(result.model_dump())
 
 
 @router.get("/processes", response_model=ProcessList)
 async def list_processes(session_id: str, plane: Plane, caller: Caller) -> ProcessList:
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
-    try:
-        items = await client.list_processes(row.sandbox_id)
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
+    target = await relay.running(plane, caller.tenant, session_id)
+    items = await relay.call(target, lambda node, sandbox: node.list_processes(sandbox))
     return ProcessList(items=[ProcessInfo.model_validate(p.model_dump()) for p in items])
 
 
 @router.get("/processes/{pid}", response_model=ProcessInfo)
 async def get_process(session_id: str, pid: _Pid, plane: Plane, caller: Caller) -> ProcessInfo:
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
-    try:
-        return ProcessInfo.model_validate((await client.get_process(row.sandbox_id, pid)).model_dump())
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
+    target = await relay.running(plane, caller.tenant, session_id)
+    found = await relay.call(target, lambda node, sandbox: node.get_process(sandbox, pid))
+    return ProcessInfo.model_validate(found.model_dump())
 
 
 @router.get("/processes/{pid}/output", response_model=ProcessOutput)
 async def process_output(session_id: str, pid: _Pid, plane: Plane, caller: Caller) -> ProcessOutput:
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
-    try:
-        output = await client.process_output(row.sandbox_id, pid)
-        return ProcessOutput.model_validate(output.model_dump())
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
+    target = await relay.running(plane, caller.tenant, session_id)
+    output = await relay.call(target, lambda node, sandbox: node.process_output(sandbox, pid))
+    return ProcessOutput.model_validate(output.model_dump())
 
 
 @router.post("/processes/{pid}/kill", response_model=ProcessInfo)
 async def kill_process(session_id: str, pid: _Pid, plane: Plane, caller: Caller,
                        body: KillRequest | None = None) -> ProcessInfo:
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
-    try:
-        signal = (body or KillRequest()).signal
-        killed = await client.kill_process(row.sandbox_id, pid, signal)
-        audit_trail.note("command", "kill", session_id=session_id, detail={"pid": pid, "signal": signal})
-        return ProcessInfo.model_validate(killed.model_dump())
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
-
-
+    target = await relay.running(plane, caller.tenant, session_id)
+    signal = (body or KillRequest()).signal
+    killed = await relay.call(target, lambda node, sandbox: node.kill_process(sandbox, pid, signal),
+                              audit=relay.Audit("command", "kill", lambda _: {"pid": pid, "signal": signal}))
+    return ProcessInfo.model_validate(killed.model_dump())
 
 
 MAX_STDIN_BODY = 16 * 1024 * 1024

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from typing import Annotated
 
@@ -10,15 +10,14 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from capsa.control import audit_trail, process_io
+from capsa.common import node_api
+from capsa.control import audit_trail, process_io, relay
 from capsa.control.audit_digest import StreamDigest
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import PayloadTooLarge
-from capsa.control.nodeclient import NodeError
+from capsa.control.nodeclient import NodeClient
 from capsa.control.plane import ControlPlane
 from capsa.control.schemas import FileInfo, FileList
-from capsa.control.sessions import node_call_failed, running_session
-from capsa.control.store.models import SessionRow
 from capsa.sdk.models import WATCH_EVENT, FileEvent, StreamError
 
 __all__ = ["router"]
@@ -47,7 +46,7 @@ def _check_length(request: Request, limit: int) -> None:
         raise PayloadTooLarge(f"body larger than {limit} bytes")
 
 
-async def _relay(chunks: AsyncIterator[bytes], stack: AsyncExitStack, row: SessionRow, action: str,
+async def _relay(chunks: AsyncIterator[bytes], stack: AsyncExitStack, session_id: str, action: str,
                  path: str) -> AsyncIterator[bytes]:
     digest = StreamDigest()
     try:
@@ -55,33 +54,23 @@ async def _relay(chunks: AsyncIterator[bytes], stack: AsyncExitStack, row: Sessi
             yield chunk
     finally:
         # Noted before the response's last message, so it is written with the request's api event.
-        audit_trail.note("file", action, session_id=row.id, detail=digest.detail(path))
+        audit_trail.note("file", action, session_id=session_id, detail=digest.detail(path))
         await stack.aclose()
 
 
-async def _open_stream(plane: ControlPlane, row: SessionRow,
-                       opener: AbstractAsyncContextManager[AsyncIterator[bytes]],
-                       ) -> tuple[AsyncIterator[bytes], AsyncExitStack]:
-    stack = AsyncExitStack()
-    try:
-        chunks = await stack.enter_async_context(opener)
-    except NodeError as exc:
-        await stack.aclose()
-        raise await node_call_failed(plane, row, exc) from exc
-    except BaseException:
-        await stack.aclose()
-        raise
-    return chunks, stack
+async def _download(plane: ControlPlane, tenant: str, session_id: str, path: str, action: str,
+                    opener: Callable[[NodeClient, str], AbstractAsyncContextManager[AsyncIterator[bytes]]],
+                    media_type: str) -> StreamingResponse:
+    target = await relay.running(plane, tenant, session_id)
+    chunks, stack = await relay.open_stream(target, opener)
+    return StreamingResponse(_relay(chunks, stack, target.id, action, path), media_type=media_type,
+                             background=BackgroundTask(stack.aclose))
 
 
 @router.get("/content", response_class=StreamingResponse, responses={200: _BINARY})
 async def read_file(session_id: str, path: GuestPath, plane: Plane, caller: Caller) -> StreamingResponse:
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
-    chunks, stack = await _open_stream(plane, row, client.read_file(row.sandbox_id, path))
-    return StreamingResponse(_relay(chunks, stack, row, "download", path),
-                             media_type="application/octet-stream",
-                             background=BackgroundTask(stack.aclose))
+    return await _download(plane, caller.tenant, session_id, path, "download",
+                           lambda node, sandbox: node.read_file(sandbox, path), "application/octet-stream")
 
 
 @router.put("/content", response_model=FileInfo, responses=problems(404, 409, 413, 503),
@@ -89,75 +78,53 @@ async def read_file(session_id: str, path: GuestPath, plane: Plane, caller: Call
 async def write_file(session_id: str, path: GuestPath, request: Request, plane: Plane, caller: Caller,
                      mode: Annotated[str | None, Query(pattern=r"^[0-7]{3,4}$")] = None) -> FileInfo:
     _check_length(request, plane.settings.max_file_bytes)
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
+    target = await relay.running(plane, caller.tenant, session_id)
     digest = StreamDigest()
-    try:
-        info = await client.write_file(row.sandbox_id, path, int(mode, 8) if mode else None,
-                                       digest.through(_bounded(request, plane.settings.max_file_bytes)))
-    except NodeError as exc:
-        audit_trail.note("file", "upload", session_id=row.id, detail=digest.detail(path, error=exc.code))
-        raise await node_call_failed(plane, row, exc) from exc
-    audit_trail.note("file", "upload", session_id=row.id, detail=digest.detail(path, mode=mode))
+    body = digest.through(_bounded(request, plane.settings.max_file_bytes))
+    bits = int(mode, 8) if mode else None
+    info: node_api.FileInfo = await relay.call(
+        target, lambda node, sandbox: node.write_file(sandbox, path, bits, body),
+        audit=relay.streamed("upload", digest, path, mode=mode))
     return FileInfo.model_validate(info.model_dump())
 
 
 @router.get("/list", response_model=FileList)
 async def list_dir(session_id: str, path: GuestPath, plane: Plane, caller: Caller) -> FileList:
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
-    try:
-        items = await client.list_dir(row.sandbox_id, path)
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
+    target = await relay.running(plane, caller.tenant, session_id)
+    items = await relay.call(target, lambda node, sandbox: node.list_dir(sandbox, path))
     return FileList(items=[FileInfo.model_validate(i.model_dump()) for i in items])
 
 
 @router.get("/stat", response_model=FileInfo)
 async def stat(session_id: str, path: GuestPath, plane: Plane, caller: Caller) -> FileInfo:
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
-    try:
-        return FileInfo.model_validate((await client.stat(row.sandbox_id, path)).model_dump())
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
+    target = await relay.running(plane, caller.tenant, session_id)
+    return FileInfo.model_validate((await relay.call(target, lambda node, sandbox: node.stat(sandbox, path)))
+                                   .model_dump())
 
 
 @router.post("/mkdir", response_model=FileInfo)
 async def mkdir(session_id: str, path: GuestPath, plane: Plane, caller: Caller,
                 parents: bool = True) -> FileInfo:
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
-    try:
-        made = FileInfo.model_validate((await client.mkdir(row.sandbox_id, path, parents)).model_dump())
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
-    audit_trail.note("file", "mkdir", session_id=row.id, detail={"path": path, "parents": parents})
-    return made
+    target = await relay.running(plane, caller.tenant, session_id)
+    made = await relay.call(target, lambda node, sandbox: node.mkdir(sandbox, path, parents),
+                            audit=relay.Audit("file", "mkdir", lambda _: {"path": path, "parents": parents}))
+    return FileInfo.model_validate(made.model_dump())
 
 
 @router.delete("", status_code=204, response_class=Response)
 async def remove(session_id: str, path: GuestPath, plane: Plane, caller: Caller,
                  recursive: bool = False) -> Response:
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
-    try:
-        await client.remove(row.sandbox_id, path, recursive)
-    except NodeError as exc:
-        raise await node_call_failed(plane, row, exc) from exc
-    audit_trail.note("file", "delete", session_id=row.id, detail={"path": path, "recursive": recursive})
+    target = await relay.running(plane, caller.tenant, session_id)
+    await relay.call(target, lambda node, sandbox: node.remove(sandbox, path, recursive),
+                     audit=relay.Audit("file", "delete", lambda _: {"path": path, "recursive": recursive}))
     return Response(status_code=204)
 
 
 @router.get("/archive", response_class=StreamingResponse, responses={200: _TAR})
 async def export_archive(session_id: str, path: GuestPath, plane: Plane,
                          caller: Caller) -> StreamingResponse:
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
-    chunks, stack = await _open_stream(plane, row, client.export_archive(row.sandbox_id, path))
-    return StreamingResponse(_relay(chunks, stack, row, "archive_download", path),
-                             media_type="application/x-tar",
-                             background=BackgroundTask(stack.aclose))
+    return await _download(plane, caller.tenant, session_id, path, "archive_download",
+                           lambda node, sandbox: node.export_archive(sandbox, path), "application/x-tar")
 
 
 @router.put("/archive", status_code=204, response_class=Response, responses=problems(404, 409, 413, 503),
@@ -165,17 +132,11 @@ async def export_archive(session_id: str, path: GuestPath, plane: Plane,
 async def import_archive(session_id: str, path: GuestPath, request: Request, plane: Plane,
                          caller: Caller) -> Response:
     _check_length(request, plane.settings.max_file_bytes)
-    row, client = await running_session(plane, caller.tenant, session_id)
-    assert row.sandbox_id is not None
+    target = await relay.running(plane, caller.tenant, session_id)
     digest = StreamDigest()
-    try:
-        await client.import_archive(row.sandbox_id, path,
-                                    digest.through(_bounded(request, plane.settings.max_file_bytes)))
-    except NodeError as exc:
-        audit_trail.note("file", "archive_upload", session_id=row.id,
-                         detail=digest.detail(path, error=exc.code))
-        raise await node_call_failed(plane, row, exc) from exc
-    audit_trail.note("file", "archive_upload", session_id=row.id, detail=digest.detail(path))
+    body = digest.through(_bounded(request, plane.settings.max_file_bytes))
+    await relay.call(target, lambda node, sandbox: node.import_archive(sandbox, path, body),
+                     audit=relay.streamed("archive_upload", digest, path))
     return Response(status_code=204)
 
 

@@ -33,10 +33,10 @@ from starlette.websockets import WebSocketDisconnect
 
 from capsa.common.errors import CapsaError
 from capsa.common.port_tunnel import OK_MESSAGE, PortTunnel, problem_message
+from capsa.control import relay
 from capsa.control.cdp import CDP_PORT, pin_downloads
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import ApiError
-from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.port_access import (
     PortAccess,
@@ -49,7 +49,6 @@ from capsa.control.port_access import (
 from capsa.control.port_proxy import proxy_http, proxy_websocket, relay_tunnel
 from capsa.control.problems import refuse_websocket
 from capsa.control.schemas import PortToken, PortTokenCreate, PortTokenList
-from capsa.control.sessions import node_call_failed
 
 __all__ = ["proxy_router", "router"]
 
@@ -107,18 +106,14 @@ async def revoke_any_port_token(session_id: str, token_id: str, plane: Plane, ca
     return Response(status_code=204)
 
 
-async def _open(plane: ControlPlane, access: PortAccess, port: int) -> PortTunnel:
-    assert access.row.sandbox_id is not None
-    try:
-        return await access.client.open_port(access.row.sandbox_id, port)
-    except NodeError as exc:
-        raise await node_call_failed(plane, access.row, exc) from exc
+async def _open(access: PortAccess, port: int) -> PortTunnel:
+    return await relay.call(access.target, lambda node, sandbox: node.open_port(sandbox, port))
 
 
 async def proxy(session_id: str, port: Port, path: str, request: Request, plane: Plane) -> Response:
     """The app listening on ``port`` in the sandbox answers (request and response bodies streamed)."""
     access = await authorize(plane, request, session_id, port)
-    tunnel = await _open(plane, access, port)
+    tunnel = await _open(access, port)
     return await proxy_http(request, access, port, path, tunnel)
 
 
@@ -134,7 +129,7 @@ async def proxy_ws(websocket: WebSocket, session_id: str, port: Port, path: str)
     assert isinstance(plane, ControlPlane)
     try:
         access = await authorize(plane, websocket, session_id, port)
-        tunnel = await _open(plane, access, port)
+        tunnel = await _open(access, port)
     except CapsaError as exc:
         await refuse_websocket(websocket, exc)
         return
@@ -163,7 +158,7 @@ async def tunnel(websocket: WebSocket, session_id: str, port: Port) -> None:
         return
     await websocket.accept()
     try:
-        opened = await _open(plane, access, port)
+        opened = await _open(access, port)
     except CapsaError as exc:
         with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
             await websocket.send_text(problem_message(exc.status, exc.code, exc.message))
