@@ -26,11 +26,11 @@ from capsa.common.node_wire import HeartbeatOut, NodeHeartbeat, NodeRegister
 from capsa.common.service import QuietServer, bind_tcp, wait_started
 from capsa.common.settings import Settings
 from capsa.control import connection_tokens, nodes
-from capsa.control.app import create_app
 from capsa.control.nodeclient import NodeClient
 from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import ensure_key_file
 from capsa.control.settings import ControlSettings
+from capsa.frontends import build_app
 from capsa.node.daemon import NodeService
 from capsa.node.sources import TemplateSource
 from capsa.node.statedir import prepare_state_dir
@@ -103,7 +103,7 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
     if "CAPSA_AUDIT_SIGNING_KEY_FILE" not in os.environ:  # audit checkpoints signed with a key of its own
         signing_key = await asyncio.to_thread(ensure_signing_key, state_dir / "audit-signing.key")
         control_settings = control_settings.model_copy(update={"audit_signing_key_file": signing_key})
-    app = create_app(control_settings, on_bootstrap_key=_announce_key)
+    app = build_app(control_settings, on_bootstrap_key=_announce_key)
     # /v1/ready answers 503 until the local node is ready (its base template in place: restored from the
     # template cache or built) and registered.
     app.state.startup_pending = True

@@ -24,9 +24,9 @@ import pytest_asyncio
 
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
-from capsa.control.app import create_app
 from capsa.control.keys import generate_key
 from capsa.control.settings import ControlSettings
+from capsa.frontends import build_app
 from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.api import create_node_app
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
@@ -100,7 +100,7 @@ async def stack(state_dir: Path, pool: StoragePool, guest_image: GuestImage) -> 
         admin = generate_key().full
         settings = ControlSettings(database_url=f"sqlite+aiosqlite:///{state_dir}/capsa.db",
                                    bootstrap_key=admin, reaper_interval=0.3, rolling_snapshot_interval=0.3)
-        control = await serve_app(create_app(settings))
+        control = await serve_app(build_app(settings))
         s = Stack(agent, node, control, admin, state_dir)
         async with s.client(admin) as c:
             registered = await c.post("/nodes", json={

@@ -28,11 +28,11 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from capsa.cli.main import cli
 from capsa.common.audit_checkpoint import Checkpoint, ensure_signing_key, key_id, line_digest, sign_checkpoint
-from capsa.control.app import create_app
 from capsa.control.audit_chain_retention import purge_chain
 from capsa.control.keys import generate_key
 from capsa.control.plane import ControlPlane
 from capsa.control.settings import ControlSettings
+from capsa.frontends import build_app
 from tests.support.api_stack import Replica, serve_app
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.postgresql]
@@ -93,7 +93,7 @@ async def control(db_url: str, tmp_path: Path) -> AsyncIterator[Plane]:
     settings = ControlSettings(database_url=db_url, bootstrap_key=admin, reaper_interval=0,
                                audit_ack="durable", audit_checkpoint_interval=0,
                                audit_signing_key_file=ensure_signing_key(state / "audit-signing.key"))
-    replica = await serve_app(create_app(settings))
+    replica = await serve_app(build_app(settings))
     try:
         async with httpx.AsyncClient(base_url=replica.url, headers={"Authorization": f"Bearer {admin}"}) as c:
             made = await c.post("/v1/keys", json={"tenant": "acme"})

@@ -34,9 +34,9 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from capsa.common.port_tunnel import open_tunnel
 from capsa.common.service import QuietServer, wait_started
 from capsa.common.websocket import SocketStream, WebSocketClient, WebSocketRejected
-from capsa.control.app import create_app
 from capsa.control.cdp import CDP_PORT, DOWNLOADS_DIR, pin_downloads
 from capsa.control.store.models import PortTokenRow, utcnow
+from capsa.frontends import build_app
 from tests.support import port_app
 from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime, fake_image
@@ -298,7 +298,7 @@ async def test_port_tokens_do_not_reach_the_server_logs(make_stack: MakeStack) -
         await start_app(client, sid, port)
         token = (await client.post(f"/v1/sessions/{sid}/ports/{port}/tokens")).json()["token"]
     # The control plane as `capsa serve` and `capsa control` run it: a QuietServer, log level info.
-    server = QuietServer(uvicorn.Config(create_app(stack.control_settings()), host="127.0.0.1", port=0,
+    server = QuietServer(uvicorn.Config(build_app(stack.control_settings()), host="127.0.0.1", port=0,
                                         log_level="info"))
     captured = _Lines()
     loggers = [logging.getLogger(name) for name in ("uvicorn.error", "uvicorn.access")]

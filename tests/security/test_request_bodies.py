@@ -21,7 +21,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from capsa.control.request_gate import MCP_BODY_BYTES
+from capsa.frontends import MCP_BODY_BYTES
 from capsa.node.api import create_node_app
 from tests.support.api_stack import ApiStack
 from tests.support.counted_body import CHUNK, CountedBody, send_counted

@@ -26,10 +26,10 @@ from fastapi import FastAPI
 from capsa.common.connection_wire import ConnectionTokenOut
 from capsa.common.image import GuestImage
 from capsa.common.node_wire import HeartbeatOut, NodeHeartbeat, NodeRegister
-from capsa.control.app import create_app
 from capsa.control.keys import generate_key
 from capsa.control.plane import ControlPlane
 from capsa.control.settings import ControlSettings
+from capsa.frontends import build_app
 from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.assembly import NodeParts, assemble_node
 from capsa.node.daemon import IDENTITY_FILE, ControlLinkError, HttpControlLink, NodeIdentity, NodeService
@@ -221,7 +221,7 @@ class ApiStack:
         await self._serve(await self._assemble(ColdBootSource(self.runtime, {"base": self.image})))
 
     async def add_replica(self, **overrides: Any) -> Replica:
-        replica = await serve_app(create_app(self.control_settings(**overrides)))
+        replica = await serve_app(build_app(self.control_settings(**overrides)))
         self.replicas.append(replica)
         return replica
 

@@ -609,15 +609,15 @@ async def test_close_while_creating_destroys_the_new_sandbox(stack: ApiStack) ->
 
 
 async def test_bootstrap_key_generated_once(tmp_path: Any) -> None:
-    from capsa.control.app import create_app
     from capsa.control.settings import ControlSettings
+    from capsa.frontends import build_app
     from tests.support.api_stack import serve_app
 
     printed: list[str] = []
     settings = ControlSettings(database_url=f"sqlite+aiosqlite:///{tmp_path}/b.db", reaper_interval=0)
-    first = await serve_app(create_app(settings, on_bootstrap_key=printed.append))
+    first = await serve_app(build_app(settings, on_bootstrap_key=printed.append))
     await first.stop()
-    second = await serve_app(create_app(settings, on_bootstrap_key=printed.append))
+    second = await serve_app(build_app(settings, on_bootstrap_key=printed.append))
     try:
         assert len(printed) == 1 and printed[0].startswith("csk_")
         async with httpx.AsyncClient(

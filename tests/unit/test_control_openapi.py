@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from capsa.control.app import create_app
+from capsa.frontends import build_app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def test_exported_openapi_documents_match_the_code() -> None:
 
 
 def test_openapi_document_covers_the_contract() -> None:
-    spec = create_app().openapi()
+    spec = build_app().openapi()
     paths = spec["paths"]
     expected = {
         "/v1/health": {"get"},

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from capsa.cli.main import cli
-from capsa.control.app import create_app
 from capsa.control.settings import ControlSettings
+from capsa.frontends import build_app
 from tests.support.api_stack import ApiStack
 from tests.support.mcp_session import (
     EXPECTED_TOOLS,
@@ -123,7 +123,7 @@ def test_capsa_mcp_without_the_package_is_a_one_line_error(monkeypatch: pytest.M
 async def test_control_plane_without_the_package_answers_501(monkeypatch: pytest.MonkeyPatch,
                                                              tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "mcp", None)
-    app = create_app(ControlSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'c.db'}"))
+    app = build_app(ControlSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'c.db'}"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         # No body: a body would first meet the request guard's credential check (the app is not started
         # here, so it answers not_ready), and what is under test is the route without the package.

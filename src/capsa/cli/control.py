@@ -31,6 +31,7 @@ def control(host: str, port: int, state_dir: Path | None) -> None:
     """
     from capsa.common.service import run_service  # heavy imports (FastAPI, SQLAlchemy) only for this command
     from capsa.control.server import run_control
+    from capsa.frontends import build_app
 
     configured_key = os.environ.get("CAPSA_BOOTSTRAP_KEY")
     if configured_key and parse_key(configured_key) is None:
@@ -38,6 +39,6 @@ def control(host: str, port: int, state_dir: Path | None) -> None:
     state = (state_dir or Settings().state_dir).resolve()
     database_url = os.environ.get("CAPSA_DATABASE_URL") or None
     try:
-        run_service(run_control(host, port, state, database_url))
+        run_service(run_control(host, port, state, database_url, build_app))
     except (CapsaError, OSError, ValueError) as exc:
         fail(str(exc))

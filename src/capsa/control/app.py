@@ -5,21 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from importlib.metadata import version
 
 from fastapi import FastAPI
 
 from capsa.common.audit_checkpoint import load_signing_key
 from capsa.common.request_limits import RequestLimits
-from capsa.compat.e2b import MOUNT_PATH as E2B_PATH
-from capsa.compat.e2b import create_e2b_app
 from capsa.control.audit_anchor import Checkpointer, CheckpointSink, FileCheckpointSink
 from capsa.control.audit_checkpoints import checkpoint_all, run_checkpoints
 from capsa.control.audit_middleware import AuditMiddleware
 from capsa.control.auth import KeyCache, ensure_bootstrap_key
 from capsa.control.cdp import CdpPages
-from capsa.control.mcp import install_mcp
+from capsa.control.front_ends import FrontEnd
 from capsa.control.node_secrets import node_sealer
 from capsa.control.nodeclient import NodeClientPool
 from capsa.control.plane import ControlPlane
@@ -69,12 +67,14 @@ def _checkpointer(settings: ControlSettings, sink: CheckpointSink | None) -> Che
 def create_app(settings: ControlSettings | None = None,
                on_bootstrap_key: Callable[[str], None] | None = None,
                checkpoint_sink: CheckpointSink | None = None,
-               request_limits: RequestLimits | None = None) -> FastAPI:
+               request_limits: RequestLimits | None = None,
+               front_ends: Sequence[FrontEnd] = ()) -> FastAPI:
     """Build the app. Startup migrates the database, installs the bootstrap admin key and starts the reaper.
 
     ``on_bootstrap_key`` receives a freshly generated admin key, the only time it exists in clear.
     ``checkpoint_sink``: where signed audit checkpoints go instead of ``CAPSA_AUDIT_CHECKPOINT_FILE``.
     ``request_limits``: body, concurrency and rate limits (default: ``CAPSA_REQUEST_*``).
+    ``front_ends``: what the composition root adds (:func:`capsa.frontends.build_app`: E2B, MCP).
     """
     settings = settings or ControlSettings()
 
@@ -107,7 +107,9 @@ def create_app(settings: ControlSettings | None = None,
                 checkpoints = asyncio.create_task(
                     run_checkpoints(plane, plane.checkpoints, settings.audit_checkpoint_interval),
                     name="capsa-audit-checkpoints")
-            async with mcp_lifetime():
+            async with contextlib.AsyncExitStack() as lifetimes:
+                for lifetime in front_lifetimes:
+                    await lifetimes.enter_async_context(lifetime())
                 yield
         finally:
             for task in (reaper, rolling, checkpoints):
@@ -140,11 +142,11 @@ def create_app(settings: ControlSettings | None = None,
         app.include_router(egress_module.router, prefix="/v1")
     app.include_router(connection_routes.providers_router, prefix="/v1")
     app.include_router(connection_routes.router, prefix="/v1")
-    mcp_lifetime = install_mcp(app)
-    if settings.e2b_compat:
-        app.mount(E2B_PATH, create_e2b_app(lambda: _plane_of(app)))
+    front_lifetimes = [lifetime for front in front_ends
+                       if (lifetime := front.install(app, lambda: _plane_of(app))) is not None]
     # Last, so it is the outermost middleware: bodies are bounded and credentials checked before any route.
-    install_request_guard(app, settings, request_limits)
+    install_request_guard(app, settings, request_limits,
+                          [front.gate for front in front_ends if front.gate is not None])
     return app
 
 

@@ -5,11 +5,11 @@ The gate runs only for requests that carry a body, and only checks that the cred
 accept is valid (API keys from the replica's key cache); the route then authenticates and authorizes as
 before. Credentials by route:
 
-- ``/v1/…``, ``/mcp`` and anything else: ``Authorization: Bearer <API key>``;
+- ``/v1/…`` and anything else: ``Authorization: Bearer <API key>``;
 - ``/v1/nodes/enrol``: a one-time enrolment token that is still usable;
 - ``/v1/nodes/{id}/register|heartbeat|leave|connections/…``: that node's credential or an API key;
-- ``/e2b/…``: ``X-API-KEY``; ``/e2b/envd/…``: ``X-Access-Token`` (or ``X-API-KEY``), as in
-  :mod:`capsa.compat.e2b.access`;
+- a front end's paths (:class:`~capsa.control.front_ends.FrontEndGate`, given by the composition root:
+  ``/e2b/…``, ``/mcp``): its own check, else an API key as above;
 - none: ``/v1/health``, ``/v1/ready``, ``/v1/connections/callback`` (bodiless public routes) and the port
   proxy (``/v1/sessions/{id}/ports/{port}/…`` and hosts under ``ports_domain``), which checks its port
   token or API key itself before it reads (and streams on) a body.
@@ -18,7 +18,7 @@ before. Credentials by route:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from fastapi import FastAPI
 from starlette.datastructures import Headers
@@ -27,17 +27,15 @@ from starlette.types import Scope
 from capsa.common.errors import CapsaError
 from capsa.common.request_guard import BodyRule, Gate, RequestGuard, host_under
 from capsa.common.request_limits import COMMAND_BODY_BYTES, RequestLimits
-from capsa.compat.e2b import access as e2b_access
-from capsa.compat.e2b.connect import MAX_MESSAGE_BYTES
 from capsa.control import nodes
 from capsa.control.auth import authenticate_cached, bearer_token
 from capsa.control.errors import ApiError
+from capsa.control.front_ends import FrontEndGate
 from capsa.control.plane import ControlPlane
 from capsa.control.routes.commands import MAX_STDIN_BODY
 from capsa.control.settings import ControlSettings
-from capsa.sdk.e2b import E2B_ENVD_PATH, E2B_MOUNT_PATH
 
-__all__ = ["MCP_BODY_BYTES", "body_rules", "credential_gate", "install_request_guard"]
+__all__ = ["body_rules", "credential_gate", "install_request_guard"]
 
 _ANY = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _PUBLIC = re.compile(r"/v1/(health|ready|connections/callback)")
@@ -45,7 +43,6 @@ _PORT = re.compile(r"/v1/sessions/[^/]+/ports/[0-9]+/.*")
 _PORT_TOKENS = re.compile(r"/v1/sessions/[^/]+/ports/[0-9]+/tokens(/[^/]+)?")
 _NODE_OWN = re.compile(r"/v1/nodes/([^/]+)/(register|heartbeat|leave|connections/[^/]+/token)")
 _ENROL = "/v1/nodes/enrol"
-_ENVD = E2B_MOUNT_PATH + E2B_ENVD_PATH
 
 
 def _port_route(scope: Scope, ports_domain: str | None) -> bool:
@@ -58,12 +55,15 @@ def _port_route(scope: Scope, ports_domain: str | None) -> bool:
     return _PORT.fullmatch(path) is not None
 
 
-MCP_BODY_BYTES = 4 << 20
-"""Largest MCP request over HTTP: the MCP SDK's default limit, so a tool call the transport would take is
-never cut here first."""
+def _front_end(gates: Sequence[FrontEndGate], path: str) -> FrontEndGate | None:
+    for gate in gates:
+        if path == gate.prefix or path.startswith(gate.prefix + "/"):
+            return gate
+    return None
 
 
-def credential_gate(plane: Callable[[], ControlPlane | None], ports_domain: str | None = None) -> Gate:
+def credential_gate(plane: Callable[[], ControlPlane | None], ports_domain: str | None = None,
+                    front_ends: Sequence[FrontEndGate] = ()) -> Gate:
     """The gate: the refusal for a request whose credential its route would not accept."""
 
     async def gate(scope: Scope) -> CapsaError | None:
@@ -78,8 +78,8 @@ def credential_gate(plane: Callable[[], ControlPlane | None], ports_domain: str 
         try:
             if path == _ENROL:
                 await nodes.check_enrol_token(control, token)
-            elif path == E2B_MOUNT_PATH or path.startswith(E2B_MOUNT_PATH + "/"):
-                await e2b_access.check_credential(control, path[len(E2B_MOUNT_PATH):], headers)
+            elif (front := _front_end(front_ends, path)) is not None and front.check is not None:
+                await front.check(control, path[len(front.prefix):], headers)
             elif (node := _NODE_OWN.fullmatch(path)) and token and not token.startswith("csk_"):
                 await nodes.check_node_credential(control, node.group(1), token)
             else:
@@ -91,9 +91,9 @@ def credential_gate(plane: Callable[[], ControlPlane | None], ports_domain: str 
     return gate
 
 
-def body_rules(settings: ControlSettings) -> list[BodyRule]:
+def body_rules(settings: ControlSettings, front_ends: Sequence[FrontEndGate] = ()) -> list[BodyRule]:
     """The routes whose bodies may pass ``max_body_bytes``: uploads streamed to a sandbox (up to
-    ``max_file_bytes``), stdin writes and command requests (read whole), envd messages."""
+    ``max_file_bytes``), stdin writes and command requests (read whole), and the front ends' own."""
     files = settings.max_file_bytes
     return [
         BodyRule(r"/v1/sessions/[^/]+/files/(content|archive)", frozenset({"PUT"}), files),
@@ -101,21 +101,16 @@ def body_rules(settings: ControlSettings) -> list[BodyRule]:
         BodyRule(r"/v1/sessions/[^/]+/processes/[^/]+/stdin", frozenset({"POST"}), MAX_STDIN_BODY,
                  streamed=False),
         BodyRule(r"/v1/sessions/[^/]+/commands", frozenset({"POST"}), COMMAND_BODY_BYTES, streamed=False),
-        # MCP over HTTP: the MCP SDK's own request limit (4 MiB), which its transport enforces too.
-        BodyRule(r"/mcp/?", frozenset({"POST"}), MCP_BODY_BYTES, streamed=False),
-        BodyRule(re.escape(_ENVD) + r"/files", frozenset({"POST"}), files),
-        BodyRule(re.escape(_ENVD) + r"/process\.Process/StreamInput", frozenset({"POST"}), files),
-        BodyRule(re.escape(_ENVD) + r"/(process\.Process|filesystem\.Filesystem)/[^/]+", frozenset({"POST"}),
-                 MAX_MESSAGE_BYTES + 5, streamed=False),
+        *(rule for gate in front_ends for rule in gate.rules),
     ]
 
 
-def install_request_guard(app: FastAPI, settings: ControlSettings,
-                          limits: RequestLimits | None = None) -> None:
-    """Put the guard in front of everything ``app`` serves (/v1, /e2b, /mcp, port hosts): call it after
-    every other middleware is added, so it is the outermost."""
+def install_request_guard(app: FastAPI, settings: ControlSettings, limits: RequestLimits | None = None,
+                          front_ends: Sequence[FrontEndGate] = ()) -> None:
+    """Put the guard in front of everything ``app`` serves (/v1, the front ends, port hosts): call it
+    after every other middleware is added, so it is the outermost."""
     ports_domain = settings.ports_domain
-    rules = body_rules(settings)
+    rules = body_rules(settings, front_ends)
     if ports_domain:  # a port's own host: any path is the app's, streamed by the port proxy
         rules.insert(0, BodyRule(".*", _ANY, settings.max_file_bytes, host=ports_domain))
 
@@ -124,4 +119,4 @@ def install_request_guard(app: FastAPI, settings: ControlSettings,
         return found if isinstance(found, ControlPlane) else None
 
     app.add_middleware(RequestGuard, limits=limits or RequestLimits(),
-                       gate=credential_gate(plane, ports_domain), rules=rules)
+                       gate=credential_gate(plane, ports_domain, front_ends), rules=rules)

@@ -9,19 +9,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
+from fastapi import FastAPI
 
 from capsa.common.audit_checkpoint import ensure_signing_key
 from capsa.common.service import QuietServer, bind_tcp
-from capsa.control.app import create_app
 from capsa.control.node_secrets import derive_secret_key
 from capsa.control.secretbox import ensure_key_file
 from capsa.control.settings import ControlSettings
 
-__all__ = ["announce_key", "control_settings", "run_control"]
+__all__ = ["AppFactory", "announce_key", "control_settings", "run_control"]
 
 
 def announce_key(key: str) -> None:
@@ -55,13 +56,23 @@ def control_settings(state_dir: Path, database_url: str | None) -> ControlSettin
 
 
 
-async def run_control(host: str, port: int, state_dir: Path, database_url: str | None) -> None:
-    """Serve the control plane's API on ``host:port`` until cancelled; prints one line once it answers."""
+class AppFactory(Protocol):
+    """Builds the app from its settings and ``on_bootstrap_key`` (the composition root's
+    :func:`capsa.frontends.build_app`)."""
+
+    def __call__(self, settings: ControlSettings | None = None,
+                 on_bootstrap_key: Callable[[str], None] | None = None) -> FastAPI: ...
+
+
+async def run_control(host: str, port: int, state_dir: Path, database_url: str | None,
+                      build_app: AppFactory) -> None:
+    """Serve the control plane's API (``build_app``) on ``host:port`` until cancelled; prints one line once it
+    answers."""
     # Bind first: a taken port fails before a bootstrap key is generated that would never be shown again.
     listener = bind_tcp(host, port)
     try:
         settings = await asyncio.to_thread(control_settings, state_dir, database_url)
-        app = create_app(settings, on_bootstrap_key=announce_key)
+        app = build_app(settings, on_bootstrap_key=announce_key)
         server = QuietServer(uvicorn.Config(app, log_level="warning"))
         task = asyncio.create_task(server.serve(sockets=[listener]), name="capsa-control-api")
         try:
