@@ -44,24 +44,19 @@ _R = TypeVar("_R", contravariant=True)
 
 @dataclass(frozen=True)
 class SessionTarget:
-    """A running session as one caller found it: its row and a client for its node."""
+    """A running session as one caller found it: its row, a client for its node, and (for short) the
+    session's and its sandbox's ids."""
 
     plane: ControlPlane
     row: SessionRow
     client: NodeClient
+    id: str
+    sandbox_id: str
 
-    @property
-    def id(self) -> str:
-        return self.row.id
 
-    @property
-    def tenant(self) -> str:
-        return self.row.tenant
-
-    @property
-    def sandbox_id(self) -> str:
-        assert self.row.sandbox_id is not None  # a running session has one (:func:`running`)
-        return self.row.sandbox_id
+def _target(plane: ControlPlane, row: SessionRow, node: NodeRow) -> SessionTarget:
+    assert row.sandbox_id is not None  # a running session has one (:func:`_not_running`)
+    return SessionTarget(plane, row, plane.node_client(node), row.id, row.sandbox_id)
 
 
 async def _load_with_node(db: DbSession, tenant: str | None, session_id: str,
@@ -110,7 +105,7 @@ async def running(plane: ControlPlane, tenant: str | None, session_id: str, *, f
         assert found is not None
         node = found
         if not activity:
-            return SessionTarget(plane, row, plane.node_client(node))
+            return _target(plane, row, node)
         plane.sessions.store(row, node)
     now = utcnow()
     if activity_stale(row, now, plane.settings.activity_stamp_interval):
@@ -119,7 +114,7 @@ async def running(plane: ControlPlane, tenant: str | None, session_id: str, *, f
                              .values(last_activity_at=now))
             await db.commit()
         row.last_activity_at = now  # the cached row is this object: the cache sees the stamp too
-    return SessionTarget(plane, row, plane.node_client(node))
+    return _target(plane, row, node)
 
 
 async def session_error(target: SessionTarget, exc: NodeError) -> ApiError:
