@@ -4,15 +4,16 @@ routes, :mod:`capsa.control.process_io`, the E2B layer) reaches a running sessio
 - :func:`running`: the one session lookup: the session (this replica's
   :class:`~capsa.control.session_cache.SessionCache`, else the database), the tenant check (another
   tenant's session is ``not_found``), that it runs, and the activity stamp its idle timeout reads;
-- :func:`call` and :func:`open_stream`: a node call on the session's sandbox; a node error becomes the API
-  error to answer with (:func:`session_error`: a vanished sandbox pauses or fails the session first), and
-  the call's :class:`Audit` event is noted either way;
+- :func:`call`, :func:`open_stream` and :func:`download`: a node call on the session's sandbox; a node
+  error becomes the API error to answer with (:func:`session_error`: a vanished sandbox pauses or fails
+  the session first, the rest is :func:`capsa.control.node_calls.node_error`), and the call's
+  :class:`Audit` event (:func:`streamed` for uploads) is noted either way;
 - :func:`sandbox_lost`: the same decision for a stream that reports its sandbox gone in-band.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -31,8 +32,8 @@ from capsa.control.sessions import activity_stale, lose_sandbox
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import NodeRow, SessionRow, utcnow
 
-__all__ = ["SANDBOX_GONE_CODES", "Audit", "SessionTarget", "call", "open_stream", "running", "sandbox_lost",
-           "session_error", "streamed"]
+__all__ = ["SANDBOX_GONE_CODES", "Audit", "SessionTarget", "call", "download", "open_stream", "running",
+           "sandbox_lost", "session_error", "streamed"]
 
 SANDBOX_GONE_CODES = frozenset({"sandbox_failed", "sandbox_not_found"})
 """Node error codes meaning the session's VM is gone: the session is paused at its latest snapshot, or
@@ -197,3 +198,23 @@ async def open_stream(target: SessionTarget,
         await stack.aclose()
         raise await session_error(target, opened) from opened
     return opened, stack
+
+
+async def download(target: SessionTarget,
+                   opener: Callable[[NodeClient, str], AbstractAsyncContextManager[AsyncIterator[bytes]]],
+                   action: str, path: str) -> tuple[AsyncIterator[bytes], AsyncExitStack]:
+    """:func:`open_stream` for a download of ``path``: its chunks, whose ``file`` audit event (path, size,
+    digest) is noted when they end, and the stack that closes the node's stream."""
+    chunks, stack = await open_stream(target, opener)
+
+    async def noted() -> AsyncIterator[bytes]:
+        digest = StreamDigest()
+        try:
+            async for chunk in digest.through(chunks):
+                yield chunk
+        finally:
+            # Noted before the response's last message, so it is written with the request's api event.
+            audit_trail.note("file", action, session_id=target.id, detail=digest.detail(path))
+            await stack.aclose()
+
+    return noted(), stack

@@ -3,7 +3,7 @@ sandbox (``CAPSA_SESSION_CACHE_SECONDS``).
 
 What a command needs from its session's row (tenant, state, sandbox and node) changes only when the
 session leaves ``running``, and every such change also ends or replaces the sandbox on the node: the node
-then refuses a call to it (``sandbox_not_found``), which :func:`~capsa.control.sessions.node_call_failed`
+then refuses a call to it (``sandbox_not_found``), which :func:`~capsa.control.relay.session_error`
 answers by forgetting the entry and reading the row again. So a stale entry never runs a command in a
 sandbox the session no longer has; it can only send one call to the node before the error the session's
 current state gives. Transitions through this replica forget the entry at once; a session closed or

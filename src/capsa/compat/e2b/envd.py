@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -32,7 +31,7 @@ from capsa.compat.e2b.connect import (
     stream_response,
     unary_response,
 )
-from capsa.control import audit_trail, relay
+from capsa.control import relay
 from capsa.control.audit_digest import StreamDigest
 from capsa.control.errors import ApiError, PayloadTooLarge
 from capsa.control.plane import ControlPlane
@@ -198,17 +197,6 @@ async def health(request: Request) -> Response:
     return Response(status_code=204)
 
 
-async def _relay(chunks: AsyncIterator[bytes], stack: AsyncExitStack, session_id: str,
-                 path: str) -> AsyncIterator[bytes]:
-    digest = StreamDigest()
-    try:
-        async for chunk in digest.through(chunks):
-            yield chunk
-    finally:
-        audit_trail.note("file", "download", session_id=session_id, detail=digest.detail(path))
-        await stack.aclose()
-
-
 _PathQuery = Annotated[str | None, Query(max_length=4096)]
 
 
@@ -218,12 +206,12 @@ async def download(request: Request, path: _PathQuery = None, username: _PathQue
         target = await envd_target(request)
         user = process.guest_user(username) if username else _user(request)
         guest_path = filesystem.resolve_path(path, user)
-        chunks, stack = await relay.open_stream(target.session,
-                                                lambda node, sandbox: node.read_file(sandbox, guest_path))
+        chunks, stack = await relay.download(target.session,
+                                             lambda node, sandbox: node.read_file(sandbox, guest_path),
+                                             "download", guest_path)
     except (ApiError, ConnectError) as exc:
         return _files_error(exc)
-    return StreamingResponse(_relay(chunks, stack, target.id, guest_path),
-                             media_type="application/octet-stream",
+    return StreamingResponse(chunks, media_type="application/octet-stream",
                              background=BackgroundTask(stack.aclose))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from contextlib import AbstractAsyncContextManager
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from capsa.common import node_api
-from capsa.control import audit_trail, process_io, relay
+from capsa.control import process_io, relay
 from capsa.control.audit_digest import StreamDigest
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import PayloadTooLarge
@@ -46,25 +46,12 @@ def _check_length(request: Request, limit: int) -> None:
         raise PayloadTooLarge(f"body larger than {limit} bytes")
 
 
-async def _relay(chunks: AsyncIterator[bytes], stack: AsyncExitStack, session_id: str, action: str,
-                 path: str) -> AsyncIterator[bytes]:
-    digest = StreamDigest()
-    try:
-        async for chunk in digest.through(chunks):
-            yield chunk
-    finally:
-        # Noted before the response's last message, so it is written with the request's api event.
-        audit_trail.note("file", action, session_id=session_id, detail=digest.detail(path))
-        await stack.aclose()
-
-
 async def _download(plane: ControlPlane, tenant: str, session_id: str, path: str, action: str,
                     opener: Callable[[NodeClient, str], AbstractAsyncContextManager[AsyncIterator[bytes]]],
                     media_type: str) -> StreamingResponse:
     target = await relay.running(plane, tenant, session_id)
-    chunks, stack = await relay.open_stream(target, opener)
-    return StreamingResponse(_relay(chunks, stack, target.id, action, path), media_type=media_type,
-                             background=BackgroundTask(stack.aclose))
+    chunks, stack = await relay.download(target, opener, action, path)
+    return StreamingResponse(chunks, media_type=media_type, background=BackgroundTask(stack.aclose))
 
 
 @router.get("/content", response_class=StreamingResponse, responses={200: _BINARY})
