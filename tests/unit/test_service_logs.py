@@ -24,6 +24,13 @@ def test_token_query_values_are_redacted_and_the_rest_kept() -> None:
     assert _line("/plain/path?tokens=keep").endswith('?tokens=keep HTTP/1.1" 200')
 
 
+def test_a_placeholder_after_token_keeps_its_argument() -> None:
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '"GET /p?token=%s HTTP/1.1" %d',
+                               ("cpt_" + "s" * 20, 200), None)
+    assert RedactTokens().filter(record)
+    assert record.getMessage() == '"GET /p?token=[redacted] HTTP/1.1" 200'
+
+
 def test_quiet_servers_install_the_filter_once() -> None:
     app = lambda scope, receive, send: None  # noqa: E731 - never called
     QuietServer(uvicorn.Config(app))

@@ -61,10 +61,11 @@ class RedactTokens(logging.Filter):
     """Blanks credentials in URLs (:func:`redact`) in a log record's message and arguments."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str):
-            record.msg = redact(record.msg)
-        if isinstance(record.args, tuple) and record.args:
-            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
+        # The whole line, formatted: redacting the format string alone would eat a placeholder that follows
+        # ``token=`` (``"?token=%s"``) and leave an argument over, and a credential split between the format
+        # string and an argument would pass unseen.
+        record.msg = redact(record.getMessage())
+        record.args = None
         return True
 
 
