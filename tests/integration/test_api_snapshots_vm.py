@@ -28,7 +28,7 @@ from capsa.control.keys import generate_key
 from capsa.control.settings import ControlSettings
 from capsa.frontends import build_app
 from capsa.node.agent import NodeAgent, NodeCapacity
-from capsa.node.api import create_node_app
+from capsa.node.api.app import create_node_app
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
 from capsa.node.sources import TemplateSource
 from capsa.node.storage import StoragePool

@@ -24,7 +24,7 @@ from capsa.common.ids import new_id
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.agent import NodeAgent
-from capsa.node.api import create_node_app
+from capsa.node.api.app import create_node_app
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.sources import TemplateSource
 from capsa.node.storage import StoragePool

@@ -22,7 +22,7 @@ import pytest
 from fastapi import FastAPI
 
 from capsa.frontends import MCP_BODY_BYTES
-from capsa.node.api import create_node_app
+from capsa.node.api.app import create_node_app
 from tests.support.api_stack import ApiStack
 from tests.support.counted_body import CHUNK, CountedBody, send_counted
 from tests.support.problems import assert_problem

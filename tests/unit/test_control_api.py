@@ -661,7 +661,7 @@ async def test_ndjson_output_arrives_while_the_command_runs(stack: ApiStack) -> 
 
 async def test_placement_picks_the_node_with_most_free_memory(make_stack: Any, tmp_path: Any) -> None:
     from capsa.node.agent import NodeAgent, NodeCapacity
-    from capsa.node.api import create_node_app
+    from capsa.node.api.app import create_node_app
     from capsa.node.sources import ColdBootSource
     from tests.support.api_stack import serve_app
     from tests.support.fake_runtime import FakeRuntime, fake_image

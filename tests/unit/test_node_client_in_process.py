@@ -19,7 +19,7 @@ from capsa.common.ids import new_id
 from capsa.common.node_api import ExecFinished, ExecRequest
 from capsa.control.nodeclient import NodeClient, NodeClientPool, NodeError
 from capsa.node.agent import NodeAgent, NodeCapacity
-from capsa.node.api import create_node_app
+from capsa.node.api.app import create_node_app
 from tests.support.api_stack import Replica, serve_app
 from tests.support.fake_runtime import FakeRuntime, fake_image
 

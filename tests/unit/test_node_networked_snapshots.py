@@ -26,8 +26,9 @@ from capsa.common.placeholders import new_placeholder
 from capsa.node.agent import NodeAgent, NodeCapacity
 from capsa.node.egress.node_egress import EgressRequest, NodeEgress
 from capsa.node.egress.trust_store import TrustStore
-from capsa.node.runtime.base import VMSpec
-from capsa.node.snapshots import LABEL_NIC
+from capsa.node.guestlink.errors import GuestRefused, GuestUnavailable
+from capsa.node.runtime.base import Sandbox, VMSpec
+from capsa.node.snapshots import LABEL_NIC, hostname_for
 from capsa.node.sources import NET_TEMPLATE, NET_TEMPLATE_MAC, TemplateSource
 from tests.support.fake_runtime import FakeRuntime, fake_image
 
@@ -251,3 +252,45 @@ async def test_a_template_with_a_nic_is_pooled_on_a_network_of_its_own(
     assert (await second.sandbox.guest.exec(["true"])).exit_code == 0
     for done in (first_id, sid):
         assert await agent.destroy(done)
+
+
+@pytest.mark.parametrize(("failure", "cold_boots"), [
+    (GuestUnavailable("the guest daemon restarted"), False),  # 503: would fail a cold boot's bind as well
+    (GuestRefused("bad_request", "refused"), False),  # 400: the request's own fault
+    (GuestRefused("io_error", "disk trouble"), True),  # 500: the restored VM's fault; a fresh boot may work
+])
+async def test_a_failed_restore_bind_cold_boots_only_when_the_fault_is_the_restored_vms(
+        tmp_path: Path, failure: CapsaError, cold_boots: bool) -> None:
+    prefix = f"cns{secrets.token_hex(3)}-"
+    egress = NodeEgress.create(netns_prefix=prefix)
+    runtime = FakeRuntime()
+    image = fake_image(tmp_path / "img")
+    sid = new_id("sbx")
+
+    binds: list[str] = []
+
+    async def bind(sandbox: Sandbox, hostname: str) -> None:
+        binds.append(hostname)
+        if binds.count(hostname_for(sid)) == 1 and hostname == hostname_for(sid):  # the restored VM's bind
+            raise failure
+        await runtime.bind_identity(sandbox, hostname)
+
+    source = TemplateSource(runtime, image, egress=egress, pool_size=0, bind=bind, trust=TRUST)
+    agent = NodeAgent(runtime, image, capacity=NodeCapacity(8192, 32, 16), egress=egress, source=source)
+    await agent.start()
+    await agent.wait_ready()
+    await source.net_template(256, 1)  # base-net is built (by a boot of its own) before the request
+    boots = runtime.boots
+    try:
+        if cold_boots:
+            record = await agent.create(sid, "base", 256, 1, {}, policy=_policy(with_secret=False))
+            assert record.source == "boot" and runtime.boots == boots + 1
+        else:
+            with pytest.raises(CapsaError) as raised:
+                await agent.create(sid, "base", 256, 1, {}, policy=_policy(with_secret=False))
+            assert raised.value is failure and runtime.boots == boots
+            assert egress.network(sid) is None  # nothing of the refused sandbox is left
+    finally:
+        await agent.close()
+        await runtime.close()
+        assert not {n for n in _netns() if n.startswith(prefix)}, "namespaces left after close"

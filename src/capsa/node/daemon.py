@@ -38,7 +38,7 @@ from capsa.common.node_wire import (
     NodeRegister,
 )
 from capsa.common.service import QuietServer, bind_tcp, wait_started
-from capsa.node.api import create_node_app
+from capsa.node.api.app import create_node_app
 from capsa.node.assembly import NodeParts
 
 __all__ = ["HEARTBEAT_INTERVAL", "ControlLink", "ControlLinkError", "HttpControlLink", "NodeIdentity",

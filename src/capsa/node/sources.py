@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from capsa.common.errors import CapsaError
 from capsa.common.image import GuestImage
+from capsa.node.api.errors import status_of
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.trust_store import TrustStore
 from capsa.node.net.sandbox_net import SandboxNet
@@ -436,8 +437,9 @@ class TemplateSource:
                 raise failed[0]
             return MadeSandbox(sandbox, source, snapshot_id, nic_mac=NET_TEMPLATE_MAC)
         except CapsaError as exc:
-            # The request's own faults (bad ids or secrets, a full node) would fail a cold boot too.
-            if exc.status in (400, 404, 422, 503) or exc.code == "already_exists":
+            # The request's own faults (bad ids or secrets, a full node) would fail a cold boot too. A guest
+            # error's status is decided by its code, in the node edge's one table.
+            if status_of(exc) in (400, 404, 422, 503) or exc.code == "already_exists":
                 raise
             log.warning("restoring %s from %s failed, cold-booting it: %s", request.sandbox_id, NET_TEMPLATE,
                         exc)

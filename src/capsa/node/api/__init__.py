@@ -2,10 +2,8 @@
 
 One module per resource; every route parses its request with the models of :mod:`capsa.common.node_api`,
 calls one action on the :class:`~capsa.node.agent.NodeAgent` and serializes the answer with those models.
+
+The package imports nothing itself (``capsa.node.api.app`` assembles the routes): the node's core may take the
+edge's one status table (:func:`capsa.node.api.errors.status_of`) without importing the routes, and so the
+agent, back.
 """
-
-from __future__ import annotations
-
-from capsa.node.api.app import create_node_app
-
-__all__ = ["create_node_app"]
