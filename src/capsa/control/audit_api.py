@@ -3,7 +3,6 @@ of the sessions concerned are collected from their nodes first, so a read sees w
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
@@ -14,16 +13,14 @@ from capsa.common.ids import is_id
 from capsa.control import audit_trail
 from capsa.control.audit_checkpoints import ChainNotExtended, checkpoint_tenant
 from capsa.control.audit_schemas import AuditChainEvent, AuditChainList, AuditCheckpointOut, AuditVerifyOut
-from capsa.control.egress import collect_audit
+from capsa.control.egress import collect_audit_quietly
 from capsa.control.errors import ApiError, ValidationFailed
-from capsa.control.nodeclient import NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.store.audit_models import AuditTrailRow
 from capsa.control.store.models import NodeRow, SessionRow
 
 __all__ = ["checkpoint_chain", "checkpoint_out", "event_out", "list_chain", "verify_chain"]
 
-log = logging.getLogger(__name__)
 
 _LIVE = ("creating", "running")
 
@@ -38,10 +35,7 @@ async def _collect(plane: ControlPlane, tenant: str, session_id: str | None) -> 
         node_ids = {i for i in (await db.execute(query.distinct())).scalars() if i}
         nodes = [n for n in [await db.get(NodeRow, i) for i in sorted(node_ids)] if n is not None]
     for node in nodes:
-        try:
-            await collect_audit(plane, node)
-        except (NodeError, KeyError, ValueError) as exc:
-            log.warning("could not collect audit events from node %s: %s", node.id, exc)
+        await collect_audit_quietly(plane, node)
 
 
 def event_out(row: AuditTrailRow) -> AuditChainEvent:
