@@ -20,7 +20,7 @@ def documents() -> dict[str, dict[str, Any]]:
     from capsa.common.image import GuestImage
     from capsa.control.app import create_app
     from capsa.node.agent import NodeAgent, NodeCapacity
-    from capsa.node.api import create_node_app
+    from capsa.node.api.app import create_node_app
 
     class _NoRuntime:  # the schema does not depend on the runtime; nothing is ever booted here
         name = "none"
