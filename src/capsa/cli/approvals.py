@@ -7,10 +7,10 @@ import click
 from capsa.cli.output import (
     ApiOptions,
     api_options,
+    emit_items,
     emit_json,
     human_time,
     json_option,
-    print_table,
     reports_errors,
 )
 
@@ -31,12 +31,9 @@ def ls(session_id: str | None, include_decided: bool, as_json: bool, api: ApiOpt
     """List pending approvals, oldest first."""
     with reports_errors(), api.client() as client:
         items = client.approvals.list(session_id=session_id, include_decided=include_decided)
-    if as_json:
-        emit_json({"items": items})
-        return
-    print_table(["ID", "SESSION", "STATE", "REQUEST", "RULE", "BODY", "EXPIRES"],
-                [[a.id, a.session_id, a.state, f"{a.method} {a.destination}{a.path}", a.approval_rule,
-                  f"{a.body_bytes} B", human_time(a.expires_at)] for a in items])
+    emit_items(items, as_json, ["ID", "SESSION", "STATE", "REQUEST", "RULE", "BODY", "EXPIRES"],
+               lambda a: [a.id, a.session_id, a.state, f"{a.method} {a.destination}{a.path}", a.approval_rule,
+                          f"{a.body_bytes} B", human_time(a.expires_at)])
 
 
 @approvals.command("approve")

@@ -11,11 +11,11 @@ import click
 from capsa.cli.output import (
     ApiOptions,
     api_options,
+    emit_items,
     emit_json,
     fail,
     human_time,
     json_option,
-    print_table,
     reports_errors,
 )
 
@@ -137,12 +137,9 @@ def ls(as_json: bool, api: ApiOptions) -> None:
     """List connections (never a token)."""
     with reports_errors(), api.client() as client:
         items = client.connections.list()
-    if as_json:
-        emit_json({"items": items})
-        return
-    print_table(["ID", "NAME", "PROVIDER", "STATE", "TOKEN EXPIRES", "REFRESHES", "CONNECTED"],
-                [[c.id, c.name, c.provider, c.state, human_time(c.access_expires_at), str(c.refreshes),
-                  human_time(c.connected_at)] for c in items])
+    emit_items(items, as_json, ["ID", "NAME", "PROVIDER", "STATE", "TOKEN EXPIRES", "REFRESHES", "CONNECTED"],
+               lambda c: [c.id, c.name, c.provider, c.state, human_time(c.access_expires_at),
+                          str(c.refreshes), human_time(c.connected_at)])
 
 
 @connections.command("revoke")
@@ -170,8 +167,5 @@ def providers(as_json: bool, api: ApiOptions) -> None:
     """List the registered OAuth providers (never a client secret)."""
     with reports_errors(), api.client() as client:
         items = client.connection_providers.list()
-    if as_json:
-        emit_json({"items": items})
-        return
-    print_table(["ID", "NAME", "CLIENT ID", "TOKEN ENDPOINT", "SCOPES"],
-                [[p.id, p.name, p.client_id, p.token_endpoint, " ".join(p.scopes) or "-"] for p in items])
+    emit_items(items, as_json, ["ID", "NAME", "CLIENT ID", "TOKEN ENDPOINT", "SCOPES"],
+               lambda p: [p.id, p.name, p.client_id, p.token_endpoint, " ".join(p.scopes) or "-"])

@@ -13,14 +13,14 @@ import yaml
 from capsa.cli.output import (
     ApiOptions,
     api_options,
+    emit_items,
     emit_json,
     fail,
     human_time,
     json_option,
-    print_table,
     reports_errors,
 )
-from capsa.sdk import Session
+from capsa.sdk import AuditEvent, Session
 
 __all__ = ["audit", "policy", "secrets"]
 
@@ -72,11 +72,8 @@ def ls(as_json: bool, api: ApiOptions) -> None:
     """List secrets (names and ids, never values)."""
     with reports_errors(), api.client() as client:
         items = client.secrets.list()
-    if as_json:
-        emit_json({"items": items})
-        return
-    print_table(["ID", "NAME", "DESCRIPTION", "CREATED"],
-                [[s.id, s.name, s.description or "-", human_time(s.created_at)] for s in items])
+    emit_items(items, as_json, ["ID", "NAME", "DESCRIPTION", "CREATED"],
+               lambda s: [s.id, s.name, s.description or "-", human_time(s.created_at)])
 
 
 @secrets.command("rm")
@@ -101,18 +98,17 @@ def audit(session_id: str, decision: str | None, limit: int | None, as_json: boo
     """Show a session's egress audit trail: requests, DNS queries and dropped packets, oldest first."""
     with reports_errors(), api.client() as client:
         events = Session.connect(session_id, client=client).egress.audit(decision=decision, limit=limit)
-    if as_json:
-        emit_json({"items": events})
-        return
-    rows = []
-    for e in events:
-        what = " ".join(p for p in (e.method, e.destination, e.path) if p) or "-"
-        if e.kind == "net" and e.count > 1:
-            what += f" (x{e.count})"
-        rows.append([str(e.id), e.time.astimezone().strftime("%H:%M:%S"), e.kind, e.decision,
-                     what, str(e.status) if e.status is not None else "-",
-                     ",".join(e.secret_ids) or "-", e.reason or e.rule or "-"])
-    print_table(["ID", "TIME", "KIND", "DECISION", "REQUEST", "STATUS", "SECRETS", "WHY"], rows)
+    emit_items(events, as_json, ["ID", "TIME", "KIND", "DECISION", "REQUEST", "STATUS", "SECRETS", "WHY"],
+               _audit_row)
+
+
+def _audit_row(e: AuditEvent) -> list[str]:
+    what = " ".join(p for p in (e.method, e.destination, e.path) if p) or "-"
+    if e.kind == "net" and e.count > 1:
+        what += f" (x{e.count})"
+    return [str(e.id), e.time.astimezone().strftime("%H:%M:%S"), e.kind, e.decision, what,
+            str(e.status) if e.status is not None else "-", ",".join(e.secret_ids) or "-",
+            e.reason or e.rule or "-"]
 
 
 @click.group()

@@ -7,10 +7,10 @@ import click
 from capsa.cli.output import (
     ApiOptions,
     api_options,
+    emit_items,
     emit_json,
     human_time,
     json_option,
-    print_table,
     reports_errors,
 )
 
@@ -48,12 +48,9 @@ def ls(as_json: bool, api: ApiOptions) -> None:
     """List keys (never their secrets)."""
     with reports_errors(), api.client() as client:
         items = client.keys.list()
-    if as_json:
-        emit_json({"items": items})
-        return
-    rows = [[k.id, k.tenant, "yes" if k.admin else "no", k.name or "-", human_time(k.created_at),
-             human_time(k.revoked_at)] for k in items]
-    print_table(["ID", "TENANT", "ADMIN", "NAME", "CREATED", "REVOKED"], rows)
+    emit_items(items, as_json, ["ID", "TENANT", "ADMIN", "NAME", "CREATED", "REVOKED"],
+               lambda k: [k.id, k.tenant, "yes" if k.admin else "no", k.name or "-", human_time(k.created_at),
+                          human_time(k.revoked_at)])
 
 
 @keys.command("revoke")

@@ -7,10 +7,10 @@ import click
 from capsa.cli.output import (
     ApiOptions,
     api_options,
+    emit_items,
     emit_json,
     human_time,
     json_option,
-    print_table,
     reports_errors,
 )
 
@@ -50,13 +50,10 @@ def ls(as_json: bool, api: ApiOptions) -> None:
     """List the nodes with their health, capacity and use."""
     with reports_errors(), api.client() as client:
         items = client.nodes.list()
-    if as_json:
-        emit_json({"items": items})
-        return
-    rows = [[n.id, n.name or "-", n.url, "yes" if n.healthy else "no",
-             _usage(n.used, n.capacity, "sandboxes", "max_sandboxes"),
-             _usage(n.used, n.capacity, "memory_mib", "memory_mib"),
-             _usage(n.used, n.capacity, "vcpus", "vcpus"), "yes" if n.egress else "no",
-             ",".join(n.templates) or "-", human_time(n.last_heartbeat_at)] for n in items]
-    print_table(["ID", "NAME", "URL", "HEALTHY", "SANDBOXES", "MEMORY MIB", "VCPUS", "EGRESS", "TEMPLATES",
-                 "LAST HEARTBEAT"], rows)
+    emit_items(items, as_json, ["ID", "NAME", "URL", "HEALTHY", "SANDBOXES", "MEMORY MIB", "VCPUS", "EGRESS",
+                                "TEMPLATES", "LAST HEARTBEAT"],
+               lambda n: [n.id, n.name or "-", n.url, "yes" if n.healthy else "no",
+                          _usage(n.used, n.capacity, "sandboxes", "max_sandboxes"),
+                          _usage(n.used, n.capacity, "memory_mib", "memory_mib"),
+                          _usage(n.used, n.capacity, "vcpus", "vcpus"), "yes" if n.egress else "no",
+                          ",".join(n.templates) or "-", human_time(n.last_heartbeat_at)])

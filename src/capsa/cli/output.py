@@ -22,6 +22,7 @@ from capsa.sdk import CapsaClientError, Client
 __all__ = [
     "ApiOptions",
     "api_options",
+    "emit_items",
     "emit_json",
     "fail",
     "human_time",
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 stdout_console = Console(soft_wrap=True)
 stderr_console = Console(stderr=True, soft_wrap=True)
@@ -81,6 +83,15 @@ def _jsonable(value: Any) -> Any:
 
 def emit_json(value: Any) -> None:
     click.echo(json.dumps(_jsonable(value), indent=2, sort_keys=False))
+
+
+def emit_items(items: Sequence[T], as_json: bool, columns: Sequence[str],
+               row: Callable[[T], Sequence[str]]) -> None:
+    """A listing: ``{"items": [...]}`` with ``--json``, else a table of one ``row(item)`` per item."""
+    if as_json:
+        emit_json({"items": items})
+    else:
+        print_table(columns, [row(item) for item in items])
 
 
 def human_time(value: datetime | None) -> str:

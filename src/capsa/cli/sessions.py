@@ -17,11 +17,11 @@ import yaml
 from capsa.cli.output import (
     ApiOptions,
     api_options,
+    emit_items,
     emit_json,
     fail,
     human_time,
     json_option,
-    print_table,
     reports_errors,
 )
 from capsa.sdk import CommandResult, Session
@@ -184,12 +184,9 @@ def ls(state: str | None, metadata: dict[str, str], limit: int | None, as_json: 
     with reports_errors():
         sessions = Session.list(state=state, metadata=metadata, limit=limit, api_url=api.api_url,
                                 api_key=api.api_key)
-    if as_json:
-        emit_json({"items": sessions})
-        return
-    rows = [[s.id, s.state, s.template, human_time(s.created_at), human_time(s.expires_at),
-             ",".join(f"{k}={v}" for k, v in sorted(s.metadata.items())) or "-"] for s in sessions]
-    print_table(["ID", "STATE", "TEMPLATE", "CREATED", "EXPIRES", "METADATA"], rows)
+    emit_items(sessions, as_json, ["ID", "STATE", "TEMPLATE", "CREATED", "EXPIRES", "METADATA"],
+               lambda s: [s.id, s.state, s.template, human_time(s.created_at), human_time(s.expires_at),
+                          ",".join(f"{k}={v}" for k, v in sorted(s.metadata.items())) or "-"])
 
 
 @click.command("close")

@@ -7,10 +7,10 @@ import click
 from capsa.cli.output import (
     ApiOptions,
     api_options,
+    emit_items,
     emit_json,
     human_time,
     json_option,
-    print_table,
     reports_errors,
 )
 from capsa.sdk import Session, SessionInfo, SnapshotInfo
@@ -81,10 +81,9 @@ def branch(count: int, as_json: bool, api: ApiOptions, session_id: str) -> None:
         click.echo(f"{info.id} {info.state}")
 
 
-def _snapshot_rows(items: list[SnapshotInfo]) -> list[list[str]]:
-    return [[s.id, s.kind, human_time(s.created_at),
-             "-" if s.size_bytes is None else f"{s.size_bytes / (1 << 20):.1f} MiB", s.parent or "-"]
-            for s in items]
+def _snapshot_row(s: SnapshotInfo) -> list[str]:
+    return [s.id, s.kind, human_time(s.created_at),
+            "-" if s.size_bytes is None else f"{s.size_bytes / (1 << 20):.1f} MiB", s.parent or "-"]
 
 
 @click.command("snapshots")
@@ -116,7 +115,5 @@ def snapshots(take: bool, restore_id: str | None, as_json: bool, api: ApiOptions
             click.echo(taken.id)
     elif restore_id:
         _print_session(session.info, as_json)
-    elif as_json:
-        emit_json({"items": items})
     else:
-        print_table(["ID", "KIND", "CREATED", "SIZE", "PARENT"], _snapshot_rows(items))
+        emit_items(items, as_json, ["ID", "KIND", "CREATED", "SIZE", "PARENT"], _snapshot_row)

@@ -11,11 +11,19 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from capsa.common.errors import CapsaError
 
@@ -97,6 +105,12 @@ def _check_prefixes(value: list[str] | None) -> list[str] | None:
     return value
 
 
+_Methods = Annotated[list[str] | None, AfterValidator(_check_methods_list)]
+"""HTTP methods a rule matches, upper-cased (None: any)."""
+_PathPrefixes = Annotated[list[str] | None, Field(max_length=256), AfterValidator(_check_prefixes)]
+"""URL path prefixes a rule matches, each starting with ``/`` (None: any)."""
+
+
 class ApprovalRule(BaseModel):
     """Requests to the domain that a person (or a service) must approve before the broker forwards them.
 
@@ -107,8 +121,8 @@ class ApprovalRule(BaseModel):
     name: str | None = None
     """Identifies the rule in approvals and audit events (and what a ``session`` approval covers); defaults
     to ``<domain>#<index>``."""
-    methods: list[str] | None = None
-    path_prefixes: list[str] | None = Field(default=None, max_length=256)
+    methods: _Methods = None
+    path_prefixes: _PathPrefixes = None
     min_body_bytes: int | None = Field(default=None, ge=0, le=MAX_REQUEST_BYTES)
     """Only requests whose body has at least this many bytes."""
     timeout_s: int = Field(default=APPROVAL_TIMEOUT_DEFAULT, ge=1, le=APPROVAL_TIMEOUT_MAX)
@@ -124,16 +138,6 @@ class ApprovalRule(BaseModel):
             raise ValueError(f"approval rule name must be 1-64 of a-z 0-9 _ . - : {value!r}")
         return value
 
-    @field_validator("methods")
-    @classmethod
-    def _check_methods(cls, value: list[str] | None) -> list[str] | None:
-        return _check_methods_list(value)
-
-    @field_validator("path_prefixes")
-    @classmethod
-    def _check_paths(cls, value: list[str] | None) -> list[str] | None:
-        return _check_prefixes(value)
-
     def matches(self, method: str, path: str, body_bytes: int | None) -> bool:
         """Whether a request matches; ``body_bytes`` None means not known yet (counted as matching)."""
         if self.methods is not None and method.upper() not in self.methods:
@@ -148,9 +152,9 @@ class DomainRule(BaseModel):
 
     domain: str
     """``api.example.com`` (exactly that name) or ``*.example.com`` (any name below it, not the apex)."""
-    methods: list[str] | None = None
+    methods: _Methods = None
     """Allowed HTTP methods; ``None`` allows the common ones (GET HEAD POST PUT PATCH DELETE OPTIONS)."""
-    path_prefixes: list[str] | None = Field(default=None, max_length=256)
+    path_prefixes: _PathPrefixes = None
     """Allowed URL path prefixes (each starting with ``/``); ``None`` allows every path."""
     rate_limit: RateLimit | None = None
     max_request_bytes: int | None = Field(default=None, ge=0, le=MAX_REQUEST_BYTES)
@@ -195,16 +199,6 @@ class DomainRule(BaseModel):
         if "*" in bare or not _HOST_RE.match(bare) or len(bare) > 253:
             raise ValueError(f"not a valid domain or wildcard (*.example.com): {value!r}")
         return name
-
-    @field_validator("methods")
-    @classmethod
-    def _check_methods(cls, value: list[str] | None) -> list[str] | None:
-        return _check_methods_list(value)
-
-    @field_validator("path_prefixes")
-    @classmethod
-    def _check_paths(cls, value: list[str] | None) -> list[str] | None:
-        return _check_prefixes(value)
 
     @property
     def is_wildcard(self) -> bool:

@@ -183,30 +183,8 @@ class StreamReader:
         self._eof = False
         self.total = 0
 
-    def _fill(self) -> bool:
-        while not self._eof:
-            frame = self._stream.next_frame()
-            if frame is None:
-                continue
-            if frame.kind == Kind.END:
-                self._eof = True
-                return False
-            if frame.kind == Kind.DATA:
-                self._buf += frame.data
-                self.total += len(frame.data)
-                self._stream.consumed(len(frame.data))
-                if frame.data:
-                    return True
-            elif frame.kind == Kind.ERROR:
-                raise OpError("cancelled", f"host aborted the upload: {frame.message}")
-        return False
-
-    def chunk(self) -> bytes:
-        """The next piece of the body as it arrived (b"" at the end), without extra copies."""
-        if self._buf:
-            out = bytes(self._buf)
-            self._buf.clear()
-            return out
+    def _next_data(self) -> bytes:
+        """The next non-empty DATA frame's bytes (counted, and credited back to the host); b"" at END."""
         while not self._eof:
             frame = self._stream.next_frame()
             if frame is None:
@@ -220,6 +198,19 @@ class StreamReader:
             elif frame.kind == Kind.ERROR:
                 raise OpError("cancelled", f"host aborted the upload: {frame.message}")
         return b""
+
+    def _fill(self) -> bool:
+        data = self._next_data()
+        self._buf += data
+        return bool(data)
+
+    def chunk(self) -> bytes:
+        """The next piece of the body as it arrived (b"" at the end), without extra copies."""
+        if self._buf:
+            out = bytes(self._buf)
+            self._buf.clear()
+            return out
+        return self._next_data()
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:

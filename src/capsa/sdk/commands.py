@@ -12,15 +12,12 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
-from pydantic import ValidationError
-
 from capsa.sdk.client import AsyncClient
 from capsa.sdk.errors import CapsaConnectionError, UnexpectedResponse, error_from_problem
 from capsa.sdk.models import (
     EXEC_EVENT,
     OUTPUT_EVENT,
     CommandResult,
-    ExecError,
     ExecFinished,
     ExecOutput,
     OutputChunk,
@@ -29,6 +26,7 @@ from capsa.sdk.models import (
     ProcessOutput,
     StreamError,
     parse,
+    parse_event,
     parse_items,
 )
 from capsa.sdk.paths import seg
@@ -56,23 +54,8 @@ async def _emit(callback: OutputCallback | None, data: str) -> None:
         await result
 
 
-def _output_event(line: str) -> OutputChunk | OutputEnd | StreamError | None:
-    try:
-        return OUTPUT_EVENT.validate_json(line)
-    except ValidationError as exc:
-        if exc.errors()[0]["type"] == "union_tag_invalid":
-            return None
-        raise UnexpectedResponse(f"malformed line in a process output stream: {line[:80]!r}") from None
 
 
-def _event(line: str) -> ExecOutput | ExecFinished | ExecError | None:
-    """One stream line; None for an event type this SDK does not know (a newer server may add some)."""
-    try:
-        return EXEC_EVENT.validate_json(line)
-    except ValidationError as exc:
-        if exc.errors()[0]["type"] == "union_tag_invalid":
-            return None
-        raise UnexpectedResponse(f"malformed line in command output stream: {line[:80]!r}") from None
 
 
 class _Collector:
@@ -155,7 +138,7 @@ class AsyncProcess:
             async for line in response.aiter_lines():
                 if not line.strip():
                     continue
-                event = _output_event(line)
+                event = parse_event(OUTPUT_EVENT, line, "a process output stream")
                 if event is None:
                     continue
                 if isinstance(event, StreamError):
@@ -293,7 +276,7 @@ class AsyncCommands:
             async for line in response.aiter_lines():
                 if not line.strip():
                     continue
-                event = _event(line)
+                event = parse_event(EXEC_EVENT, line, "command output stream")
                 if event is None:
                     continue
                 if isinstance(event, ExecOutput):

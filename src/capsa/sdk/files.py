@@ -11,11 +11,9 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from pydantic import ValidationError
-
 from capsa.sdk.client import AsyncClient
-from capsa.sdk.errors import NotFound, UnexpectedResponse, error_from_problem
-from capsa.sdk.models import WATCH_EVENT, FileEvent, FileInfo, StreamError, parse, parse_items
+from capsa.sdk.errors import NotFound, error_from_problem
+from capsa.sdk.models import WATCH_EVENT, FileEvent, FileInfo, StreamError, parse, parse_event, parse_items
 from capsa.sdk.paths import seg
 
 __all__ = [
@@ -206,7 +204,7 @@ class AsyncWatch:
                 break
             if not line.strip():
                 continue
-            event = _watch_event(line)
+            event = parse_event(WATCH_EVENT, line, "a watch stream")
             if isinstance(event, StreamError):
                 await self.aclose()
                 raise error_from_problem(0, event.model_dump())
@@ -233,11 +231,3 @@ class AsyncWatch:
         await self.aclose()
 
 
-def _watch_event(line: str) -> FileEvent | StreamError | None:
-    """One watch line; None for an event type this SDK does not know (a newer server may add some)."""
-    try:
-        return WATCH_EVENT.validate_json(line)
-    except ValidationError as exc:
-        if exc.errors()[0]["type"] == "union_tag_invalid":
-            return None
-        raise UnexpectedResponse(f"malformed line in a watch stream: {line[:80]!r}") from None

@@ -42,6 +42,7 @@ __all__ = [
     "StreamError",
     "WatchEvent",
     "parse",
+    "parse_event",
     "parse_items",
 ]
 
@@ -296,6 +297,7 @@ class ApiKey(_Model):
 
 
 M = TypeVar("M", bound=BaseModel)
+E = TypeVar("E")
 
 
 def parse(model: type[M], data: Any) -> M:
@@ -307,6 +309,17 @@ def parse(model: type[M], data: Any) -> M:
         where = ".".join(str(part) for part in first["loc"]) or "body"
         raise UnexpectedResponse(
             f"the API sent a malformed {model.__name__} ({where}: {first['msg']})") from None
+
+
+def parse_event(adapter: TypeAdapter[E], line: str, stream: str) -> E | None:
+    """One line of a JSON-lines stream (``stream`` names it in the error); None for an event type this SDK
+    does not know (a newer server may add some). A malformed line raises :class:`UnexpectedResponse`."""
+    try:
+        return adapter.validate_json(line)
+    except ValidationError as exc:
+        if exc.errors()[0]["type"] == "union_tag_invalid":
+            return None
+        raise UnexpectedResponse(f"malformed line in {stream}: {line[:80]!r}") from None
 
 
 def parse_items(model: type[M], data: Any) -> list[M]:

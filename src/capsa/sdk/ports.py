@@ -15,12 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from capsa.common.errors import CapsaError
 from capsa.common.port_tunnel import PortTunnel, open_tunnel
-from capsa.common.websocket import SocketStream
-from capsa.sdk.errors import CapsaConnectionError, error_from_problem
+from capsa.sdk.api_socket import upgrade
 from capsa.sdk.models import PortToken, PortTokenInfo, parse, parse_items
 from capsa.sdk.paths import seg
 
@@ -79,24 +77,8 @@ class AsyncPorts:
     async def open_tunnel(self, port: int) -> PortTunnel:
         """A raw TCP connection to ``port`` inside the sandbox, through the API (``read``/``write``/``end``/
         ``aclose``). Raises the API's error (``port_unreachable``, ``not_found`` ...) if it cannot open."""
-        config = self._client.config
-        url = urlsplit(config.api_url)
-        tls = url.scheme == "https"
-        target = f"{url.path.rstrip('/')}/v1/sessions/{seg(self._session_id)}/tunnels/{_check_port(port)}"
-        headers = [("Authorization", f"Bearer {config.api_key}")] if config.api_key else []
-        try:
-            stream = await SocketStream.connect(url.hostname or "127.0.0.1", url.port or (443 if tls else 80),
-                                                tls=tls, timeout=config.timeout)
-        except (OSError, TimeoutError) as exc:
-            raise CapsaConnectionError(f"cannot reach capsa API at {config.api_url}: {exc}",
-                                       url=config.api_url) from None
-        try:
-            return await open_tunnel(stream, url.netloc, target, headers=headers)
-        except CapsaError as exc:
-            raise error_from_problem(exc.status, {"code": exc.code, "detail": exc.message}) from None
-        except (OSError, ConnectionError) as exc:
-            raise CapsaConnectionError(f"the port tunnel to {config.api_url} failed: {exc}",
-                                       url=config.api_url) from None
+        path = f"/sessions/{seg(self._session_id)}/tunnels/{_check_port(port)}"
+        return await upgrade(self._client.config, path, "port tunnel", open_tunnel)
 
     async def forward(self, port: int, local_port: int = 0, *, host: str = "127.0.0.1") -> AsyncPortForward:
         """Listen on ``host:local_port`` (0: any free port) and carry each connection to ``port`` inside

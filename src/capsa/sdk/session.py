@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, overload
 
@@ -71,6 +71,20 @@ class AsyncSession:
         return AsyncClient(api_url, api_key, transport=transport), True
 
     @classmethod
+    async def _attach(cls, conn_owned: tuple[AsyncClient, bool],
+                      load: Callable[[AsyncClient], Awaitable[SessionInfo]]) -> AsyncSession:
+        """An object for the session ``load`` answers with; a connection opened for it is closed again if
+        ``load`` fails."""
+        conn, owned = conn_owned
+        try:
+            info = await load(conn)
+        except BaseException:
+            if owned:
+                await conn.aclose()
+            raise
+        return cls(info, conn, owns_client=owned)
+
+    @classmethod
     async def create(cls, template: str = "base", *, timeout: int | None = None,
                      idle_timeout: int | None = None, env: Mapping[str, str] | None = None,
                      metadata: Mapping[str, str] | None = None, memory_mib: int | None = None,
@@ -92,31 +106,21 @@ class AsyncSession:
 
         ``expose`` lists the only ports that :attr:`ports` (the API's port proxy) may reach.
         """
-        conn, owned = cls._client_for(client, api_url, api_key, transport)
-        try:
-            info = await conn.create_session(template=template, timeout=timeout, idle_timeout=idle_timeout,
-                                             env=env, metadata=metadata, memory_mib=memory_mib, vcpus=vcpus,
-                                             on_timeout=on_timeout, rolling_snapshots=rolling_snapshots,
-                                             keep_snapshots=keep_snapshots, policy=policy, expose=expose)
-        except BaseException:
-            if owned:
-                await conn.aclose()
-            raise
-        return cls(info, conn, owns_client=owned)
+        def start(conn: AsyncClient) -> Awaitable[SessionInfo]:
+            return conn.create_session(template=template, timeout=timeout, idle_timeout=idle_timeout, env=env,
+                                       metadata=metadata, memory_mib=memory_mib, vcpus=vcpus,
+                                       on_timeout=on_timeout, rolling_snapshots=rolling_snapshots,
+                                       keep_snapshots=keep_snapshots, policy=policy, expose=expose)
+
+        return await cls._attach(cls._client_for(client, api_url, api_key, transport), start)
 
     @classmethod
     async def connect(cls, session_id: str, *, api_url: str | None = None, api_key: str | None = None,
                       client: AsyncClient | None = None,
                       transport: httpx.AsyncBaseTransport | None = None) -> AsyncSession:
         """Attach to an existing session (raises ``NotFound`` if this key cannot see it)."""
-        conn, owned = cls._client_for(client, api_url, api_key, transport)
-        try:
-            info = await conn.get_session(session_id)
-        except BaseException:
-            if owned:
-                await conn.aclose()
-            raise
-        return cls(info, conn, owns_client=owned)
+        return await cls._attach(cls._client_for(client, api_url, api_key, transport),
+                                 lambda conn: conn.get_session(session_id))
 
     @classmethod
     async def list(cls, *, state: str | None = None, metadata: Mapping[str, str] | None = None,
@@ -194,14 +198,8 @@ class AsyncSession:
     async def _resume_by_id(cls, session_id: str, *, api_url: str | None = None, api_key: str | None = None,
                             client: AsyncClient | None = None,
                             transport: httpx.AsyncBaseTransport | None = None) -> AsyncSession:
-        conn, owned = cls._client_for(client, api_url, api_key, transport)
-        try:
-            info = await conn.resume_session(session_id)
-        except BaseException:
-            if owned:
-                await conn.aclose()
-            raise
-        return cls(info, conn, owns_client=owned)
+        return await cls._attach(cls._client_for(client, api_url, api_key, transport),
+                                 lambda conn: conn.resume_session(session_id))
 
     async def branch(self, n: int = 1) -> builtins.list[AsyncSession]:
         """``n`` new, independent sessions starting from this session's current state (metadata copied,

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from capsa.common.errors import CapsaError
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
-from capsa.common.websocket import SocketStream
-from capsa.sdk.errors import CapsaConnectionError, error_from_problem
+from capsa.sdk.api_socket import api_error, upgrade
+from capsa.sdk.errors import CapsaConnectionError
 from capsa.sdk.paths import seg
 
 if TYPE_CHECKING:
@@ -32,7 +31,7 @@ __all__ = ["AsyncPty", "AsyncTerminal"]
 def _api_error(exc: CapsaError) -> Exception:
     if exc.code == "validation_error":
         return ValueError(exc.message)
-    return error_from_problem(exc.status, {"code": exc.code, "detail": exc.message})
+    return api_error(exc)
 
 
 class AsyncTerminal:
@@ -127,21 +126,6 @@ class AsyncPty:
         except CapsaError as exc:
             raise ValueError(exc.message) from None
         config = self._client.config
-        url = urlsplit(config.api_url)
-        tls = url.scheme == "https"
-        target = f"{url.path.rstrip('/')}/v1/sessions/{seg(self._session_id)}/pty?{options.query()}"
-        headers = [("Authorization", f"Bearer {config.api_key}")] if config.api_key else []
-        try:
-            stream = await SocketStream.connect(url.hostname or "127.0.0.1", url.port or (443 if tls else 80),
-                                                tls=tls, timeout=config.timeout)
-        except (OSError, TimeoutError) as exc:
-            raise CapsaConnectionError(f"cannot reach capsa API at {config.api_url}: {exc}",
-                                       url=config.api_url) from None
-        try:
-            client = await TerminalClient.connect(stream, url.netloc, target, headers=headers)
-        except CapsaError as exc:
-            raise _api_error(exc) from None
-        except (OSError, ConnectionError) as exc:
-            raise CapsaConnectionError(f"the terminal to {config.api_url} failed: {exc}",
-                                       url=config.api_url) from None
+        path = f"/sessions/{seg(self._session_id)}/pty?{options.query()}"
+        client = await upgrade(config, path, "terminal", TerminalClient.connect, refused=_api_error)
         return AsyncTerminal(client, config.api_url)
