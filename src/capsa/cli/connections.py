@@ -13,6 +13,7 @@ from capsa.cli.output import (
     api_options,
     emit_items,
     emit_json,
+    emit_made,
     fail,
     human_time,
     json_option,
@@ -83,12 +84,8 @@ def add(name: str, provider: str | None, issuer: str | None, authorization_endpo
         assert provider is not None
         info = client.connections.create(name, provider, scopes=list(scopes) if scopes and not new_provider
                                          else None)
-    if as_json:
-        emit_json(info)
-        return
-    click.echo(info.id)
-    click.echo(f"connection {info.name!r} added; sign in with `capsa connections login {info.name}`",
-               err=True)
+    emit_made(info, as_json, info.id,
+              f"connection {info.name!r} added; sign in with `capsa connections login {info.name}`")
 
 
 @connections.command("login")
@@ -150,14 +147,10 @@ def revoke(name: str, as_json: bool, api: ApiOptions) -> None:
     """Revoke connection NAME: injection stops at once on every node, the provider revokes the tokens."""
     with reports_errors(), api.client() as client:
         out = client.connections.revoke(name)
-    if as_json:
-        emit_json(out)
-        return
-    click.echo(out.connection.id)
     note = "" if out.provider_revoked else " (the provider did not confirm revoking its tokens)"
     if out.nodes_unreached:
         note += f"; nodes not reached: {', '.join(out.nodes_unreached)}"
-    click.echo(f"revoked connection {out.connection.name!r}{note}", err=True)
+    emit_made(out, as_json, out.connection.id, f"revoked connection {out.connection.name!r}{note}")
 
 
 @connections.command("providers")

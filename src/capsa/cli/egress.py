@@ -15,6 +15,7 @@ from capsa.cli.output import (
     api_options,
     emit_items,
     emit_json,
+    emit_made,
     fail,
     human_time,
     json_option,
@@ -57,12 +58,8 @@ def create(name: str, from_env: str | None, description: str | None, as_json: bo
         fail("the secret value is empty")
     with reports_errors(), api.client() as client:
         info = client.secrets.create(name, value, description=description)
-    if as_json:
-        emit_json(info)
-        return
-    click.echo(info.id)
-    click.echo(f"stored secret {info.name!r}; bind it in a policy as {{\"secret\": \"{info.name}\", ...}}",
-               err=True)
+    emit_made(info, as_json, info.id,
+              f"stored secret {info.name!r}; bind it in a policy as {{\"secret\": \"{info.name}\", ...}}")
 
 
 @secrets.command("ls")

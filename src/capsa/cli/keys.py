@@ -9,6 +9,7 @@ from capsa.cli.output import (
     api_options,
     emit_items,
     emit_json,
+    emit_made,
     human_time,
     json_option,
     reports_errors,
@@ -32,13 +33,10 @@ def create(tenant: str, admin: bool, name: str | None, as_json: bool, api: ApiOp
     """Create a key and print it. The secret is shown only this once."""
     with reports_errors(), api.client() as client:
         key = client.keys.create(tenant, admin=admin, name=name)
-    if as_json:
-        emit_json(key)
-        return
-    # The key alone on stdout, so `KEY=$(capsa keys create --tenant t)` works; the rest goes to stderr.
-    click.echo(key.key)
+    # `KEY=$(capsa keys create --tenant t)` gets the key alone.
     role = "admin " if key.admin else ""
-    click.echo(f"created {role}key {key.id} for tenant {key.tenant}; it cannot be shown again", err=True)
+    emit_made(key, as_json, key.key,
+              f"created {role}key {key.id} for tenant {key.tenant}; it cannot be shown again")
 
 
 @keys.command("ls")

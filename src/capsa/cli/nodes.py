@@ -8,7 +8,7 @@ from capsa.cli.output import (
     ApiOptions,
     api_options,
     emit_items,
-    emit_json,
+    emit_made,
     human_time,
     json_option,
     reports_errors,
@@ -31,12 +31,9 @@ def token(ttl_seconds: int | None, as_json: bool, api: ApiOptions) -> None:
     """Make a one-time enrolment token for `capsa node --enrol-token`."""
     with reports_errors(), api.client() as client:
         made = client.nodes.create_token(ttl_seconds=ttl_seconds)
-    if as_json:
-        emit_json(made)
-        return
-    # The token alone on stdout, so `T=$(capsa nodes token)` works; the rest goes to stderr.
-    click.echo(made.token)
-    click.echo(f"one-time node enrolment token, valid until {human_time(made.expires_at)}", err=True)
+    # `T=$(capsa nodes token)` gets the token alone.
+    emit_made(made, as_json, made.token,
+              f"one-time node enrolment token, valid until {human_time(made.expires_at)}")
 
 
 def _usage(used: dict[str, int], capacity: dict[str, int], used_key: str, cap_key: str) -> str:

@@ -24,6 +24,7 @@ __all__ = [
     "api_options",
     "emit_items",
     "emit_json",
+    "emit_made",
     "fail",
     "human_time",
     "json_option",
@@ -92,6 +93,16 @@ def emit_items(items: Sequence[T], as_json: bool, columns: Sequence[str],
         emit_json({"items": items})
     else:
         print_table(columns, [row(item) for item in items])
+
+
+def emit_made(made: Any, as_json: bool, value: str | None, note: str) -> None:
+    """What a command made: ``made`` as JSON with ``--json``; else ``value`` alone on stdout (so
+    ``X=$(capsa ...)`` works) and ``note``, for people, on stderr."""
+    if as_json:
+        emit_json(made)
+    else:
+        click.echo(value)
+        click.echo(note, err=True)
 
 
 def human_time(value: datetime | None) -> str:

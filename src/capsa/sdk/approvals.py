@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import builtins
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from capsa.sdk.models import parse, parse_items
 from capsa.sdk.paths import seg
-
-if TYPE_CHECKING:
-    from capsa.sdk.client import AsyncClient
+from capsa.sdk.resource import Resource
 
 __all__ = ["ApprovalInfo", "AsyncApprovals"]
 
@@ -48,11 +45,8 @@ class ApprovalInfo(BaseModel):
     reason: str | None = None
 
 
-class AsyncApprovals:
+class AsyncApprovals(Resource):
     """The tenant's held egress requests (``client.approvals``)."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
 
     async def list(self, *, session_id: str | None = None, include_decided: bool = False
                    ) -> builtins.list[ApprovalInfo]:
@@ -62,10 +56,10 @@ class AsyncApprovals:
             params["session_id"] = session_id
         if include_decided:
             params["include_decided"] = "true"
-        return parse_items(ApprovalInfo, await self._client.json("GET", "/approvals", params=params))
+        return await self._list(ApprovalInfo, "/approvals", params=params)
 
     async def get(self, approval_id: str) -> ApprovalInfo:
-        return parse(ApprovalInfo, await self._client.json("GET", f"/approvals/{seg(approval_id)}"))
+        return await self._call(ApprovalInfo, "GET", f"/approvals/{seg(approval_id)}")
 
     async def approve(self, approval_id: str, *, scope: Literal["once", "session"] | None = None,
                       reason: str | None = None) -> ApprovalInfo:
@@ -80,5 +74,4 @@ class AsyncApprovals:
     async def _decide(self, approval_id: str, verb: str, scope: str | None, reason: str | None
                       ) -> ApprovalInfo:
         body = {k: v for k, v in {"scope": scope, "reason": reason}.items() if v is not None}
-        data = await self._client.json("POST", f"/approvals/{seg(approval_id)}/{verb}", json=body)
-        return parse(ApprovalInfo, data)
+        return await self._call(ApprovalInfo, "POST", f"/approvals/{seg(approval_id)}/{verb}", json=body)

@@ -11,14 +11,11 @@ from __future__ import annotations
 import builtins
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from capsa.sdk.models import parse
-
-if TYPE_CHECKING:
-    from capsa.sdk.client import AsyncClient
+from capsa.sdk.resource import Resource
 
 __all__ = ["AUDIT_KINDS", "AsyncAudit", "AuditCheckpoint", "AuditPage", "AuditRecord", "AuditVerification"]
 
@@ -84,19 +81,15 @@ def _params(session_id: str | None, kind: str | Sequence[str] | None, since: dat
             "cursor": cursor or None}
 
 
-class AsyncAudit:
+class AsyncAudit(Resource):
     """The caller's tenant audit chain (``client.audit``)."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
 
     async def page(self, *, session_id: str | None = None, kind: str | Sequence[str] | None = None,
                    since: datetime | None = None, until: datetime | None = None, cursor: str | None = None,
                    limit: int = 100) -> AuditPage:
         """One page, oldest first; pass its ``next_cursor`` back for the next one."""
-        data = await self._client.json("GET", "/audit",
-                                       params=_params(session_id, kind, since, until, cursor, limit))
-        return parse(AuditPage, data)
+        return await self._call(AuditPage, "GET", "/audit",
+                                params=_params(session_id, kind, since, until, cursor, limit))
 
     async def iter(self, *, session_id: str | None = None, kind: str | Sequence[str] | None = None,
                    since: datetime | None = None, until: datetime | None = None,
@@ -123,9 +116,9 @@ class AsyncAudit:
 
     async def verify(self) -> AuditVerification:
         """Have the control plane recompute the whole chain (``GET /v1/audit/verify``)."""
-        return parse(AuditVerification, await self._client.json("GET", "/audit/verify"))
+        return await self._call(AuditVerification, "GET", "/audit/verify")
 
     async def checkpoint(self) -> AuditCheckpoint:
         """Have the control plane sign the chain's head into its anchor now
         (``POST /v1/audit/checkpoints``)."""
-        return parse(AuditCheckpoint, await self._client.json("POST", "/audit/checkpoints"))
+        return await self._call(AuditCheckpoint, "POST", "/audit/checkpoints")

@@ -11,15 +11,11 @@ computer-use actions (the shapes of Anthropic's computer-use tool) to ``POST /v1
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from capsa.sdk.models import parse
-from capsa.sdk.paths import seg
-
-if TYPE_CHECKING:
-    from capsa.sdk.client import AsyncClient
+from capsa.sdk.resource import SessionResource
 
 __all__ = ["ActionResult", "AsyncComputer", "BrowserInfo", "Screenshot"]
 
@@ -61,23 +57,23 @@ class Screenshot(_Model):
         return base64.b64decode(self.data)
 
 
-class AsyncComputer:
+class AsyncComputer(SessionResource):
     """Computer-use actions on one session's browser page."""
 
-    def __init__(self, client: AsyncClient, session_id: str) -> None:
-        self._client = client
-        self._path = f"/sessions/{seg(session_id)}/computer"
+    @property
+    def _path(self) -> str:
+        return f"{self._base}/computer"
 
     async def action(self, action: dict[str, Any]) -> ActionResult:
         """Send one action as it is (``{"action": "left_click", "coordinate": [x, y]}`` ...)."""
-        return parse(ActionResult, await self._client.json("POST", self._path, json=action))
+        return await self._call(ActionResult, "POST", self._path, json=action)
 
     async def screenshot(self) -> Screenshot:
-        return parse(Screenshot, await self._client.json("POST", self._path, json={"action": "screenshot"}))
+        return await self._call(Screenshot, "POST", self._path, json={"action": "screenshot"})
 
     async def zoom(self, x0: int, y0: int, x1: int, y1: int) -> Screenshot:
-        return parse(Screenshot, await self._client.json("POST", self._path, json={
-            "action": "zoom", "region": [x0, y0, x1, y1]}))
+        return await self._call(Screenshot, "POST", self._path, json={
+            "action": "zoom", "region": [x0, y0, x1, y1]})
 
     async def click(self, x: int, y: int, *, button: Literal["left", "right", "middle"] = "left",
                     clicks: Literal[1, 2, 3] = 1) -> None:

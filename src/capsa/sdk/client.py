@@ -35,6 +35,7 @@ from capsa.sdk.errors import (
 from capsa.sdk.models import ApiKey, SessionInfo, SnapshotInfo, parse, parse_items
 from capsa.sdk.nodes import AsyncNodes
 from capsa.sdk.paths import seg
+from capsa.sdk.resource import Resource
 from capsa.sdk.transport import H11Transport
 
 __all__ = ["AsyncClient", "AsyncKeys"]
@@ -306,20 +307,16 @@ class AsyncClient:
         return parse(SessionInfo, data)
 
 
-class AsyncKeys:
+class AsyncKeys(Resource):
     """API key management (admin keys only)."""
 
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
-
     async def create(self, tenant: str, *, admin: bool = False, name: str | None = None) -> ApiKey:
-        data = await self._client.json("POST", "/keys", json={"tenant": tenant, "admin": admin, "name": name})
-        return parse(ApiKey, data)
+        body = {"tenant": tenant, "admin": admin, "name": name}
+        return await self._call(ApiKey, "POST", "/keys", json=body)
 
     async def list(self) -> builtins.list[ApiKey]:
-        data = await self._client.json("GET", "/keys")
-        return parse_items(ApiKey, data)
+        return await self._list(ApiKey, "/keys")
 
     async def revoke(self, key_id: str) -> ApiKey:
-        return parse(ApiKey, await self._client.json("DELETE", f"/keys/{seg(key_id)}"))
+        return await self._call(ApiKey, "DELETE", f"/keys/{seg(key_id)}")
 

@@ -27,9 +27,8 @@ from capsa.sdk.models import (
     StreamError,
     parse,
     parse_event,
-    parse_items,
 )
-from capsa.sdk.paths import seg
+from capsa.sdk.resource import SessionResource
 
 __all__ = ["AsyncCommands", "AsyncProcess", "OutputCallback"]
 
@@ -79,7 +78,7 @@ class _Collector:
         return "".join(self.parts)
 
 
-class AsyncProcess:
+class AsyncProcess(SessionResource):
     """A background process in a session, addressed by its guest pid.
 
     ``stdout_offset``/``stderr_offset`` are the byte offsets up to which :meth:`stream` (and a streaming
@@ -90,8 +89,7 @@ class AsyncProcess:
 
     def __init__(self, client: AsyncClient, session_id: str, info: ProcessInfo, *, stdout_from: int = 0,
                  stderr_from: int = 0) -> None:
-        self._client = client
-        self._session_id = session_id
+        super().__init__(client, session_id)
         self.info = info
         self.stdout_offset = stdout_from
         self.stderr_offset = stderr_from
@@ -101,33 +99,31 @@ class AsyncProcess:
         return self.info.pid
 
     def _path(self, suffix: str = "") -> str:
-        return f"/sessions/{seg(self._session_id)}/processes/{self.pid}{suffix}"
+        return f"{self._base}/processes/{self.pid}{suffix}"
 
     async def refresh(self) -> ProcessInfo:
-        self.info = parse(ProcessInfo, await self._client.json("GET", self._path()))
+        self.info = await self._call(ProcessInfo, "GET", self._path())
         return self.info
 
     async def output(self) -> ProcessOutput:
         """Everything the process has written so far (the server keeps a bounded amount)."""
-        return parse(ProcessOutput, await self._client.json("GET", self._path("/output")))
+        return await self._call(ProcessOutput, "GET", self._path("/output"))
 
     async def kill(self, signal: int = 15) -> ProcessInfo:
-        data = await self._client.json("POST", self._path("/kill"), json={"signal": signal})
-        self.info = parse(ProcessInfo, data)
+        self.info = await self._call(ProcessInfo, "POST", self._path("/kill"), json={"signal": signal})
         return self.info
 
     async def send_stdin(self, data: str | bytes) -> ProcessInfo:
         """Write to the process's stdin (a str as UTF-8). It must have been started with ``open_stdin=True``;
         :class:`InvalidState`-like 409 errors (``stdin_closed``, ``process_exited``) otherwise."""
         raw = data.encode() if isinstance(data, str) else bytes(data)
-        answer = await self._client.json("POST", self._path("/stdin"), content=raw,
-                                         headers={"Content-Type": "application/octet-stream"}, timeout=None)
-        self.info = parse(ProcessInfo, answer)
+        self.info = await self._call(ProcessInfo, "POST", self._path("/stdin"), content=raw,
+                                     headers={"Content-Type": "application/octet-stream"}, timeout=None)
         return self.info
 
     async def close_stdin(self) -> ProcessInfo:
         """Close the process's stdin: it reads EOF."""
-        self.info = parse(ProcessInfo, await self._client.json("POST", self._path("/stdin/close")))
+        self.info = await self._call(ProcessInfo, "POST", self._path("/stdin/close"))
         return self.info
 
     async def stream(self) -> AsyncIterator[OutputChunk | OutputEnd]:
@@ -198,16 +194,8 @@ class AsyncProcess:
         return f"AsyncProcess(pid={self.pid}, running={self.info.running})"
 
 
-class AsyncCommands:
+class AsyncCommands(SessionResource):
     """``session.commands``: run commands and manage background processes."""
-
-    def __init__(self, client: AsyncClient, session_id: str) -> None:
-        self._client = client
-        self._session_id = session_id
-
-    @property
-    def _base(self) -> str:
-        return f"/sessions/{seg(self._session_id)}"
 
     @overload
     async def run(self, cmd: str | Sequence[str], *, timeout: float | None = ...,
@@ -251,8 +239,7 @@ class AsyncCommands:
             data = await self._client.json("POST", path, json=body)
             return AsyncProcess(self._client, self._session_id, parse(ProcessInfo, data))
         if on_stdout is None and on_stderr is None:
-            data = await self._client.json("POST", path, json=body, timeout=_read_timeout(timeout))
-            return parse(CommandResult, data)
+            return await self._call(CommandResult, "POST", path, json=body, timeout=_read_timeout(timeout))
         return await self._run_streaming(path, body, timeout, on_stdout, on_stderr)
 
     async def _run_streaming(self, path: str, body: dict[str, Any], timeout: float | None,
@@ -297,8 +284,7 @@ class AsyncCommands:
 
     async def list(self) -> builtins.list[ProcessInfo]:
         """Background processes of this session (running and finished ones the server still remembers)."""
-        data = await self._client.json("GET", f"{self._base}/processes")
-        return parse_items(ProcessInfo, data)
+        return await self._list(ProcessInfo, f"{self._base}/processes")
 
     async def process(self, pid: int) -> AsyncProcess:
         """A handle on an existing background process."""

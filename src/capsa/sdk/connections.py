@@ -13,16 +13,13 @@ import asyncio
 import builtins
 import time
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from capsa.sdk.errors import CapsaClientError
-from capsa.sdk.models import parse, parse_items
 from capsa.sdk.paths import seg
-
-if TYPE_CHECKING:
-    from capsa.sdk.client import AsyncClient
+from capsa.sdk.resource import Resource
 
 __all__ = ["AsyncConnectionProviders", "AsyncConnections", "ConnectionInfo", "Login", "LoginPoll",
            "ProviderInfo", "Revocation"]
@@ -86,11 +83,8 @@ class Revocation(_Model):
     provider_revoked: bool
 
 
-class AsyncConnectionProviders:
+class AsyncConnectionProviders(Resource):
     """OAuth 2.0 providers of the tenant (``client.connection_providers``)."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
 
     async def create(self, name: str, *, client_id: str, client_secret: str | None = None,
                      issuer: str | None = None, authorization_endpoint: str | None = None,
@@ -105,45 +99,42 @@ class AsyncConnectionProviders:
                            ("device_authorization_endpoint", device_authorization_endpoint)):
             if value is not None:
                 body[key] = value
-        return parse(ProviderInfo, await self._client.json("POST", "/connection-providers", json=body))
+        return await self._call(ProviderInfo, "POST", "/connection-providers", json=body)
 
     async def list(self) -> builtins.list[ProviderInfo]:
-        return parse_items(ProviderInfo, await self._client.json("GET", "/connection-providers"))
+        return await self._list(ProviderInfo, "/connection-providers")
 
     async def delete(self, provider: str) -> None:
         await self._client.request("DELETE", f"/connection-providers/{seg(provider)}")
 
 
-class AsyncConnections:
+class AsyncConnections(Resource):
     """The tenant's connections (``client.connections``)."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
 
     async def create(self, name: str, provider: str, *,
                      scopes: builtins.list[str] | None = None) -> ConnectionInfo:
         body: dict[str, Any] = {"name": name, "provider": provider}
         if scopes is not None:
             body["scopes"] = scopes
-        return parse(ConnectionInfo, await self._client.json("POST", "/connections", json=body))
+        return await self._call(ConnectionInfo, "POST", "/connections", json=body)
 
     async def list(self) -> builtins.list[ConnectionInfo]:
-        return parse_items(ConnectionInfo, await self._client.json("GET", "/connections"))
+        return await self._list(ConnectionInfo, "/connections")
 
     async def get(self, connection: str) -> ConnectionInfo:
-        return parse(ConnectionInfo, await self._client.json("GET", f"/connections/{seg(connection)}"))
+        return await self._call(ConnectionInfo, "GET", f"/connections/{seg(connection)}")
 
     async def login(self, connection: str, *, device: bool = False) -> Login:
         """Start a sign-in: the authorization URL to open (code with PKCE) or, with ``device``, the code
         a person enters at the verification URI (then :meth:`wait_for_device`)."""
         body = {"mode": "device" if device else "code"}
-        return parse(Login, await self._client.json("POST", f"/connections/{seg(connection)}/login",
-                                                    json=body))
+        return await self._call(Login, "POST", f"/connections/{seg(connection)}/login",
+                                                    json=body)
 
     async def poll(self, connection: str, login_id: str) -> LoginPoll:
         """Ask once whether a device sign-in was approved."""
         path = f"/connections/{seg(connection)}/logins/{seg(login_id)}/poll"
-        return parse(LoginPoll, await self._client.json("POST", path))
+        return await self._call(LoginPoll, "POST", path)
 
     async def wait_for_device(self, connection: str, login: Login, *,
                               deadline: float | None = None) -> ConnectionInfo:
@@ -183,4 +174,4 @@ class AsyncConnections:
 
     async def revoke(self, connection: str) -> Revocation:
         """Stop injection on every node at once and revoke the tokens at the provider. Final."""
-        return parse(Revocation, await self._client.json("POST", f"/connections/{seg(connection)}/revoke"))
+        return await self._call(Revocation, "POST", f"/connections/{seg(connection)}/revoke")

@@ -10,15 +10,13 @@ from __future__ import annotations
 import builtins
 from collections.abc import AsyncIterator, Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from capsa.sdk.models import parse, parse_items
+from capsa.sdk.models import parse_items
 from capsa.sdk.paths import seg
-
-if TYPE_CHECKING:
-    from capsa.sdk.client import AsyncClient
+from capsa.sdk.resource import Resource, SessionResource
 
 __all__ = ["AsyncEgress", "AsyncSecrets", "AuditEvent", "PolicyInfo", "SecretInfo"]
 
@@ -65,46 +63,34 @@ class AuditEvent(_Model):
     count: int = 1
 
 
-class AsyncSecrets:
+class AsyncSecrets(Resource):
     """The tenant's stored secrets (``client.secrets``)."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
 
     async def create(self, name: str, value: str, *, description: str | None = None) -> SecretInfo:
         body = {"name": name, "value": value, "description": description}
-        return parse(SecretInfo, await self._client.json("POST", "/secrets", json=body))
+        return await self._call(SecretInfo, "POST", "/secrets", json=body)
 
     async def list(self) -> builtins.list[SecretInfo]:
-        return parse_items(SecretInfo, await self._client.json("GET", "/secrets"))
+        return await self._list(SecretInfo, "/secrets")
 
     async def delete(self, secret: str) -> None:
         """Delete by id or name."""
         await self._client.request("DELETE", f"/secrets/{seg(secret)}")
 
 
-class AsyncEgress:
+class AsyncEgress(SessionResource):
     """One session's egress policy and audit trail (``session.egress``)."""
 
-    def __init__(self, client: AsyncClient, session_id: str) -> None:
-        self._client, self._session_id = client, session_id
-
-    @property
-    def _base(self) -> str:
-        return f"/sessions/{seg(self._session_id)}"
-
     async def policy(self) -> PolicyInfo:
-        return parse(PolicyInfo, await self._client.json("GET", f"{self._base}/policy"))
+        return await self._call(PolicyInfo, "GET", f"{self._base}/policy")
 
     async def set_policy(self, policy: Mapping[str, Any]) -> PolicyInfo:
         """Replace the running session's policy; it applies to its next request, without a restart."""
-        data = await self._client.json("PUT", f"{self._base}/policy", json={"policy": dict(policy)})
-        return parse(PolicyInfo, data)
+        return await self._call(PolicyInfo, "PUT", f"{self._base}/policy", json={"policy": dict(policy)})
 
     async def patch_policy(self, patch: Mapping[str, Any]) -> PolicyInfo:
         """Change the policy with an RFC 7396 merge patch (``None`` values remove keys)."""
-        data = await self._client.json("PATCH", f"{self._base}/policy", json=dict(patch))
-        return parse(PolicyInfo, data)
+        return await self._call(PolicyInfo, "PATCH", f"{self._base}/policy", json=dict(patch))
 
     async def iter_audit(self, *, decision: str | None = None, page_size: int = 200
                          ) -> AsyncIterator[AuditEvent]:

@@ -11,10 +11,9 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from capsa.sdk.client import AsyncClient
 from capsa.sdk.errors import NotFound, error_from_problem
-from capsa.sdk.models import WATCH_EVENT, FileEvent, FileInfo, StreamError, parse, parse_event, parse_items
-from capsa.sdk.paths import seg
+from capsa.sdk.models import WATCH_EVENT, FileEvent, FileInfo, StreamError, parse_event
+from capsa.sdk.resource import SessionResource
 
 __all__ = [
     "AsyncFiles",
@@ -69,15 +68,11 @@ def _as_body(source: UploadSource) -> bytes | AsyncIterator[bytes] | AsyncIterab
     raise TypeError(f"cannot upload from {type(source).__name__}")
 
 
-class AsyncFiles:
+class AsyncFiles(SessionResource):
     """``session.files``: paths are absolute paths inside the guest."""
 
-    def __init__(self, client: AsyncClient, session_id: str) -> None:
-        self._client = client
-        self._session_id = session_id
-
     def _url(self, suffix: str) -> str:
-        return f"/sessions/{seg(self._session_id)}/files{suffix}"
+        return f"{self._base}/files{suffix}"
 
     async def read_bytes(self, path: str) -> bytes:
         response = await self._client.request("GET", self._url("/content"), params={"path": path})
@@ -97,9 +92,8 @@ class AsyncFiles:
         if mode is not None:
             params["mode"] = format(mode, "o")
         body = _as_body(source)
-        data = await self._client.json("PUT", self._url("/content"), params=params, content=body,
-                                       headers={"Content-Type": "application/octet-stream"})
-        return parse(FileInfo, data)
+        return await self._call(FileInfo, "PUT", self._url("/content"), params=params, content=body,
+                                headers={"Content-Type": "application/octet-stream"})
 
     async def iter_bytes(self, path: str, *, chunk_size: int = _CHUNK) -> AsyncIterator[bytes]:
         """Stream the content of ``path`` chunk by chunk."""
@@ -130,12 +124,10 @@ class AsyncFiles:
         return await self._download(self._url("/content"), path, dest)
 
     async def list(self, path: str) -> builtins.list[FileInfo]:
-        data = await self._client.json("GET", self._url("/list"), params={"path": path})
-        return parse_items(FileInfo, data)
+        return await self._list(FileInfo, self._url("/list"), params={"path": path})
 
     async def stat(self, path: str) -> FileInfo:
-        data = await self._client.json("GET", self._url("/stat"), params={"path": path})
-        return parse(FileInfo, data)
+        return await self._call(FileInfo, "GET", self._url("/stat"), params={"path": path})
 
     async def exists(self, path: str) -> bool:
         try:
@@ -145,8 +137,8 @@ class AsyncFiles:
         return True
 
     async def mkdir(self, path: str, *, parents: bool = True) -> FileInfo:
-        data = await self._client.json("POST", self._url("/mkdir"), params={"path": path, "parents": parents})
-        return parse(FileInfo, data)
+        return await self._call(FileInfo, "POST", self._url("/mkdir"),
+                                params={"path": path, "parents": parents})
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         await self._client.request("DELETE", self._url(""), params={"path": path, "recursive": recursive})

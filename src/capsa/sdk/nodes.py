@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import builtins
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
-from capsa.sdk.models import parse, parse_items
 from capsa.sdk.portal import Portal
-
-if TYPE_CHECKING:
-    from capsa.sdk.client import AsyncClient
+from capsa.sdk.resource import Resource
 
 __all__ = ["AsyncNodes", "EnrolToken", "NodeInfo", "Nodes"]
 
@@ -42,18 +38,15 @@ class EnrolToken(_Model):
     expires_at: datetime | None = None
 
 
-class AsyncNodes:
+class AsyncNodes(Resource):
     """Node administration (admin keys only)."""
 
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
-
     async def list(self) -> builtins.list[NodeInfo]:
-        return parse_items(NodeInfo, await self._client.json("GET", "/nodes"))
+        return await self._list(NodeInfo, "/nodes")
 
     async def create_token(self, *, ttl_seconds: int | None = None) -> EnrolToken:
         body = {"ttl_seconds": ttl_seconds} if ttl_seconds is not None else {}
-        return parse(EnrolToken, await self._client.json("POST", "/nodes/tokens", json=body))
+        return await self._call(EnrolToken, "POST", "/nodes/tokens", json=body)
 
 
 class Nodes:

@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING
 
 from capsa.common.errors import CapsaError
 from capsa.common.port_tunnel import PortTunnel, open_tunnel
 from capsa.sdk.api_socket import upgrade
-from capsa.sdk.models import PortToken, PortTokenInfo, parse, parse_items
+from capsa.sdk.models import PortToken, PortTokenInfo
 from capsa.sdk.paths import seg
-
-if TYPE_CHECKING:
-    from capsa.sdk.client import AsyncClient
+from capsa.sdk.resource import SessionResource
 
 __all__ = ["AsyncPortForward", "AsyncPorts"]
 
@@ -34,15 +31,11 @@ def _check_port(port: int) -> int:
     return port
 
 
-class AsyncPorts:
+class AsyncPorts(SessionResource):
     """The ports of one session."""
 
-    def __init__(self, client: AsyncClient, session_id: str) -> None:
-        self._client = client
-        self._session_id = session_id
-
     def _path(self, port: int) -> str:
-        return f"/sessions/{seg(self._session_id)}/ports/{_check_port(port)}"
+        return f"{self._base}/ports/{_check_port(port)}"
 
     def get_host(self, port: int) -> str:
         """The base URL of ``port`` through the API (``…/v1/sessions/{id}/ports/{port}/``). Requests to it
@@ -53,18 +46,16 @@ class AsyncPorts:
         """A new access token for ``port``: it expires after ``ttl_seconds`` (None: the API's default, a
         day; at most its maximum, a week), can be revoked, and dies with the session."""
         body = {"ttl_seconds": ttl_seconds} if ttl_seconds is not None else None
-        data = await self._client.json("POST", f"{self._path(port)}/tokens", json=body)
-        return parse(PortToken, data)
+        return await self._call(PortToken, "POST", f"{self._path(port)}/tokens", json=body)
 
     async def list_tokens(self) -> list[PortTokenInfo]:
         """The session's port tokens that still work, every port (those :meth:`AsyncSession.browser` made
         included); never the tokens themselves."""
-        data = await self._client.json("GET", f"/sessions/{seg(self._session_id)}/port-tokens")
-        return parse_items(PortTokenInfo, data)
+        return await self._list(PortTokenInfo, f"{self._base}/port-tokens")
 
     async def revoke_token(self, port: int | None, token_id: str) -> None:
         """Revoke a token (``port``: the port it opens, or None for any of the session's tokens)."""
-        where = f"/sessions/{seg(self._session_id)}/port-" if port is None else f"{self._path(port)}/"
+        where = f"{self._base}/port-" if port is None else f"{self._path(port)}/"
         await self._client.request("DELETE", f"{where}tokens/{seg(token_id)}")
 
     async def url(self, port: int, path: str = "/", *, ttl_seconds: int | None = None) -> str:
@@ -77,7 +68,7 @@ class AsyncPorts:
     async def open_tunnel(self, port: int) -> PortTunnel:
         """A raw TCP connection to ``port`` inside the sandbox, through the API (``read``/``write``/``end``/
         ``aclose``). Raises the API's error (``port_unreachable``, ``not_found`` ...) if it cannot open."""
-        path = f"/sessions/{seg(self._session_id)}/tunnels/{_check_port(port)}"
+        path = f"{self._base}/tunnels/{_check_port(port)}"
         return await upgrade(self._client.config, path, "port tunnel", open_tunnel)
 
     async def forward(self, port: int, local_port: int = 0, *, host: str = "127.0.0.1") -> AsyncPortForward:

@@ -14,16 +14,12 @@ with a custom ``transport`` cannot open one). Closing the terminal hangs it up i
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Mapping
-from typing import TYPE_CHECKING
 
 from capsa.common.errors import CapsaError
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
 from capsa.sdk.api_socket import api_error, upgrade
 from capsa.sdk.errors import CapsaConnectionError
-from capsa.sdk.paths import seg
-
-if TYPE_CHECKING:
-    from capsa.sdk.client import AsyncClient
+from capsa.sdk.resource import SessionResource
 
 __all__ = ["AsyncPty", "AsyncTerminal"]
 
@@ -108,12 +104,8 @@ class AsyncTerminal:
             raise CapsaConnectionError(f"the terminal connection failed: {exc}", url=self._api_url) from None
 
 
-class AsyncPty:
+class AsyncPty(SessionResource):
     """The terminals of one session."""
-
-    def __init__(self, client: AsyncClient, session_id: str) -> None:
-        self._client = client
-        self._session_id = session_id
 
     async def create(self, cols: int = 80, rows: int = 24, cmd: str | None = None, *,
                      env: Mapping[str, str] | None = None, cwd: str | None = None,
@@ -126,6 +118,6 @@ class AsyncPty:
         except CapsaError as exc:
             raise ValueError(exc.message) from None
         config = self._client.config
-        path = f"/sessions/{seg(self._session_id)}/pty?{options.query()}"
+        path = f"{self._base}/pty?{options.query()}"
         client = await upgrade(config, path, "terminal", TerminalClient.connect, refused=_api_error)
         return AsyncTerminal(client, config.api_url)
