@@ -20,9 +20,9 @@ import base64
 import binascii
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 Ctx = Context[Any, Any]
+T = TypeVar("T")
 ClientSource = Callable[[Ctx], AbstractAsyncContextManager[AsyncClient]]
 """Gives the client a tool call uses, for the call's MCP context (the HTTP transport reads its headers)."""
 
@@ -120,11 +121,21 @@ _WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=False, open_wor
 _DESTROYS = ToolAnnotations(read_only_hint=False, destructive_hint=True, open_world_hint=False)
 
 
-class SessionTools:
-    """Create, list, inspect, close, pause, resume and branch sessions."""
+class _Tools:
+    """Tools that call the API as the MCP caller: a client from ``clients`` for each call, SDK failures
+    raised as tool errors."""
 
     def __init__(self, clients: ClientSource) -> None:
         self._clients = clients
+
+    async def _call(self, ctx: Ctx, op: Callable[[AsyncClient], Awaitable[T]]) -> T:
+        async with self._clients(ctx) as client:
+            with _as_tool_errors():
+                return await op(client)
+
+
+class SessionTools(_Tools):
+    """Create, list, inspect, close, pause, resume and branch sessions."""
 
     def register(self, server: MCPServer[Any]) -> None:
         server.add_tool(self.session_create, annotations=_WRITES)
@@ -156,11 +167,9 @@ class SessionTools:
     ) -> SessionInfo:
         """Start a new session: a fresh microVM from the template. Returns the session, with its id."""
         document = None if policy is None else policy.model_dump(mode="json", exclude_defaults=True)
-        async with self._clients(ctx) as client:
-            with _as_tool_errors():
-                return await client.create_session(template=template, timeout=timeout,
-                                                   idle_timeout=idle_timeout, memory_mib=memory_mib,
-                                                   vcpus=vcpus, env=env, metadata=metadata, policy=document)
+        return await self._call(ctx, lambda client: client.create_session(
+            template=template, timeout=timeout, idle_timeout=idle_timeout, memory_mib=memory_mib, vcpus=vcpus,
+            env=env, metadata=metadata, policy=document))
 
     async def session_list(
         self, ctx: Ctx,
@@ -169,49 +178,34 @@ class SessionTools:
         limit: Annotated[int, Field(description="At most this many, newest first.", ge=1, le=500)] = 50,
     ) -> list[SessionInfo]:
         """List this API key's sessions, newest first."""
-        async with self._clients(ctx) as client:
-            with _as_tool_errors():
-                return await client.list_sessions(state=state, limit=limit)
+        return await self._call(ctx, lambda client: client.list_sessions(state=state, limit=limit))
 
     async def session_get(self, ctx: Ctx, session_id: SessionId) -> SessionInfo:
         """One session's current state."""
-        async with self._clients(ctx) as client:
-            with _as_tool_errors():
-                return await client.get_session(session_id)
+        return await self._call(ctx, lambda client: client.get_session(session_id))
 
     async def session_close(self, ctx: Ctx, session_id: SessionId) -> SessionInfo:
         """Close a session: its VM is destroyed, and its files with it."""
-        async with self._clients(ctx) as client:
-            with _as_tool_errors():
-                return await client.close_session(session_id)
+        return await self._call(ctx, lambda client: client.close_session(session_id))
 
     async def session_pause(self, ctx: Ctx, session_id: SessionId) -> SessionInfo:
         """Snapshot a running session and stop its VM; session_resume continues exactly where it was."""
-        async with self._clients(ctx) as client:
-            with _as_tool_errors():
-                return await client.pause_session(session_id)
+        return await self._call(ctx, lambda client: client.pause_session(session_id))
 
     async def session_resume(self, ctx: Ctx, session_id: SessionId) -> SessionInfo:
         """Resume a paused session from its snapshot (processes, files and memory as they were)."""
-        async with self._clients(ctx) as client:
-            with _as_tool_errors():
-                return await client.resume_session(session_id)
+        return await self._call(ctx, lambda client: client.resume_session(session_id))
 
     async def session_branch(
         self, ctx: Ctx, session_id: SessionId,
         n: Annotated[int, Field(description="How many branches.", ge=1, le=64)] = 1,
     ) -> list[SessionInfo]:
         """Make n new independent sessions, each starting from this session's current state."""
-        async with self._clients(ctx) as client:
-            with _as_tool_errors():
-                return await client.branch_session(session_id, n)
+        return await self._call(ctx, lambda client: client.branch_session(session_id, n))
 
 
-class CommandTools:
+class CommandTools(_Tools):
     """Run commands in a session."""
-
-    def __init__(self, clients: ClientSource) -> None:
-        self._clients = clients
 
     def register(self, server: MCPServer[Any]) -> None:
         server.add_tool(self.command_run, annotations=_DESTROYS)
@@ -230,17 +224,12 @@ class CommandTools:
     ) -> CommandResult:
         """Run a command in the session and wait for it. A non-zero exit code or a timeout (timed_out) is
         a normal result; stdout and stderr come back separately."""
-        async with self._clients(ctx) as client:
-            with _as_tool_errors():
-                return await AsyncCommands(client, session_id).run(command, timeout=timeout, cwd=cwd,
-                                                                   env=env, stdin=stdin)
+        return await self._call(ctx, lambda client: AsyncCommands(client, session_id).run(
+            command, timeout=timeout, cwd=cwd, env=env, stdin=stdin))
 
 
-class FileTools:
+class FileTools(_Tools):
     """Read, write and list files in a session."""
-
-    def __init__(self, clients: ClientSource) -> None:
-        self._clients = clients
 
     def register(self, server: MCPServer[Any]) -> None:
         server.add_tool(self.file_read, annotations=_READ_ONLY)
@@ -253,9 +242,8 @@ class FileTools:
                                         le=MAX_READ_BYTES)] = DEFAULT_READ_BYTES,
     ) -> FileContent:
         """Read a file: UTF-8 text as it is, anything else base64-encoded."""
-        async with self._clients(ctx) as client:
-            with _as_tool_errors():
-                data, truncated = await _read_prefix(AsyncFiles(client, session_id), path, max_bytes)
+        data, truncated = await self._call(
+            ctx, lambda client: _read_prefix(AsyncFiles(client, session_id), path, max_bytes))
         try:
             return FileContent(path=path, encoding="utf-8", content=data.decode("utf-8"), size=len(data),
                                truncated=truncated)
@@ -280,16 +268,12 @@ class FileTools:
                 raise ToolError("validation_error: content is not valid base64") from None
         else:
             data = content.encode("utf-8")
-        async with self._clients(ctx) as client:
-            with _as_tool_errors():
-                return await AsyncFiles(client, session_id).write(
-                    path, data, mode=None if mode is None else int(mode, 8))
+        return await self._call(ctx, lambda client: AsyncFiles(client, session_id).write(
+            path, data, mode=None if mode is None else int(mode, 8)))
 
     async def file_list(self, ctx: Ctx, session_id: SessionId, path: GuestPath) -> list[FileInfo]:
         """List a directory's entries."""
-        async with self._clients(ctx) as client:
-            with _as_tool_errors():
-                return await AsyncFiles(client, session_id).list(path)
+        return await self._call(ctx, lambda client: AsyncFiles(client, session_id).list(path))
 
 
 async def _read_prefix(files: AsyncFiles, path: str, limit: int) -> tuple[bytes, bool]:

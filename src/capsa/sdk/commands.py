@@ -25,8 +25,8 @@ from capsa.sdk.models import (
     ProcessInfo,
     ProcessOutput,
     StreamError,
+    iter_events,
     parse,
-    parse_event,
 )
 from capsa.sdk.resource import SessionResource
 
@@ -131,12 +131,7 @@ class AsyncProcess(SessionResource):
         :class:`OutputEnd` when it exited. The offsets advance with every chunk yielded."""
         params = {"stdout_from": self.stdout_offset, "stderr_from": self.stderr_offset}
         async with self._client.stream("GET", self._path("/stream"), params=params, timeout=None) as response:
-            async for line in response.aiter_lines():
-                if not line.strip():
-                    continue
-                event = parse_event(OUTPUT_EVENT, line, "a process output stream")
-                if event is None:
-                    continue
+            async for event in iter_events(response.aiter_lines(), OUTPUT_EVENT, "a process output stream"):
                 if isinstance(event, StreamError):
                     raise error_from_problem(0, event.model_dump())
                 if isinstance(event, OutputChunk):
@@ -260,12 +255,7 @@ class AsyncCommands(SessionResource):
                 await _emit(on_stdout, result.stdout)
                 await _emit(on_stderr, result.stderr)
                 return result
-            async for line in response.aiter_lines():
-                if not line.strip():
-                    continue
-                event = parse_event(EXEC_EVENT, line, "command output stream")
-                if event is None:
-                    continue
+            async for event in iter_events(response.aiter_lines(), EXEC_EVENT, "command output stream"):
                 if isinstance(event, ExecOutput):
                     collector, callback = (out, on_stdout) if event.type == "stdout" else (err, on_stderr)
                     collector.add(event.data)

@@ -8,6 +8,7 @@ known values the schema lists, so a value added later does not break an older cl
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, AsyncIterator
 from datetime import datetime
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
@@ -41,6 +42,7 @@ __all__ = [
     "SnapshotInfo",
     "StreamError",
     "WatchEvent",
+    "iter_events",
     "parse",
     "parse_event",
     "parse_items",
@@ -320,6 +322,14 @@ def parse_event(adapter: TypeAdapter[E], line: str, stream: str) -> E | None:
         if exc.errors()[0]["type"] == "union_tag_invalid":
             return None
         raise UnexpectedResponse(f"malformed line in {stream}: {line[:80]!r}") from None
+
+
+async def iter_events(lines: AsyncIterable[str], adapter: TypeAdapter[E], stream: str) -> AsyncIterator[E]:
+    """The events of a JSON-lines stream (:func:`parse_event`), blank lines and unknown event types
+    skipped."""
+    async for line in lines:
+        if line.strip() and (event := parse_event(adapter, line, stream)) is not None:
+            yield event
 
 
 def parse_items(model: type[M], data: Any) -> list[M]:
