@@ -6,16 +6,13 @@ import builtins
 from typing import Literal
 
 from capsa.sdk.approvals import ApprovalInfo, AsyncApprovals
-from capsa.sdk.portal import Portal
+from capsa.sdk.portal import Blocking
 
 __all__ = ["Approvals"]
 
 
-class Approvals:
+class Approvals(Blocking[AsyncApprovals]):
     """The tenant's held egress requests: list, approve, deny."""
-
-    def __init__(self, inner: AsyncApprovals, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     def list(self, *, session_id: str | None = None, include_decided: bool = False
              ) -> builtins.list[ApprovalInfo]:

@@ -7,16 +7,13 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 
 from capsa.sdk.audit import AsyncAudit, AuditCheckpoint, AuditPage, AuditRecord, AuditVerification
-from capsa.sdk.portal import Portal
+from capsa.sdk.portal import Blocking
 
 __all__ = ["Audit"]
 
 
-class Audit:
+class Audit(Blocking[AsyncAudit]):
     """The caller's tenant audit chain."""
-
-    def __init__(self, inner: AsyncAudit, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     def page(self, *, session_id: str | None = None, kind: str | Sequence[str] | None = None,
              since: datetime | None = None, until: datetime | None = None, cursor: str | None = None,

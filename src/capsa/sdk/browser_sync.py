@@ -5,16 +5,13 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from capsa.sdk.browser import ActionResult, AsyncComputer, Direction, Screenshot
-from capsa.sdk.portal import Portal
+from capsa.sdk.portal import Blocking
 
 __all__ = ["Computer"]
 
 
-class Computer:
+class Computer(Blocking[AsyncComputer]):
     """See :class:`capsa.sdk.browser.AsyncComputer`."""
-
-    def __init__(self, inner: AsyncComputer, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     def action(self, action: dict[str, Any]) -> ActionResult:
         return self._portal.call(self._inner.action(action))

@@ -15,15 +15,12 @@ from capsa.sdk.connections import (
     ProviderInfo,
     Revocation,
 )
-from capsa.sdk.portal import Portal
+from capsa.sdk.portal import Blocking
 
 __all__ = ["ConnectionProviders", "Connections"]
 
 
-class ConnectionProviders:
-    def __init__(self, inner: AsyncConnectionProviders, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
-
+class ConnectionProviders(Blocking[AsyncConnectionProviders]):
     def create(self, name: str, *, client_id: str, client_secret: str | None = None,
                issuer: str | None = None, authorization_endpoint: str | None = None,
                token_endpoint: str | None = None, revocation_endpoint: str | None = None,
@@ -42,10 +39,7 @@ class ConnectionProviders:
         self._portal.call(self._inner.delete(provider))
 
 
-class Connections:
-    def __init__(self, inner: AsyncConnections, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
-
+class Connections(Blocking[AsyncConnections]):
     def create(self, name: str, provider: str, *, scopes: builtins.list[str] | None = None) -> ConnectionInfo:
         return self._portal.call(self._inner.create(name, provider, scopes=scopes))
 

@@ -7,16 +7,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from capsa.sdk.egress import AsyncEgress, AsyncSecrets, AuditEvent, PolicyInfo, SecretInfo
-from capsa.sdk.portal import Portal
+from capsa.sdk.portal import Blocking
 
 __all__ = ["Egress", "Secrets"]
 
 
-class Secrets:
+class Secrets(Blocking[AsyncSecrets]):
     """The tenant's stored secrets: write-only values, listed by metadata only."""
-
-    def __init__(self, inner: AsyncSecrets, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     def create(self, name: str, value: str, *, description: str | None = None) -> SecretInfo:
         return self._portal.call(self._inner.create(name, value, description=description))
@@ -28,11 +25,8 @@ class Secrets:
         self._portal.call(self._inner.delete(secret))
 
 
-class Egress:
+class Egress(Blocking[AsyncEgress]):
     """One session's egress policy and audit trail."""
-
-    def __init__(self, inner: AsyncEgress, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     def policy(self) -> PolicyInfo:
         return self._portal.call(self._inner.policy())

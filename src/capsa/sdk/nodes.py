@@ -7,7 +7,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict
 
-from capsa.sdk.portal import Portal
+from capsa.sdk.portal import Blocking
 from capsa.sdk.resource import Resource
 
 __all__ = ["AsyncNodes", "EnrolToken", "NodeInfo", "Nodes"]
@@ -49,11 +49,8 @@ class AsyncNodes(Resource):
         return await self._call(EnrolToken, "POST", "/nodes/tokens", json=body)
 
 
-class Nodes:
+class Nodes(Blocking[AsyncNodes]):
     """Node administration (admin keys only)."""
-
-    def __init__(self, inner: AsyncNodes, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     def list(self) -> builtins.list[NodeInfo]:
         return self._portal.call(self._inner.list())

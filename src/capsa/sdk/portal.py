@@ -11,11 +11,12 @@ import concurrent.futures
 import os
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
-__all__ = ["Portal", "get_portal"]
+__all__ = ["Blocking", "Portal", "get_portal"]
 
 T = TypeVar("T")
+A = TypeVar("A")
 
 # After Ctrl-C, how long to let the cancelled coroutine unwind (close its HTTP stream) before returning.
 _CANCEL_GRACE = 5.0
@@ -85,3 +86,11 @@ def get_portal() -> Portal:
             _portal = Portal()
             _portal_pid = os.getpid()
         return _portal
+
+
+class Blocking(Generic[A]):
+    """The blocking twin of an async SDK object: its methods run the async one's (``_inner``) through the
+    portal's loop thread (``_portal``)."""
+
+    def __init__(self, inner: A, portal: Portal) -> None:
+        self._inner, self._portal = inner, portal

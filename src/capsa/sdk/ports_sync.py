@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 from capsa.sdk.models import PortToken, PortTokenInfo
-from capsa.sdk.portal import Portal
+from capsa.sdk.portal import Blocking
 from capsa.sdk.ports import AsyncPortForward, AsyncPorts
 
 __all__ = ["PortForward", "Ports"]
 
 
-class Ports:
+class Ports(Blocking[AsyncPorts]):
     """See :class:`capsa.sdk.ports.AsyncPorts` (raw tunnels are async only: use :meth:`forward`)."""
-
-    def __init__(self, inner: AsyncPorts, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     def get_host(self, port: int) -> str:
         return self._inner.get_host(port)
@@ -34,11 +31,8 @@ class Ports:
         return PortForward(self._portal.call(self._inner.forward(port, local_port, host=host)), self._portal)
 
 
-class PortForward:
+class PortForward(Blocking[AsyncPortForward]):
     """See :class:`capsa.sdk.ports.AsyncPortForward`; connections are served on the SDK's loop thread."""
-
-    def __init__(self, inner: AsyncPortForward, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     @property
     def port(self) -> int:

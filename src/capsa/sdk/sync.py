@@ -38,7 +38,7 @@ from capsa.sdk.models import (
     SnapshotInfo,
 )
 from capsa.sdk.nodes import Nodes
-from capsa.sdk.portal import Portal, get_portal
+from capsa.sdk.portal import Blocking, get_portal
 from capsa.sdk.ports_sync import Ports
 from capsa.sdk.session import AsyncSession
 from capsa.sdk.snapshots import AsyncSnapshots
@@ -47,11 +47,8 @@ from capsa.sdk.terminals_sync import Pty
 __all__ = ["Client", "Commands", "Files", "Keys", "Process", "Session", "Snapshots", "Watch"]
 
 
-class Keys:
+class Keys(Blocking[AsyncKeys]):
     """API key management (admin keys only)."""
-
-    def __init__(self, inner: AsyncKeys, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     def create(self, tenant: str, *, admin: bool = False, name: str | None = None) -> ApiKey:
         return self._portal.call(self._inner.create(tenant, admin=admin, name=name))
@@ -98,11 +95,8 @@ class Client:
         self.close()
 
 
-class Process:
+class Process(Blocking[AsyncProcess]):
     """A background process in a session."""
-
-    def __init__(self, inner: AsyncProcess, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     @property
     def pid(self) -> int:
@@ -149,10 +143,7 @@ class Process:
         return f"Process(pid={self.pid}, running={self.info.running})"
 
 
-class Commands:
-    def __init__(self, inner: AsyncCommands, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
-
+class Commands(Blocking[AsyncCommands]):
     @overload
     def run(self, cmd: str | Sequence[str], *, timeout: float | None = ...,
             env: Mapping[str, str] | None = ..., cwd: str | None = ..., user: str | None = ...,
@@ -191,10 +182,7 @@ class Commands:
                                                              stderr_from=stderr_from)), self._portal)
 
 
-class Files:
-    def __init__(self, inner: AsyncFiles, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
-
+class Files(Blocking[AsyncFiles]):
     def read(self, path: str, *, encoding: str = "utf-8", errors: str = "strict") -> str:
         return self._portal.call(self._inner.read(path, encoding=encoding, errors=errors))
 
@@ -238,11 +226,8 @@ class Files:
         return self._portal.call(self._inner.download_tar(path, dest))
 
 
-class Watch:
+class Watch(Blocking[AsyncWatch]):
     """See :class:`capsa.sdk.files.AsyncWatch`: ``for event in watch``; ``close()``."""
-
-    def __init__(self, inner: AsyncWatch, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     @property
     def closed(self) -> bool:
@@ -265,11 +250,8 @@ class Watch:
         self.close()
 
 
-class Snapshots:
+class Snapshots(Blocking[AsyncSnapshots]):
     """See :class:`capsa.sdk.snapshots.AsyncSnapshots`."""
-
-    def __init__(self, inner: AsyncSnapshots, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     def list(self) -> builtins.list[SnapshotInfo]:
         return self._portal.call(self._inner.list())

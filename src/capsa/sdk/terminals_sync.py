@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from capsa.sdk.portal import Portal
+from capsa.sdk.portal import Blocking
 from capsa.sdk.terminals import AsyncPty, AsyncTerminal
 
 __all__ = ["Pty", "Terminal"]
 
 
-class Pty:
+class Pty(Blocking[AsyncPty]):
     """See :class:`capsa.sdk.terminals.AsyncPty`."""
-
-    def __init__(self, inner: AsyncPty, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     def create(self, cols: int = 80, rows: int = 24, cmd: str | None = None, *,
                env: Mapping[str, str] | None = None, cwd: str | None = None,
@@ -23,11 +20,8 @@ class Pty:
                         self._portal)
 
 
-class Terminal:
+class Terminal(Blocking[AsyncTerminal]):
     """See :class:`capsa.sdk.terminals.AsyncTerminal`; ``for chunk in term`` reads its output."""
-
-    def __init__(self, inner: AsyncTerminal, portal: Portal) -> None:
-        self._inner, self._portal = inner, portal
 
     @property
     def pid(self) -> int:
