@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.interrupt import sigint_default
 from tests.support.leftovers import wait_no_vm_leftovers
 from tests.support.served import CAPSA, KEY_RE, ROOT, Served, capsa, free_port, start_serve
 
@@ -153,7 +154,7 @@ def test_ctrl_c_on_capsa_run_closes_the_session(server: tuple[Served, str]) -> N
     key = capsa(served, admin, "keys", "create", "--tenant", "ctrl-c").stdout.strip()
     env = {**os.environ, "CAPSA_API_URL": served.url, "CAPSA_API_KEY": key}
     proc = subprocess.Popen([*CAPSA, "run", "--", "echo started; sleep 120"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, preexec_fn=sigint_default)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline() == "started\n"  # the command is running inside the VM

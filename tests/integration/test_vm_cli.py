@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from capsa.common.image import GuestImage
+from tests.support.interrupt import sigint_default
 
 pytestmark = [
     pytest.mark.vm,
@@ -82,7 +83,7 @@ def test_timeout_gives_124(state_dir: Path, guest_image: GuestImage) -> None:
 def test_ctrl_c_destroys_the_vm(state_dir: Path, guest_image: GuestImage) -> None:
     proc = subprocess.Popen([*CAPSA, "vm", "run", "--state-dir", str(state_dir), "--", "sh", "-c",
                              "echo running; sleep 600"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=sigint_default)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline() == "running\n"  # the VM is up and the command is running
