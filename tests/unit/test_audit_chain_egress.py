@@ -37,7 +37,9 @@ async def test_node_events_join_the_chain_once_and_survive_a_node_restart(
     state_file = tmp_path / "node-state" / "egress-audit.jsonl"
     state_file.parent.mkdir()
     node_egress = NodeEgress.create(netns_prefix=f"cua{secrets.token_hex(3)}-", audit_path=state_file)
-    stack = await make_stack(settings={"secret_key": KEY}, egress=node_egress)
+    # The API's events reach the chain through the group-commit writer, moments after the answer (here up
+    # to a second): node events that followed a call must still be chained after it.
+    stack = await make_stack(settings={"secret_key": KEY, "audit_linger_ms": 1000}, egress=node_egress)
     key = await stack.tenant_key("acme")
     async with stack.client(key) as a:
         sid = (await a.post("/v1/sessions", json={})).json()["id"]

@@ -283,6 +283,10 @@ async def collect_audit(plane: ControlPlane, node: NodeRow, client: NodeClient |
         if page.lost and number == 0:
             log.warning("node %s dropped %d audit events before they were collected", node.id, page.lost)
         items = page.items
+        if items:
+            # The API events this replica answered before (a session's create) go into the chains first:
+            # the node's events followed them.
+            await plane.audit.flush()
         named = {i.session_id for i in items if i.session_id} | (set(page.dropped) if number == 0 else set())
         async with plane.db() as db:
             placed = {sid: tenant for sid, tenant in (await db.execute(
