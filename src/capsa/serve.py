@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
-import sys
 from pathlib import Path
 
 import uvicorn
@@ -36,6 +36,8 @@ from capsa.node.sources import TemplateSource
 from capsa.node.statedir import prepare_state_dir
 
 __all__ = ["LOCAL_NODE_ID", "LocalControlLink", "run"]
+
+log = logging.getLogger(__name__)
 
 LOCAL_NODE_ID = "local"
 
@@ -91,7 +93,7 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
     settings = Settings(state_dir=state_dir, accel=accel)
     image = find_image(settings)
     if image is None:
-        print("capsa: building the guest image (first start only)…", file=sys.stderr, flush=True)
+        log.info("building the guest image (first start only)")
         image = await asyncio.to_thread(ensure_image, settings)
 
     key_file = await asyncio.to_thread(ensure_key_file, state_dir / "secret.key")
@@ -107,7 +109,7 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
     # /v1/ready answers 503 until the local node is ready (its base template in place: restored from the
     # template cache or built) and registered.
     app.state.startup_pending = True
-    server = QuietServer(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    server = QuietServer(uvicorn.Config(app, host=host, port=port, log_level="info", log_config=None))
 
     parts = await build_node(settings, image, node_id=LOCAL_NODE_ID)
     service: NodeService | None = None
@@ -126,8 +128,8 @@ async def _serve(listener: socket.socket, host: str, port: int, state_dir: Path,
         if isinstance(source, TemplateSource):
             origin = {"pool": "in the state dir", "cache": "restored from the template cache",
                       "built": "built by a cold boot (now cached)"}.get(source.base_origin or "", "not built")
-            print(f"capsa: base template {origin}", file=sys.stderr, flush=True)
-        print(f"capsa: serving on http://{host}:{port} (state {state_dir})", file=sys.stderr, flush=True)
+            log.info("base template %s", origin, extra={"origin": source.base_origin})
+        log.info("serving on http://%s:%d (state %s)", host, port, state_dir)
         # Shielded: if run() is cancelled (SIGTERM, SIGINT), the finally block below stops everything.
         await asyncio.shield(server_task)
     finally:

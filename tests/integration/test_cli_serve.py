@@ -57,12 +57,12 @@ def test_a_fresh_state_dir_serves_its_first_session_from_the_template_cache(fres
     key = "csk_tplcachetest_" + "t" * 32
     # The first node builds base (or finds it cached already); stopping lets a fresh copy reach the cache.
     first = start_serve(fresh_state_dir / "a", fresh_state_dir, env={"CAPSA_BOOTSTRAP_KEY": key})
-    assert "capsa: base template" in first.errors()
+    assert '"event": "base template ' in first.errors()  # a log line (JSON: stderr is a file)
     assert first.stop() == 0
     # A node on an empty state dir is ready only with base in place, and it comes from the cache.
     second = start_serve(fresh_state_dir / "b", fresh_state_dir, env={"CAPSA_BOOTSTRAP_KEY": key})
     try:
-        assert "capsa: base template restored from the template cache" in second.errors(), second.errors()
+        assert '"event": "base template restored from the template cache"' in second.errors(), second.errors()
         imported = next((second.state_dir / "storage" / "pool" / "templates").glob("tpl-base-m256c1"))
         for path in [imported, *imported.rglob("*")]:
             st = path.lstat()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,6 +39,7 @@ from capsa.frontends import build_app
 from tests.support import port_app
 from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime, fake_image
+from tests.support.logs import configured
 from tests.support.problems import assert_problem
 
 pytestmark = pytest.mark.timeout(180)
@@ -280,15 +280,6 @@ async def test_sdk_lists_and_revokes_port_tokens(make_stack: MakeStack) -> None:
 # --- Port tokens out of the logs ------------------------------------------------------------------------
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 async def test_port_tokens_do_not_reach_the_server_logs(make_stack: MakeStack) -> None:
     stack = await make_stack()
     key = await stack.tenant_key("acme")
@@ -297,13 +288,21 @@ async def test_port_tokens_do_not_reach_the_server_logs(make_stack: MakeStack) -
         sid = await new_session(client)
         await start_app(client, sid, port)
         token = (await client.post(f"/v1/sessions/{sid}/ports/{port}/tokens")).json()["token"]
-    # The control plane as `capsa serve` and `capsa control` run it: a QuietServer, log level info.
-    server = QuietServer(uvicorn.Config(build_app(stack.control_settings()), host="127.0.0.1", port=0,
-                                        log_level="info"))
-    captured = _Lines()
-    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "uvicorn.access")]
-    for logger in loggers:
-        logger.addHandler(captured)
+    # The control plane as `capsa serve` and `capsa control` run it: a QuietServer, log level info, its
+    # lines rendered by the process's logging (capsa.common.logs.configure, which every capsa process calls).
+    with configured() as rendered:
+        server = QuietServer(uvicorn.Config(build_app(stack.control_settings()), host="127.0.0.1", port=0,
+                                            log_level="info", log_config=None))
+        await _serve_with_tokens(server, sid, port, token)
+        lines = rendered.getvalue().splitlines()
+    assert any("WebSocket" in line and "/ws?" in line for line in lines), lines
+    assert any("vnc.html" in line for line in lines), lines
+    leaked = [line for line in lines if token in line or quote(token, safe="") in line]
+    assert not leaked, leaked
+
+
+async def _serve_with_tokens(server: QuietServer, sid: str, port: int, token: str) -> None:
+    """Runs ``server`` for a port WebSocket with ``token``, a refused one, and a noVNC page URL."""
     task = asyncio.create_task(server.serve())
     try:
         await wait_started(server, task)
@@ -323,12 +322,6 @@ async def test_port_tokens_do_not_reach_the_server_logs(make_stack: MakeStack) -
     finally:
         server.should_exit = True
         await task
-        for logger in loggers:
-            logger.removeHandler(captured)
-    assert any("WebSocket" in line and "/ws?" in line for line in captured.lines), captured.lines
-    assert any("vnc.html" in line for line in captured.lines), captured.lines
-    leaked = [line for line in captured.lines if token in line or quote(token, safe="") in line]
-    assert not leaked, leaked
 
 
 # --- CDP: the download rewrite and its bypasses ----------------------------------------------------------

@@ -59,10 +59,9 @@ def cli() -> None:
 
 
 def main() -> None:
-    import sys
+    """The ``capsa`` process: every command logs through :func:`capsa.common.logs.configure` (to stderr:
+    stdout carries results, such as ``--json`` output, keys and ids, that scripts parse)."""
+    from capsa.common.logs import configure
 
-    import structlog
-
-    # Log lines go to stderr: stdout carries results (--json, keys, ids) that scripts parse.
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    configure()
     cli()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import logging
 from pathlib import Path
 
 import click
@@ -12,6 +12,8 @@ from capsa.common.errors import CapsaError
 from capsa.common.settings import Settings
 
 __all__ = ["node"]
+
+log = logging.getLogger(__name__)
 
 
 def _check_listen(listen: str) -> None:
@@ -59,7 +61,7 @@ def node(control_url: str, enrol_token: str | None, state_dir: Path | None, list
         link = HttpControlLink(control_url, state, enrol_token=enrol_token)
         image = find_image(settings)
         if image is None:
-            print("capsa: building the guest image (first start only)…", file=sys.stderr, flush=True)
+            log.info("building the guest image (first start only)")
             image = await asyncio.to_thread(ensure_image, settings)
         try:
             parts = await build_node(settings, image, node_id="unregistered")
@@ -70,7 +72,7 @@ def node(control_url: str, enrol_token: str | None, state_dir: Path | None, list
         try:
             node_id = await service.start()
             print(f"node {node_id} registered", flush=True)
-            print(f"capsa: node API on {service.url} (state {state})", file=sys.stderr, flush=True)
+            log.info("node API on %s (state %s)", service.url, state)
             await service.wait()
         finally:
             await service.stop()

@@ -52,14 +52,13 @@ def vm() -> None:
 def run(memory_mib: int, vcpus: int, accel: str | None, timeout: float | None, max_output: int,
         pass_stdin: bool, state_dir: Path | None, verbose: bool, command: tuple[str, ...]) -> None:
     """Run COMMAND (an argv, after `--`) in a fresh microVM and exit with its status."""
+    from capsa.common.logs import configure
     from capsa.images import ensure_image
 
     settings = Settings(state_dir=state_dir) if state_dir is not None else Settings()
     if accel is not None:
         settings = settings.model_copy(update={"accel": accel})
-    logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, stream=sys.stderr,
-                        format="capsa: %(message)s")
-    logging.getLogger("qemu").setLevel(logging.CRITICAL)  # QMP's own chatter about sockets closing
+    configure(level=logging.INFO if verbose else logging.ERROR)
     try:
         image = ensure_image(settings)
     except Exception as exc:  # the image pipeline reports its own error types; any of them ends the run

@@ -6,12 +6,15 @@ all. :func:`configure`, called once by each process's entry point, renders every
 dependencies', through structlog's processor chain: one JSON object a line when stderr is not a terminal
 (systemd's journal, Kubernetes, a CI log), aligned ``time level logger event key=value`` lines when it is.
 Structured fields go in ``extra=``; they become the JSON object's keys. Credentials in URLs are blanked
-(:func:`capsa.common.service.redact`) in the rendered event and every string field.
+(:func:`redact`) in the rendered event and every string field: uvicorn's request lines (``uvicorn.access`` for
+HTTP, ``uvicorn.error`` for WebSocket handshakes such as ``"WebSocket /v1/…?token=…" [accepted]``) reach the
+same handler, since capsa's servers pass ``log_config=None`` to ``uvicorn.Config``.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any, TextIO
@@ -19,9 +22,7 @@ from typing import Any, TextIO
 import structlog
 from structlog.typing import Processor
 
-from capsa.common.service import redact
-
-__all__ = ["configure", "renders_json"]
+__all__ = ["configure", "redact", "renders_json"]
 
 _QUIET = {  # dependencies whose INFO lines are chatter rather than events
     "asyncio": logging.WARNING,
@@ -30,11 +31,30 @@ _QUIET = {  # dependencies whose INFO lines are chatter rather than events
     "qemu": logging.CRITICAL,  # QMP's own notes about sockets closing under a VM that exits
     "sqlalchemy": logging.WARNING,
     "aiosqlite": logging.WARNING,
+    "mcp": logging.WARNING,  # the MCP server's "Processing request of type ..." for every call
+    "alembic": logging.WARNING,  # its plugin set-up and one line per migration step at every start
 }
+
+_CREDENTIAL = re.compile(
+    r"((?:^|[?&;/\s\"']|%2[6fF]|%3[fF])(?:token|access_token)(?:=|%3[dD]))[^&#\s\"';]*"  # token=, token%3D
+    r"|c(?:pt|sk)_[A-Za-z0-9_%-]{16,}",  # a port token or an API key anywhere (noVNC's path=, a Referer)
+    re.IGNORECASE)
 
 
 _SERVER_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 """Configured by ``uvicorn.Config`` unless its ``log_config`` is None (capsa's servers pass None)."""
+
+
+def redact(text: str) -> str:
+    """``text`` with credentials carried in URLs blanked: ``token=`` / ``access_token=`` values, also
+    URL-encoded inside another parameter (noVNC's ``path=…%3Ftoken%3D…``), and any port token (``cpt_…``)
+    or API key (``csk_…``)."""
+    return _CREDENTIAL.sub(lambda m: (m[1] or "") + "[redacted]", text)
+
+
+def _drop_color_message(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
+    event.pop("color_message", None)  # uvicorn's copy of its message with terminal colour codes
+    return event
 
 
 def _redact_fields(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
@@ -60,6 +80,7 @@ def configure(*, level: int = logging.INFO, json: bool | None = None, stream: Te
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.stdlib.ExtraAdder(),
+        _drop_color_message,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: Processor = (structlog.processors.JSONRenderer() if as_json

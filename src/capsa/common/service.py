@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import signal
 import socket
 from collections.abc import Coroutine, Generator
@@ -20,8 +19,7 @@ from typing import Any
 
 import uvicorn
 
-__all__ = ["STOP_SIGNALS", "QuietServer", "RedactTokens", "bind_tcp", "redact", "redact_server_logs",
-           "run_service", "wait_started"]
+__all__ = ["STOP_SIGNALS", "QuietServer", "bind_tcp", "run_service", "wait_started"]
 
 log = logging.getLogger(__name__)
 
@@ -29,52 +27,13 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class QuietServer(uvicorn.Server):
-    """A uvicorn server that leaves the process's signals to :func:`run_service`, and whose access log never
-    shows a credential carried in a URL (:class:`RedactTokens`)."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        redact_server_logs()
+    """A uvicorn server that leaves the process's signals to :func:`run_service`. Give it a
+    ``uvicorn.Config(..., log_config=None)``: its request lines then go through the process's logging
+    (:func:`capsa.common.logs.configure`, which blanks credentials carried in URLs)."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
-
-
-_SERVER_LOGGERS = ("uvicorn.access", "uvicorn.error")
-"""uvicorn's request lines: ``uvicorn.access`` for HTTP, ``uvicorn.error`` for WebSocket handshakes
-(``"WebSocket /v1/…?token=…" [accepted]``)."""
-_CREDENTIAL = re.compile(
-    r"((?:^|[?&;/\s\"']|%2[6fF]|%3[fF])(?:token|access_token)(?:=|%3[dD]))[^&#\s\"';]*"  # token=, token%3D
-    r"|c(?:pt|sk)_[A-Za-z0-9_%-]{16,}",  # a port token or an API key anywhere (noVNC's path=, a Referer)
-    re.IGNORECASE)
-
-
-def redact(text: str) -> str:
-    """``text`` with credentials carried in URLs blanked: ``token=`` / ``access_token=`` values, also
-    URL-encoded inside another parameter (noVNC's ``path=…%3Ftoken%3D…``), and any port token (``cpt_…``)
-    or API key (``csk_…``)."""
-    return _CREDENTIAL.sub(lambda m: (m[1] or "") + "[redacted]", text)
-
-
-class RedactTokens(logging.Filter):
-    """Blanks credentials in URLs (:func:`redact`) in a log record's message and arguments."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        # The whole line, formatted: redacting the format string alone would eat a placeholder that follows
-        # ``token=`` (``"?token=%s"``) and leave an argument over, and a credential split between the format
-        # string and an argument would pass unseen.
-        record.msg = redact(record.getMessage())
-        record.args = None
-        return True
-
-
-def redact_server_logs() -> None:
-    """Install :class:`RedactTokens` on uvicorn's access and error loggers (once)."""
-    for name in _SERVER_LOGGERS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, RedactTokens) for f in logger.filters):
-            logger.addFilter(RedactTokens())
 
 
 async def _main_with_signals(main: Coroutine[Any, Any, None]) -> int:

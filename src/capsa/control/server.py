@@ -73,7 +73,7 @@ async def run_control(host: str, port: int, state_dir: Path, database_url: str |
     try:
         settings = await asyncio.to_thread(control_settings, state_dir, database_url)
         app = build_app(settings, on_bootstrap_key=announce_key)
-        server = QuietServer(uvicorn.Config(app, log_level="warning"))
+        server = QuietServer(uvicorn.Config(app, log_level="warning", log_config=None))
         task = asyncio.create_task(server.serve(sockets=[listener]), name="capsa-control-api")
         try:
             while not server.started:

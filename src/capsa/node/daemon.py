@@ -192,14 +192,15 @@ class NodeService:
         self.app = create_node_app(parts.agent, self.api_token)
         """The node API (``capsa serve``'s control plane also calls it in-process)."""
         if uds is not None:
-            config = uvicorn.Config(self.app, uds=str(uds), log_level="warning", lifespan="off")
+            config = uvicorn.Config(self.app, uds=str(uds), log_level="warning", lifespan="off",
+                                    log_config=None)
             self._url = advertise_url or f"unix://{uds}"
         else:
             assert listen is not None
             host, _, port = listen.rpartition(":")
             self._bind = (host.strip("[]"), int(port))
             config = uvicorn.Config(self.app, host=self._bind[0], port=self._bind[1], log_level="warning",
-                                    lifespan="off")
+                                    lifespan="off", log_config=None)
             self._url = advertise_url or f"http://{listen}"
         self._server = QuietServer(config)
         self._server_task: asyncio.Task[None] | None = None

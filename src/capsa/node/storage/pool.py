@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import re
 import shutil
@@ -33,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-import structlog
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -51,7 +51,7 @@ from capsa.node.storage.mounts import (
 
 __all__ = ["PoolUsage", "StorageError", "StoragePool", "StorageSettings"]
 
-log = structlog.get_logger(__name__)
+log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _AREAS = ("templates", "sandboxes", "snapshots")
@@ -194,8 +194,8 @@ class StoragePool:
                                    reason=f"btrfs loop pool unavailable ({exc.message})")
                 return pool
             os.chmod(mount_point, 0o711)  # the new filesystem's root directory
-            log.info("storage.loop_mounted", image=str(image), mount_point=str(mount_point),
-                     size_mib=cfg.loop_size_mib, created=created)
+            log.info("storage.loop_mounted", extra={"image": str(image), "mount_point": str(mount_point),
+                                                    "size_mib": cfg.loop_size_mib, "image_created": created})
             return cls._finish(mount_point.resolve(), cfg, loop_image=image, mounted_here=True)
 
     @classmethod
@@ -214,7 +214,7 @@ class StoragePool:
             warning = (f"{why}; sandbox disks and snapshots will be full (sparse) copies: slower to "
                        "create and using more space. Configure a btrfs path (CAPSA_STORAGE_PATH) "
                        "to fix this.")
-            log.warning("storage.no_cow", root=str(root), fstype=fs.fstype, detail=warning)
+            log.warning("storage.no_cow", extra={"root": str(root), "fstype": fs.fstype, "detail": warning})
         return cls(root, cow=cow, fstype=fs.fstype, loop_image=loop_image, warning=warning,
                    mounted_here=mounted_here)
 
@@ -226,7 +226,7 @@ class StoragePool:
         with _locked(lock):
             if any(m.mount_point == self.root for m in mounts()):
                 unmount(self.root, lazy=lazy)
-                log.info("storage.loop_unmounted", mount_point=str(self.root))
+                log.info("storage.loop_unmounted", extra={"mount_point": str(self.root)})
 
     def destroy(self) -> None:
         """Unmount and delete the loop file with everything in it. For tests and uninstall only."""
