@@ -55,7 +55,7 @@ class ScreenedBackend(httpcore.AsyncNetworkBackend):
 
 
 _CORE = {"httpx": "httpcore", "httpx2": "httpcore2"}
-"""The connection library under each httpx flavour (authlib's client is built on httpx2 when present)."""
+"""The connection library under each httpx flavour (authlib's client is built on httpx2)."""
 
 
 def pinned_transport(resolver: Resolver, allow_networks: Sequence[IPNetwork] = (), *,

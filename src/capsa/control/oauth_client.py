@@ -13,7 +13,6 @@ resolves only to public addresses, unless the operator's ``CAPSA_OAUTH_ALLOW_NET
 
 from __future__ import annotations
 
-import importlib
 import logging
 import ssl
 import time
@@ -24,6 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import httpx2
 from authlib.integrations.httpx_client import AsyncOAuth2Client, OAuthError
 
 from capsa.common.addresses import IPNetwork, is_public_address
@@ -36,10 +36,9 @@ __all__ = ["DEVICE_GRANT", "STANDARD_ERRORS", "DeviceStart", "Endpoints", "OAuth
 
 log = logging.getLogger(__name__)
 
-# authlib's client is an httpx2.AsyncClient when httpx2 is installed, else an httpx one: its transport must
-# come from the same module.
-_AUTHLIB_HTTP = importlib.import_module(
-    next(c for c in AsyncOAuth2Client.__mro__ if c.__name__ == "AsyncClient").__module__.partition(".")[0])
+# authlib's client is an httpx2.AsyncClient (capsa depends on httpx2: authlib's fallback to httpx is
+# deprecated and warns at every import), so its transport comes from httpx2 too.
+_AUTHLIB_HTTP = httpx2
 
 DEVICE_GRANT = "urn:ietf:params:oauth:grant-type:device_code"
 _DEFAULT_LIFETIME = 3600.0
