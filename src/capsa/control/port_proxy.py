@@ -30,6 +30,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from capsa.common import ws_relay
 from capsa.common.port_tunnel import PortTunnel
 from capsa.common.websocket import WebSocketClient, WebSocketRejected
 from capsa.control.errors import ApiError
@@ -289,31 +290,22 @@ async def proxy_websocket(websocket: WebSocket, access: PortAccess, port: int, p
 
 
 async def relay_tunnel(websocket: WebSocket, tunnel: PortTunnel) -> None:
-    """The public raw tunnel (already accepted, status sent): client BINARY <-> the node's tunnel."""
+    """The public raw tunnel (already accepted, status sent): client BINARY <-> the node's tunnel. The port
+    closing its side closes 1000; a failure of either side ends the tunnel without a close frame (the
+    connection drops, as the TCP connection it stands for would)."""
 
-    async def up() -> None:
-        while True:
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                return
-            data = message.get("bytes")
-            if data is None:
-                continue
-            if data:
-                await tunnel.write(data)
-            else:
-                await tunnel.end()
+    async def to_port(data: bytes) -> None:
+        if data:
+            await tunnel.write(data)
+        else:
+            await tunnel.end()
 
-    async def down() -> None:
-        while True:
-            data = await tunnel.read()
-            if not data:
-                with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
-                    await websocket.close(code=1000)
-                return
-            await websocket.send_bytes(data)
+    async def from_port() -> AsyncIterator[bytes]:
+        while data := await tunnel.read():
+            yield data
 
-    await _both(up(), down())
+    await ws_relay.relay(websocket, from_port(), on_bytes=to_port, close_on_failure=False,
+                         quiet=(BaseException,), what="port tunnel")
     await tunnel.aclose()
 
 

@@ -14,12 +14,13 @@ session active.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
+from capsa.common import ws_relay
 from capsa.common.errors import CapsaError
 from capsa.common.terminal_wire import (
     TerminalClient,
@@ -95,49 +96,28 @@ def _log_failure(done: asyncio.Future[None]) -> None:
 
 
 async def relay(websocket: WebSocket, term: TerminalClient) -> None:
-    """Client BINARY/resize/kill -> the node's terminal; its output, then ``exit`` and close 1000, back."""
+    """Client BINARY/resize/kill -> the node's terminal; its output, then ``exit`` and close 1000, back; a
+    failure closes 1011 after an ``error`` message when it is a capsa error (others are logged)."""
 
-    async def upstream() -> None:
-        while True:
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                return
-            data = message.get("bytes")
-            if data:
-                await term.send(data)
-                continue
-            text = message.get("text")
-            if text is None:
-                continue
-            kind, cols, rows = parse_client_message(text)
-            if kind == "resize":
-                await term.resize(cols, rows)
-            elif kind == "kill":
-                await term.kill()
+    async def to_terminal(data: bytes) -> None:
+        if data:
+            await term.send(data)
 
-    async def downstream() -> None:
+    async def control(text: str) -> None:
+        kind, cols, rows = parse_client_message(text)
+        if kind == "resize":
+            await term.resize(cols, rows)
+        elif kind == "kill":
+            await term.kill()
+
+    async def output() -> AsyncIterator[bytes | str]:
         while (chunk := await term.recv()) is not None:
-            await websocket.send_bytes(chunk)
+            yield chunk
         if term.exit is not None:
-            await websocket.send_text(exit_message(term.exit.exit_code, term.exit.signal))
+            yield exit_message(term.exit.exit_code, term.exit.signal)
 
-    up = asyncio.create_task(upstream())
-    down = asyncio.create_task(downstream())
-    try:
-        done, _ = await asyncio.wait((up, down), return_when=asyncio.FIRST_COMPLETED)
-        finished = down if down in done else up
-        exc = finished.exception()
-        if finished is up and exc is None:
-            return  # the client left: the caller hangs the terminal up
-        with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
-            if isinstance(exc, CapsaError):
-                await websocket.send_text(error_message(exc.status, exc.code, exc.message))
-            elif exc is not None:
-                log.warning("terminal relay failed: %r", exc)
-            await websocket.close(code=1000 if exc is None else 1011)
-    finally:
-        for task in (up, down):
-            task.cancel()
-        for task in (up, down):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+    def failure(exc: BaseException) -> str | None:
+        return error_message(exc.status, exc.code, exc.message) if isinstance(exc, CapsaError) else None
+
+    await ws_relay.relay(websocket, output(), on_bytes=to_terminal, on_text=control, failure_text=failure,
+                         quiet=(CapsaError, *ws_relay.QUIET_FAILURES), what="terminal relay")

@@ -12,14 +12,11 @@ HTTP request, and this route is a WebSocket.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Path, WebSocket
-from starlette.websockets import WebSocketDisconnect
 
+from capsa.common import ws_relay
 from capsa.common.errors import CapsaError
 from capsa.common.port_tunnel import OK_MESSAGE, problem_message
 from capsa.node.agent import NodeAgent
@@ -29,8 +26,6 @@ from capsa.node.guestlink.errors import GuestError
 from capsa.node.guestlink.handles.tunnel import TcpTunnel
 
 __all__ = ["router"]
-
-log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/sandboxes/{sandbox_id}/ports", tags=["ports"])
 
@@ -60,42 +55,14 @@ async def tunnel(websocket: WebSocket, sandbox_id: str, port: Port) -> None:
 
 
 async def relay(websocket: WebSocket, tcp: TcpTunnel) -> None:
-    """Bytes both ways until the port closes its side (then close 1000) or the client goes away."""
+    """Bytes both ways until the port closes its side (then close 1000) or the client goes away; an empty
+    BINARY message half-closes the port's side; a failure closes 1011."""
 
-    async def upstream() -> None:
-        while True:
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                return
-            data = message.get("bytes")
-            if data is None:
-                continue  # TEXT messages have no meaning after the status message
-            if data:
-                await tcp.write(data)
-            else:
-                await tcp.end()
+    async def to_port(data: bytes) -> None:
+        if data:
+            await tcp.write(data)
+        else:
+            await tcp.end()
 
-    async def downstream() -> None:
-        async for chunk in tcp.read():
-            await websocket.send_bytes(chunk)
-
-    up = asyncio.create_task(upstream())
-    down = asyncio.create_task(downstream())
-    try:
-        done, _ = await asyncio.wait((up, down), return_when=asyncio.FIRST_COMPLETED)
-        if down in done:
-            exc = down.exception()
-            code = 1000 if exc is None else 1011
-            if exc is not None and not isinstance(exc, GuestError | WebSocketDisconnect | OSError):
-                log.warning("port tunnel to %s failed: %r", tcp.port, exc)
-            with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
-                await websocket.close(code=code)
-        elif up.exception() is not None:
-            with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
-                await websocket.close(code=1011)
-    finally:
-        for task in (up, down):
-            task.cancel()
-        for task in (up, down):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+    await ws_relay.relay(websocket, tcp.read(), on_bytes=to_port,
+                         quiet=(GuestError, *ws_relay.QUIET_FAILURES), what=f"port tunnel to {tcp.port}")

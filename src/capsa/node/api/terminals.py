@@ -8,14 +8,14 @@ guest. Like the port tunnel, the route checks the node token itself.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import signal
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
+from capsa.common import ws_relay
 from capsa.common.errors import CapsaError
 from capsa.common.terminal_wire import (
     TerminalOptions,
@@ -31,8 +31,6 @@ from capsa.node.guestlink.errors import GuestError
 from capsa.node.guestlink.handles.pty import PtyHandle
 
 __all__ = ["relay_terminal", "router"]
-
-log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/sandboxes/{sandbox_id}", tags=["terminals"])
 
@@ -63,53 +61,28 @@ async def terminal(websocket: WebSocket, sandbox_id: str) -> None:
 
 
 async def relay_terminal(websocket: WebSocket, pty: PtyHandle) -> None:
-    """Input, resizes and hang-up from the client; output, then ``exit`` and close 1000, from the guest."""
+    """Input, resizes and hang-up from the client; output, then ``exit`` and close 1000, from the guest; a
+    failure closes 1011 after an ``error`` message when it is a capsa error."""
 
-    async def upstream() -> None:
-        while True:
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                return
-            data = message.get("bytes")
-            if data:
-                await pty.write(data)
-                continue
-            text = message.get("text")
-            if text is None:
-                continue
-            kind, cols, rows = parse_client_message(text)
-            if kind == "resize":
-                await pty.resize(cols, rows)
-            elif kind == "kill":
-                await pty.send_signal(signal.SIGKILL)
+    async def to_pty(data: bytes) -> None:
+        if data:
+            await pty.write(data)
 
-    async def downstream() -> None:
+    async def control(text: str) -> None:
+        kind, cols, rows = parse_client_message(text)
+        if kind == "resize":
+            await pty.resize(cols, rows)
+        elif kind == "kill":
+            await pty.send_signal(signal.SIGKILL)
+
+    async def output() -> AsyncIterator[bytes | str]:
         async for chunk in pty.read():
-            await websocket.send_bytes(chunk)
+            yield chunk
         if pty.exit_code is not None or pty.signal is not None:
-            await websocket.send_text(exit_message(pty.exit_code, pty.signal))
+            yield exit_message(pty.exit_code, pty.signal)
 
-    up = asyncio.create_task(upstream())
-    down = asyncio.create_task(downstream())
-    try:
-        done, _ = await asyncio.wait((up, down), return_when=asyncio.FIRST_COMPLETED)
-        if down in done:
-            exc = down.exception()
-            if exc is not None and not isinstance(exc, GuestError | WebSocketDisconnect | OSError):
-                log.warning("terminal %s failed: %r", pty.pid, exc)
-            with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
-                if isinstance(exc, CapsaError):
-                    await websocket.send_text(error_message(status_of(exc), exc.code, exc.message))
-                await websocket.close(code=1000 if exc is None else 1011)
-        elif up.exception() is not None:
-            exc = up.exception()
-            with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
-                if isinstance(exc, CapsaError):
-                    await websocket.send_text(error_message(status_of(exc), exc.code, exc.message))
-                await websocket.close(code=1011)
-    finally:
-        for task in (up, down):
-            task.cancel()
-        for task in (up, down):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+    def failure(exc: BaseException) -> str | None:
+        return error_message(status_of(exc), exc.code, exc.message) if isinstance(exc, CapsaError) else None
+
+    await ws_relay.relay(websocket, output(), on_bytes=to_pty, on_text=control, failure_text=failure,
+                         quiet=(GuestError, *ws_relay.QUIET_FAILURES), what=f"terminal {pty.pid}")
