@@ -19,7 +19,7 @@ The client closing the WebSocket hangs the terminal up too. :class:`TerminalClie
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -34,6 +34,7 @@ __all__ = [
     "TerminalOptions",
     "error_message",
     "exit_message",
+    "follow_control",
     "parse_client_message",
     "started_message",
 ]
@@ -133,6 +134,17 @@ def parse_client_message(text: str) -> tuple[str, int, int]:
             assert isinstance(cols, int) and isinstance(rows, int)
             return "resize", cols, rows
     return "ignored", 0, 0
+
+
+async def follow_control(text: str, *, resize: Callable[[int, int], Awaitable[None]],
+                         kill: Callable[[], Awaitable[None]]) -> None:
+    """Carry out a client's control message (:func:`parse_client_message`): ``resize(cols, rows)`` or
+    ``kill()``; anything else is ignored."""
+    kind, cols, rows = parse_client_message(text)
+    if kind == "resize":
+        await resize(cols, rows)
+    elif kind == "kill":
+        await kill()
 
 
 def _invalid(message: str) -> CapsaError:

@@ -24,8 +24,8 @@ proc_list                                                   {"processes": [Proce
 proc_kill      pid, signal                                  ProcessInfo
 proc_output    pid, stdout_from, stderr_from (offsets)      DATA {"ch"}; ProcessInfo + *_start/_end/
                                                             _truncated
-pty_open       cmd, rows, cols, env, cwd, user; then host   EVENT {pid}; DATA (terminal output);
-               DATA = input, EVENT {rows, cols} = resize,   exit_code|signal
+pty_open       cmd, cols, rows, env, cwd, user; then host   EVENT {pid}; DATA (terminal output);
+               DATA = input, EVENT {cols, rows} = resize,   exit_code|signal
                EVENT {signal} = kill, END = ^D, CANCEL =
                hang up
 file_read      path, offset, length                         DATA (content); FileInfo

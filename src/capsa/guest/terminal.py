@@ -30,8 +30,8 @@ def _size(args: dict[str, Any], key: str, default: int) -> int:
     return value
 
 
-def _set_size(fd: int, rows: int, cols: int) -> None:
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+def _set_size(fd: int, cols: int, rows: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))  # struct winsize: rows first
 
 
 def _make_controlling_tty() -> None:
@@ -58,7 +58,7 @@ def _default_shell(user: object) -> list[str]:
 
 
 def op_pty(stream: Stream, args: dict[str, Any], data: bytes) -> None:
-    """Open a terminal. Host frames: DATA = keyboard input, EVENT {"rows","cols"} = resize, EVENT
+    """Open a terminal. Host frames: DATA = keyboard input, EVENT {"cols","rows"} = resize, EVENT
     {"signal": N} = signal the terminal's process group (the exit is still reported), END = ^D.
 
     Guest frames: EVENT {"pid"} once started, DATA = terminal output, RESULT with the exit status.
@@ -66,13 +66,13 @@ def op_pty(stream: Stream, args: dict[str, Any], data: bytes) -> None:
     """
     if args.get("cmd") is None:
         args = dict(args, cmd=_default_shell(args.get("user")))
-    rows = _size(args, "rows", 24)
     cols = _size(args, "cols", 80)
+    rows = _size(args, "rows", 24)
     spec = parse_command(args)
     spec.env.setdefault("TERM", "xterm-256color")
     master, slave = os.openpty()
     try:
-        _set_size(slave, rows, cols)
+        _set_size(slave, cols, rows)
         os.set_inheritable(slave, False)
         proc = spawn(spec, stdin=slave, stdout=slave, stderr=slave, preexec=_make_controlling_tty)
     except BaseException:
@@ -137,11 +137,11 @@ def _input(stream: Stream, master: int, proc: subprocess.Popen[bytes]) -> None:
                 if isinstance(sig, int) and not isinstance(sig, bool) and 0 < sig < signal.NSIG:
                     killpg(proc.pid, sig)
             elif frame.kind == Kind.EVENT:
-                rows, cols = frame.meta.get("rows"), frame.meta.get("cols")
-                if (isinstance(rows, int) and isinstance(cols, int)
-                        and 0 < rows <= 10000 and 0 < cols <= 10000):
+                cols, rows = frame.meta.get("cols"), frame.meta.get("rows")
+                if (isinstance(cols, int) and isinstance(rows, int)
+                        and 0 < cols <= 10000 and 0 < rows <= 10000):
                     with contextlib.suppress(OSError):
-                        _set_size(master, rows, cols)
+                        _set_size(master, cols, rows)
             elif frame.kind == Kind.END:
                 with contextlib.suppress(OSError):
                     os.write(master, b"\x04")

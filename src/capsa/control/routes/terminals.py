@@ -27,7 +27,7 @@ from capsa.common.terminal_wire import (
     TerminalOptions,
     error_message,
     exit_message,
-    parse_client_message,
+    follow_control,
     started_message,
 )
 from capsa.control import audit_trail
@@ -99,16 +99,8 @@ async def relay(websocket: WebSocket, term: TerminalClient) -> None:
     """Client BINARY/resize/kill -> the node's terminal; its output, then ``exit`` and close 1000, back; a
     failure closes 1011 after an ``error`` message when it is a capsa error (others are logged)."""
 
-    async def to_terminal(data: bytes) -> None:
-        if data:
-            await term.send(data)
-
     async def control(text: str) -> None:
-        kind, cols, rows = parse_client_message(text)
-        if kind == "resize":
-            await term.resize(cols, rows)
-        elif kind == "kill":
-            await term.kill()
+        await follow_control(text, resize=term.resize, kill=term.kill)
 
     async def output() -> AsyncIterator[bytes | str]:
         while (chunk := await term.recv()) is not None:
@@ -119,5 +111,5 @@ async def relay(websocket: WebSocket, term: TerminalClient) -> None:
     def failure(exc: BaseException) -> str | None:
         return error_message(exc.status, exc.code, exc.message) if isinstance(exc, CapsaError) else None
 
-    await ws_relay.relay(websocket, output(), on_bytes=to_terminal, on_text=control, failure_text=failure,
+    await ws_relay.relay(websocket, output(), on_bytes=term.send, on_text=control, failure_text=failure,
                          quiet=(CapsaError, *ws_relay.QUIET_FAILURES), what="terminal relay")

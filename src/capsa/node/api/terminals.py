@@ -21,7 +21,7 @@ from capsa.common.terminal_wire import (
     TerminalOptions,
     error_message,
     exit_message,
-    parse_client_message,
+    follow_control,
     started_message,
 )
 from capsa.node.agent import NodeAgent
@@ -69,11 +69,7 @@ async def relay_terminal(websocket: WebSocket, pty: PtyHandle) -> None:
             await pty.write(data)
 
     async def control(text: str) -> None:
-        kind, cols, rows = parse_client_message(text)
-        if kind == "resize":
-            await pty.resize(cols, rows)
-        elif kind == "kill":
-            await pty.send_signal(signal.SIGKILL)
+        await follow_control(text, resize=pty.resize, kill=lambda: pty.send_signal(signal.SIGKILL))
 
     async def output() -> AsyncIterator[bytes | str]:
         async for chunk in pty.read():

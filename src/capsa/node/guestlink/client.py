@@ -247,7 +247,7 @@ class GuestClient(GuestConnection):
     async def pty_open(self, cmd: str | Sequence[str] | None = None, cols: int = 80, rows: int = 24,
                        env: dict[str, str] | None = None, *, cwd: str | None = None,
                        user: str | int | None = None) -> PtyHandle:
-        args = {"cmd": cmd if cmd is None or isinstance(cmd, str) else list(cmd), "rows": rows, "cols": cols,
+        args = {"cmd": cmd if cmd is None or isinstance(cmd, str) else list(cmd), "cols": cols, "rows": rows,
                 "env": env, "cwd": cwd, "user": user}
         return await self._open_handle(
             "pty_open", args, started="started", seconds=self.deadlines.idle,

@@ -32,7 +32,7 @@ class PtyHandle:
             raise GuestError("bad_request", "the terminal has exited")
 
     async def resize(self, cols: int, rows: int) -> None:
-        await self._link.send(Kind.EVENT, self._stream.id, {"rows": rows, "cols": cols})
+        await self._link.send(Kind.EVENT, self._stream.id, {"cols": cols, "rows": rows})
 
     async def send_signal(self, sig: int) -> None:
         """Signal the terminal's process group; the exit comes through :meth:`read` as usual."""
