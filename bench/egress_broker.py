@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support: StaticResolver
 
 from harness import memory_kib, summary, write_results
 
@@ -76,10 +77,11 @@ def upstream_process(conn: Connection, ca_dir: str) -> None:
 # --- broker process ---------------------------------------------------------------------------------
 
 async def _broker_main(conn: Connection, ca_dir: str, http_port: int, https_port: int) -> None:
+    from tests.support.resolvers import StaticResolver
+
     from capsa.common.egress_policy import EgressPolicy
     from capsa.node.egress.audit import EgressEvent
     from capsa.node.egress.broker import EgressBroker
-    from capsa.node.egress.dns import StaticResolver
     from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
     from capsa.node.net.sandbox_net import ServicePorts
 

@@ -25,13 +25,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support: StaticResolver
+
+from tests.support.resolvers import StaticResolver
 
 from capsa.common.connection_wire import ConnectionTokenOut
 from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress.audit import ListSink
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.ca import SandboxCA
-from capsa.node.egress.dns import StaticResolver
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.tokens import ConnectionTokens
 from capsa.node.net.sandbox_net import ServicePorts

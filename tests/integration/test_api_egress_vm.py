@@ -29,7 +29,6 @@ from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker
-from capsa.node.egress.dns import DnsResolver
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import EgressService
@@ -38,6 +37,7 @@ from capsa.node.runtime.base import SandboxState
 from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
 from tests.support.api_stack import ApiStack
 from tests.support.outside import outside_world
+from tests.support.resolvers import DnsResolver
 from tests.support.scan import file_contains, memory_contains
 from tests.support.waits import eventually
 

@@ -23,7 +23,6 @@ from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker
-from capsa.node.egress.dns import DnsResolver
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import EgressService
@@ -32,6 +31,7 @@ from capsa.node.net.sandbox_net import NetworkManager
 from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
 from tests.support.api_stack import ApiStack
 from tests.support.oauth_server import CLIENT_ID, CLIENT_SECRET, oauth_world
+from tests.support.resolvers import DnsResolver
 from tests.support.scan import file_contains, memory_contains
 
 pytestmark = [

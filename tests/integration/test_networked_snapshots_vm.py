@@ -38,7 +38,6 @@ from capsa.common.settings import Settings
 from capsa.node.agent import NodeAgent, SandboxRecord
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker
-from capsa.node.egress.dns import DnsResolver
 from capsa.node.egress.node_egress import EgressRequest, NodeEgress
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import EgressService
@@ -57,6 +56,7 @@ from tests.support.outside import (
     outside_world,
     world_policy,
 )
+from tests.support.resolvers import DnsResolver
 
 pytestmark = [
     pytest.mark.vm,

@@ -29,7 +29,6 @@ from capsa.common.settings import Settings
 from capsa.node.agent import NodeAgent, SandboxRecord
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker
-from capsa.node.egress.dns import DnsResolver
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import EgressService
@@ -38,6 +37,7 @@ from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.sources import NET_TEMPLATE, NET_TEMPLATE_MAC, TemplateSource
 from capsa.node.storage import StoragePool, StorageSettings
 from tests.support.outside import OTHER_ID, OTHER_SECRET, SECRET, SECRET_ID, outside_world, world_policy
+from tests.support.resolvers import DnsResolver
 
 pytestmark = [
     pytest.mark.vm,

@@ -102,7 +102,8 @@ async def paused(runtime: QemuRuntime, spec: VMSpec) -> AsyncIterator[tuple[Snap
         await sb.guest.write_file("/root/note.txt", b"written before the pause\n")
         proc = await sb.guest.start_process(["sh", "-c", COUNTER])
         before = await _counter_past(sb, 3)
-        snap = await runtime.pause(sb)
+        snap = await runtime.snapshot(sb, resume=False)  # a pause: snapshot, then destroy
+        await runtime.destroy(sb)
         assert sb.state is SandboxState.DESTROYED
     finally:
         await runtime.destroy(sb)

@@ -31,11 +31,11 @@ from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress.audit import ListSink
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.ca import SandboxCA
-from capsa.node.egress.dns import StaticResolver
 from capsa.node.egress.limits import BrokerLimits
 from capsa.node.egress.sandboxes import SandboxEgress
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.net.sandbox_net import ServicePorts
+from tests.support.resolvers import StaticResolver
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -31,13 +31,13 @@ from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress.audit import ListSink
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.ca import SandboxCA
-from capsa.node.egress.dns import StaticResolver
 from capsa.node.egress.internal_networks import InternalNetworks
 from capsa.node.egress.sandboxes import SandboxEgress
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.net.sandbox_net import ServicePorts
 from tests.support.connect_proxy import ConnectProxy
 from tests.support.h11_server import Answer, h11_handler
+from tests.support.resolvers import StaticResolver
 
 pytestmark = pytest.mark.timeout(120)
 

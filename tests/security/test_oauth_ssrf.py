@@ -22,10 +22,10 @@ import h11
 import httpx
 import pytest
 
-from capsa.node.egress.dns import StaticResolver
 from tests.support.api_stack import ApiStack
 from tests.support.h11_server import Answer, h11_handler
 from tests.support.problems import assert_problem
+from tests.support.resolvers import StaticResolver
 
 pytestmark = pytest.mark.timeout(120)
 

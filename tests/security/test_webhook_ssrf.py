@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import h11
 import pytest
 
-from capsa.common.destinations import StaticResolver
 from capsa.common.egress_policy import EgressPolicy
 from capsa.common.webhook_signature import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
 from capsa.node.egress.audit import ListSink
@@ -35,6 +34,7 @@ from capsa.node.net.sandbox_net import ServicePorts
 from tests.support.api_stack import ApiStack
 from tests.support.h11_server import Answer, h11_handler
 from tests.support.problems import assert_problem
+from tests.support.resolvers import StaticResolver
 
 pytestmark = pytest.mark.timeout(120)
 

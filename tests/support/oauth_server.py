@@ -45,8 +45,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from capsa.node.egress.dns import DnsServerProtocol, static_dns_handler
+from capsa.node.egress.dns import DnsServerProtocol
 from capsa.node.net.nsexec import open_listener
+from tests.support.resolvers import static_dns_handler
 
 __all__ = ["CLIENT_ID", "CLIENT_SECRET", "OAuthLab", "OAuthWorld", "oauth_world", "start_oauth_server"]
 

@@ -28,9 +28,10 @@ from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress.audit import ListSink
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.ca import SandboxCA
-from capsa.node.egress.dns import DnsResolver, DnsServerProtocol, static_dns_handler
+from capsa.node.egress.dns import DnsServerProtocol
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.net.nsexec import open_listener
+from tests.support.resolvers import DnsResolver, static_dns_handler
 
 __all__ = ["OTHER_ID", "OTHER_SECRET", "SECRET", "SECRET_ID", "World", "outside_world", "world_policy"]
 

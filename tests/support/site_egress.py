@@ -13,7 +13,6 @@ from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker
-from capsa.node.egress.dns import DnsResolver
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import EgressService
@@ -24,6 +23,7 @@ from capsa.node.storage import StoragePool
 from capsa.node.template_cache import TemplateCache
 from tests.support.api_stack import ApiStack
 from tests.support.outside import World
+from tests.support.resolvers import DnsResolver
 
 __all__ = ["site_egress", "template_stack"]
 

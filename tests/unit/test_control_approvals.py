@@ -22,13 +22,13 @@ from fastapi import FastAPI, Request
 
 from capsa.cli.main import cli
 from capsa.common.egress_policy import EgressPolicy
-from capsa.node.egress.dns import StaticResolver
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.net.sandbox_net import ServicePorts
 from capsa.sdk import ApprovalInfo, AsyncClient, InvalidState, NotFound
 from tests.support.api_stack import ApiStack, serve_app
 from tests.support.h11_server import Answer, h11_handler
 from tests.support.problems import assert_problem
+from tests.support.resolvers import StaticResolver
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,11 +20,11 @@ from capsa.common.errors import CapsaError
 from capsa.node.egress.approvals import Approval
 from capsa.node.egress.audit import ListSink
 from capsa.node.egress.broker import EgressBroker
-from capsa.node.egress.dns import StaticResolver
 from capsa.node.egress.sandboxes import SandboxEgress
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.net.sandbox_net import ServicePorts
 from tests.support.h11_server import Answer, h11_handler
+from tests.support.resolvers import StaticResolver
 
 pytestmark = pytest.mark.timeout(60)
 

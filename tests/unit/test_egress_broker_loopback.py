@@ -19,10 +19,10 @@ from capsa.node.egress import dnswire
 from capsa.node.egress.audit import EgressEvent, ListSink
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.ca import SandboxCA
-from capsa.node.egress.dns import StaticResolver
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.net.sandbox_net import ServicePorts
 from tests.support.h11_server import Answer, h11_handler
+from tests.support.resolvers import StaticResolver
 
 ANY_PORTS = ServicePorts(http=0, tls=0, proxy=0, dns=0)
 

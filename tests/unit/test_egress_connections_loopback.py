@@ -23,11 +23,11 @@ from capsa.common.errors import CapsaError
 from capsa.node.egress.audit import ListSink
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.ca import SandboxCA
-from capsa.node.egress.dns import StaticResolver
 from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.tokens import ConnectionTokens
 from capsa.node.net.sandbox_net import ServicePorts
 from tests.support.h11_server import Answer, h11_handler
+from tests.support.resolvers import StaticResolver
 
 PORTS = ServicePorts(http=0, tls=0, proxy=0, dns=0)
 CONN = "con_" + "a" * 20

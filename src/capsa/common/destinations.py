@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from capsa.common.addresses import IPNetwork, is_ip_literal, is_public_address
@@ -22,7 +22,6 @@ __all__ = [
     "DestinationRefused",
     "ResolveError",
     "Resolver",
-    "StaticResolver",
     "SystemResolver",
     "screen_host",
 ]
@@ -61,19 +60,6 @@ class SystemResolver:
             if addr not in out:
                 out.append(addr)
         return out
-
-
-class StaticResolver:
-    """Answers from a fixed table (names a test plays the outside world with)."""
-
-    def __init__(self, records: Mapping[str, Sequence[str]]) -> None:
-        self.records = {k.lower(): list(v) for k, v in records.items()}
-
-    async def resolve(self, host: str) -> list[str]:
-        found = self.records.get(host.lower())
-        if not found:
-            raise ResolveError(f"cannot resolve {host}")
-        return list(found)
 
 
 async def screen_host(host: str, resolver: Resolver, allow_networks: Sequence[IPNetwork] = ()) -> str:

@@ -29,6 +29,7 @@ import ipaddress
 import ssl
 from collections.abc import Mapping, Sequence
 
+from capsa.common.destinations import Resolver, SystemResolver
 from capsa.common.egress_networks import UpstreamProxy
 from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
@@ -36,7 +37,6 @@ from capsa.node.egress.approval_hold import ApprovalHolds, approval_event
 from capsa.node.egress.approvals import ApprovalBook
 from capsa.node.egress.audit import AuditSink, emit_safely
 from capsa.node.egress.ca import SandboxCA
-from capsa.node.egress.dns import Resolver, SystemResolver
 from capsa.node.egress.injection import Credentials
 from capsa.node.egress.internal_networks import InternalNetworks
 from capsa.node.egress.limits import BrokerLimits, ByteBudget

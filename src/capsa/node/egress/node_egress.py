@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from capsa.common.destinations import Resolver, SystemResolver
 from capsa.common.egress_networks import IPNetwork, UpstreamProxy
 from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
@@ -22,7 +23,6 @@ from capsa.common.ids import new_id
 from capsa.node.egress.approvals import ApprovalBook
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker
-from capsa.node.egress.dns import Resolver, SystemResolver
 from capsa.node.egress.internal_networks import InternalNetworks
 from capsa.node.egress.limits import raise_nofile
 from capsa.node.egress.sandboxes import PolicyUpdate

@@ -97,10 +97,6 @@ class InMemorySecretStore:
             raise SecretError("a secret value cannot be empty", code="invalid_secret", status=422)
         self._blobs[secret_id] = self.box.encrypt(secret_id, value)
 
-    def put_encrypted(self, secret_id: str, blob: bytes) -> None:
-        self.box.decrypt(secret_id, blob)  # refuse blobs this node could never use
-        self._blobs[secret_id] = blob
-
     def delete(self, secret_id: str) -> None:
         self._blobs.pop(secret_id, None)
 

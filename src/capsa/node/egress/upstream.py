@@ -18,9 +18,8 @@ from collections.abc import Callable
 import h11
 
 from capsa.common.addresses import is_public_address
-from capsa.common.destinations import DestinationRefused, screen_host
+from capsa.common.destinations import DestinationRefused, ResolveError, Resolver, screen_host
 from capsa.common.egress_networks import IPNetwork, UpstreamProxy
-from capsa.node.egress.dns import ResolveError, Resolver
 from capsa.node.egress.http1 import STREAM_LIMIT, Deny, next_event
 from capsa.node.egress.internal_networks import InternalNetworks
 from capsa.node.egress.upstream_proxy import ProxyAddresses, ProxyRefused, open_tunnel

@@ -17,8 +17,8 @@ import time
 
 import h11
 
+from capsa.common.destinations import ResolveError, SystemResolver
 from capsa.common.egress_networks import UpstreamProxy
-from capsa.node.egress.dns import ResolveError, SystemResolver
 
 __all__ = ["ProxyAddresses", "ProxyRefused", "open_tunnel"]
 

@@ -440,13 +440,6 @@ class QemuRuntime:
                 await sandbox.guest.set_clock()
         return Snapshot(dest, manifest)
 
-    async def pause(self, sandbox: Sandbox, dest: Path | str | None = None, *,
-                    labels: dict[str, str] | None = None) -> Snapshot:
-        """Snapshot the sandbox and destroy it: the session's state lives on only in the snapshot."""
-        snap = await self.snapshot(sandbox, dest, resume=False, labels=labels)
-        await self.destroy(sandbox)
-        return snap
-
     async def restore(self, snapshot: Snapshot | Path | str, spec: VMSpec, *, sandbox_id: str | None = None,
                       ram_mode: RamMode = RamMode.COPY, refresh: bool = True) -> QemuSandbox:
         """A new running sandbox from ``snapshot``. ``refresh=False`` skips the reseed and clock (tests)."""
