@@ -1,7 +1,7 @@
 """Creation paths benchmark: warm pool vs restore on demand vs cold boot; pause/resume; branch; density.
 
-Drives the node agent (:class:`capsa.node.agent.NodeAgent` with a ``TemplateSource``) directly, with real QEMU
-microvms (TCG on hosts without hardware virtualization) on a btrfs loop pool in a temporary state
+Drives the node agent (:class:`capsa.node.agent.agent.NodeAgent` with a ``TemplateSource``) directly, with
+real QEMU microvms (TCG on hosts without hardware virtualization) on a btrfs loop pool in a temporary state
 directory that is removed afterwards. Prints a table and writes JSON::
 
     .venv/bin/python bench/create_paths.py [--n 20] [--cold 5] [--out bench/results/create_paths.json]
@@ -33,11 +33,12 @@ from typing import Any
 from capsa.common.ids import new_id
 from capsa.common.settings import Settings
 from capsa.images import ensure_image
-from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
-from capsa.node.sources import TemplateSource
 from capsa.node.storage import StoragePool, StorageSettings
+from capsa.node.templates.source import TemplateSource
 from harness import host_facts, memory_kib, summary, write_results
 
 

@@ -141,10 +141,10 @@ async def _pool_filled(source: Any, template: str) -> None:
 async def _create_with_policy(n: int) -> dict[str, Any]:
     from capsa.common.settings import Settings
     from capsa.images import ensure_image
-    from capsa.node.agent import NodeAgent
+    from capsa.node.agent.agent import NodeAgent
     from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
-    from capsa.node.sources import NET_TEMPLATE, TemplateSource
     from capsa.node.storage import StoragePool, StorageSettings
+    from capsa.node.templates.source import NET_TEMPLATE, TemplateSource
 
     state = Path(tempfile.mkdtemp(prefix="cec-", dir="/var/tmp"))
     os.chmod(state, 0o711)

@@ -34,11 +34,11 @@ import capsa.control.deps as deps
 import capsa.control.nodeclient as nodeclient
 import capsa.control.routes.commands as commands_routes
 import capsa.control.sessions as control_sessions
-import capsa.node.agent as agent
+import capsa.node.agent.agent as agent
 import capsa.node.guestlink.client as guest_client
 import capsa.node.guestlink.facade as guest_facade
-import capsa.node.sources as sources
-import capsa.node.warm_pool as warm_pool
+import capsa.node.guestlink.identity as identity
+import capsa.node.templates.source as sources
 import capsa.serve as serve_module
 from capsa.sdk import AsyncSession
 from harness import host_facts, pool_settled, summary, write_results
@@ -109,7 +109,7 @@ def _instrument() -> None:
             (nodeclient.NodeClient, "create_sandbox", "create: node call (in-process)"),
             (agent.NodeAgent, "create", "create: node agent create"),
             (sources.TemplateSource, "make", "create: template source make (pool take + bind)"),
-            (warm_pool, "bind_identity", "create: identity bind (reseed, clock, hostname)")):
+            (identity, "bind_identity", "create: identity bind (reseed, clock, hostname)")):
         setattr(owner, name, _timed(label, getattr(owner, name)))
     create_app = serve_module.__dict__["create_app"]
     setattr(serve_module, "create_app", lambda *a, **k: _TimedApp(create_app(*a, **k)))  # noqa: B010

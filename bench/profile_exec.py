@@ -43,13 +43,14 @@ from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.images import ensure_image
 from capsa.images.build import image_from_manifest, load_manifest
-from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.guestlink.client import GuestClient
 from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
-from capsa.node.sources import TemplateSource
 from capsa.node.storage import StoragePool, StorageSettings
-from capsa.node.template_cache import TemplateCache
+from capsa.node.templates.cache import TemplateCache
+from capsa.node.templates.source import TemplateSource
 from harness import host_facts, write_results
 
 __all__ = ["main"]

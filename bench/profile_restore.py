@@ -4,7 +4,7 @@ translation QEMU must redo in every new process.
     .venv/bin/python bench/profile_restore.py [--restores 8] [--accel auto] [--kernel-arg ARG ...]
                                               [--out bench/results/profile_restore.json]
 
-Boots one VM with the node's driver, runs the template warm-up (``capsa.node.templates.warm_up``, two
+Boots one VM with the node's driver, runs the template warm-up (``capsa.node.templates.store.warm_up``, two
 rounds, as a template build does), snapshots it with its RAM in a file (as templates are) and restores it
 ``--restores`` times, RAM mapped as sessions' are by default (``RamMode.COPY``). For each restore:
 
@@ -45,7 +45,7 @@ from capsa.images import ensure_image
 from capsa.node.runtime.base import RamMode, VMSpec
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.storage import StoragePool, StorageSettings
-from capsa.node.templates import warm_up
+from capsa.node.templates.store import warm_up
 from harness import host_facts, summary, write_results
 
 __all__ = ["main"]

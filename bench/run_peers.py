@@ -36,11 +36,12 @@ from rich.table import Table
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.images import ensure_image
-from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
-from capsa.node.sources import TemplateSource
 from capsa.node.storage import StoragePool, StorageSettings
+from capsa.node.templates.source import TemplateSource
 from create_paths import _cold, _creates
 from harness import host_facts, summary, write_results
 from peers.gvisor import measure_runsc

@@ -19,7 +19,8 @@ SPEC = ROOT / "spec"
 def documents() -> dict[str, dict[str, Any]]:
     from capsa.common.image import GuestImage
     from capsa.control.app import create_app
-    from capsa.node.agent import NodeAgent, NodeCapacity
+    from capsa.node.agent.agent import NodeAgent
+    from capsa.node.agent.capacity import NodeCapacity
     from capsa.node.api.app import create_node_app
 
     class _NoRuntime:  # the schema does not depend on the runtime; nothing is ever booted here

@@ -32,8 +32,8 @@ from capsa.control.secretbox import ensure_key_file
 from capsa.control.settings import ControlSettings
 from capsa.frontends import build_app
 from capsa.node.daemon import NodeService
-from capsa.node.sources import TemplateSource
 from capsa.node.statedir import prepare_state_dir
+from capsa.node.templates.source import TemplateSource
 
 __all__ = ["LOCAL_NODE_ID", "LocalControlLink", "run"]
 

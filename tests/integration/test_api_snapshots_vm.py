@@ -27,11 +27,12 @@ from capsa.common.settings import Settings
 from capsa.control.keys import generate_key
 from capsa.control.settings import ControlSettings
 from capsa.frontends import build_app
-from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.api.app import create_node_app
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
-from capsa.node.sources import TemplateSource
 from capsa.node.storage import StoragePool
+from capsa.node.templates.source import TemplateSource
 from tests.support.api_stack import Replica, serve_app
 
 pytestmark = [

@@ -26,7 +26,8 @@ import pytest
 from capsa.common.errors import CapsaError
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
-from capsa.node.agent import NodeAgent, SandboxRecord
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.sandboxes import SandboxRecord
 from capsa.node.egress.audit_log import AuditLog
 from capsa.node.egress.broker import EgressBroker
 from capsa.node.egress.node_egress import NodeEgress
@@ -34,8 +35,9 @@ from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import EgressService
 from capsa.node.net.sandbox_net import NetworkManager
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
-from capsa.node.sources import NET_TEMPLATE, NET_TEMPLATE_MAC, TemplateSource
 from capsa.node.storage import StoragePool, StorageSettings
+from capsa.node.templates.source import NET_TEMPLATE, TemplateSource
+from capsa.node.templates.store import NET_TEMPLATE_MAC
 from tests.support.outside import OTHER_ID, OTHER_SECRET, SECRET, SECRET_ID, outside_world, world_policy
 from tests.support.resolvers import DnsResolver
 

@@ -23,12 +23,12 @@ from capsa.cli.main import cli
 from capsa.common.ids import new_id
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
-from capsa.node.agent import NodeAgent
+from capsa.node.agent.agent import NodeAgent
 from capsa.node.api.app import create_node_app
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
-from capsa.node.sources import TemplateSource
 from capsa.node.storage import StoragePool
-from capsa.node.template_build import build_template, load_spec
+from capsa.node.templates.build import build_template, load_spec
+from capsa.node.templates.source import TemplateSource
 from tests.support.waits import eventually
 
 pytestmark = [

@@ -20,11 +20,11 @@ import pytest_asyncio
 
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
+from capsa.node.agent.snapshots import Snapshots
 from capsa.node.runtime.base import LABEL_PRIVATE_RAM, BootError, SandboxState, VMSpec
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.runtime.snapshot.manifest import Snapshot, write_manifest
 from capsa.node.runtime.snapshot.mechanics import RamMode, SnapshotError
-from capsa.node.snapshots import Snapshots
 from capsa.node.storage import StoragePool, StorageSettings
 from tests.support.waits import eventually
 

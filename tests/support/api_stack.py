@@ -30,16 +30,17 @@ from capsa.control.keys import generate_key
 from capsa.control.plane import ControlPlane
 from capsa.control.settings import ControlSettings
 from capsa.frontends import build_app
-from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
+from capsa.node.agent.snapshots import Snapshots
 from capsa.node.assembly import NodeParts, assemble_node
 from capsa.node.daemon import IDENTITY_FILE, ControlLinkError, HttpControlLink, NodeIdentity, NodeService
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.trust_store import TrustStore
-from capsa.node.runtime.base import Runtime, SnapshotCapable
-from capsa.node.snapshots import Snapshots, SnapshottingRuntime
-from capsa.node.sources import ColdBootSource, SandboxSource
+from capsa.node.guestlink.identity import bind_sandbox
+from capsa.node.runtime.base import Runtime, SnapshotCapable, SnapshottingRuntime
 from capsa.node.storage.floor import SpaceFloor
-from capsa.node.warm_pool import bind_sandbox
+from capsa.node.templates.source import ColdBootSource, SandboxSource
 from tests.support.fake_runtime import FakeRuntime
 
 __all__ = ["ApiStack", "Replica", "serve_app"]

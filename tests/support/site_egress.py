@@ -18,9 +18,9 @@ from capsa.node.egress.secrets import InMemorySecretStore, SecretBox
 from capsa.node.egress.service import EgressService
 from capsa.node.net.sandbox_net import NetworkManager
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
-from capsa.node.sources import NET_TEMPLATE, TemplateSource
 from capsa.node.storage import StoragePool
-from capsa.node.template_cache import TemplateCache
+from capsa.node.templates.cache import TemplateCache
+from capsa.node.templates.source import NET_TEMPLATE, TemplateSource
 from tests.support.api_stack import ApiStack
 from tests.support.outside import World
 from tests.support.resolvers import DnsResolver

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.api.app import create_node_app
 from tests.support.api_stack import ApiStack, serve_app
 from tests.support.fake_runtime import FakeRuntime, fake_image

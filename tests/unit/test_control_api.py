@@ -417,7 +417,7 @@ async def test_dead_sandbox_fails_session(stack: ApiStack) -> None:
 
 
 async def test_no_capacity_and_unknown_template(make_stack: Any) -> None:
-    from capsa.node.agent import NodeCapacity
+    from capsa.node.agent.capacity import NodeCapacity
 
     stack: ApiStack = await make_stack(capacity=NodeCapacity(memory_mib=1024, vcpus=4, max_sandboxes=1))
     key = await stack.tenant_key("acme")
@@ -660,9 +660,10 @@ async def test_ndjson_output_arrives_while_the_command_runs(stack: ApiStack) -> 
 
 
 async def test_placement_picks_the_node_with_most_free_memory(make_stack: Any, tmp_path: Any) -> None:
-    from capsa.node.agent import NodeAgent, NodeCapacity
+    from capsa.node.agent.agent import NodeAgent
+    from capsa.node.agent.capacity import NodeCapacity
     from capsa.node.api.app import create_node_app
-    from capsa.node.sources import ColdBootSource
+    from capsa.node.templates.source import ColdBootSource
     from tests.support.api_stack import serve_app
     from tests.support.fake_runtime import FakeRuntime, fake_image
 

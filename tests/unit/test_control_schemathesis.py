@@ -18,7 +18,7 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from capsa.node.agent import NodeCapacity
+from capsa.node.agent.capacity import NodeCapacity
 from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime, fake_image
 

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from capsa.common.ids import new_id
-from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.api.app import create_node_app
 from tests.support.api_stack import Replica, serve_app
 from tests.support.fake_runtime import FakeRuntime, fake_image

@@ -27,7 +27,8 @@ from capsa.common.node_api import (
     ProcessStart,
 )
 from capsa.control.nodeclient import NodeClient, NodeClientPool, NodeError
-from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.api.app import create_node_app
 from capsa.node.api.errors import STATUS
 from tests.support.fake_runtime import FakeRuntime, fake_image

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
-from capsa.node.capacity import (
+from capsa.node.agent.capacity import (
     MAX_SANDBOXES_CAP,
     CapacitySettings,
     NodeCapacity,
@@ -18,7 +18,7 @@ from capsa.node.capacity import (
     default_capacity,
     host_memory_mib,
 )
-from capsa.node.sandboxes import SandboxTable
+from capsa.node.agent.sandboxes import SandboxTable
 
 GIB = 1024
 

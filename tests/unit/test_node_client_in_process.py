@@ -18,7 +18,8 @@ from fastapi import FastAPI
 from capsa.common.ids import new_id
 from capsa.common.node_api import ExecFinished, ExecRequest
 from capsa.control.nodeclient import NodeClient, NodeClientPool, NodeError
-from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.api.app import create_node_app
 from tests.support.api_stack import Replica, serve_app
 from tests.support.fake_runtime import FakeRuntime, fake_image

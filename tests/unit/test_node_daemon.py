@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.assembly import NodeParts
 from capsa.node.daemon import IDENTITY_FILE, ControlLinkError, HttpControlLink, NodeService
 from tests.support.api_stack import ApiStack

@@ -16,7 +16,8 @@ import pytest_asyncio
 from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
-from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.egress.node_egress import NodeEgress
 from tests.support.fake_runtime import FakeRuntime, fake_image
 

@@ -23,13 +23,16 @@ from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
 from capsa.common.placeholders import new_placeholder
-from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
+from capsa.node.agent.snapshots import LABEL_NIC
 from capsa.node.egress.node_egress import EgressRequest, NodeEgress
 from capsa.node.egress.trust_store import TrustStore
 from capsa.node.guestlink.errors import GuestRefused, GuestUnavailable
+from capsa.node.guestlink.identity import hostname_for
 from capsa.node.runtime.base import Sandbox, VMSpec
-from capsa.node.snapshots import LABEL_NIC, hostname_for
-from capsa.node.sources import NET_TEMPLATE, NET_TEMPLATE_MAC, TemplateSource
+from capsa.node.templates.source import NET_TEMPLATE, TemplateSource
+from capsa.node.templates.store import NET_TEMPLATE_MAC
 from tests.support.fake_runtime import FakeRuntime, fake_image
 
 pytestmark = [

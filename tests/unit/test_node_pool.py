@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 
 from capsa.node.guestlink.identity import bind_identity
 from capsa.node.runtime.base import SandboxState
-from capsa.node.warm_pool import PoolKey, WarmPool
+from capsa.node.templates.warm_pool import PoolKey, WarmPool
 from tests.support.waits import eventually
 
 KEY: PoolKey = ("base", 256, 1)

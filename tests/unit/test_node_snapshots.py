@@ -16,9 +16,10 @@ import pytest
 
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
-from capsa.node.agent import NodeAgent, NodeCapacity
-from capsa.node.snapshots import Snapshots
-from capsa.node.sources import ColdBootSource, TemplateSource
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
+from capsa.node.agent.snapshots import Snapshots
+from capsa.node.templates.source import ColdBootSource, TemplateSource
 from tests.support.fake_runtime import FakeRuntime, fake_image
 
 pytestmark = [

@@ -14,9 +14,10 @@ import pytest
 
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
-from capsa.node import templates
-from capsa.node.agent import NodeAgent, NodeCapacity
-from capsa.node.sources import TemplateSource
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
+from capsa.node.templates import store
+from capsa.node.templates.source import TemplateSource
 from tests.support.fake_runtime import FakeRuntime, fake_image
 
 pytestmark = [pytest.mark.timeout(120),
@@ -28,7 +29,7 @@ _LOG = "/tmp/warm-log"
 
 @pytest.fixture
 def logged_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(templates, "WARM_UP_COMMANDS", (["true"], f"echo warm >> {_LOG}"))
+    monkeypatch.setattr(store, "WARM_UP_COMMANDS", (["true"], f"echo warm >> {_LOG}"))
 
 
 async def _lines(agent: NodeAgent, sid: str) -> int:
@@ -82,7 +83,7 @@ async def test_a_failing_warm_up_after_restore_fails_the_create_and_leaves_nothi
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runtime, _, agent = await _agent(tmp_path, pool_size=0)
     try:
-        monkeypatch.setattr(templates, "WARM_UP_COMMANDS", ("exit 3",))
+        monkeypatch.setattr(store, "WARM_UP_COMMANDS", ("exit 3",))
         with pytest.raises(CapsaError) as failed:
             await agent.create(new_id("sbx"), "base", 256, 1, {})
         assert failed.value.code == "sandbox_failed" and "exited with 3" in failed.value.message

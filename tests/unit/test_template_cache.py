@@ -13,15 +13,16 @@ from typing import Any
 import pytest
 
 from capsa.common.node_wire import HeartbeatOut, NodeHeartbeat, NodeRegister
-from capsa.node.agent import NodeAgent, NodeCapacity
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.assembly import NodeParts
 from capsa.node.daemon import NodeService
 from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.snapshot.manifest import DISK_FILE, RAM_FILE, SnapshotManifest
-from capsa.node.sources import TemplateSource
 from capsa.node.storage.pool import StoragePool, StorageSettings
-from capsa.node.template_cache import TemplateCache, entry_name
-from capsa.node.templates import BASE, TemplateStore
+from capsa.node.templates.cache import TemplateCache, entry_name
+from capsa.node.templates.source import TemplateSource
+from capsa.node.templates.store import BASE, TemplateStore
 from tests.support.fake_runtime import FakeRuntime, fake_image
 
 pytestmark = [pytest.mark.timeout(120),
@@ -82,7 +83,7 @@ async def test_a_fresh_node_imports_base_from_the_cache_instead_of_booting(tmp_p
 
 async def test_an_import_writes_copied_files_back_before_it_returns(tmp_path: Path, monkeypatch: Any) -> None:
     # btrfs writes a file's dirty pages back before reflinking it: the first restore must not pay that.
-    import capsa.node.template_cache as template_cache
+    import capsa.node.templates.cache as template_cache
     from capsa.node.storage import filecopy
 
     cache = TemplateCache(tmp_path / "cache")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from capsa.common.errors import CapsaError
-from capsa.node.template_build import load_spec, spec_record
+from capsa.node.templates.build import load_spec, spec_record
 
 
 def _write(tmp_path: Path, text: str) -> Path:

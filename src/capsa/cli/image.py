@@ -115,7 +115,7 @@ def _template_cache(console: Console, settings: Settings, img: GuestImage, memor
         console.print("[yellow]skipped[/] the base template cache: building it boots a VM as its own uid "
                       "(root only); nodes will build it on first start")
         return
-    from capsa.node.template_warm import warm_template_cache
+    from capsa.node.templates.warm import warm_template_cache
 
     started = time.monotonic()
     try:

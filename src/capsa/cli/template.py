@@ -25,7 +25,7 @@ from capsa.common.errors import CapsaError
 from capsa.common.settings import Settings
 
 if TYPE_CHECKING:
-    from capsa.node.templates import TemplateStore
+    from capsa.node.templates.store import TemplateStore
 
 __all__ = ["template"]
 
@@ -38,7 +38,7 @@ def _store(state_dir: Path | None, *, need_image: bool) -> Iterator[TemplateStor
     from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
     from capsa.node.storage.mounts import MountError
     from capsa.node.storage.pool import StoragePool
-    from capsa.node.templates import TemplateStore
+    from capsa.node.templates.store import TemplateStore
 
     settings = Settings(state_dir=state_dir) if state_dir is not None else Settings()
     image = ensure_image(settings) if need_image else find_image(settings)
@@ -95,7 +95,7 @@ def template() -> None:
 @_json_opt
 def build(spec_file: Path, state_dir: Path | None, as_json: bool) -> None:
     """Build a template from SPEC_FILE (YAML: name, base, apt, pip, files, commands, env)."""
-    from capsa.node.template_build import build_template, load_spec
+    from capsa.node.templates.build import build_template, load_spec
 
     console = Console(stderr=True)
     try:
@@ -106,8 +106,8 @@ def build(spec_file: Path, state_dir: Path | None, as_json: bool) -> None:
 
     async def _go() -> dict[str, Any]:
         from capsa.node.egress.node_egress import NodeEgress
-        from capsa.node.shipped import shipped_template
-        from capsa.node.template_cache import TemplateCache
+        from capsa.node.templates.cache import TemplateCache
+        from capsa.node.templates.shipped import shipped_template
 
         with _store(state_dir, need_image=True) as store:
             # A spec with network: true boots its build VM on a throwaway namespace (nothing leaves it).
@@ -152,7 +152,7 @@ def warm(names: tuple[str, ...], warm_all: bool, force: bool, as_json: bool) -> 
     restorable entry for each, so nodes import them instead of building them: NAMES of base, base-net,
     browser, desktop. Builds in a scratch node of its own; needs root."""
     from capsa.images.build import ensure_image
-    from capsa.node.template_warm import WarmResult, warm_templates, warmable_names
+    from capsa.node.templates.warm import WarmResult, warm_templates, warmable_names
 
     console = Console(stderr=True)
     chosen = warmable_names() if warm_all else list(dict.fromkeys(names))

@@ -17,18 +17,19 @@ from pathlib import Path
 from capsa.common.egress_networks import EgressNetworkSettings
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
-from capsa.node.agent import NodeAgent, NodeCapacity, snapshots_for
+from capsa.node.agent.agent import NodeAgent, snapshots_for
+from capsa.node.agent.capacity import NodeCapacity
+from capsa.node.agent.snapshots import Snapshots
 from capsa.node.egress.audit_log import AUDIT_FILE
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.trust_store import TrustStore
 from capsa.node.runtime.base import RamMode, Runtime
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
-from capsa.node.snapshots import Snapshots
-from capsa.node.sources import SandboxSource, TemplateSource
 from capsa.node.storage.floor import MiB, SpaceFloor
 from capsa.node.storage.pool import StoragePool, StorageSettings
-from capsa.node.template_cache import TemplateCache
-from capsa.node.warm_pool import PoolSettings
+from capsa.node.templates.cache import TemplateCache
+from capsa.node.templates.source import SandboxSource, TemplateSource
+from capsa.node.templates.warm_pool import PoolSettings
 
 __all__ = ["NodeParts", "assemble_node", "build_node", "netns_prefix"]
 
@@ -55,8 +56,8 @@ class NodeParts:
 
 async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> NodeParts:
     """The agent for ``settings.state_dir``: sessions come from template snapshots (warm pool or restore on
-    demand) on the node's storage pool (:class:`~capsa.node.sources.TemplateSource`), with the snapshots
-    part (the QEMU runtime can snapshot) keeping the pool's free-space floor
+    demand) on the node's storage pool (:class:`~capsa.node.templates.source.TemplateSource`), with the
+    snapshots part (the QEMU runtime can snapshot) keeping the pool's free-space floor
     (``CAPSA_STORAGE_MIN_FREE_MIB``). Removes what a previous process on this state dir left behind."""
     storage_settings = StorageSettings()
     storage = await asyncio.to_thread(StoragePool.from_settings, settings, storage_settings)

@@ -13,7 +13,7 @@ from capsa.common.errors import CapsaError
 from capsa.common.node_api import EXEC_EVENT
 from capsa.common.request_guard import BodyRule, RequestGuard
 from capsa.common.request_limits import COMMAND_BODY_BYTES, RequestLimits
-from capsa.node.agent import NodeAgent
+from capsa.node.agent.agent import NodeAgent
 from capsa.node.api import (
     approvals,
     commands,

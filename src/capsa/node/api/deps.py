@@ -10,7 +10,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from capsa.common.errors import CapsaError
 from capsa.common.node_api import GUEST_PATH_PATTERN
-from capsa.node.agent import NodeAgent
+from capsa.node.agent.agent import NodeAgent
 
 __all__ = ["Agent", "GuestPath", "bearer_matches", "require_node_token", "websocket_authorized"]
 

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Path, WebSocket
 from capsa.common import ws_relay
 from capsa.common.errors import CapsaError
 from capsa.common.port_tunnel import OK_MESSAGE, problem_message
-from capsa.node.agent import NodeAgent
+from capsa.node.agent.agent import NodeAgent
 from capsa.node.api.deps import websocket_authorized
 from capsa.node.api.errors import status_of
 from capsa.node.guestlink.errors import GuestError

@@ -6,7 +6,8 @@ from fastapi import APIRouter, Response
 
 from capsa.common.egress_policy import EgressPolicy
 from capsa.common.node_api import SandboxCreate, SandboxInfo, SandboxList
-from capsa.node.agent import NodeAgent, SandboxRecord
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.agent.sandboxes import SandboxRecord
 from capsa.node.api.deps import Agent
 
 __all__ = ["create_from", "router", "sandbox_info"]

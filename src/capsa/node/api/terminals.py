@@ -24,7 +24,7 @@ from capsa.common.terminal_wire import (
     follow_control,
     started_message,
 )
-from capsa.node.agent import NodeAgent
+from capsa.node.agent.agent import NodeAgent
 from capsa.node.api.deps import websocket_authorized
 from capsa.node.api.errors import status_of
 from capsa.node.guestlink.errors import GuestError

@@ -3,16 +3,22 @@
 Every restore of one snapshot starts with the same kernel CRNG state; without a forced reseed with host
 entropy two clones return identical ``os.urandom`` bytes (RECIPES.md), and the clock is stale by however
 long the snapshot sat on disk. :func:`refresh_guest` runs right after a restore; :func:`bind_identity`
-when a restored sandbox is handed to a session (the warm pool), with its hostname.
+when a restored sandbox is handed to a session (the warm pool), with its hostname; :func:`bind_sandbox` is
+that for a sandbox (the :data:`IdentityBinder` the template source and the snapshots part use), its
+hostname from the sandbox id (:func:`hostname_for`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-__all__ = ["GuestRefresher", "IdentityGuest", "bind_identity", "refresh_guest"]
+from capsa.node.runtime.base import Sandbox
+
+__all__ = ["GuestRefresher", "IdentityBinder", "IdentityGuest", "bind_identity", "bind_sandbox",
+           "hostname_for", "refresh_guest"]
 
 
 class GuestRefresher(Protocol):
@@ -46,3 +52,17 @@ async def bind_identity(guest: IdentityGuest, *, hostname: str | None) -> None:
     if hostname:
         calls.append(guest.set_hostname(hostname))
     await asyncio.gather(*calls)
+
+
+IdentityBinder = Callable[[Sandbox, str], Awaitable[None]]
+"""Gives a restored sandbox its identity (hostname given); :func:`bind_sandbox` for real guests."""
+
+
+async def bind_sandbox(sandbox: Sandbox, hostname: str) -> None:
+    """:func:`bind_identity` on the sandbox's guest."""
+    await bind_identity(sandbox.guest, hostname=hostname)
+
+
+def hostname_for(sandbox_id: str) -> str:
+    # Hostnames may not contain '_'.
+    return sandbox_id.replace("_", "-")

@@ -2,7 +2,8 @@
 
 The node agent only ever talks to a driver through these types; it never builds a QEMU command
 line or speaks QMP itself. A driver returns :class:`Sandbox` handles; the guest is reached through
-``sandbox.guest`` (a :class:`capsa.node.guestlink.client.GuestClient`).
+``sandbox.guest`` (a :class:`capsa.node.guestlink.client.GuestClient`). A driver that can also snapshot is a
+:class:`SnapshottingRuntime` (:class:`Runtime` and :class:`SnapshotCapable`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "SandboxFailed",
     "SandboxState",
     "SnapshotCapable",
+    "SnapshottingRuntime",
     "TapNetwork",
     "VMSpec",
 ]
@@ -69,7 +71,7 @@ class RamMode(enum.StrEnum):
 
 LABEL_PRIVATE_RAM = "capsa.ram"
 """Snapshot label (value ``private``) a runtime sets on a snapshot of a sandbox running in
-:attr:`RamMode.CLONE`, so that restoring it keeps the RAM private (``capsa.node.snapshots``)."""
+:attr:`RamMode.CLONE`, so that restoring it keeps the RAM private (``capsa.node.agent.snapshots``)."""
 
 
 class RuntimeError_(CapsaError):
@@ -244,3 +246,7 @@ class SnapshotCapable(Protocol):
         """Whether this runtime can restore ``snapshot`` as ``spec`` (same accelerator, QEMU and device
         layout, including a NIC with ``spec.network.mac``)."""
         ...
+
+
+class SnapshottingRuntime(Runtime, SnapshotCapable, Protocol):
+    """A VM driver that boots and snapshots (the QEMU runtime; the fast tests' fake runtime)."""

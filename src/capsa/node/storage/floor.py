@@ -4,8 +4,8 @@ is refused with ``storage_full`` (507) before it starts, instead of failing half
 Every tenant's snapshots, paused sessions and running sandboxes share one pool per node; without a floor,
 one tenant filling it makes every tenant's next write fail (a guest's disk, a pause, a restore). The floor
 is checked against an estimate of what the work may write (a snapshot or a restored sandbox: its RAM
-size; see :mod:`capsa.node.snapshots`), not against what it has written so far, so it is a margin and not
-an exact reservation: work checked at the same moment can pass together.
+size; see :mod:`capsa.node.agent.snapshots`), not against what it has written so far, so it is a margin and
+not an exact reservation: work checked at the same moment can pass together.
 """
 
 from __future__ import annotations

@@ -21,10 +21,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from capsa.node.guestlink.identity import bind_identity
 from capsa.node.runtime.base import Sandbox, SandboxState
 
-__all__ = ["IdentityBinder", "PoolKey", "PoolMetrics", "PoolSettings", "WarmPool", "bind_sandbox"]
+__all__ = ["PoolKey", "PoolMetrics", "PoolSettings", "WarmPool"]
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +46,6 @@ class PoolSettings(BaseSettings):
     size: int = Field(default=1, ge=0, le=64)
     sizes: dict[str, int] = Field(default_factory=dict)
     refill_delay: float = Field(default=1.0, ge=0, le=60)
-
-
-IdentityBinder = Callable[[Sandbox, str], Awaitable[None]]
-"""Gives a restored sandbox its identity (hostname given); :func:`bind_sandbox` for real guests."""
-
-
-async def bind_sandbox(sandbox: Sandbox, hostname: str) -> None:
-    """:func:`bind_identity` on the sandbox's guest."""
-    await bind_identity(sandbox.guest, hostname=hostname)
 
 
 class PoolMetrics:

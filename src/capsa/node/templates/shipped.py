@@ -1,5 +1,6 @@
-"""Template specs shipped with capsa (``templates/*.yaml`` in the repository links here), which a node
-builds on first use and caches beside the guest image keyed by the spec's content."""
+"""Template specs shipped with capsa (``specs/*.yaml`` beside this module; ``templates/*.yaml`` in the
+repository links there), which a node builds on first use and caches beside the guest image keyed by the
+spec's content."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from capsa.node.template_build import TemplateSpec, parse_spec, spec_record
+from capsa.node.templates.build import TemplateSpec, parse_spec, spec_record
 
 __all__ = ["ShippedTemplate", "shipped_names", "shipped_template"]
+
+_SPECS = resources.files("capsa.node.templates") / "specs"
 
 
 @dataclass(frozen=True)
@@ -31,14 +34,13 @@ class ShippedTemplate:
 
 
 def shipped_names() -> list[str]:
-    return sorted(p.name.removesuffix(".yaml") for p in resources.files(__name__).iterdir()
-                  if p.name.endswith(".yaml"))
+    return sorted(p.name.removesuffix(".yaml") for p in _SPECS.iterdir() if p.name.endswith(".yaml"))
 
 
 def shipped_template(name: str) -> ShippedTemplate | None:
     """The shipped spec named ``name``, or None."""
     if name not in shipped_names():
         return None
-    res = resources.files(__name__) / f"{name}.yaml"
+    res = _SPECS / f"{name}.yaml"
     spec, sources = parse_spec(res.read_text(encoding="utf-8"), Path(str(res)))
     return ShippedTemplate(spec, sources)

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from capsa.common.errors import CapsaError
 from capsa.common.ids import is_id
-from capsa.node.capacity import NodeCapacity, default_capacity
+from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.runtime.base import Sandbox, SandboxState
 
-__all__ = ["NodeCapacity", "SandboxRecord", "SandboxTable", "default_capacity"]
+__all__ = ["SandboxRecord", "SandboxTable"]
 
 log = logging.getLogger(__name__)
 

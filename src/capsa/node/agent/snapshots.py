@@ -1,9 +1,9 @@
 """The node's snapshots of session sandboxes (docs/node-snapshots.md): take, pause, restore, branch, list.
 
-:class:`Snapshots` is the node agent's part for a runtime that can snapshot (:class:`SnapshottingRuntime`:
-a :class:`~capsa.node.runtime.base.Runtime` that is also
-:class:`~capsa.node.runtime.base.SnapshotCapable`). It talks to the runtime and labels what it takes; the
-agent keeps the sandbox records and the capacity.
+:class:`Snapshots` is the node agent's part for a runtime that can snapshot
+(:class:`~capsa.node.runtime.base.SnapshottingRuntime`: a :class:`~capsa.node.runtime.base.Runtime` that is
+also :class:`~capsa.node.runtime.base.SnapshotCapable`). It talks to the runtime and labels what it takes;
+the agent keeps the sandbox records and the capacity.
 
 Snapshots of a sandbox carry their origin and retention in their manifest labels, so they survive a node
 restart: ``capsa.sandbox`` (the agent's sandbox id), ``capsa.retain`` ("1" or "0"),
@@ -22,15 +22,15 @@ import asyncio
 import builtins
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
 from capsa.common.image import GuestImage
-from capsa.node.runtime.base import LABEL_PRIVATE_RAM, RamMode, Runtime, Sandbox, SnapshotCapable, VMSpec
+from capsa.node.guestlink.identity import IdentityBinder, bind_sandbox, hostname_for
+from capsa.node.runtime.base import LABEL_PRIVATE_RAM, RamMode, Sandbox, SnapshottingRuntime, VMSpec
 from capsa.node.runtime.snapshot.manifest import Snapshot
 from capsa.node.storage.floor import MiB, SpaceFloor
-from capsa.node.warm_pool import IdentityBinder, bind_sandbox
 
 __all__ = [
     "LABEL_NIC",
@@ -39,9 +39,7 @@ __all__ = [
     "LABEL_TEMPLATE",
     "MAX_BRANCHES",
     "Snapshots",
-    "SnapshottingRuntime",
     "check_branch_count",
-    "hostname_for",
     "nic_mac_of",
     "snapshot_info",
 ]
@@ -56,15 +54,6 @@ LABEL_NIC = "capsa.nic_mac"
 needs a network, given that MAC (the guest kept the device)."""
 MAX_BRANCHES = 64
 _USER_LABEL_MAX = 32
-
-
-class SnapshottingRuntime(Runtime, SnapshotCapable, Protocol):
-    """A VM driver that boots and snapshots (the QEMU runtime; the fast tests' fake runtime)."""
-
-
-def hostname_for(sandbox_id: str) -> str:
-    # Hostnames may not contain '_'.
-    return sandbox_id.replace("_", "-")
 
 
 def snapshot_info(snap: Snapshot) -> dict[str, Any]:

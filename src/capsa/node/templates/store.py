@@ -4,9 +4,9 @@ A template lives in the storage pool as ``templates/tpl-<name>-m<MiB>c<vcpus>/``
 (the record below) and one snapshot directory. ``base`` is the node's guest image booted once and
 snapshotted; it is rebuilt whenever the image, the QEMU version or the QEMU device layout changes, because
 a snapshot from another layout cannot be restored. Custom templates are built from a :class:`TemplateSpec`
-by :mod:`capsa.node.template_build` and stored the same way. Only template builds ever cold-boot a VM.
+by :mod:`capsa.node.templates.build` and stored the same way. Only template builds ever cold-boot a VM.
 
-With a :class:`~capsa.node.template_cache.TemplateCache` (the node's image cache dir), node-built templates
+With a :class:`~capsa.node.templates.cache.TemplateCache` (the node's image cache dir), node-built templates
 (``base``, ``base-net``) are copied there once built and imported from there by a node that lacks them (a
 fresh state directory), keyed by image, QEMU version, device layout and size: no cold boot at all then.
 """
@@ -31,10 +31,9 @@ from typing import Any
 
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
-from capsa.node.runtime.base import GuestImage, RamMode, Sandbox, VMSpec
+from capsa.node.runtime.base import GuestImage, RamMode, Sandbox, SnapshottingRuntime, VMSpec
 from capsa.node.runtime.snapshot.manifest import Snapshot, SnapshotError
-from capsa.node.snapshots import SnapshottingRuntime
-from capsa.node.template_cache import TemplateCache
+from capsa.node.templates.cache import TemplateCache
 
 __all__ = [
     "BASE",

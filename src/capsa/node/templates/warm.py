@@ -21,11 +21,11 @@ from capsa.common.errors import CapsaError
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
-from capsa.node.shipped import shipped_names, shipped_template
-from capsa.node.sources import NET_TEMPLATE, TemplateSource, cache_key
 from capsa.node.storage.pool import StoragePool, StorageSettings
-from capsa.node.template_cache import TemplateCache
-from capsa.node.templates import BASE
+from capsa.node.templates.cache import TemplateCache
+from capsa.node.templates.shipped import shipped_names, shipped_template
+from capsa.node.templates.source import NET_TEMPLATE, TemplateSource, cache_key
+from capsa.node.templates.store import BASE
 
 __all__ = ["WarmResult", "warm_template_cache", "warm_templates", "warmable_names"]
 

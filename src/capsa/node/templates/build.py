@@ -5,7 +5,7 @@ The build VM has no network. Packages are fetched on the host:
 * apt: the host's apt resolves the packages against the *guest's* dpkg status file (a private
   ``Dir::State::status``) and downloads only what the guest lacks (kept in a cache beside the images). For
   a spec built on ``base`` they are installed on the host into a copy of the image's root filesystem
-  (:mod:`capsa.node.template_rootfs`: natively, minutes faster than under TCG) and the build VM cold-boots
+  (:mod:`capsa.node.templates.rootfs`: natively, minutes faster than under TCG) and the build VM cold-boots
   from that copy; on another template, the build VM restores it and installs them with ``dpkg -i``.
   Host and guest are the same Debian suite (bookworm).
 * pip: the host's pip downloads wheels for the guest's Python (3.11, manylinux x86_64, binary only) plus
@@ -46,8 +46,8 @@ from capsa.node.guestlink.identity import bind_identity
 from capsa.node.net.sandbox_net import SandboxNet
 from capsa.node.runtime.base import RamMode, Sandbox, VMSpec
 from capsa.node.storage.filecopy import copy_file
-from capsa.node.template_rootfs import download_debs, guest_dpkg_status, install_debs
-from capsa.node.templates import BASE, NET_TEMPLATE_MAC, Template, TemplateStore, check_template_name
+from capsa.node.templates.rootfs import download_debs, guest_dpkg_status, install_debs
+from capsa.node.templates.store import BASE, NET_TEMPLATE_MAC, Template, TemplateStore, check_template_name
 
 __all__ = ["BuildNetwork", "FileSpec", "TemplateBuildError", "TemplateSpec", "build_template", "load_spec",
            "parse_spec", "remove_stale_work", "spec_record"]

@@ -6,12 +6,12 @@ hands out a sandbox's guest (:class:`~capsa.node.guestlink.facade.SandboxGuest`)
 
 One class, made of parts (ARCHITECTURE.md, node agent):
 
-* a :class:`~capsa.node.sources.SandboxSource` makes session sandboxes: cold boot
-  (:class:`~capsa.node.sources.ColdBootSource`) or template snapshots with a warm pool
-  (:class:`~capsa.node.sources.TemplateSource`);
-* :class:`~capsa.node.snapshots.Snapshots`, present when the runtime can snapshot, takes, lists and
+* a :class:`~capsa.node.templates.source.SandboxSource` makes session sandboxes: cold boot
+  (:class:`~capsa.node.templates.source.ColdBootSource`) or template snapshots with a warm pool
+  (:class:`~capsa.node.templates.source.TemplateSource`);
+* :class:`~capsa.node.agent.snapshots.Snapshots`, present when the runtime can snapshot, takes, lists and
   restores snapshots of session sandboxes;
-* :class:`~capsa.node.sandboxes.SandboxTable` keeps the records and the capacity held by sandboxes being
+* :class:`~capsa.node.agent.sandboxes.SandboxTable` keeps the records and the capacity held by sandboxes being
   made, for every way a sandbox is made;
 * :class:`~capsa.node.egress.node_egress.NodeEgress`, when the node has one, gives sandboxes with a policy
   their network.
@@ -29,22 +29,29 @@ from typing import Any, Literal, cast
 
 from capsa.common.egress_policy import ApprovalScope, EgressPolicy
 from capsa.common.errors import CapsaError
+from capsa.node.agent.capacity import NodeCapacity, default_capacity
+from capsa.node.agent.sandbox_egress import EgressHook
+from capsa.node.agent.sandboxes import SandboxRecord, SandboxTable
+from capsa.node.agent.snapshots import Snapshots, check_branch_count, nic_mac_of
 from capsa.node.egress.approvals import ApprovalError
 from capsa.node.egress.node_egress import EgressRequest, NodeEgress
 from capsa.node.egress.trust_store import TrustStore
 from capsa.node.guestlink.facade import SandboxGuest
 from capsa.node.net.sandbox_net import SandboxNet
-from capsa.node.runtime.base import GuestImage, Runtime, SnapshotCapable
+from capsa.node.runtime.base import GuestImage, Runtime, SnapshotCapable, SnapshottingRuntime
 from capsa.node.runtime.snapshot.manifest import Snapshot
-from capsa.node.sandbox_egress import EgressHook
-from capsa.node.sandboxes import NodeCapacity, SandboxRecord, SandboxTable, default_capacity
-from capsa.node.snapshots import Snapshots, SnapshottingRuntime, check_branch_count, nic_mac_of
-from capsa.node.sources import ColdBootSource, MadeSandbox, SandboxRequest, SandboxSource, TemplateSource
 from capsa.node.storage.floor import SpaceFloor
-from capsa.node.templates import BASE, Template
-from capsa.node.warm_pool import PoolMetrics
+from capsa.node.templates.source import (
+    ColdBootSource,
+    MadeSandbox,
+    SandboxRequest,
+    SandboxSource,
+    TemplateSource,
+)
+from capsa.node.templates.store import BASE, Template
+from capsa.node.templates.warm_pool import PoolMetrics
 
-__all__ = ["NodeAgent", "NodeCapacity", "SandboxRecord", "default_capacity", "snapshots_for"]
+__all__ = ["NodeAgent", "snapshots_for"]
 
 log = logging.getLogger(__name__)
 

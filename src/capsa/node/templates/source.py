@@ -8,8 +8,8 @@
   once on the egress's throwaway network. The restored NIC gets the new sandbox's tap and the guest its
   address; if any of that fails, the sandbox is cold-booted instead. A custom template built with a NIC
   (``network: true``, e.g. ``browser``) is restored the same way onto the session's network.
-* Templates shipped with capsa (:mod:`capsa.node.shipped`) are built on first use (cached like ``base``,
-  keyed by the spec's content).
+* Templates shipped with capsa (:mod:`capsa.node.templates.shipped`) are built on first use (cached like
+  ``base``, keyed by the spec's content).
 
 A source only makes the VM; the agent checks the request, holds the capacity, attaches egress and keeps
 the record.
@@ -30,18 +30,24 @@ from capsa.common.image import GuestImage
 from capsa.node.api.errors import status_of
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.trust_store import TrustStore
+from capsa.node.guestlink.identity import IdentityBinder, bind_sandbox, hostname_for
 from capsa.node.net.sandbox_net import SandboxNet
-from capsa.node.runtime.base import RamMode, Runtime, Sandbox, VMSpec
-from capsa.node.shipped import shipped_names, shipped_template
-from capsa.node.snapshots import SnapshottingRuntime, hostname_for
-from capsa.node.template_build import build_template, remove_stale_work
-from capsa.node.template_cache import TemplateCache
-from capsa.node.templates import BASE, NET_TEMPLATE_MAC, Template, TemplateStore, check_template_name, warm_up
-from capsa.node.warm_pool import IdentityBinder, PoolKey, PoolMetrics, WarmPool, bind_sandbox
+from capsa.node.runtime.base import RamMode, Runtime, Sandbox, SnapshottingRuntime, VMSpec
+from capsa.node.templates.build import build_template, remove_stale_work
+from capsa.node.templates.cache import TemplateCache
+from capsa.node.templates.shipped import shipped_names, shipped_template
+from capsa.node.templates.store import (
+    BASE,
+    NET_TEMPLATE_MAC,
+    Template,
+    TemplateStore,
+    check_template_name,
+    warm_up,
+)
+from capsa.node.templates.warm_pool import PoolKey, PoolMetrics, WarmPool
 
 __all__ = [
     "NET_TEMPLATE",
-    "NET_TEMPLATE_MAC",
     "CacheKey",
     "ColdBootSource",
     "MadeSandbox",
