@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import grimp
 import pytest
 
 from capsa.node.agent.agent import NodeAgent
@@ -16,6 +17,7 @@ from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.api.app import create_node_app
 from tests.support.api_stack import ApiStack, serve_app
 from tests.support.fake_runtime import FakeRuntime, fake_image
+from tests.support.import_graph import build_graph
 
 
 @pytest.fixture
@@ -34,6 +36,12 @@ async def make_stack(db_url: str, tmp_path: Path) -> AsyncIterator[Callable[...,
     finally:
         for s in stacks:
             await s.stop()
+
+
+@pytest.fixture(scope="session")
+def capsa_imports() -> grimp.ImportGraph:
+    """capsa's import graph, read once for the layout tests (:mod:`tests.support.import_graph`)."""
+    return build_graph()
 
 
 NODE_TOKEN = "node-token-0123456789"
