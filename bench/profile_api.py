@@ -35,8 +35,8 @@ import capsa.control.nodeclient as nodeclient
 import capsa.control.routes.commands as commands_routes
 import capsa.control.sessions as control_sessions
 import capsa.node.agent.agent as agent
+import capsa.node.agent.guest as guest_facade
 import capsa.node.guestlink.client as guest_client
-import capsa.node.guestlink.facade as guest_facade
 import capsa.node.guestlink.identity as identity
 import capsa.node.templates.source as sources
 import capsa.serve as serve_module

@@ -12,7 +12,7 @@ import pytest
 
 from capsa.compat.e2b import MOUNT_PATH
 from capsa.compat.e2b.filesystem import MAX_LISTINGS
-from capsa.node.guestlink.facade import SandboxGuest
+from capsa.node.agent.guest import SandboxGuest
 from tests.support.api_stack import ApiStack
 
 pytestmark = pytest.mark.timeout(300)

@@ -4,14 +4,19 @@ each imports the next (read as in test_import_cycles.py: :mod:`tests.support.imp
 Two measures, both over the condensation of the strongly connected groups (a group counts with all its
 members):
 
-* modules: every module of ``capsa.node`` on its own. Issue 28 asks for at most 6; what is left is the
-  node's HTTP edge over the agent (``daemon -> api.app -> api.snapshots -> api.sandboxes -> api.deps``) and
-  the egress broker split by job (``node_egress -> service -> broker -> listeners -> request_loop ->
-  response -> upstream -> upstream_proxy -> dns -> sandboxes -> secrets``), not helpers in the wrong module;
-  the bound is what the tree measures, so a chain can only get shorter.
-* features: the node's root modules and subpackages as units (``agent``, ``templates``, ``egress``, ...), how
-  the issue counted "11 levels" (``daemon -> assembly -> agent -> sources -> shipped -> template_build ->
-  templates -> snapshots -> warm_pool -> runtime -> statedir`` on dcc7ca4).
+* features: the node's root modules and subpackages as units (``agent``, ``templates``, ``egress``, ...), as
+  issue 28 counted its "11 levels" (``daemon -> assembly -> agent -> sources -> shipped -> template_build ->
+  templates -> snapshots -> warm_pool -> runtime -> statedir`` on dcc7ca4; 13 on main before the layout by
+  feature). 7 now: ``daemon -> assembly -> {agent, api, templates} -> egress -> net``, where ``api``,
+  ``agent`` and ``templates`` count as three because ``templates.source`` takes the edge's status table
+  (``api.errors.status_of``) while ``api`` calls the agent; without that arrow it would be 6, the target.
+* modules: every module of ``capsa.node`` on its own (18, as on main before): the node's HTTP edge over the
+  agent (``daemon -> api.app -> api.snapshots -> api.sandboxes -> api.deps -> agent.agent``), then the egress
+  broker split by job (``node_egress -> service -> broker -> listeners -> request_loop -> response ->
+  upstream -> upstream_proxy -> dns -> sandboxes -> audit``), each step a module importing the part it
+  drives rather than a helper in the wrong module.
+
+The bounds are what the tree measures, so a chain can only get shorter.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from tests.support.import_graph import import_cycles, imports_inside, longest_ch
 
 NODE = "capsa.node"
 MAX_MODULE_CHAIN = 18
-MAX_FEATURE_CHAIN = 8
+MAX_FEATURE_CHAIN = 7
 
 
 def feature(module: str) -> str:

@@ -1,7 +1,7 @@
 """The node agent: owns the runtime on one host and the sandboxes the control plane asked for.
 
 It knows nothing about sessions or tenants; it creates and destroys sandboxes by id, reports capacity, and
-hands out a sandbox's guest (:class:`~capsa.node.guestlink.facade.SandboxGuest`). The HTTP surface is in
+hands out a sandbox's guest (:class:`~capsa.node.agent.guest.SandboxGuest`). The HTTP surface is in
 :mod:`capsa.node.api`.
 
 One class, made of parts (ARCHITECTURE.md, node agent):
@@ -30,13 +30,13 @@ from typing import Any, Literal, cast
 from capsa.common.egress_policy import ApprovalScope, EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.node.agent.capacity import NodeCapacity, default_capacity
+from capsa.node.agent.guest import SandboxGuest
 from capsa.node.agent.sandbox_egress import EgressHook
 from capsa.node.agent.sandboxes import SandboxRecord, SandboxTable
 from capsa.node.agent.snapshots import Snapshots, check_branch_count, nic_mac_of
 from capsa.node.egress.approvals import ApprovalError
 from capsa.node.egress.node_egress import EgressRequest, NodeEgress
 from capsa.node.egress.trust_store import TrustStore
-from capsa.node.guestlink.facade import SandboxGuest
 from capsa.node.net.sandbox_net import SandboxNet
 from capsa.node.runtime.base import GuestImage, Runtime, SnapshotCapable, SnapshottingRuntime
 from capsa.node.runtime.snapshot.manifest import Snapshot

@@ -90,7 +90,7 @@ class Snapshots:
     """Snapshots of session sandboxes on ``runtime``; ``image_for`` finds the guest image of a digest."""
 
     def __init__(self, runtime: SnapshottingRuntime, image_for: Callable[[str], GuestImage], *,
-                 ram_mode: RamMode = RamMode.COPY, bind: IdentityBinder = bind_sandbox,
+                 ram_mode: RamMode = RamMode.COPY, bind: IdentityBinder[Sandbox] = bind_sandbox,
                  floor: SpaceFloor | None = None) -> None:
         self.runtime = runtime
         self.image_for = image_for

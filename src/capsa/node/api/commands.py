@@ -34,10 +34,10 @@ from capsa.common.node_api import (
     StreamError,
 )
 from capsa.guest.results import ProcessInfo as GuestProcess
+from capsa.node.agent.guest import ExecChunk
 from capsa.node.api.deps import Agent
 from capsa.node.api.errors import status_of
 from capsa.node.guestlink.client import ExecResult as GuestExec
-from capsa.node.guestlink.facade import ExecChunk
 from capsa.node.guestlink.handles.output import OutputStream, StreamEnd
 
 __all__ = ["exec_status", "output_lines", "process_info", "router"]

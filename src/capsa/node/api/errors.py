@@ -46,7 +46,7 @@ STATUS: dict[str, int] = {
     "too_large": 413,
     "protocol_error": 502,
     "port_unreachable": 502,
-    # The sandbox or its guest channel is gone (capsa.node.guestlink.facade).
+    # The sandbox or its guest channel is gone (capsa.node.agent.guest).
     "sandbox_failed": 409,
     "guest_unavailable": 503,
     # The edge itself.

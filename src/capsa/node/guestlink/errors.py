@@ -25,7 +25,7 @@ class GuestError(CapsaError):
 
 class GuestRefused(GuestError):
     """A guest operation of a live sandbox failed with a code that blames the request, not the channel (what
-    :class:`~capsa.node.guestlink.facade.SandboxGuest` raises for the guest's own codes)."""
+    :class:`~capsa.node.agent.guest.SandboxGuest` raises for the guest's own codes)."""
 
 
 class GuestUnavailable(GuestError):

@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from capsa.node.runtime.base import Sandbox
-
-__all__ = ["GuestRefresher", "IdentityBinder", "IdentityGuest", "bind_identity", "bind_sandbox",
+__all__ = ["GuestRefresher", "IdentityBinder", "IdentityGuest", "WithGuest", "bind_identity", "bind_sandbox",
            "hostname_for", "refresh_guest"]
+
+S = TypeVar("S")
 
 
 class GuestRefresher(Protocol):
@@ -54,11 +54,19 @@ async def bind_identity(guest: IdentityGuest, *, hostname: str | None) -> None:
     await asyncio.gather(*calls)
 
 
-IdentityBinder = Callable[[Sandbox, str], Awaitable[None]]
-"""Gives a restored sandbox its identity (hostname given); :func:`bind_sandbox` for real guests."""
+class WithGuest(Protocol):
+    """A sandbox, as far as binding it goes (a :class:`capsa.node.runtime.base.Sandbox` is one)."""
+
+    @property
+    def guest(self) -> IdentityGuest: ...
 
 
-async def bind_sandbox(sandbox: Sandbox, hostname: str) -> None:
+IdentityBinder = Callable[[S, str], Awaitable[None]]
+"""Gives a restored sandbox (an ``S``: ``IdentityBinder[Sandbox]``) its identity, hostname given;
+:func:`bind_sandbox` for real guests."""
+
+
+async def bind_sandbox(sandbox: WithGuest, hostname: str) -> None:
     """:func:`bind_identity` on the sandbox's guest."""
     await bind_identity(sandbox.guest, hostname=hostname)
 

@@ -213,7 +213,7 @@ class TemplateSource:
     def __init__(self, runtime: SnapshottingRuntime, image: GuestImage, *, egress: NodeEgress | None = None,
                  pool_size: int = 1, pool_sizes: Mapping[str, int] | None = None,
                  ram_mode: RamMode = RamMode.COPY, base_memory_mib: int = 256, base_vcpus: int = 1,
-                 bind: IdentityBinder = bind_sandbox, metrics: PoolMetrics | None = None,
+                 bind: IdentityBinder[Sandbox] = bind_sandbox, metrics: PoolMetrics | None = None,
                  trust: TrustStore | None = None, cache: TemplateCache | None = None,
                  warm_up_rounds: int = 2, warm_restores: bool = True, pool_refill_delay: float = 0.0) -> None:
         self.runtime = runtime
