@@ -38,7 +38,7 @@ import capsa.node.agent.agent as agent
 import capsa.node.agent.guest as guest_facade
 import capsa.node.guestlink.client as guest_client
 import capsa.node.guestlink.identity as identity
-import capsa.node.templates.source as sources
+import capsa.node.templates.source as template_source
 import capsa.serve as serve_module
 from capsa.sdk import AsyncSession
 from harness import host_facts, pool_settled, summary, write_results
@@ -108,7 +108,7 @@ def _instrument() -> None:
             (control_sessions, "create_session", "create: control plane (sessions.create_session)"),
             (nodeclient.NodeClient, "create_sandbox", "create: node call (in-process)"),
             (agent.NodeAgent, "create", "create: node agent create"),
-            (sources.TemplateSource, "make", "create: template source make (pool take + bind)"),
+            (template_source.TemplateSource, "make", "create: template source make (pool take + bind)"),
             (identity, "bind_identity", "create: identity bind (reseed, clock, hostname)")):
         setattr(owner, name, _timed(label, getattr(owner, name)))
     create_app = serve_module.__dict__["create_app"]
