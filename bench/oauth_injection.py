@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 from tests.support.resolvers import StaticResolver
 
 from capsa.common.connection_wire import ConnectionTokenOut
-from capsa.common.destinations import StaticResolver
 from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress.audit import ListSink
 from capsa.node.egress.broker import EgressBroker

@@ -27,7 +27,6 @@ from pathlib import Path
 import h11
 import pytest
 
-from capsa.common.destinations import StaticResolver
 from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress.audit import ListSink
 from capsa.node.egress.broker import EgressBroker

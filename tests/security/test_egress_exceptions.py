@@ -26,7 +26,6 @@ import h11
 import pytest
 
 from capsa.common.addresses import node_addresses
-from capsa.common.destinations import StaticResolver
 from capsa.common.egress_networks import EgressNetworkSettings, UpstreamProxy, parse_networks
 from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress.audit import ListSink

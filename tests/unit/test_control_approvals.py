@@ -21,7 +21,6 @@ from click.testing import CliRunner, Result
 from fastapi import FastAPI, Request
 
 from capsa.cli.main import cli
-from capsa.common.destinations import StaticResolver
 from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.net.sandbox_net import ServicePorts

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import h11
 import pytest
 
-from capsa.common.destinations import StaticResolver
 from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.node.egress.approvals import Approval

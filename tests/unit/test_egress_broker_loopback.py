@@ -14,7 +14,6 @@ from pathlib import Path
 import h11
 import pytest
 
-from capsa.common.destinations import StaticResolver
 from capsa.common.egress_policy import EgressPolicy
 from capsa.node.egress import dnswire
 from capsa.node.egress.audit import EgressEvent, ListSink

@@ -18,7 +18,6 @@ import h11
 import pytest
 
 from capsa.common.connection_wire import ConnectionTokenOut
-from capsa.common.destinations import StaticResolver
 from capsa.common.egress_policy import EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.node.egress.audit import ListSink
