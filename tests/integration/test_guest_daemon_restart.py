@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from capsa.node.api.errors import status_of
 from capsa.node.guestlink.errors import GuestError
 from capsa.node.runtime.base import SandboxState
 from capsa.node.runtime.qemu import QemuSandbox
+from capsa.node.statuses import status_of
 
 pytestmark = [
     pytest.mark.vm,

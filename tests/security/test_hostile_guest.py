@@ -31,10 +31,10 @@ from capsa.guest.protocol import (
     Kind,
     encode_frame,
 )
-from capsa.node.api.errors import status_of
 from capsa.node.guestlink.client import GuestClient
 from capsa.node.guestlink.errors import GuestError, GuestTimeout
 from capsa.node.guestlink.streams import MAX_EVENTS_PER_CALL, GuestDeadlines
+from capsa.node.statuses import status_of
 
 MIB = 1024 * 1024
 CHUNK = b"x" * 65536

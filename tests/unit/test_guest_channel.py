@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from capsa.guest.protocol import INITIAL_WINDOW, MAGIC, PROTOCOL_VERSION, Decoder, Frame, Kind, encode_frame
-from capsa.node.api.errors import status_of
 from capsa.node.guestlink.client import GuestClient
 from capsa.node.guestlink.errors import ChannelClosed, GuestError
 from capsa.node.guestlink.streams import GuestDeadlines
+from capsa.node.statuses import status_of
 from tests.support.local_guest import GUEST_PACKAGE, LocalGuest, guest_client, local_guest
 from tests.support.processes import processes_with
 

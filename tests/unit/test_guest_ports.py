@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from capsa.node.api.errors import status_of
 from capsa.node.guestlink.client import GuestClient
 from capsa.node.guestlink.errors import GuestError
+from capsa.node.statuses import status_of
 from tests.support.local_guest import guest_client, local_guest
 
 __all__ = ["guest_client", "local_guest"]

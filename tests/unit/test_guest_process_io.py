@@ -10,10 +10,10 @@ import pathlib
 import pytest
 
 from capsa.guest.results import WatchEvent
-from capsa.node.api.errors import status_of
 from capsa.node.guestlink.client import GuestClient
 from capsa.node.guestlink.errors import GuestError
 from capsa.node.guestlink.handles.output import OutputChunk, StreamEnd
+from capsa.node.statuses import status_of
 from tests.support.guest_waits import wait_exit
 from tests.support.local_guest import LocalGuest, guest_client, local_guest
 

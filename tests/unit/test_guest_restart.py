@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from capsa.guest.protocol import HELLO_EVENT, INSTANCE_KEY, UNAVAILABLE, Decoder, Frame, Kind, encode_frame
-from capsa.node.api.errors import status_of
 from capsa.node.guestlink.client import GuestClient
 from capsa.node.guestlink.errors import GuestError, GuestUnavailable
+from capsa.node.statuses import status_of
 from tests.support.local_guest import LocalGuest, local_guest
 
 __all__ = ["local_guest"]

@@ -10,8 +10,8 @@ from capsa.guest.command import parse_command
 from capsa.guest.errors import OpError
 from capsa.guest.limits import COMMAND_ENV_ENTRIES, ENV_ENTRIES
 from capsa.guest.results import FileInfo, ProcessInfo, WatchEvent
-from capsa.node.api.errors import status_of
 from capsa.node.guestlink.errors import GuestError, GuestRefused, GuestTimeout, GuestUnavailable
+from capsa.node.statuses import status_of
 
 
 def test_results_travel_as_meta_and_back() -> None:

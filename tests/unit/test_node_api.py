@@ -30,7 +30,7 @@ from capsa.control.nodeclient import NodeClient, NodeClientPool, NodeError
 from capsa.node.agent.agent import NodeAgent
 from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.api.app import create_node_app
-from capsa.node.api.errors import STATUS
+from capsa.node.statuses import STATUS
 from tests.support.fake_runtime import FakeRuntime, fake_image
 
 pytestmark = pytest.mark.timeout(120)

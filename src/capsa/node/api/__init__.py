@@ -4,7 +4,6 @@ One module per resource; every route parses its request with the models of :mod:
 calls one action on the :class:`~capsa.node.agent.agent.NodeAgent` and serializes the answer with those
 models.
 
-The package imports nothing itself (``capsa.node.api.app`` assembles the routes): the node's core may take the
-edge's one status table (:func:`capsa.node.api.errors.status_of`) without importing the routes, and so the
-agent, back.
+The package imports nothing itself (``capsa.node.api.app`` assembles the routes). Errors are answered with the
+node's one status table (:mod:`capsa.node.statuses`).
 """

@@ -36,9 +36,9 @@ from capsa.common.node_api import (
 from capsa.guest.results import ProcessInfo as GuestProcess
 from capsa.node.agent.guest import ExecChunk
 from capsa.node.api.deps import Agent
-from capsa.node.api.errors import status_of
 from capsa.node.guestlink.client import ExecResult as GuestExec
 from capsa.node.guestlink.handles.output import OutputStream, StreamEnd
+from capsa.node.statuses import status_of
 
 __all__ = ["exec_status", "output_lines", "process_info", "router"]
 

@@ -1,7 +1,5 @@
-"""Errors at the node API's edge: the one table of HTTP statuses, and problem+json bodies.
-
-Nothing below the edge decides the HTTP status of a guest error: the guest client's errors
-(:class:`~capsa.node.guestlink.errors.GuestError`) carry only their code, and :func:`status_of` maps it."""
+"""Errors at the node API's edge: every error answered as problem+json with the status of the node's one
+table (:func:`capsa.node.statuses.status_of`)."""
 
 from __future__ import annotations
 
@@ -14,62 +12,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsa.common.errors import CapsaError
-from capsa.node.guestlink.errors import GuestError, GuestRefused
+from capsa.node.statuses import status_of
 
-__all__ = ["STATUS", "install_error_handlers", "problem", "status_of"]
+__all__ = ["install_error_handlers", "problem"]
 
 log = logging.getLogger(__name__)
-
-STATUS: dict[str, int] = {
-    # The guest daemon's stable codes (capsa.guest.errors).
-    "bad_request": 400,
-    "unknown_op": 400,
-    "unsafe_archive": 400,
-    "not_executable": 400,
-    "cancelled": 400,
-    "permission_denied": 403,
-    "not_found": 404,
-    "no_such_process": 404,
-    "is_a_directory": 409,
-    "not_a_directory": 409,
-    "already_exists": 409,
-    "directory_not_empty": 409,
-    "process_exited": 409,
-    "stdin_closed": 409,
-    "io_error": 500,
-    "internal": 500,
-    "unsupported": 501,
-    "timeout": 504,
-    "guest_timeout": 504,
-    "no_space": 507,
-    # The guest client's own verdicts on what the guest sent (capsa.node.guestlink).
-    "too_large": 413,
-    "protocol_error": 502,
-    "port_unreachable": 502,
-    # The sandbox or its guest channel is gone (capsa.node.agent.guest).
-    "sandbox_failed": 409,
-    "guest_unavailable": 503,
-    # The edge itself.
-    "unauthorized": 401,
-    "validation_error": 422,
-    "snapshots_unavailable": 501,
-    "storage_full": 507,  # the storage pool's free-space floor (capsa.node.storage.floor)
-    "internal_error": 500,
-}
-"""HTTP status by error code. Codes not listed (the agent's own: ``sandbox_not_found``, ``no_capacity``…)
-keep the status the agent raised them with; guest errors whose code is not listed: see :func:`status_of`."""
-
-
-def status_of(exc: CapsaError) -> int:
-    """The HTTP status of an error raised below the edge. A guest code the table does not list is the
-    request's fault (400) when a sandbox's guest refused the request, else the guest's (502)."""
-    if exc.code in STATUS:
-        return STATUS[exc.code]
-    if isinstance(exc, GuestRefused):
-        return 400
-    if isinstance(exc, GuestError):
-        return 502
-    return exc.status
 
 
 def problem(status: int, code: str, detail: str) -> JSONResponse:

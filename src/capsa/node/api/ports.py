@@ -21,9 +21,9 @@ from capsa.common.errors import CapsaError
 from capsa.common.port_tunnel import OK_MESSAGE, problem_message
 from capsa.node.agent.agent import NodeAgent
 from capsa.node.api.deps import websocket_authorized
-from capsa.node.api.errors import status_of
 from capsa.node.guestlink.errors import GuestError
 from capsa.node.guestlink.handles.tunnel import TcpTunnel
+from capsa.node.statuses import status_of
 
 __all__ = ["router"]
 

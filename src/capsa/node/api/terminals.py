@@ -26,9 +26,9 @@ from capsa.common.terminal_wire import (
 )
 from capsa.node.agent.agent import NodeAgent
 from capsa.node.api.deps import websocket_authorized
-from capsa.node.api.errors import status_of
 from capsa.node.guestlink.errors import GuestError
 from capsa.node.guestlink.handles.pty import PtyHandle
+from capsa.node.statuses import status_of
 
 __all__ = ["relay_terminal", "router"]
 

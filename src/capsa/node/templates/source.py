@@ -27,12 +27,12 @@ from typing import Any, Protocol
 
 from capsa.common.errors import CapsaError
 from capsa.common.image import GuestImage
-from capsa.node.api.errors import status_of
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.trust_store import TrustStore
 from capsa.node.guestlink.identity import IdentityBinder, bind_sandbox, hostname_for
 from capsa.node.net.sandbox_net import SandboxNet
 from capsa.node.runtime.base import RamMode, Runtime, Sandbox, SnapshottingRuntime, VMSpec
+from capsa.node.statuses import status_of
 from capsa.node.templates.build import build_template, remove_stale_work
 from capsa.node.templates.cache import TemplateCache
 from capsa.node.templates.shipped import shipped_names, shipped_template
