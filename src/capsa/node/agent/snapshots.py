@@ -99,9 +99,9 @@ class Snapshots:
         self.floor = floor
         """The storage pool's free-space floor (None: none is kept)."""
 
-    def _check_space(self, memory_mib: int, what: str) -> None:
-        if self.floor is not None:
-            self.floor.check(memory_mib * MiB, what)
+    async def _check_space(self, memory_mib: int, what: str) -> None:
+        if self.floor is not None:  # in a thread: reading the pool's free space waits for its writeback
+            await asyncio.to_thread(self.floor.check, memory_mib * MiB, what)
 
     async def take(self, sandbox_id: str, sandbox: Sandbox, *, template: str, retain: bool,
                    labels: Mapping[str, str] | None, resume: bool = True,
@@ -109,7 +109,7 @@ class Snapshots:
         """Snapshot a running sandbox; ``resume=False`` leaves it stopped (pause: the caller destroys it).
         ``nic_mac``: the sandbox's NIC (recorded, so a restore gives the device a network again);
         ``memory_mib``: its RAM (what the snapshot may write, checked against the floor)."""
-        self._check_space(memory_mib, f"a snapshot of {sandbox_id}")
+        await self._check_space(memory_mib, f"a snapshot of {sandbox_id}")
         all_labels = {**_check_labels(labels), LABEL_SANDBOX: sandbox_id,
                       LABEL_RETAIN: "1" if retain else "0", LABEL_TEMPLATE: template}
         if nic_mac is not None:
@@ -158,7 +158,7 @@ class Snapshots:
         """A new sandbox from ``snap``, bound to its identity (hostname from ``sandbox_id``); ``network``:
         the NIC's new tap (the runtime sets the guest's address for it). A snapshot of a sandbox with
         private RAM (a ``ram: private`` template's) is restored with private RAM again."""
-        self._check_space(snap.manifest.memory_mib, f"a sandbox restored from {snap.id}")
+        await self._check_space(snap.manifest.memory_mib, f"a sandbox restored from {snap.id}")
         if ram_mode is None:
             private = snap.manifest.labels.get(LABEL_PRIVATE_RAM) == "private"
             ram_mode = RamMode.CLONE if private else self.ram_mode
@@ -176,8 +176,8 @@ class Snapshots:
         """One new sandbox per id from ``snap``, restored concurrently with private RAM. All or nothing.
         ``networks``: one per id, for a snapshot with a NIC."""
         check_branch_count(len(sandbox_ids))
-        self._check_space(len(sandbox_ids) * snap.manifest.memory_mib,
-                          f"{len(sandbox_ids)} sandboxes branched from {snap.id}")
+        await self._check_space(len(sandbox_ids) * snap.manifest.memory_mib,
+                                f"{len(sandbox_ids)} sandboxes branched from {snap.id}")
         nets = list(networks) if networks is not None else [None] * len(sandbox_ids)
         results = await asyncio.gather(
             *(self.runtime.restore(snap, self.spec_for(snap, {"sandbox": sid}, net), sandbox_id=sid,

@@ -23,6 +23,7 @@ of the expected owner).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import logging
 import os
@@ -338,7 +339,26 @@ class StoragePool:
         return PoolUsage(total_bytes=du.total, free_bytes=free)
 
     def free_bytes(self) -> int:
+        """Free space once the pool's filesystem has written back what it holds in memory: btrfs counts
+        written data as used only when it allocates it at writeback, so right after large writes (a guest's
+        disk, a snapshot) the bare figure still counts them as free. Blocks while the writeback runs."""
+        _syncfs(self.root)
         return self.usage().free_bytes
 
     def __repr__(self) -> str:
         return f"StoragePool(root={str(self.root)!r}, fstype={self.fstype!r}, cow={self.cow})"
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _syncfs(path: Path) -> None:
+    """Write back the dirty data of the filesystem holding ``path`` (syncfs(2): the standard library has
+    :func:`os.sync`, for every filesystem, and :func:`os.fsync`, for one file, not this)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
