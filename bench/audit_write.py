@@ -1,7 +1,7 @@
 """Audit write cost: how many chain events per second the store sustains on SQLite and PostgreSQL, and what
 recording adds to each command through the API.
 
-* ``store``: ``capsa.control.audit_trail.write`` straight against a migrated database, per backend:
+* ``store``: ``capsa.control.audit.trail.write`` straight against a migrated database, per backend:
   one event per transaction from one writer (the shape of an API call's flush), the same from 8
   concurrent writers on 2 engines (replicas), and pages of 1000 events per transaction (the shape of an
   egress collection from a node: one transaction per page). PostgreSQL is a throwaway 15 cluster
@@ -35,8 +35,9 @@ from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime, fake_image
 from tests.support.postgres import postgres_missing_reason, temporary_postgres
 
-from capsa.control import audit_middleware, audit_trail
-from capsa.control.audit_trail import AuditEntry
+from capsa.control.audit import middleware as audit_middleware
+from capsa.control.audit import trail as audit_trail
+from capsa.control.audit.trail import AuditEntry
 from capsa.control.store.db import create_engine, migrate, session_factory
 from harness import host_facts, summary, write_results
 

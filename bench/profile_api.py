@@ -29,11 +29,11 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-import capsa.control.audit_writer as audit_writer
+import capsa.control.audit.writer as audit_writer
 import capsa.control.deps as deps
-import capsa.control.nodeclient as nodeclient
+import capsa.control.nodes.client as nodeclient
 import capsa.control.routes.commands as commands_routes
-import capsa.control.sessions as control_sessions
+import capsa.control.sessions.service as control_sessions
 import capsa.node.agent.agent as agent
 import capsa.node.agent.guest as guest_facade
 import capsa.node.guestlink.client as guest_client

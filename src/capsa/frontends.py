@@ -30,7 +30,7 @@ from capsa.common.request_limits import RequestLimits
 from capsa.compat.e2b import ENVD_PATH, MOUNT_PATH, access, create_e2b_app
 from capsa.compat.e2b.connect import MAX_MESSAGE_BYTES
 from capsa.control.app import create_app
-from capsa.control.audit_anchor import CheckpointSink
+from capsa.control.audit.anchor import CheckpointSink
 from capsa.control.auth import authenticate, bearer_token
 from capsa.control.errors import Unauthorized
 from capsa.control.front_ends import FrontEnd, FrontEndGate, Lifetime, PlaneGetter

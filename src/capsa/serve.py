@@ -3,7 +3,7 @@ as ``capsa control`` and ``capsa node``.
 
 This module sits outside ``capsa.control`` and ``capsa.node`` because it is the one place allowed to wire
 the two together (import-linter keeps them independent). The control plane reaches the node only through the
-node API: its usual :class:`~capsa.control.nodeclient.NodeClient` with the node's app in-process for whole
+node API: its usual :class:`~capsa.control.nodes.client.NodeClient` with the node's app in-process for whole
 answers, and the node's Unix socket in the state directory (guarded by a fresh random token) for streams and
 WebSockets; the node reaches the control plane through :class:`LocalControlLink`, which calls the control
 plane's node registry directly instead of over HTTP.
@@ -25,8 +25,9 @@ from capsa.common.connection_wire import ConnectionTokenOut
 from capsa.common.node_wire import HeartbeatOut, NodeHeartbeat, NodeRegister
 from capsa.common.service import QuietServer, bind_tcp, wait_started
 from capsa.common.settings import Settings
-from capsa.control import connection_tokens, nodes
-from capsa.control.nodeclient import NodeClient
+from capsa.control.connections import tokens as connection_tokens
+from capsa.control.nodes import registry as nodes
+from capsa.control.nodes.client import NodeClient
 from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import ensure_key_file
 from capsa.control.settings import ControlSettings

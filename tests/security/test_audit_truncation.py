@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from capsa.cli.main import cli
 from capsa.common.audit_checkpoint import Checkpoint, ensure_signing_key, key_id, line_digest, sign_checkpoint
-from capsa.control.audit_chain_retention import purge_chain
+from capsa.control.audit.chain_retention import purge_chain
 from capsa.control.keys import generate_key
 from capsa.control.plane import ControlPlane
 from capsa.control.settings import ControlSettings

@@ -25,7 +25,7 @@ from starlette.routing import Mount
 
 from capsa.compat.e2b import MOUNT_PATH
 from capsa.compat.e2b.envd import Live
-from capsa.control import port_access
+from capsa.control.ports import access as port_access
 from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime, fake_image
 

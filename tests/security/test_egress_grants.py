@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from capsa.control import egress_grants
+from capsa.control.egress import grants as egress_grants
 from capsa.node.egress.node_egress import NodeEgress
 from capsa.node.egress.trust_store import TrustStore
 from tests.support.api_stack import ApiStack

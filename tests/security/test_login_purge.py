@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from capsa.control.connection_logins import LOGIN_GRACE_SECONDS, purge_logins
+from capsa.control.connections.logins import LOGIN_GRACE_SECONDS, purge_logins
 from capsa.control.plane import ControlPlane
 from capsa.control.reaper import reap_once
 from capsa.control.settings import ControlSettings

@@ -164,7 +164,7 @@ async def test_provider_error_details_never_reach_the_tenant(
             assert created.status_code == 201, created.text
             added = await api.post("/v1/connections", json={"name": name, "provider": name})
             assert added.status_code == 201, added.text
-        with caplog.at_level(logging.WARNING, logger="capsa.control.oauth_client"):
+        with caplog.at_level(logging.WARNING, logger="capsa.control.connections.oauth_client"):
             # The device authorization endpoint answers with the internal text.
             start = await api.post("/v1/connections/bad/login", json={"mode": "device"})
             body = assert_problem(start, 502, "provider_error")

@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from capsa.common.port_tunnel import open_tunnel
 from capsa.common.service import QuietServer, wait_started
 from capsa.common.websocket import SocketStream, WebSocketClient, WebSocketRejected
-from capsa.control.cdp import CDP_PORT, DOWNLOADS_DIR, pin_downloads
+from capsa.control.browser.cdp import CDP_PORT, DOWNLOADS_DIR, pin_downloads
 from capsa.control.store.models import PortTokenRow, utcnow
 from capsa.frontends import build_app
 from tests.support import port_app

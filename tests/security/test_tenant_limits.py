@@ -24,11 +24,11 @@ import pytest
 from sqlalchemy import func, select, update
 
 from capsa.common.node_api import AuditEvent, AuditPage
-from capsa.control import egress
-from capsa.control.audit_retention import purge_audit
+from capsa.control.audit.egress_retention import purge_audit
+from capsa.control.egress import service as egress
 from capsa.control.errors import ValidationFailed
-from capsa.control.node_urls import check_node_url
-from capsa.control.nodeclient import NodeClient
+from capsa.control.nodes.client import NodeClient
+from capsa.control.nodes.urls import check_node_url
 from capsa.control.plane import ControlPlane
 from capsa.control.store.egress_models import AuditEventRow
 from capsa.control.store.models import NodeRow, SessionRow

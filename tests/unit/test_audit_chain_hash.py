@@ -53,8 +53,8 @@ def test_detail_normalized_as_a_json_column_reads_it_back() -> None:
 async def test_node_calls_carry_the_api_request_id() -> None:
     import httpx
 
-    from capsa.control import audit_trail
-    from capsa.control.nodeclient import NodeClient
+    from capsa.control.audit import trail as audit_trail
+    from capsa.control.nodes.client import NodeClient
 
     seen: list[str | None] = []
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import event, text
 
-from capsa.control import audit_trail
-from capsa.control.audit_trail import AuditEntry
+from capsa.control.audit import trail as audit_trail
+from capsa.control.audit.trail import AuditEntry
 from capsa.control.store.db import create_engine, migrate, session_factory, sqlite_thread_engine
 from tests.support.control_db import database_url
 from tests.support.postgres import PgCluster
@@ -81,7 +81,7 @@ async def test_record_inside_a_rolled_back_transaction_leaves_nothing(db_url: st
                          ids=["sqlite-async-driver", "sqlite-writer-thread", "postgresql-async-driver"])
 async def test_group_commit_shares_transactions_between_concurrent_requests(
         kind: str, thread: bool, tmp_path: Path, pg_cluster: PgCluster | None) -> None:
-    from capsa.control.audit_writer import AuditWriter
+    from capsa.control.audit.writer import AuditWriter
 
     engine = create_engine(database_url(kind, tmp_path, pg_cluster))
     thread_engine = sqlite_thread_engine(engine) if kind == "sqlite" and thread else None
@@ -130,7 +130,7 @@ async def test_group_commit_shares_transactions_between_concurrent_requests(
 async def test_writer_thread_and_async_replica_append_one_chain(tmp_path: Path) -> None:
     """A replica writing through its SQLite thread and one writing through aiosqlite, at once, on one
     file: the head lock serializes them and the chain stays whole."""
-    from capsa.control.audit_writer import AuditWriter
+    from capsa.control.audit.writer import AuditWriter
 
     url = f"sqlite+aiosqlite:///{tmp_path}/capsa.db"
     engines = [create_engine(url), create_engine(url)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from capsa.control.cdp import DOWNLOADS_DIR, pin_downloads
+from capsa.control.browser.cdp import DOWNLOADS_DIR, pin_downloads
 
 
 def test_download_path_is_pinned_and_names_kept() -> None:

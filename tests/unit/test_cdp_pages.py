@@ -1,4 +1,4 @@
-"""Kept CDP connections between computer actions (``capsa.control.cdp.CdpPages``), against a loopback
+"""Kept CDP connections between computer actions (``capsa.control.browser.cdp.CdpPages``), against a loopback
 DevTools endpoint that answers ``/json/list`` and page WebSockets the way Chromium does."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessa
 
 from capsa.common.port_tunnel import PortTunnel
 from capsa.common.websocket import SocketStream
-from capsa.control.cdp import CdpError, CdpPage, CdpPages
-from capsa.control.computer import Screen, set_screen
+from capsa.control.browser.cdp import CdpError, CdpPage, CdpPages
+from capsa.control.browser.computer import Screen, set_screen
 
 pytestmark = pytest.mark.timeout(60)
 

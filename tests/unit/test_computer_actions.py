@@ -9,7 +9,7 @@ import httpx
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from capsa.control.computer import ComputerAction, KeyCombo, Screen, check_action, parse_keys
+from capsa.control.browser.computer import ComputerAction, KeyCombo, Screen, check_action, parse_keys
 from tests.support.api_stack import ApiStack
 from tests.support.problems import assert_problem
 

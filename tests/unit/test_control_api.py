@@ -540,7 +540,7 @@ async def test_heartbeat_reconciles_sandboxes_whose_destroy_was_lost(stack: ApiS
         keep, lost = await create(c), await create(c)
         # The session ends but the destroy call never reaches the node (e.g. the node was unreachable).
         plane = stack.replicas[0].app.state.plane
-        from capsa.control.lifecycle import transition
+        from capsa.control.sessions.states import transition
 
         async with plane.db() as db:
             assert await transition(db, lost["id"], "closed")

@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
-from capsa.control.connection_tokens import current_token
+from capsa.control.connections.tokens import current_token
 from capsa.control.errors import ApiError
 from capsa.control.plane import ControlPlane
 from capsa.control.store.connection_models import ConnectionRow

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from capsa.control.egress import merge_patch
+from capsa.control.egress.service import merge_patch
 from capsa.control.secretbox import SecretSealer, ensure_key_file
 from capsa.node.egress.audit import EgressEvent
 from capsa.node.egress.audit_log import AuditLog

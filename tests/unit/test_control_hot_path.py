@@ -308,7 +308,7 @@ async def test_without_the_key_cache_a_revoked_key_stops_on_every_replica_at_onc
 
 async def test_commands_read_their_session_once_per_cache_period(make_stack: Any,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from capsa.control import session_cache
+    from capsa.control.sessions import cache as session_cache
 
     clock = _Clock(monkeypatch, session_cache)  # the session cache's clock
     period = 60.0  # long enough that no real delay ends it: only the test's clock does

@@ -1,4 +1,4 @@
-"""The one place the control plane catches node errors (capsa.control.node_calls) and the front-end hooks
+"""The one place the control plane catches node errors (capsa.control.nodes.calls) and the front-end hooks
 the composition root fills (capsa.control.front_ends, capsa.frontends)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from capsa.control.errors import ApiError
-from capsa.control.node_calls import NodeLost, attempt, node_call, node_error, quietly, until_lost
-from capsa.control.nodeclient import NodeError
+from capsa.control.nodes.calls import NodeLost, attempt, node_call, node_error, quietly, until_lost
+from capsa.control.nodes.client import NodeError
 from capsa.control.request_gate import body_rules
 from capsa.control.settings import ControlSettings
 from capsa.frontends import MCP_PATH, e2b_front_end, mcp_front_end
@@ -48,7 +48,7 @@ async def test_attempt_hands_the_node_error_back_and_lets_others_through() -> No
 
 async def test_quietly_logs_a_failure_and_passes_the_codes_that_are_fine(
         caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="capsa.control.node_calls"):
+    with caplog.at_level(logging.WARNING, logger="capsa.control.nodes.calls"):
         assert await quietly(_answers(), "could not do it")
         assert await quietly(_fails("snapshot_not_found", 404), "could not do it",
                              fine=("snapshot_not_found",))

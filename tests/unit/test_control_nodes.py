@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import select, text, update
 
 from capsa.control.errors import NoCapacity, TemplateNotFound
-from capsa.control.placement import choose_node
+from capsa.control.nodes.placement import choose_node
 from capsa.control.plane import ControlPlane
 from capsa.control.store.models import NodeEnrolTokenRow, NodeRow, utcnow
 from tests.support.api_stack import ApiStack

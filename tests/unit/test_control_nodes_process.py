@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection
 import capsa.control.store
 from capsa.control.errors import ApiError
 from capsa.control.keys import generate_key
-from capsa.control.node_secrets import NodeSealer, node_sealer
+from capsa.control.nodes.secrets import NodeSealer, node_sealer
 from capsa.control.secretbox import SecretSealer
 from capsa.control.server import control_settings
 from capsa.control.store.db import create_engine, migrate

@@ -190,7 +190,7 @@ async def test_websocket_echo_through_the_proxy_with_key_and_token_not_without(s
 
 async def test_an_open_websocket_keeps_the_session_from_its_idle_timeout(
         make_stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from capsa.control import port_access
+    from capsa.control.ports import access as port_access
 
     monkeypatch.setattr(port_access, "ACTIVITY_INTERVAL", 0.2)
     stack = await make_stack()

@@ -201,7 +201,7 @@ async def test_terminal_refusals_are_problems_before_the_upgrade(stack: ApiStack
 
 async def test_an_open_terminal_keeps_the_session_from_its_idle_timeout(
         make_stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from capsa.control import port_access
+    from capsa.control.ports import access as port_access
 
     monkeypatch.setattr(port_access, "ACTIVITY_INTERVAL", 0.2)
     stack = await make_stack()

@@ -19,8 +19,8 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from capsa.control.lifecycle import transition
-from capsa.control.rolling import _due, due_sessions
+from capsa.control.sessions.rolling import _due, due_sessions
+from capsa.control.sessions.states import transition
 from capsa.control.store.models import SessionRow, utcnow
 from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime
@@ -199,7 +199,7 @@ async def test_transition_sources_must_be_legal(stack: ApiStack) -> None:
 
 async def test_one_replica_at_a_time_claims_a_rolling_snapshot(stack: ApiStack) -> None:
     # Two replicas share the database; the lease is a conditional update, so exactly one wins it.
-    from capsa.control.rolling import _claim, _release
+    from capsa.control.sessions.rolling import _claim, _release
 
     second = await stack.add_replica()
     planes = [stack.plane, second.app.state.plane]

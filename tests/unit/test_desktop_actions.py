@@ -13,8 +13,8 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from capsa.common.node_api import ExecRequest, ExecResult
-from capsa.control.computer import ComputerAction, Screen, check_action
-from capsa.control.desktop import (
+from capsa.control.browser.computer import ComputerAction, Screen, check_action
+from capsa.control.browser.desktop import (
     HELPER,
     DesktopError,
     check_screen,

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from capsa.control.egress_schemas import SECRET_VALUE_CONTROL, SECRET_VALUE_WHITESPACE
+from capsa.control.egress.schemas import SECRET_VALUE_CONTROL, SECRET_VALUE_WHITESPACE
 from tests.support.api_stack import ApiStack
 from tests.support.problems import assert_problem
 

@@ -179,7 +179,7 @@ async def test_destroy_while_booting_wins(node: Node) -> None:
 
 async def test_control_plane_node_client_over_tcp(tmp_path: Path) -> None:
     from capsa.common.node_api import ExecRequest
-    from capsa.control.nodeclient import NodeClient, NodeError
+    from capsa.control.nodes.client import NodeClient, NodeError
 
     runtime = FakeRuntime()
     agent = NodeAgent(runtime, fake_image(tmp_path / "img"))

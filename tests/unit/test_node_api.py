@@ -26,7 +26,7 @@ from capsa.common.node_api import (
     ProcessInfo,
     ProcessStart,
 )
-from capsa.control.nodeclient import NodeClient, NodeClientPool, NodeError
+from capsa.control.nodes.client import NodeClient, NodeClientPool, NodeError
 from capsa.node.agent.agent import NodeAgent
 from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.api.app import create_node_app

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from capsa.common.ids import new_id
 from capsa.common.node_api import ExecFinished, ExecRequest
-from capsa.control.nodeclient import NodeClient, NodeClientPool, NodeError
+from capsa.control.nodes.client import NodeClient, NodeClientPool, NodeError
 from capsa.node.agent.agent import NodeAgent
 from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.api.app import create_node_app

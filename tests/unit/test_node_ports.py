@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from capsa.common.ids import new_id
-from capsa.control.nodeclient import NodeClient, NodeError
+from capsa.control.nodes.client import NodeClient, NodeError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ import pytest
 from capsa.common.ids import new_id
 from capsa.common.node_api import ExecRequest, FileEvent, OutputChunk, OutputEnd, ProcessStart, StreamError
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
-from capsa.control.nodeclient import NodeClient, NodeError
+from capsa.control.nodes.client import NodeClient, NodeError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,7 +2,7 @@
 
 A checkpoint says "tenant T's chain had event ``seq`` with hash ``hash``" and is signed with the control
 plane's Ed25519 key, a key the database never holds. Checkpoints are appended, one JSON object per line,
-to an append-only log (:mod:`capsa.control.audit_anchor` writes it); each line also carries its number in
+to an append-only log (:mod:`capsa.control.audit.anchor` writes it); each line also carries its number in
 the log (``n``: 1, 2, ...) and the SHA-256 of the previous line's signed bytes (``prev``), so lines cut
 from the middle of the log, reordered or edited are detected, and a line written without the key is
 rejected. ``purpose`` is ``head`` (the chain's head at that moment) or ``retention`` (the events up to

@@ -2,8 +2,8 @@
 plane send each other for a sandbox and its guest operations, declared once.
 
 The node validates requests with these models at its HTTP edge and serializes its answers with them;
-:class:`capsa.control.nodeclient.NodeClient` builds the requests and parses the answers into the same models.
-Requests forbid unknown fields; answers allow them, so an older control plane can read a newer node.
+:class:`capsa.control.nodes.client.NodeClient` builds the requests and parses the answers into the same
+models. Requests forbid unknown fields; answers allow them, so an older control plane can read a newer node.
 """
 
 from __future__ import annotations

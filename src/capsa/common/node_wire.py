@@ -23,7 +23,7 @@ __all__ = [
 
 _Url = Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^(https?|unix)://")]
 """Where the node's API listens; the control plane also wants https://, unix:// or http:// on loopback
-(capsa.control.node_urls)."""
+(capsa.control.nodes.urls)."""
 _ApiToken = Annotated[str, Field(min_length=16, max_length=256, pattern=r"^[\x21-\x7e]+$")]
 """The token the control plane presents when it calls the node's API."""
 _Templates = Annotated[list[Annotated[str, Field(min_length=1, max_length=128)]], Field(max_length=256)]

@@ -12,21 +12,20 @@ from fastapi import FastAPI
 
 from capsa.common.audit_checkpoint import load_signing_key
 from capsa.common.request_limits import RequestLimits
-from capsa.control.audit_anchor import Checkpointer, CheckpointSink, FileCheckpointSink
-from capsa.control.audit_checkpoints import checkpoint_all, run_checkpoints
-from capsa.control.audit_middleware import AuditMiddleware
+from capsa.control.audit.anchor import Checkpointer, CheckpointSink, FileCheckpointSink
+from capsa.control.audit.checkpoints import checkpoint_all, run_checkpoints
+from capsa.control.audit.middleware import AuditMiddleware
 from capsa.control.auth import KeyCache, ensure_bootstrap_key
-from capsa.control.cdp import CdpPages
+from capsa.control.browser.cdp import CdpPages
 from capsa.control.front_ends import FrontEnd
-from capsa.control.node_secrets import node_sealer
-from capsa.control.nodeclient import NodeClientPool
+from capsa.control.nodes.client import NodeClientPool
+from capsa.control.nodes.secrets import node_sealer
 from capsa.control.plane import ControlPlane
-from capsa.control.port_hosts import PortHostRouter
+from capsa.control.ports.hosts import PortHostRouter
 from capsa.control.problems import install_problem_handlers
 from capsa.control.ratelimit import RateLimiter
 from capsa.control.reaper import run_reaper
 from capsa.control.request_gate import install_request_guard
-from capsa.control.rolling import run_rolling
 from capsa.control.routes import (
     approvals,
     commands,
@@ -45,7 +44,8 @@ from capsa.control.routes import connections as connection_routes
 from capsa.control.routes import egress as egress_routes
 from capsa.control.routes import egress_grants as egress_grant_routes
 from capsa.control.routes import secrets as secret_routes
-from capsa.control.session_cache import SessionCache
+from capsa.control.sessions.cache import SessionCache
+from capsa.control.sessions.rolling import run_rolling
 from capsa.control.settings import ControlSettings
 from capsa.control.store.db import create_engine, migrate, session_factory
 

@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from capsa.control import audit_trail
+from capsa.control.audit import trail as audit_trail
 from capsa.control.errors import Forbidden, Unauthorized
 from capsa.control.keys import generate_key, hash_key, parse_key, verify_key
 from capsa.control.store.db import DbSession

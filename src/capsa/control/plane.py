@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from capsa.common.destinations import Resolver, SystemResolver
-from capsa.control.audit_anchor import Checkpointer
-from capsa.control.audit_writer import AuditWriter
+from capsa.control.audit.anchor import Checkpointer
+from capsa.control.audit.writer import AuditWriter
 from capsa.control.auth import KeyCache
 from capsa.control.errors import ApiError
-from capsa.control.node_secrets import NodeSealer
-from capsa.control.nodeclient import NodeClient, NodeClientPool, NodeError
+from capsa.control.nodes.client import NodeClient, NodeClientPool, NodeError
+from capsa.control.nodes.secrets import NodeSealer
 from capsa.control.ratelimit import RateLimiter
-from capsa.control.session_cache import SessionCache
+from capsa.control.sessions.cache import SessionCache
 from capsa.control.settings import ControlSettings
 from capsa.control.store.db import DbSession, sqlite_thread_engine
 from capsa.control.store.models import NodeRow
@@ -47,10 +47,10 @@ class ControlPlane:
     """How this replica resolves the names it connects to on a tenant's behalf (OAuth providers); each
     answer is screened (:func:`capsa.common.destinations.screen_host`). Tests plug a static table in."""
     checkpoints: Checkpointer | None = None
-    """Signs audit checkpoints into the anchor outside the database (:mod:`capsa.control.audit_anchor`);
+    """Signs audit checkpoints into the anchor outside the database (:mod:`capsa.control.audit.anchor`);
     None when no signing key is configured."""
     audit: AuditWriter = field(init=False)
-    """This replica's group-commit writer of API-call audit events (:mod:`capsa.control.audit_writer`)."""
+    """This replica's group-commit writer of API-call audit events (:mod:`capsa.control.audit.writer`)."""
 
     def __post_init__(self) -> None:
         linger = self.settings.audit_linger_ms / 1000 if self.settings.audit_ack == "async" else 0.0

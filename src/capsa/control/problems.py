@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsa.common.errors import CapsaError
-from capsa.control import audit_trail
+from capsa.control.audit import trail as audit_trail
 
 __all__ = ["install_problem_handlers", "problem_response", "refuse_websocket"]
 

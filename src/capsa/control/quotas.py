@@ -16,7 +16,7 @@ from collections.abc import Collection
 from sqlalchemy import func, select, text
 
 from capsa.control.errors import ApiError
-from capsa.control.lifecycle import ACTIVE_STATES
+from capsa.control.sessions.states import ACTIVE_STATES
 from capsa.control.settings import ControlSettings
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import SessionRow, SnapshotRow

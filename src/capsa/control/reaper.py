@@ -16,13 +16,13 @@ from datetime import timedelta
 from sqlalchemy import select
 
 from capsa.control import ratelimit
-from capsa.control.audit_chain_retention import purge_chain
-from capsa.control.audit_retention import purge_audit
-from capsa.control.connection_logins import purge_logins
-from capsa.control.nodes import fail_silent_nodes
+from capsa.control.audit.chain_retention import purge_chain
+from capsa.control.audit.egress_retention import purge_audit
+from capsa.control.connections.logins import purge_logins
+from capsa.control.nodes.registry import fail_silent_nodes
 from capsa.control.plane import ControlPlane
-from capsa.control.sessions import fail_session, finish_session, purge_snapshots, sessions_to_expire
-from capsa.control.snapshots import reap_to_pause
+from capsa.control.sessions.service import fail_session, finish_session, purge_snapshots, sessions_to_expire
+from capsa.control.sessions.snapshots import reap_to_pause
 from capsa.control.store.models import SessionRow, utcnow
 
 __all__ = ["reap_once", "run_reaper"]

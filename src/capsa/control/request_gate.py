@@ -27,10 +27,10 @@ from starlette.types import Scope
 from capsa.common.errors import CapsaError
 from capsa.common.request_guard import BodyRule, Gate, RequestGuard, host_under
 from capsa.common.request_limits import COMMAND_BODY_BYTES, RequestLimits
-from capsa.control import nodes
 from capsa.control.auth import authenticate_cached, bearer_token
 from capsa.control.errors import ApiError
 from capsa.control.front_ends import FrontEndGate
+from capsa.control.nodes import registry as nodes
 from capsa.control.plane import ControlPlane
 from capsa.control.routes.commands import MAX_STDIN_BODY
 from capsa.control.settings import ControlSettings

@@ -21,7 +21,7 @@ from capsa.common.node_wire import (
     NodeOut,
     NodeRegister,
 )
-from capsa.control.egress_schemas import PolicyDocument
+from capsa.control.egress.schemas import PolicyDocument
 from capsa.guest.limits import ENV_ENTRIES, ENV_NAME_CHARS, ENV_VALUE_CHARS, STDIN_CHARS
 from capsa.sdk.models import (
     CommandResult,

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from capsa.common.audit_checkpoint import ensure_signing_key
 from capsa.common.service import QuietServer, bind_tcp
-from capsa.control.node_secrets import derive_secret_key
+from capsa.control.nodes.secrets import derive_secret_key
 from capsa.control.secretbox import ensure_key_file
 from capsa.control.settings import ControlSettings
 

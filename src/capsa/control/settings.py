@@ -96,7 +96,7 @@ class ControlSettings(BaseSettings):
     kind of VM disk). PostgreSQL keeps its own settings."""
     session_cache_seconds: Annotated[float, Field(ge=0, le=300)] = 0.0
     """How long a replica trusts a running session's row (its sandbox and node) for commands, files and
-    processes without reading it again (:mod:`capsa.control.session_cache`). Off (0) by default for the
+    processes without reading it again (:mod:`capsa.control.sessions.cache`). Off (0) by default for the
     control service: with several replicas, a session paused and resumed through one replica is sent to
     its old sandbox by another that still holds it, whose caller is then told to send the call again
     (``invalid_state``). ``capsa serve`` (one replica: every transition goes through it and forgets the
@@ -148,7 +148,7 @@ class ControlSettings(BaseSettings):
     (``CAPSA_PORTS_DOMAIN=ports.example.com``, optionally with ``:port``), never on the API's origin: a
     wildcard DNS name (and certificate) for it points at the control plane, which routes by ``Host``.
     Port URLs the API answers use it. None: the path route ``/v1/sessions/{id}/ports/{port}/`` only,
-    whose answers are stripped of what could act on the API's origin (:mod:`capsa.control.port_headers`)."""
+    whose answers are stripped of what could act on the API's origin (:mod:`capsa.control.ports.headers`)."""
     port_token_ttl: Annotated[int, Field(ge=60)] = 86400
     """Seconds a port token lasts when its request names no ``ttl_seconds`` (``CAPSA_PORT_TOKEN_TTL``)."""
     port_token_max_ttl: Annotated[int, Field(ge=60)] = 7 * 86400

@@ -17,9 +17,9 @@ from fastapi import Request
 from starlette.datastructures import Headers
 
 from capsa.compat.e2b import access_tokens
-from capsa.control import relay
 from capsa.control.auth import Principal, authenticate, authenticate_cached
 from capsa.control.plane import ControlPlane
+from capsa.control.sessions import relay
 from capsa.sdk.e2b import E2B_ENVD_PATH as ENVD_PATH
 
 __all__ = [

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from capsa.control.auth import Principal, key_principal
 from capsa.control.errors import ApiError, Unauthorized
-from capsa.control.node_secrets import derive_secret_key
+from capsa.control.nodes.secrets import derive_secret_key
 from capsa.control.plane import ControlPlane
 from capsa.control.settings import ControlSettings
 

@@ -31,10 +31,10 @@ from capsa.compat.e2b.connect import (
     stream_response,
     unary_response,
 )
-from capsa.control import relay
-from capsa.control.audit_digest import StreamDigest
+from capsa.control.audit.digest import StreamDigest
 from capsa.control.errors import ApiError, PayloadTooLarge
 from capsa.control.plane import ControlPlane
+from capsa.control.sessions import relay
 
 __all__ = ["MULTIPART", "Call", "Live", "live_state", "router"]
 

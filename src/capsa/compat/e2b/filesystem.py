@@ -16,9 +16,9 @@ from typing import Any
 from capsa.common import node_api
 from capsa.compat.e2b.access import EnvdTarget
 from capsa.compat.e2b.connect import ConnectError
-from capsa.control import relay
 from capsa.control.errors import ApiError
 from capsa.control.plane import ControlPlane
+from capsa.control.sessions import relay
 
 __all__ = ["MAX_DEPTH", "MAX_LISTINGS", "entry_info", "list_dir", "make_dir", "move", "remove",
            "resolve_path", "stat", "write_entry"]

@@ -7,8 +7,8 @@ output reaches the stream through the node's process output stream (``proc_strea
 ends; the ``end`` event carries its exit. A ``Start`` with ``pty`` opens a capsa terminal (the node's
 ``/pty`` WebSocket); its input, resize and kill arrive on other requests, so this replica keeps the open
 terminals by session and pid (:class:`Terminals`). Streams, stdin and terminals go through
-:mod:`capsa.control.process_io`, the core the ``/v1`` routes use (tenant check, session activity while
-open, a lost sandbox handled).
+:mod:`capsa.control.sessions.process_io`, the core the ``/v1`` routes use (tenant check, session activity
+while open, a lost sandbox handled).
 
 A stream whose client goes away leaves a process running (the SDK's ``disconnect``) and hangs a terminal
 up; a stream past its ``Connect-Timeout-Ms`` kills the process and ends with ``deadline_exceeded`` (the
@@ -29,9 +29,10 @@ from capsa.common.errors import CapsaError
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
 from capsa.compat.e2b.access import EnvdTarget
 from capsa.compat.e2b.connect import ConnectError, paced
-from capsa.control import audit_trail, process_io, relay
+from capsa.control.audit import trail as audit_trail
 from capsa.control.plane import ControlPlane
-from capsa.control.port_access import keep_active
+from capsa.control.ports.access import keep_active
+from capsa.control.sessions import process_io, relay
 from capsa.sdk.models import OutputChunk, OutputEnd
 
 __all__ = ["SIGNALS", "StartSpec", "Terminals", "close_stdin", "guest_user", "list_processes",

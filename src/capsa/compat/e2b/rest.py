@@ -20,11 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from capsa.compat.e2b import access_tokens
 from capsa.compat.e2b.access import api_caller, plane
 from capsa.compat.e2b.versions import ENVD_VERSION
-from capsa.control import session_audit, sessions, snapshots
 from capsa.control.auth import Principal
 from capsa.control.errors import InvalidState, NotFound
 from capsa.control.plane import ControlPlane
 from capsa.control.schemas import SessionCreate, SessionOut
+from capsa.control.sessions import audit as session_audit
+from capsa.control.sessions import service as sessions
+from capsa.control.sessions import snapshots
 
 __all__ = ["DEFAULT_TIMEOUT", "TEMPLATE_ALIASES", "capsa_template", "router"]
 

@@ -1,4 +1,5 @@
-"""envd's directory watching on capsa's ``file_watch`` (:func:`capsa.control.process_io.watch_files`).
+"""envd's directory watching on capsa's ``file_watch``
+(:func:`capsa.control.sessions.process_io.watch_files`).
 
 Two forms, as the SDKs use them: the async SDK keeps one ``WatchDir`` stream open; the sync SDK creates a
 watcher (``CreateWatcher``) and polls it (``GetWatcherEvents``) until ``RemoveWatcher``. A watcher is a
@@ -29,8 +30,9 @@ from typing import Any
 from capsa.common.errors import CapsaError
 from capsa.compat.e2b.access import EnvdTarget
 from capsa.compat.e2b.connect import ConnectError, as_connect, paced
-from capsa.control import process_io, sessions
 from capsa.control.plane import ControlPlane
+from capsa.control.sessions import process_io
+from capsa.control.sessions import service as sessions
 from capsa.control.settings import ControlSettings
 from capsa.sdk.models import FileEvent, StreamError
 

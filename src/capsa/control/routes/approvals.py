@@ -6,8 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query
 
-from capsa.control import approvals
-from capsa.control.approval_schemas import ApprovalDecisionIn, ApprovalList, ApprovalOut
+from capsa.control.approvals import service as approvals
+from capsa.control.approvals.schemas import ApprovalDecisionIn, ApprovalList, ApprovalOut
 from capsa.control.deps import Caller, Plane, problems
 
 __all__ = ["router"]

@@ -2,19 +2,20 @@
 ``/v1/sessions/{id}/computer`` (computer-use actions on its active page).
 
 A session has a browser when its template runs one (``templates/browser.yaml``): Chromium's DevTools on
-``127.0.0.1:9222`` in the guest (:data:`capsa.control.cdp.CDP_PORT`). ``GET …/browser`` asks it for the
-browser's WebSocket path (``/json/version``) and answers a ``cdp_url`` through the ports proxy with a
+``127.0.0.1:9222`` in the guest (:data:`capsa.control.browser.cdp.CDP_PORT`). ``GET …/browser`` asks it for
+the browser's WebSocket path (``/json/version``) and answers a ``cdp_url`` through the ports proxy with a
 port token made for that port (one per call, expiring after ``CAPSA_PORT_TOKEN_TTL``, listed and revoked
 with the session's other port tokens, gone with the session), which the stock Playwright client
 (``connect_over_cdp``) and any CDP client can open. A session whose template has no browser answers 409
 ``browser_unavailable``. The screen of the computer actions is the session's ``screen`` metadata
 (``"1280x800"``, the default).
 
-A session of a desktop template (``templates/desktop.yaml``, :mod:`capsa.control.desktop`) is driven on its
-X screen instead: the computer actions become xdotool and scrot commands in the guest, and ``GET …/browser``
-also answers a ``live_url``, noVNC's page through the ports proxy, view-only unless ``?interactive=true``:
-the two are different ports in the guest (an ``x11vnc -viewonly`` and one that takes input), and the port
-token in the URL is made for that port only, so a view-only URL cannot be turned into an interactive one.
+A session of a desktop template (``templates/desktop.yaml``, :mod:`capsa.control.browser.desktop`) is driven
+on its X screen instead: the computer actions become xdotool and scrot commands in the guest, and ``GET
+…/browser`` also answers a ``live_url``, noVNC's page through the ports proxy, view-only unless
+``?interactive=true``: the two are different ports in the guest (an ``x11vnc -viewonly`` and one that takes
+input), and the port token in the URL is made for that port only, so a view-only URL cannot be turned into an
+interactive one.
 """
 
 from __future__ import annotations
@@ -28,14 +29,29 @@ from pydantic import BaseModel, Field
 
 from capsa.common.node_api import ExecRequest, ExecResult
 from capsa.common.port_tunnel import PortTunnel
-from capsa.control import desktop, relay
-from capsa.control.cdp import CDP_PORT, DOWNLOADS_DIR, BrowserUnavailable, CdpPages, OpenTunnel, devtools_json
-from capsa.control.computer import ComputerAction, ComputerResult, Screen, check_action, perform, set_screen
+from capsa.control.browser import desktop
+from capsa.control.browser.cdp import (
+    CDP_PORT,
+    DOWNLOADS_DIR,
+    BrowserUnavailable,
+    CdpPages,
+    OpenTunnel,
+    devtools_json,
+)
+from capsa.control.browser.computer import (
+    ComputerAction,
+    ComputerResult,
+    Screen,
+    check_action,
+    perform,
+    set_screen,
+)
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import ValidationFailed
 from capsa.control.plane import ControlPlane
-from capsa.control.port_access import create_token
-from capsa.control.sessions import get_session
+from capsa.control.ports.access import create_token
+from capsa.control.sessions import relay
+from capsa.control.sessions.service import get_session
 
 __all__ = ["BrowserInfo", "router"]
 

@@ -1,6 +1,6 @@
 """``/v1/sessions/{id}/commands`` and ``/processes``: run commands (JSON or NDJSON stream), background
 processes: their stdin (``/stdin``: the request body, raw bytes; ``/stdin/close``) and their output as an
-NDJSON stream from byte offsets (``/stream``). The logic is in :mod:`capsa.control.process_io`."""
+NDJSON stream from byte offsets (``/stream``). The logic is in :mod:`capsa.control.sessions.process_io`."""
 
 from __future__ import annotations
 
@@ -17,12 +17,11 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from capsa.common import node_api
-from capsa.control import audit_trail, process_io, relay
+from capsa.control.audit import trail as audit_trail
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import PayloadTooLarge
-from capsa.control.node_calls import NodeLost, until_lost
+from capsa.control.nodes.calls import NodeLost, until_lost
 from capsa.control.plane import ControlPlane
-from capsa.control.rolling import command_finished
 from capsa.control.schemas import (
     CommandRequest,
     CommandResult,
@@ -31,6 +30,8 @@ from capsa.control.schemas import (
     ProcessList,
     ProcessOutput,
 )
+from capsa.control.sessions import process_io, relay
+from capsa.control.sessions.rolling import command_finished
 from capsa.sdk.models import (
     EXEC_EVENT,
     OUTPUT_EVENT,

@@ -13,8 +13,8 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query, Request, Response
 from fastapi.responses import HTMLResponse
 
-from capsa.control import connections
-from capsa.control.connection_schemas import (
+from capsa.control.connections import service as connections
+from capsa.control.connections.schemas import (
     ConnectionCreate,
     ConnectionList,
     ConnectionOut,

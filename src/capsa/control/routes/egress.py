@@ -6,9 +6,10 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Query
 
-from capsa.control import egress, policy_update
 from capsa.control.deps import Caller, Plane, problems
-from capsa.control.egress_schemas import AuditList, PolicyOut, PolicyUpdate
+from capsa.control.egress import policy_update
+from capsa.control.egress import service as egress
+from capsa.control.egress.schemas import AuditList, PolicyOut, PolicyUpdate
 
 __all__ = ["router"]
 

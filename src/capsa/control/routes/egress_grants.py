@@ -1,7 +1,7 @@
 """``/v1/egress-grants`` (admin only): which internal networks a tenant's sandboxes may reach.
 
 A node opens a non-public destination only inside its ``CAPSA_EGRESS_ALLOW_NETWORKS`` and only for sandboxes
-whose tenant holds a grant covering the address (capsa.control.egress_grants). Each grant and revocation is
+whose tenant holds a grant covering the address (capsa.control.egress.grants). Each grant and revocation is
 chained into the granted tenant's audit trail and reaches its running sandboxes at once.
 """
 
@@ -11,9 +11,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from capsa.control import egress_grants, policy_update
 from capsa.control.deps import Admin, Plane, problems
-from capsa.control.egress_grants import EgressGrantCreate, EgressGrantList, EgressGrantOut
+from capsa.control.egress import grants as egress_grants
+from capsa.control.egress import policy_update
+from capsa.control.egress.grants import EgressGrantCreate, EgressGrantList, EgressGrantOut
 
 __all__ = ["router"]
 

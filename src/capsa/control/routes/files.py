@@ -11,13 +11,13 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from capsa.common import node_api
-from capsa.control import process_io, relay
-from capsa.control.audit_digest import StreamDigest
+from capsa.control.audit.digest import StreamDigest
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import PayloadTooLarge
-from capsa.control.nodeclient import NodeClient
+from capsa.control.nodes.client import NodeClient
 from capsa.control.plane import ControlPlane
 from capsa.control.schemas import FileInfo, FileList
+from capsa.control.sessions import process_io, relay
 from capsa.sdk.models import WATCH_EVENT, FileEvent, StreamError
 
 __all__ = ["router"]

@@ -9,7 +9,7 @@ from sqlalchemy import text
 
 from capsa.control.deps import Plane, problems
 from capsa.control.errors import ApiError
-from capsa.control.placement import healthy_nodes
+from capsa.control.nodes.placement import healthy_nodes
 from capsa.control.schemas import Health, Ready
 
 __all__ = ["router"]

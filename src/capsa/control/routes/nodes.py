@@ -9,10 +9,11 @@ from fastapi import APIRouter, Body, Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from capsa.common.connection_wire import ConnectionTokenOut, ConnectionTokenRequest
-from capsa.control import connection_tokens, nodes
 from capsa.control.auth import authenticate, require_admin
+from capsa.control.connections import tokens as connection_tokens
 from capsa.control.deps import Admin, Plane, problems
 from capsa.control.errors import Unauthorized
+from capsa.control.nodes import registry as nodes
 from capsa.control.schemas import (
     HeartbeatOut,
     NodeCreate,

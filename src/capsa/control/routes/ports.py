@@ -1,10 +1,10 @@
 """``/v1/sessions/{id}/ports/{port}/…``: HTTP and WebSocket into a port of the sandbox; port tokens; tunnels.
 
 - ``GET|POST|PUT|PATCH|DELETE|HEAD|OPTIONS /sessions/{id}/ports/{port}/{path}`` and a WebSocket upgrade on
-  the same path reach ``127.0.0.1:{port}`` inside the sandbox (:mod:`capsa.control.port_proxy`), over the
+  the same path reach ``127.0.0.1:{port}`` inside the sandbox (:mod:`capsa.control.ports.proxy`), over the
   guest channel: the sandbox needs no network device.
 - ``POST /sessions/{id}/ports/{port}/tokens`` makes an access token for that port
-  (:mod:`capsa.control.port_access`; body ``{"ttl_seconds": N}``, optional), ``DELETE …/tokens/{token_id}``
+  (:mod:`capsa.control.ports.access`; body ``{"ttl_seconds": N}``, optional), ``DELETE …/tokens/{token_id}``
   revokes it. These two paths of the app behind the port are therefore not reachable through the API's
   path route with those methods (they are on the port's own host).
 - ``GET /sessions/{id}/port-tokens`` lists the session's tokens (every port, ``GET …/browser``'s too),
@@ -14,7 +14,7 @@
   tunnel would pass by the download-directory rewrite of the proxied CDP WebSocket.
 
 :data:`proxy_router` holds the proxy's routes alone: the app serves it on ports' own hosts
-(:mod:`capsa.control.port_hosts`).
+(:mod:`capsa.control.ports.hosts`).
 
 Authentication: the API key (``Authorization: Bearer``) as everywhere, or a port token (``?token=`` or
 ``X-Capsa-Port-Token``). The proxy answers ``port_not_exposed`` (403) for ports outside the session's
@@ -33,12 +33,11 @@ from starlette.websockets import WebSocketDisconnect
 
 from capsa.common.errors import CapsaError
 from capsa.common.port_tunnel import OK_MESSAGE, PortTunnel, problem_message
-from capsa.control import relay
-from capsa.control.cdp import CDP_PORT, pin_downloads
+from capsa.control.browser.cdp import CDP_PORT, pin_downloads
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import ApiError
 from capsa.control.plane import ControlPlane
-from capsa.control.port_access import (
+from capsa.control.ports.access import (
     PortAccess,
     authorize,
     create_token,
@@ -46,9 +45,10 @@ from capsa.control.port_access import (
     list_tokens,
     revoke_token,
 )
-from capsa.control.port_proxy import proxy_http, proxy_websocket, relay_tunnel
+from capsa.control.ports.proxy import proxy_http, proxy_websocket, relay_tunnel
 from capsa.control.problems import refuse_websocket
 from capsa.control.schemas import PortToken, PortTokenCreate, PortTokenList
+from capsa.control.sessions import relay
 
 __all__ = ["proxy_router", "router"]
 

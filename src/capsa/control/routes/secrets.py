@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from capsa.control import egress
 from capsa.control.deps import Caller, Plane, problems
-from capsa.control.egress_schemas import SecretCreate, SecretList, SecretOut
+from capsa.control.egress import service as egress
+from capsa.control.egress.schemas import SecretCreate, SecretList, SecretOut
 
 __all__ = ["router"]
 

@@ -6,10 +6,11 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 
-from capsa.control import session_audit, sessions
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import ValidationFailed
 from capsa.control.schemas import SessionCreate, SessionList, SessionOut, TimeoutUpdate
+from capsa.control.sessions import audit as session_audit
+from capsa.control.sessions import service as sessions
 
 __all__ = ["router"]
 

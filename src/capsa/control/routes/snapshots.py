@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from capsa.control import audit_trail, session_audit, snapshots
+from capsa.control.audit import trail as audit_trail
 from capsa.control.auth import Principal
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.schemas import (
@@ -16,6 +16,8 @@ from capsa.control.schemas import (
     SnapshotList,
     SnapshotOut,
 )
+from capsa.control.sessions import audit as session_audit
+from capsa.control.sessions import snapshots
 
 __all__ = ["router"]
 

@@ -30,14 +30,14 @@ from capsa.common.terminal_wire import (
     follow_control,
     started_message,
 )
-from capsa.control import audit_trail
-from capsa.control.audit_trail import AuditEntry
+from capsa.control.audit import trail as audit_trail
+from capsa.control.audit.trail import AuditEntry
 from capsa.control.auth import authenticate, bearer_token
 from capsa.control.plane import ControlPlane
-from capsa.control.port_access import keep_active
+from capsa.control.ports.access import keep_active
 from capsa.control.problems import refuse_websocket
-from capsa.control.process_io import open_terminal
 from capsa.control.routes.commands import argv_detail
+from capsa.control.sessions.process_io import open_terminal
 
 __all__ = ["relay", "router"]
 

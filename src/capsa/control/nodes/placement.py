@@ -1,0 +1,75 @@
+"""Choosing a node for a new sandbox: healthy (recent heartbeat, not left), has the template, can run
+networked sandboxes when the session has an egress policy, has room; most free memory wins."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy import func, select
+
+from capsa.control.errors import NoCapacity, TemplateNotFound
+from capsa.control.sessions.states import ACTIVE_STATES
+from capsa.control.store.db import DbSession
+from capsa.control.store.models import NodeRow, SessionRow, utcnow
+
+__all__ = ["choose_node", "choose_snapshot_node", "healthy_nodes"]
+
+
+async def healthy_nodes(db: DbSession, heartbeat_timeout: float) -> list[NodeRow]:
+    cutoff = utcnow() - timedelta(seconds=heartbeat_timeout)
+    rows = await db.execute(select(NodeRow).where(
+        NodeRow.last_heartbeat_at >= cutoff, NodeRow.left_at.is_(None), NodeRow.token_sealed.is_not(None)))
+    return list(rows.scalars())
+
+
+async def choose_node(db: DbSession, template: str, memory_mib: int, vcpus: int,
+                      heartbeat_timeout: float, egress: bool = False) -> NodeRow:
+    """``egress``: the session has an egress policy, so only nodes with an egress broker can run it."""
+    nodes = await healthy_nodes(db, heartbeat_timeout)
+    if not nodes:
+        raise NoCapacity("no healthy node is registered")
+    candidates = [node for node in nodes if template in (node.templates or [])]
+    if not candidates:
+        raise TemplateNotFound(f"template {template!r} is not available on any node")
+    if egress:
+        candidates = [node for node in candidates if node.egress]
+        if not candidates:
+            raise NoCapacity("no healthy node can run networked sessions (none has egress enabled); "
+                             f"create the session without a policy or start a node with egress (template "
+                             f"{template!r})")
+    return await _roomiest(db, candidates, memory_mib, vcpus)
+
+
+async def choose_snapshot_node(db: DbSession, snapshot_node: str, memory_mib: int, vcpus: int,
+                               heartbeat_timeout: float, count: int = 1) -> NodeRow:
+    """A node that can read a snapshot and has room for ``count`` sandboxes of its size.
+
+    Snapshots live in their node's storage pool, so today that is the node that took it; nodes sharing a
+    pool would be listed here too.
+    """
+    nodes = [n for n in await healthy_nodes(db, heartbeat_timeout) if n.id == snapshot_node]
+    if not nodes:
+        raise NoCapacity(f"node {snapshot_node}, which holds the snapshot, is not available")
+    return await _roomiest(db, nodes, memory_mib * count, vcpus * count, count)
+
+
+async def _roomiest(db: DbSession, candidates: list[NodeRow], memory_mib: int, vcpus: int,
+                    count: int = 1) -> NodeRow:
+    usage = await db.execute(
+        select(SessionRow.node_id, func.count(), func.coalesce(func.sum(SessionRow.memory_mib), 0),
+               func.coalesce(func.sum(SessionRow.vcpus), 0))
+        .where(SessionRow.state.in_(ACTIVE_STATES), SessionRow.node_id.in_([n.id for n in candidates]))
+        .group_by(SessionRow.node_id)
+    )
+    used = {node_id: (int(n), int(mem), int(cpu)) for node_id, n, mem, cpu in usage.all()}
+    best: tuple[int, NodeRow] | None = None
+    for node in candidates:
+        used_count, mem, cpu = used.get(node.id, (0, 0, 0))
+        free_mem = node.memory_mib - mem
+        if used_count + count > node.max_sandboxes or free_mem < memory_mib or node.vcpus - cpu < vcpus:
+            continue
+        if best is None or free_mem > best[0]:
+            best = (free_mem, node)
+    if best is None:
+        raise NoCapacity(f"no node has room for {memory_mib} MiB and {vcpus} vCPU(s)")
+    return best[1]
