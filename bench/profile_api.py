@@ -32,7 +32,7 @@ from rich.table import Table
 import capsa.control.audit.writer as audit_writer
 import capsa.control.deps as deps
 import capsa.control.nodes.client as nodeclient
-import capsa.control.routes.commands as commands_routes
+import capsa.control.sessions.relay as relay
 import capsa.control.sessions.service as control_sessions
 import capsa.node.agent.agent as agent
 import capsa.node.agent.guest as guest_facade
@@ -100,7 +100,7 @@ class _TimedApp:
 def _instrument() -> None:
     for owner, name, label in (
             (deps, "authenticate_cached", "auth (API key, cached per replica)"),
-            (commands_routes, "running_session", "session lookup (running_session)"),
+            (relay, "running", "session lookup (relay.running)"),
             (audit_writer.AuditWriter, "_drain", "audit commit (after the answer: CAPSA_AUDIT_ACK=async)"),
             (nodeclient.NodeClient, "exec", "node call (in-process: NodeClient.exec)"),
             (guest_facade.SandboxGuest, "exec", "node agent exec (SandboxGuest.exec)"),
@@ -111,8 +111,8 @@ def _instrument() -> None:
             (template_source.TemplateSource, "make", "create: template source make (pool take + bind)"),
             (identity, "bind_identity", "create: identity bind (reseed, clock, hostname)")):
         setattr(owner, name, _timed(label, getattr(owner, name)))
-    create_app = serve_module.__dict__["create_app"]
-    setattr(serve_module, "create_app", lambda *a, **k: _TimedApp(create_app(*a, **k)))  # noqa: B010
+    build_app = serve_module.__dict__["build_app"]
+    setattr(serve_module, "build_app", lambda *a, **k: _TimedApp(build_app(*a, **k)))  # noqa: B010
 
 
 async def _series(label: str, n: int, call: Callable[[], Awaitable[Any]], warm: int = 5) -> None:
