@@ -39,7 +39,8 @@ def websocket_authorized(websocket: WebSocket) -> bool:
     return bearer_matches(websocket.headers.get("authorization"), token)
 
 
-def _agent(request: Request) -> NodeAgent:
+async def _agent(request: Request) -> NodeAgent:
+    # async: FastAPI runs a plain function dependency in its thread pool, a thread hand-off on every call
     agent = request.app.state.agent
     assert isinstance(agent, NodeAgent)
     return agent
