@@ -40,6 +40,7 @@ from capsa.control.nodes.calls import quietly
 from capsa.control.nodes.client import EgressArgs, NodeClient, NodeError
 from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import SecretSealer
+from capsa.control.sessions.rows import load_session
 from capsa.control.store.db import DbSession
 from capsa.control.store.egress_models import (
     AuditCursorRow,
@@ -204,16 +205,10 @@ async def session_egress(plane: ControlPlane, tenant: str, session_id: str) -> E
     return EgressArgs(document, values, placeholders, session_id, await tenant_networks(plane, tenant))
 
 
-async def _session(db: DbSession, tenant: str, session_id: str) -> SessionRow:
-    row = await db.get(SessionRow, session_id, populate_existing=True) if is_id(session_id, "ses") else None
-    if row is None or row.tenant != tenant:
-        raise NotFound(f"session {session_id} not found")
-    return row
-
 
 async def get_policy(plane: ControlPlane, tenant: str, session_id: str) -> PolicyOut:
     async with plane.db() as db:
-        await _session(db, tenant, session_id)
+        await load_session(db, tenant, session_id)
         row = await db.get(SessionPolicyRow, session_id, populate_existing=True)
     return PolicyOut(session_id=session_id, policy=row.policy if row else None,
                      updated_at=row.updated_at if row else None)
@@ -374,7 +369,7 @@ async def list_audit(plane: ControlPlane, tenant: str, session_id: str, limit: i
                      decision: str | None = None) -> AuditList:
     """A session's egress audit trail, oldest first; new events are fetched from its node first."""
     async with plane.db() as db:
-        session = await _session(db, tenant, session_id)
+        session = await load_session(db, tenant, session_id)
         node = await db.get(NodeRow, session.node_id) if session.node_id else None
     if node is not None:
         await quietly(collect_audit(plane, node), f"could not collect audit events from node {node.id}")

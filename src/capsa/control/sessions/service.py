@@ -11,18 +11,19 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, and_, delete, or_, select, update
 
-from capsa.common.ids import is_id, new_id
+from capsa.common.ids import new_id
 from capsa.control.audit import trail as audit_trail
 from capsa.control.auth import Principal
 from capsa.control.egress import grants as egress_grants
 from capsa.control.egress import service as egress
-from capsa.control.errors import InvalidState, NotFound, SessionFailed, ValidationFailed
+from capsa.control.errors import InvalidState, SessionFailed, ValidationFailed
 from capsa.control.nodes.calls import quietly
 from capsa.control.nodes.client import EgressArgs, NodeClient, NodeError
 from capsa.control.nodes.placement import choose_node
 from capsa.control.plane import ControlPlane
 from capsa.control.quotas import check_quota, lock_tenant
 from capsa.control.schemas import RollingSnapshots, SessionCreate, SessionList, SessionOut
+from capsa.control.sessions.rows import load_session
 from capsa.control.sessions.states import transition
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import (
@@ -86,17 +87,10 @@ async def _metadata(db: DbSession, session_ids: list[str]) -> dict[str, dict[str
     return result
 
 
-async def _load(db: DbSession, tenant: str, session_id: str) -> SessionRow:
-    # Another tenant's session is indistinguishable from a missing one.
-    row = await db.get(SessionRow, session_id, populate_existing=True) if is_id(session_id, "ses") else None
-    if row is None or row.tenant != tenant:
-        raise NotFound(f"session {session_id} not found")
-    return row
-
 
 async def get_session(plane: ControlPlane, tenant: str, session_id: str) -> SessionOut:
     async with plane.db() as db:
-        row = await _load(db, tenant, session_id)
+        row = await load_session(db, tenant, session_id)
         return to_out(row, (await _metadata(db, [row.id]))[row.id])
 
 
@@ -201,7 +195,7 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
             return to_out(row, dict(req.metadata))
         # Closed (or reaped) while the VM was booting: the VM must not outlive the decision.
         await destroy_quietly(client, sandbox_id)
-        row = await _load(db, principal.tenant, session_id)
+        row = await load_session(db, principal.tenant, session_id)
         return to_out(row, (await _metadata(db, [row.id]))[row.id])
 
 
@@ -313,7 +307,7 @@ async def fail_session(plane: ControlPlane, session_id: str, reason: str) -> boo
 async def close_session(plane: ControlPlane, tenant: str, session_id: str,
                         reason: str | None = None) -> SessionOut:
     async with plane.db() as db:
-        await _load(db, tenant, session_id)
+        await load_session(db, tenant, session_id)
     await finish_session(plane, session_id, "closed", reason)
     return await get_session(plane, tenant, session_id)
 
@@ -327,7 +321,7 @@ async def runs_on(plane: ControlPlane, session_id: str, sandbox_id: str) -> bool
 
 async def extend_session(plane: ControlPlane, tenant: str, session_id: str, ttl: int) -> SessionOut:
     async with plane.db() as db:
-        row = await _load(db, tenant, session_id)
+        row = await load_session(db, tenant, session_id)
         if row.state not in ("creating", "running", "paused"):
             raise InvalidState(f"session {session_id} is {row.state}")
         now = utcnow()

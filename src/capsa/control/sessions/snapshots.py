@@ -20,7 +20,7 @@ from sqlalchemy import select
 from capsa.common.ids import is_id, new_id
 from capsa.common.node_api import SnapshotInfo
 from capsa.control.egress import service as egress
-from capsa.control.errors import ApiError, InvalidState, NotFound, SessionFailed
+from capsa.control.errors import ApiError, InvalidState, SessionFailed
 from capsa.control.nodes.calls import node_error, quietly
 from capsa.control.nodes.client import NodeClient, NodeError
 from capsa.control.nodes.placement import choose_snapshot_node
@@ -34,6 +34,7 @@ from capsa.control.quotas import (
 )
 from capsa.control.schemas import BranchOut, SessionOut, SnapshotList, SnapshotOut
 from capsa.control.sessions.relay import call, running
+from capsa.control.sessions.rows import load_session
 from capsa.control.sessions.service import destroy_quietly, fail_session, finish_session, get_session, to_out
 from capsa.control.sessions.states import transition
 from capsa.control.store.db import DbSession
@@ -70,12 +71,6 @@ def snapshot_out(row: SnapshotRow) -> SnapshotOut:
                        node_id=row.node_id)
 
 
-async def _load(db: DbSession, tenant: str, session_id: str) -> SessionRow:
-    row = await db.get(SessionRow, session_id, populate_existing=True) if is_id(session_id, "ses") else None
-    if row is None or row.tenant != tenant:
-        raise NotFound(f"session {session_id} not found")
-    return row
-
 
 def _state_error(row: SessionRow, wanted: str) -> ApiError:
     if row.state == "failed":
@@ -91,7 +86,7 @@ async def latest_snapshot(db: DbSession, session_id: str) -> SnapshotRow | None:
 
 async def list_snapshots(plane: ControlPlane, tenant: str, session_id: str) -> SnapshotList:
     async with plane.db() as db:
-        await _load(db, tenant, session_id)
+        await load_session(db, tenant, session_id)
         rows = await db.execute(select(SnapshotRow).where(SnapshotRow.session_id == session_id,
                                                           SnapshotRow.tenant == tenant)
                                 .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc()))
@@ -209,7 +204,7 @@ async def pause_session(plane: ControlPlane, tenant: str | None, session_id: str
     if not paused:
         await _delete_on_node(client, record.id)
         async with plane.db() as db:
-            raise _state_error(await _load(db, row.tenant, session_id), "running")
+            raise _state_error(await load_session(db, row.tenant, session_id), "running")
     return await get_session(plane, row.tenant, session_id)
 
 
@@ -231,7 +226,7 @@ async def resume_session(plane: ControlPlane, tenant: str, session_id: str,
     sandbox_id = new_id("sbx")
     async with plane.db() as db:
         await lock_tenant(db, tenant)
-        row = await _load(db, tenant, session_id)
+        row = await load_session(db, tenant, session_id)
         if row.state != "paused":
             raise _state_error(row, "paused")
         snap = await _own_snapshot(db, row, snapshot_id)
@@ -240,7 +235,7 @@ async def resume_session(plane: ControlPlane, tenant: str, session_id: str,
         plane.sessions.forget(session_id)  # an entry from before a pause through another replica
         if not await transition(db, session_id, "creating", sources=("paused",), node_id=node.id,
                                 sandbox_id=sandbox_id):
-            raise _state_error(await _load(db, tenant, session_id), "paused")
+            raise _state_error(await load_session(db, tenant, session_id), "paused")
         await check_quota(db, plane.settings, tenant)  # the session holds a sandbox again
         await db.commit()
         pause_reason = row.pause_reason
@@ -281,7 +276,7 @@ async def _started(plane: ControlPlane, tenant: str, session_id: str, sandbox_id
 async def restore_session(plane: ControlPlane, tenant: str, session_id: str, snapshot_id: str) -> SessionOut:
     """Roll the session back to one of its snapshots: a new sandbox from it replaces the current one."""
     async with plane.db() as db:
-        row = await _load(db, tenant, session_id)
+        row = await load_session(db, tenant, session_id)
         if row.state not in ("running", "paused"):
             raise _state_error(row, "running or paused")
         snap = await _own_snapshot(db, row, snapshot_id)
@@ -295,7 +290,7 @@ async def restore_session(plane: ControlPlane, tenant: str, session_id: str, sna
         plane.sessions.forget(session_id)
         if not await transition(db, session_id, "creating", sources=("running",), node_id=node.id,
                                 sandbox_id=sandbox_id):
-            raise _state_error(await _load(db, tenant, session_id), "running")
+            raise _state_error(await load_session(db, tenant, session_id), "running")
         await db.commit()
         old_node = await db.get(NodeRow, old_node_id) if old_node_id else None
     client = plane.node_client(node)
@@ -321,7 +316,7 @@ async def branch_session(plane: ControlPlane, tenant: str, session_id: str, n: i
     """``n`` new sessions (same tenant, copied metadata + ``branched_from``) from the session's state now:
     a fresh snapshot of a running session, or the latest snapshot of a paused one."""
     async with plane.db() as db:
-        row = await _load(db, tenant, session_id)
+        row = await load_session(db, tenant, session_id)
         if row.state not in ("running", "paused"):
             raise _state_error(row, "running or paused")
         # Before the snapshot: a branch the quota refuses must not cost one.
