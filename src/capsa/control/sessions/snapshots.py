@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 from sqlalchemy import select
@@ -240,20 +241,31 @@ async def resume_session(plane: ControlPlane, tenant: str, session_id: str,
         await db.commit()
         pause_reason = row.pause_reason
     client = plane.node_client(node)
+
+    async def back_to_paused(db: DbSession) -> None:
+        await transition(db, session_id, "paused", sources=("creating",), sandbox_id=None,
+                         node_id=snap.node_id, pause_reason=pause_reason)
+
+    await _restore_onto(plane, client, row, snap, sandbox_id, undo=back_to_paused, what="resumed")
+    return await _started(plane, tenant, session_id, sandbox_id, client)
+
+
+async def _restore_onto(plane: ControlPlane, client: NodeClient, row: SessionRow, snap: SnapshotRow,
+                        sandbox_id: str, *, undo: Callable[[DbSession], Awaitable[None]], what: str) -> None:
+    """Restore ``snap`` as the session's new sandbox ``sandbox_id`` on ``client``'s node, with the session's
+    egress as recorded now (a policy changed while paused applies from here on). On failure the session
+    goes back where it was (``undo``, committed) and the half-made sandbox is destroyed."""
     try:
-        # The session's egress as recorded now (a policy changed while paused applies from here on).
-        args = await egress.session_egress(plane, tenant, session_id)
+        args = await egress.session_egress(plane, row.tenant, row.id)
         await client.restore_snapshot(snap.id, sandbox_id, row.env or {}, egress=args)
     except BaseException as exc:
         async with plane.db() as db:
-            await transition(db, session_id, "paused", sources=("creating",), sandbox_id=None,
-                             node_id=snap.node_id, pause_reason=pause_reason)
+            await undo(db)
             await db.commit()
         await destroy_quietly(client, sandbox_id)
         if isinstance(exc, NodeError):
-            raise node_error(exc, f"session {session_id} could not be resumed") from exc
+            raise node_error(exc, f"session {row.id} could not be {what}") from exc
         raise
-    return await _started(plane, tenant, session_id, sandbox_id, client)
 
 
 async def _started(plane: ControlPlane, tenant: str, session_id: str, sandbox_id: str,
@@ -294,19 +306,12 @@ async def restore_session(plane: ControlPlane, tenant: str, session_id: str, sna
         await db.commit()
         old_node = await db.get(NodeRow, old_node_id) if old_node_id else None
     client = plane.node_client(node)
-    try:
-        args = await egress.session_egress(plane, tenant, session_id)
-        await client.restore_snapshot(snap.id, sandbox_id, row.env or {}, egress=args)
-    except BaseException as exc:
-        # Back to the sandbox it had: a failed restore changes nothing.
-        async with plane.db() as db:
-            await transition(db, session_id, "running", sources=("creating",), sandbox_id=old_sandbox,
-                             node_id=old_node_id)
-            await db.commit()
-        await destroy_quietly(client, sandbox_id)
-        if isinstance(exc, NodeError):
-            raise node_error(exc, f"session {session_id} could not be restored") from exc
-        raise
+
+    async def back_to_its_sandbox(db: DbSession) -> None:  # a failed restore changes nothing
+        await transition(db, session_id, "running", sources=("creating",), sandbox_id=old_sandbox,
+                         node_id=old_node_id)
+
+    await _restore_onto(plane, client, row, snap, sandbox_id, undo=back_to_its_sandbox, what="restored")
     if old_node is not None and old_sandbox:
         await destroy_quietly(plane.node_client(old_node), old_sandbox)
     return await _started(plane, tenant, session_id, sandbox_id, client)
