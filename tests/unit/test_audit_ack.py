@@ -114,7 +114,9 @@ async def test_calls_one_after_another_share_transactions_within_the_linger(make
     writer = stack.replicas[0].app.state.plane.audit
     async with stack.client(key) as c:
         assert (await c.get("/v1/audit")).status_code == 200
-        await asyncio.sleep(0.2)  # that read's own event is written after its answer
+        # That read's own event was handed over with its answer: written now, so that no linger begun
+        # before the one below can end while the calls are made (a 1 s one did, on a loaded host).
+        await writer.flush()
         writer.linger = 60.0  # longer than the test: only a read of the trail may end it
         before = writer.transactions
         calls = [(await c.get("/v1/sessions")).headers["x-request-id"] for _ in range(6)]
