@@ -99,6 +99,10 @@ async def relay(websocket: WebSocket, term: TerminalClient) -> None:
     """Client BINARY/resize/kill -> the node's terminal; its output, then ``exit`` and close 1000, back; a
     failure closes 1011 after an ``error`` message when it is a capsa error (others are logged)."""
 
+    async def to_term(data: bytes) -> None:
+        if data:  # an empty BINARY message carries nothing to type
+            await term.send(data)
+
     async def control(text: str) -> None:
         await follow_control(text, resize=term.resize, kill=term.kill)
 
@@ -111,5 +115,5 @@ async def relay(websocket: WebSocket, term: TerminalClient) -> None:
     def failure(exc: BaseException) -> str | None:
         return error_message(exc.status, exc.code, exc.message) if isinstance(exc, CapsaError) else None
 
-    await ws_relay.relay(websocket, output(), on_bytes=term.send, on_text=control, failure_text=failure,
+    await ws_relay.relay(websocket, output(), on_bytes=to_term, on_text=control, failure_text=failure,
                          quiet=(CapsaError, *ws_relay.QUIET_FAILURES), what="terminal relay")
