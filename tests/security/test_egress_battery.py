@@ -94,6 +94,20 @@ class Lab:
     def events_since(self, mark: int) -> list[EgressEvent]:
         return self.sink.events[mark:]
 
+    async def allowed(self, mark: int, **match: object) -> EgressEvent:
+        """The allowed http request after `mark` matching `match`. The broker records an allowed request once
+        its exchange returns, after the last byte went to the guest, so the guest's curl can exit first: the
+        event is waited for (bounded), never read at once."""
+        for _ in range(100):
+            found = [e for e in self.events_since(mark)
+                     if e.kind == "http" and e.decision == "allow"
+                     and all(getattr(e, k) == v for k, v in match.items())]
+            if found:
+                return found[-1]
+            await asyncio.sleep(0.05)
+        events = [e.model_dump(exclude_none=True) for e in self.events_since(mark)]
+        raise AssertionError(f"no allowed http event matching {match} in {events}")
+
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def lab() -> AsyncIterator[Lab]:
@@ -142,9 +156,8 @@ async def test_allowed_https_injects_secret_and_redacts_it(lab: Lab) -> None:
     assert echoed["headers"]["authorization"] == "Bearer [REDACTED]"
     assert lab.placeholder not in body
     assert SECRET not in body
-    http = [e for e in lab.events_since(mark) if e.kind == "http"]
-    assert http[-1].decision == "allow" and http[-1].secret_ids == [SECRET_ID]
-    assert http[-1].destination == "api.allowed.test" and http[-1].resolved_ip == lab.up_ip
+    ev = await lab.allowed(mark, destination="api.allowed.test")
+    assert ev.secret_ids == [SECRET_ID] and ev.resolved_ip == lab.up_ip
     dns = [e for e in lab.events_since(mark) if e.kind == "dns"]
     assert any(e.destination == "api.allowed.test" and e.decision == "allow" for e in dns)
     for e in lab.sink.events:
@@ -180,12 +193,13 @@ async def test_allowed_plain_http_through_proxy_absolute_form(lab: Lab) -> None:
 
 async def test_post_with_expect_continue(lab: Lab) -> None:
     body = "a=" + "x" * 4000  # curl sends Expect: 100-continue above 1 KiB and waits for the 100
+    mark = len(lab.sink.events)
     status, out, err = await lab.curl("--expect100-timeout", "5", "--data", body,
                                       "https://api.allowed.test/echo")
     assert status == 200, err
     assert json.loads(out)["body"] == body
-    ev = [e for e in lab.sink.events if e.kind == "http"][-1]
-    assert ev.decision == "allow" and ev.bytes_out == len(body) and ev.method == "POST"
+    ev = await lab.allowed(mark, method="POST")
+    assert ev.bytes_out == len(body)
 
 
 async def test_keep_alive_reuses_connection(lab: Lab) -> None:
@@ -528,6 +542,7 @@ async def test_rate_limit(lab: Lab) -> None:
 
 
 async def test_large_download_streams_through(lab: Lab) -> None:
+    mark = len(lab.sink.events)
     rc, out, err = await lab.guest_run(
         "sh", "-c",
         f"curl -sS --max-time 20 --cacert {lab.ca_file} https://third.allowed.test/v1/large | sha256sum")
@@ -535,8 +550,8 @@ async def test_large_download_streams_through(lab: Lab) -> None:
     import hashlib
 
     assert out.split()[0] == hashlib.sha256(bytes(range(256)) * 12288).hexdigest()
-    ev = [e for e in lab.sink.events if e.kind == "http"][-1]
-    assert ev.decision == "allow" and ev.bytes_in == 3 * 1024 * 1024
+    ev = await lab.allowed(mark, path="/v1/large")
+    assert ev.bytes_in == 3 * 1024 * 1024
 
 
 async def test_streamed_response_cut_at_limit(lab: Lab) -> None:
