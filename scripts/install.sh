@@ -12,6 +12,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CAPSA_VENV:-$REPO/.venv}"
 DEMO=1
+DEV=0
 EXTRAS=""
 
 usage() {
@@ -24,7 +25,7 @@ usage() {
 while [ $# -gt 0 ]; do
     case "$1" in
         --no-demo) DEMO=0 ;;
-        --dev) EXTRAS="[dev]" ;;
+        --dev) EXTRAS="[dev]"; DEV=1 ;;
         --venv) [ $# -ge 2 ] || { echo "install.sh: --venv needs a directory" >&2; exit 2; }; VENV="$2"; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "install.sh: unknown option: $1" >&2; usage >&2; exit 2 ;;
@@ -47,6 +48,8 @@ PACKAGES=(
     iproute2 procps curl util-linux debian-archive-keyring ca-certificates python3 python3-venv python3-dev gcc
     postgresql
 )
+# The tests' real S3 server (OpenStack Swift with its s3api middleware, tests/support/s3_server.py).
+[ "$DEV" = 1 ] && PACKAGES+=(swift-proxy swift-object swift-container swift-account)
 
 step "System packages"
 missing=()

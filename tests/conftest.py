@@ -18,6 +18,7 @@ from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from tests.support.control_db import DATABASES, database_url, optional_postgres
 from tests.support.postgres import PgCluster
+from tests.support.s3_server import S3Server, s3_missing_reason, temporary_s3
 from tests.support.skips import allowed_skip
 from tests.support.vm import searchable_dir
 
@@ -129,6 +130,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def db_url(request: pytest.FixtureRequest, tmp_path: Path, pg_cluster: PgCluster | None) -> str:
     """An empty control-plane database of the kind ``pytest_generate_tests`` chose."""
     return database_url(request.param, tmp_path, pg_cluster)
+
+
+# --- the fleet's store ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """One real S3 server (Swift with s3api) for the session; each user makes a bucket of its own."""
+    reason = s3_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    with temporary_s3() as server:
+        yield server
 
 
 # --- real microVMs (integration and security suites) ------------------------------------------------

@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     create + first ``true`` 78.5 vs 66.6 ms, first vs tenth ``true`` 43.0/34.7 vs 34.6/35.6 ms, restore
     on demand + first ``true`` 584 vs 538 ms, resume 296 vs 502 ms, branch into 4 646 vs 1357 ms.
     Templates whose spec says ``ram: private`` (browser, desktop) are always private."""
+    store_url: str | None = None
+    """The fleet's shared snapshot and template store (``file:///path`` or ``s3://bucket/prefix``); none:
+    snapshots and templates stay on the node that made them (capsa.store)."""
+    store_s3_endpoint: str | None = None
+    """The S3 endpoint for anything but AWS (MinIO, Ceph RGW, R2, Swift's s3api)."""
     debian_mirror: str = "http://deb.debian.org/debian"
     debian_suite: str = "bookworm"
     webhook_allow_networks: AllowNetworks = []
