@@ -9,11 +9,9 @@ the other node's untouched and leaves nothing of it on the host; the rest stop c
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,9 +19,11 @@ import pytest
 
 from capsa.control.keys import generate_key
 from capsa.sdk import AsyncClient, AsyncSession
+from tests.support.fleet import enrol_token, start_control, start_node
+from tests.support.fleet import listed_nodes as _nodes
 from tests.support.leftovers import wait_no_node_leftovers
 from tests.support.postgres import PgCluster, postgres_missing_reason, temporary_postgres
-from tests.support.served import CAPSA, ROOT, Served, free_port, serve_workdir, spawn
+from tests.support.served import CAPSA, ROOT, Served, free_port, serve_workdir
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.timeout(1500)]
 
@@ -45,49 +45,6 @@ def workdir() -> Iterator[Path]:
         yield path
 
 
-def _cli(url: str, key: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "CAPSA_API_URL": url, "CAPSA_API_KEY": key}
-    return subprocess.run([*CAPSA, *args], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
-
-
-def _start_control(workdir: Path, db_url: str, key: str) -> Served:
-    port = free_port()
-    args = ["control", "--host", "127.0.0.1", "--port", str(port), "--state-dir", str(workdir / "control")]
-    return spawn(args,
-                 url=f"http://127.0.0.1:{port}", state_dir=workdir / "control", log_dir=workdir,
-                 env={"CAPSA_DATABASE_URL": db_url, "CAPSA_BOOTSTRAP_KEY": key}, name="control",
-                 ready_path="/v1/health", timeout=120)
-
-
-def _start_node(workdir: Path, name: str, control_url: str, token: str) -> tuple[Served, str]:
-    """``capsa node`` with its own state dir; returns it once it printed ``node <id> registered``."""
-    state, port = workdir / name, free_port()
-    out, err = workdir / f"{name}.out", workdir / f"{name}.err"
-    args = ["node", "--control-url", control_url, "--enrol-token", token, "--state-dir", str(state),
-            "--listen", f"127.0.0.1:{port}", "--accel", "tcg"]
-    with out.open("w") as o, err.open("w") as e:
-        proc = subprocess.Popen([*CAPSA, *args], stdout=o, stderr=e, text=True, cwd=ROOT,
-                                env={**os.environ, "CAPSA_POOL_SIZE": "0"})
-    node = Served(f"http://127.0.0.1:{port}", state, proc, out, err)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        for line in out.read_text().splitlines():
-            words = line.split()
-            if len(words) == 3 and words[0] == "node" and words[2] == "registered":
-                return node, words[1]
-        if proc.poll() is not None:
-            raise AssertionError(f"capsa node exited {proc.returncode}: {node.errors()}")
-        time.sleep(0.3)
-    node.stop()
-    raise AssertionError(f"capsa node did not register: {node.errors()}")
-
-
-def _nodes(url: str, key: str) -> dict[str, dict[str, object]]:
-    listed = _cli(url, key, "nodes", "ls", "--json")
-    assert listed.returncode == 0, listed.stderr
-    return {str(n["id"]): n for n in json.loads(listed.stdout)["items"]}
-
-
 async def _state(client: AsyncClient, session_id: str) -> str:
     return (await client.get_session(session_id)).state
 
@@ -95,18 +52,14 @@ async def _state(client: AsyncClient, session_id: str) -> str:
 async def test_two_nodes_two_replicas_one_database(pg: PgCluster, workdir: Path) -> None:
     admin = generate_key().full
     db_url = pg.new_database()
-    control = _start_control(workdir, db_url, admin)
-    replica = _start_control(workdir, db_url, admin)
+    control = start_control(workdir, db_url, admin)
+    replica = start_control(workdir, db_url, admin)
     started: list[Served] = [control, replica]
     try:
-        tokens = []
-        for _ in range(2):
-            made = _cli(control.url, admin, "nodes", "token", "--json")
-            assert made.returncode == 0, made.stderr
-            tokens.append(json.loads(made.stdout)["token"])
-        node_a, id_a = _start_node(workdir, "node-a", control.url, tokens[0])
+        tokens = [enrol_token(control.url, admin) for _ in range(2)]
+        node_a, id_a = start_node(workdir, "node-a", control.url, tokens[0])
         started.append(node_a)
-        node_b, id_b = _start_node(workdir, "node-b", control.url, tokens[1])
+        node_b, id_b = start_node(workdir, "node-b", control.url, tokens[1])
         started.append(node_b)
         assert id_a != id_b
         # An enrolment token works once.

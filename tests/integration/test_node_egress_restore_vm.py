@@ -168,7 +168,7 @@ async def test_policy_sessions_are_restored_from_the_networked_template(
                 with pytest.raises(CapsaError) as refused:
                     await agent.restore(snap["id"], "sbx_" + secrets.token_hex(10), {})
                 assert refused.value.code == "policy_required"
-                agent.delete_snapshot(snap["id"])
+                await agent.delete_snapshot(snap["id"])
 
                 await agent.destroy(sid)
                 assert egress.network(sid) is None

@@ -211,7 +211,7 @@ async def test_hundred_networked_create_pause_resume_close_cycles_leave_nothing(
         resumed = new_id("sbx")
         await agent.restore(snap["id"], resumed, {}, egress=request)
         await agent.destroy(resumed)
-        agent.delete_snapshot(snap["id"])
+        await agent.delete_snapshot(snap["id"])
         cycles += 1
         # Nothing of the session is left; only the warm pool's own idle network may exist. A refill may be
         # making (or the pool dropping) one right now: its namespace exists a moment before (after) the

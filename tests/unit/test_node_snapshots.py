@@ -104,7 +104,7 @@ async def test_pause_restore_branch_and_cleanup(agent: NodeAgent) -> None:
     await agent.destroy(resumed)
     assert agent.get_snapshot(base["id"])["retain"] is True
 
-    agent.delete_snapshot(base["id"])
+    await agent.delete_snapshot(base["id"])
     assert base["id"] not in {i["id"] for i in agent.list_snapshots()}
     assert not (runtime.snapshots_dir / base["id"]).exists()
 
@@ -136,7 +136,7 @@ async def test_refused_snapshot_requests_change_nothing(agent: NodeAgent) -> Non
         await agent.branch(snap["id"], [new_id("sbx") for _ in range(16)], {})
     assert full.value.code == "no_capacity"
     assert agent.used() == before[0] and [r.id for r in agent.list()] == [sid]
-    agent.delete_snapshot(snap["id"])
+    await agent.delete_snapshot(snap["id"])
     assert agent.list_snapshots() == before[1]
 
 

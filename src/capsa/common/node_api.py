@@ -417,14 +417,20 @@ class FileList(_Answer):
 
 
 # -- snapshots -------------------------------------------------------------------------------------------
+_Tenant = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
+
+
 class SnapshotCreate(_Request):
     retain: bool = False
     """Kept when its sandbox is destroyed (pause snapshots always are)."""
     labels: _Labels = Field(default_factory=dict)
+    tenant: _Tenant | None = None
+    """Whose snapshot it is: the scope of its data in the fleet's store."""
 
 
 class PauseRequest(_Request):
     labels: _Labels = Field(default_factory=dict)
+    tenant: _Tenant | None = None
 
 
 class RestoreRequest(_Request):
@@ -472,6 +478,8 @@ class SnapshotInfo(_Answer):
     image_digest: str
     size_bytes: int
     labels: dict[str, str]
+    stored: bool = False
+    """In the fleet's store: any node that reads it can restore the snapshot."""
 
 
 class SnapshotList(_Answer):

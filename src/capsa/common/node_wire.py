@@ -49,6 +49,9 @@ class NodeRegister(_Strict):
     templates: _Templates = Field(default_factory=lambda: ["base"])
     egress: bool = False
     """Whether the node can run sessions with an egress policy (it has a broker and can make taps)."""
+    store: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    """The fleet store the node writes its snapshots to (``CAPSA_STORE_URL``, with its S3 endpoint); nodes
+    reporting the same store restore each other's stored snapshots."""
 
 
 class NodeEnrol(NodeRegister):
@@ -86,6 +89,7 @@ class NodeOut(BaseModel):
     used: dict[str, int]
     templates: list[str]
     egress: bool = False
+    store: str | None = None
     registered_at: datetime
     last_heartbeat_at: datetime
     left_at: datetime | None = None

@@ -19,6 +19,7 @@ from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.agent.agent import NodeAgent, snapshots_for
 from capsa.node.agent.capacity import NodeCapacity
+from capsa.node.agent.shipping import Shipper
 from capsa.node.agent.snapshots import Snapshots
 from capsa.node.egress.audit_log import AUDIT_FILE
 from capsa.node.egress.node_egress import NodeEgress
@@ -30,6 +31,7 @@ from capsa.node.storage.pool import StoragePool, StorageSettings
 from capsa.node.templates.cache import TemplateCache
 from capsa.node.templates.source import SandboxSource, TemplateSource
 from capsa.node.templates.warm_pool import PoolSettings
+from capsa.store import store_from_settings
 
 __all__ = ["NodeParts", "assemble_node", "build_node", "netns_prefix"]
 
@@ -83,8 +85,11 @@ async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> 
                                 ram_mode=RamMode.CLONE if settings.sandbox_ram == "private" else RamMode.COPY)
         floor = (SpaceFloor(storage.free_bytes, storage_settings.min_free_mib * MiB)
                  if storage_settings.min_free_mib else None)
+        store = store_from_settings(settings)
+        shipper = Shipper(store, storage.snapshots_dir) if store is not None else None
         return await assemble_node(runtime, image, node_id=node_id, source=source, egress=egress,
-                                   snapshots=snapshots_for(runtime, source, floor=floor), storage=storage)
+                                   snapshots=snapshots_for(runtime, source, floor=floor, shipper=shipper),
+                                   storage=storage)
     except BaseException:
         await asyncio.to_thread(storage.unmount, lazy=True)
         raise

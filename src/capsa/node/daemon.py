@@ -219,7 +219,8 @@ class NodeService:
         agent = self.parts.agent
         return NodeRegister(url=self.url, api_token=self.api_token,
                             capacity=Capacity(**agent.capacity.as_dict()),
-                            templates=agent.templates, egress=agent.egress is not None)
+                            templates=agent.templates, egress=agent.egress is not None,
+                            store=agent.store)
 
     def _heartbeat_body(self) -> NodeHeartbeat:
         agent = self.parts.agent

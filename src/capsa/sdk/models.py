@@ -148,6 +148,8 @@ class SnapshotInfo(_Model):
     size_bytes: int | None
     parent: str | None
     node_id: str
+    stored: bool = False
+    """In the fleet's store: restorable on any node that reads it, not only on ``node_id``."""
 
 
 class CommandStatus(_Sent):

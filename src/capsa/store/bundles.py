@@ -99,7 +99,7 @@ def pull_bundle(store: ObjectStore, kind: str, name: str, dest: Path) -> tuple[B
     bundle = read_bundle(store, kind, name)
     if dest.exists():
         raise StoreError(f"{dest} exists already")
-    work = Path(tempfile.mkdtemp(prefix=f".pull-{dest.name}-", dir=dest.parent))
+    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     stats = TransferStats()
     try:
         for fname, record in bundle.files.items():

@@ -269,14 +269,17 @@ class NodeClient:
 
     # -- snapshots (docs/node-snapshots.md) ------------------------------------------------------------
     async def snapshot_sandbox(self, sandbox_id: str, *, retain: bool = True,
-                               labels: Mapping[str, str] | None = None) -> SnapshotInfo:
-        body = SnapshotCreate(retain=retain, labels=dict(labels or {}))
+                               labels: Mapping[str, str] | None = None, tenant: str | None = None
+                               ) -> SnapshotInfo:
+        """``tenant``: whose snapshot it is (the scope of its data in the fleet's store)."""
+        body = SnapshotCreate(retain=retain, labels=dict(labels or {}), tenant=tenant)
         return await self._call(SnapshotInfo, "POST", f"/sandboxes/{sandbox_id}/snapshots",
                                 json=body.model_dump(mode="json"), timeout=None)
 
     async def pause_sandbox(self, sandbox_id: str, *,
-                            labels: Mapping[str, str] | None = None) -> SnapshotInfo:
-        body = PauseRequest(labels=dict(labels or {}))
+                            labels: Mapping[str, str] | None = None, tenant: str | None = None
+                            ) -> SnapshotInfo:
+        body = PauseRequest(labels=dict(labels or {}), tenant=tenant)
         return await self._call(SnapshotInfo, "POST", f"/sandboxes/{sandbox_id}/pause",
                                 json=body.model_dump(mode="json"), timeout=None)
 

@@ -10,7 +10,8 @@ from sqlalchemy import func, select
 from capsa.control.errors import NoCapacity, TemplateNotFound
 from capsa.control.sessions.states import ACTIVE_STATES
 from capsa.control.store.db import DbSession
-from capsa.control.store.models import NodeRow, SessionRow, utcnow
+from capsa.control.store.egress_models import SessionPolicyRow
+from capsa.control.store.models import NodeRow, SessionRow, SnapshotRow, utcnow
 
 __all__ = ["choose_node", "choose_snapshot_node", "healthy_nodes"]
 
@@ -40,17 +41,33 @@ async def choose_node(db: DbSession, template: str, memory_mib: int, vcpus: int,
     return await _roomiest(db, candidates, memory_mib, vcpus)
 
 
-async def choose_snapshot_node(db: DbSession, snapshot_node: str, memory_mib: int, vcpus: int,
+async def choose_snapshot_node(db: DbSession, snap: SnapshotRow, memory_mib: int, vcpus: int,
                                heartbeat_timeout: float, count: int = 1) -> NodeRow:
     """A node that can read a snapshot and has room for ``count`` sandboxes of its size.
 
-    Snapshots live in their node's storage pool, so today that is the node that took it; nodes sharing a
-    pool would be listed here too.
+    The node that took it holds it in its storage pool and is preferred (no transfer) while it is healthy
+    and has room. A snapshot in the fleet's store (``stored``) can also go to any healthy node reporting the
+    same store (one that can run networked sandboxes when the session has an egress policy), which pulls
+    it first; most free memory wins among those.
     """
-    nodes = [n for n in await healthy_nodes(db, heartbeat_timeout) if n.id == snapshot_node]
-    if not nodes:
-        raise NoCapacity(f"node {snapshot_node}, which holds the snapshot, is not available")
-    return await _roomiest(db, nodes, memory_mib * count, vcpus * count, count)
+    nodes = await healthy_nodes(db, heartbeat_timeout)
+    holder = [n for n in nodes if n.id == snap.node_id]
+    if holder:
+        try:
+            return await _roomiest(db, holder, memory_mib * count, vcpus * count, count)
+        except NoCapacity:
+            if not snap.stored:
+                raise
+    store = (await db.get(NodeRow, snap.node_id)) if snap.stored else None
+    if store is None or store.store is None:
+        raise NoCapacity(f"node {snap.node_id}, which holds the snapshot, is not available")
+    networked = await db.get(SessionPolicyRow, snap.session_id) is not None
+    others = [n for n in nodes
+              if n.id != snap.node_id and n.store == store.store and (n.egress or not networked)]
+    if not others:
+        raise NoCapacity(f"node {snap.node_id}, which took the snapshot, is not available and no other "
+                         "healthy node reads the store it is in")
+    return await _roomiest(db, others, memory_mib * count, vcpus * count, count)
 
 
 async def _roomiest(db: DbSession, candidates: list[NodeRow], memory_mib: int, vcpus: int,

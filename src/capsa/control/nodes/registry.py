@@ -58,8 +58,8 @@ def node_out(row: NodeRow, heartbeat_timeout: float) -> NodeOut:
         capacity={"memory_mib": row.memory_mib, "vcpus": row.vcpus, "max_sandboxes": row.max_sandboxes},
         capacity_limit=dict(row.capacity_limit) if row.capacity_limit else None,
         used=dict(row.used or {}), templates=list(row.templates or []), egress=bool(row.egress),
-        registered_at=row.registered_at, last_heartbeat_at=row.last_heartbeat_at, left_at=row.left_at,
-        healthy=healthy,
+        store=row.store, registered_at=row.registered_at, last_heartbeat_at=row.last_heartbeat_at,
+        left_at=row.left_at, healthy=healthy,
     )
 
 
@@ -180,7 +180,7 @@ async def register_node(plane: ControlPlane, node_id: str, req: NodeRegister, *,
         row.url, row.token_sealed = req.url, sealer.seal(node_id, req.api_token)
         if credential is not None:
             row.credential_hash = hash_secret(credential)
-        row.templates, row.egress = list(req.templates), req.egress
+        row.templates, row.egress, row.store = list(req.templates), req.egress, req.store
         fresh = row.capacity_limit is None
         _set_capacity(row, req.capacity, limit=req.capacity if set_limit or fresh else None)
         row.registered_at = row.last_heartbeat_at = now

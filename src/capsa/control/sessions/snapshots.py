@@ -69,7 +69,7 @@ class SnapshotNotFound(ApiError):
 def snapshot_out(row: SnapshotRow) -> SnapshotOut:
     return SnapshotOut(id=row.id, session_id=row.session_id, kind=row.kind,
                        created_at=row.created_at, size_bytes=row.size_bytes, parent=row.parent,
-                       node_id=row.node_id)
+                       node_id=row.node_id, stored=row.stored)
 
 
 
@@ -98,7 +98,7 @@ def _record(row: SessionRow, snap: SnapshotInfo, kind: str) -> SnapshotRow:
     assert row.node_id is not None  # a running session's
     return SnapshotRow(id=snap.id, tenant=row.tenant, session_id=row.id, node_id=row.node_id,
                        sandbox_id=row.sandbox_id, kind=kind, created_at=utcnow(), size_bytes=snap.size_bytes,
-                       parent=snap.parent)
+                       parent=snap.parent, stored=snap.stored)
 
 
 async def _delete_on_node(client: NodeClient, snapshot_id: str) -> bool:
@@ -130,7 +130,7 @@ async def take_snapshot(plane: ControlPlane, tenant: str | None, session_id: str
         leaving = await _rolling_beyond(db, session_id, None if rolling_keep is None else rolling_keep - 1)
         await check_snapshot_quota(db, plane.settings, row.tenant, snapshots=1, leaving=leaving)
     snap = await call(target, lambda node, sandbox: node.snapshot_sandbox(
-        sandbox, retain=True, labels={"session": row.id, "kind": kind}))
+        sandbox, retain=True, labels={"session": row.id, "kind": kind}, tenant=row.tenant))
     async with plane.db() as db:
         await lock_tenant(db, row.tenant)
         current = await db.get(SessionRow, session_id, populate_existing=True)
@@ -193,7 +193,7 @@ async def pause_session(plane: ControlPlane, tenant: str | None, session_id: str
         await check_paused_quota(db, plane.settings, row.tenant, pausing=1)
         await check_snapshot_quota(db, plane.settings, row.tenant, snapshots=1)
     snap = await call(target, lambda node, sandbox: node.pause_sandbox(
-        sandbox, labels={"session": row.id, "kind": "pause"}))
+        sandbox, labels={"session": row.id, "kind": "pause"}, tenant=row.tenant))
     async with plane.db() as db:
         record = _record(row, snap, "pause")
         paused = await transition(db, session_id, "paused", sources=("running",), sandbox_id=None,
@@ -231,7 +231,7 @@ async def resume_session(plane: ControlPlane, tenant: str, session_id: str,
         if row.state != "paused":
             raise _state_error(row, "paused")
         snap = await _own_snapshot(db, row, snapshot_id)
-        node = await choose_snapshot_node(db, snap.node_id, row.memory_mib, row.vcpus,
+        node = await choose_snapshot_node(db, snap, row.memory_mib, row.vcpus,
                                           plane.settings.node_heartbeat_timeout)
         plane.sessions.forget(session_id)  # an entry from before a pause through another replica
         if not await transition(db, session_id, "creating", sources=("paused",), node_id=node.id,
@@ -297,7 +297,7 @@ async def restore_session(plane: ControlPlane, tenant: str, session_id: str, sna
     sandbox_id = new_id("sbx")
     async with plane.db() as db:
         old_sandbox, old_node_id = row.sandbox_id, row.node_id
-        node = await choose_snapshot_node(db, snap.node_id, row.memory_mib, row.vcpus,
+        node = await choose_snapshot_node(db, snap, row.memory_mib, row.vcpus,
                                           plane.settings.node_heartbeat_timeout)
         plane.sessions.forget(session_id)
         if not await transition(db, session_id, "creating", sources=("running",), node_id=node.id,
@@ -340,7 +340,7 @@ async def branch_session(plane: ControlPlane, tenant: str, session_id: str, n: i
         await lock_tenant(db, tenant)
         snap = await db.get(SnapshotRow, snap_id)
         assert snap is not None
-        node = await choose_snapshot_node(db, snap.node_id, row.memory_mib, row.vcpus,
+        node = await choose_snapshot_node(db, snap, row.memory_mib, row.vcpus,
                                           plane.settings.node_heartbeat_timeout, count=n)
         metadata = {m.key: m.value for m in (await db.execute(
             select(SessionMetadataRow).where(SessionMetadataRow.session_id == session_id))).scalars()}

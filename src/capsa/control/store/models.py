@@ -93,6 +93,9 @@ class NodeRow(Base):
     """What the node enrolled with or an admin set; a node's own reports never raise its capacity above."""
     capacity_reported: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)
     """What the node last said it has."""
+    # Migration 0012.
+    store: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    """The fleet store the node reads and writes (as it reported it); None: it keeps snapshots to itself."""
 
 
 class NodeEnrolTokenRow(Base):
@@ -190,6 +193,9 @@ class SnapshotRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     size_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     parent: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # Migration 0012.
+    stored: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+    """In the fleet's store of ``node_id``: any node reporting the same store can restore it."""
 
 
 class PortTokenRow(Base):

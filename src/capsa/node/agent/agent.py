@@ -33,6 +33,7 @@ from capsa.node.agent.capacity import NodeCapacity, default_capacity
 from capsa.node.agent.guest import SandboxGuest
 from capsa.node.agent.sandbox_egress import EgressHook
 from capsa.node.agent.sandboxes import SandboxRecord, SandboxTable
+from capsa.node.agent.shipping import Shipper
 from capsa.node.agent.snapshots import Snapshots, check_branch_count, nic_mac_of
 from capsa.node.egress.approvals import ApprovalError
 from capsa.node.egress.node_egress import EgressRequest, NodeEgress
@@ -60,16 +61,17 @@ def _with_mac(network: SandboxNet | None, mac: str | None) -> SandboxNet | None:
     return dataclasses.replace(network, mac=mac) if network is not None and mac is not None else network
 
 
-def snapshots_for(runtime: Runtime, source: SandboxSource, *,
-                  floor: SpaceFloor | None = None) -> Snapshots | None:
+def snapshots_for(runtime: Runtime, source: SandboxSource, *, floor: SpaceFloor | None = None,
+                  shipper: Shipper | None = None) -> Snapshots | None:
     """The snapshots part for ``runtime`` if it can snapshot, else None; ``floor``: the storage pool's
-    free-space floor it keeps."""
+    free-space floor it keeps; ``shipper``: the fleet's store its snapshots go to."""
     if not isinstance(runtime, SnapshotCapable) or not runtime.can_snapshot:
         return None
     snaps = cast(SnapshottingRuntime, runtime)
     if isinstance(source, TemplateSource):
-        return Snapshots(snaps, source.image_for, ram_mode=source.ram_mode, bind=source.bind, floor=floor)
-    return Snapshots(snaps, source.image_for, floor=floor)
+        return Snapshots(snaps, source.image_for, ram_mode=source.ram_mode, bind=source.bind, floor=floor,
+                         shipper=shipper)
+    return Snapshots(snaps, source.image_for, floor=floor, shipper=shipper)
 
 
 class NodeAgent:
@@ -125,6 +127,12 @@ class NodeAgent:
 
     def failed_sandboxes(self) -> list[str]:
         return self._table.failed()
+
+    @property
+    def store(self) -> str | None:
+        """The fleet store this node's snapshots go to (None: they stay here)."""
+        shipper = self.snapshots.shipper if self.snapshots is not None else None
+        return shipper.store.url if shipper is not None else None
 
     @property
     def templates(self) -> list[str]:
@@ -269,19 +277,21 @@ class NodeAgent:
         return self._snapshots(), self.get(sandbox_id)
 
     async def snapshot(self, sandbox_id: str, *, retain: bool = False,
-                       labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+                       labels: Mapping[str, str] | None = None, tenant: str | None = None) -> dict[str, Any]:
         """Snapshot a running sandbox; it keeps running. A sandbox with a NIC is snapshotted with it (its
         MAC is in the manifest's labels): it can only be restored with a policy, onto a new network."""
         snapshots, record = self._snapshottable(sandbox_id)
         return await snapshots.take(sandbox_id, record.sandbox, template=record.template, retain=retain,
-                                    labels=labels, nic_mac=record.nic_mac, memory_mib=record.memory_mib)
+                                    labels=labels, nic_mac=record.nic_mac, memory_mib=record.memory_mib,
+                                    tenant=tenant)
 
-    async def pause(self, sandbox_id: str, *, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+    async def pause(self, sandbox_id: str, *, labels: Mapping[str, str] | None = None,
+                    tenant: str | None = None) -> dict[str, Any]:
         """Snapshot (retained) and destroy the sandbox (and its network)."""
         snapshots, record = self._snapshottable(sandbox_id)
         info = await snapshots.take(sandbox_id, record.sandbox, template=record.template, retain=True,
                                     labels=labels, resume=False, nic_mac=record.nic_mac,
-                                    memory_mib=record.memory_mib)
+                                    memory_mib=record.memory_mib, tenant=tenant)
         await self.destroy(sandbox_id)
         return info
 
@@ -306,7 +316,7 @@ class NodeAgent:
         snapshots = self._snapshots()
         node_egress = self._egress(egress)
         started = time.perf_counter()
-        snap = await asyncio.to_thread(snapshots.open, snapshot_id)
+        snap = await snapshots.fetch(snapshot_id)
         mac = self._check_network(snap, egress)
         m = snap.manifest
         with self._table.reserve([sandbox_id], m.memory_mib, m.vcpus):
@@ -342,7 +352,7 @@ class NodeAgent:
         if egress is not None and len(egress) != len(sandbox_ids):
             raise CapsaError("one egress request per branch", code="bad_request", status=400)
         node_egress = self._egress(egress[0] if egress else None)
-        snap = await asyncio.to_thread(snapshots.open, snapshot_id)
+        snap = await snapshots.fetch(snapshot_id)
         mac = self._check_network(snap, egress[0] if egress else None)
         m = snap.manifest
         with self._table.reserve(list(sandbox_ids), m.memory_mib, m.vcpus):
@@ -384,8 +394,8 @@ class NodeAgent:
     def get_snapshot(self, snapshot_id: str) -> dict[str, Any]:
         return self._snapshots().get(snapshot_id)
 
-    def delete_snapshot(self, snapshot_id: str) -> None:
-        self._snapshots().delete(snapshot_id)
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._snapshots().delete(snapshot_id)
 
     # -- templates and warm pool ---------------------------------------------------------------------------
     def _templates(self) -> TemplateSource:

@@ -25,8 +25,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from capsa.common.errors import CapsaError
-from capsa.common.ids import new_id
+from capsa.common.ids import is_id, new_id
 from capsa.common.image import GuestImage
+from capsa.node.agent.shipping import LABEL_TENANT, Shipper
 from capsa.node.guestlink.identity import IdentityBinder, bind_sandbox, hostname_for
 from capsa.node.runtime.base import LABEL_PRIVATE_RAM, RamMode, Sandbox, SnapshottingRuntime, VMSpec
 from capsa.node.runtime.snapshot.manifest import Snapshot
@@ -53,17 +54,19 @@ LABEL_NIC = "capsa.nic_mac"
 """The MAC of the sandbox's NIC when it had one (a sandbox with an egress policy): restoring the snapshot
 needs a network, given that MAC (the guest kept the device)."""
 MAX_BRANCHES = 64
+STORED_MARK = ".stored"
+"""An empty file in a snapshot's directory once the snapshot is in the fleet's store."""
 _USER_LABEL_MAX = 32
 
 
 def snapshot_info(snap: Snapshot) -> dict[str, Any]:
     m = snap.manifest
     labels = dict(m.labels)
-    size = sum(p.stat().st_size for p in snap.path.iterdir() if p.is_file())
+    size = sum(p.stat().st_size for p in snap.path.iterdir() if p.is_file() and p.name != STORED_MARK)
     return {"id": m.id, "sandbox_id": labels.get(LABEL_SANDBOX), "retain": labels.get(LABEL_RETAIN) == "1",
             "template": labels.get(LABEL_TEMPLATE), "created_at": m.created_at.isoformat(),
             "parent": m.parent, "memory_mib": m.memory_mib, "vcpus": m.vcpus, "image_digest": m.image_digest,
-            "size_bytes": size,
+            "size_bytes": size, "stored": (snap.path / STORED_MARK).exists(),
             "labels": {k: v for k, v in labels.items() if not k.startswith("capsa.")}}
 
 
@@ -91,13 +94,15 @@ class Snapshots:
 
     def __init__(self, runtime: SnapshottingRuntime, image_for: Callable[[str], GuestImage], *,
                  ram_mode: RamMode = RamMode.COPY, bind: IdentityBinder[Sandbox] = bind_sandbox,
-                 floor: SpaceFloor | None = None) -> None:
+                 floor: SpaceFloor | None = None, shipper: Shipper | None = None) -> None:
         self.runtime = runtime
         self.image_for = image_for
         self.ram_mode = ram_mode
         self.bind = bind
         self.floor = floor
         """The storage pool's free-space floor (None: none is kept)."""
+        self.shipper = shipper
+        """The fleet's store (None: snapshots stay on this node)."""
 
     async def _check_space(self, memory_mib: int, what: str) -> None:
         if self.floor is not None:  # in a thread: reading the pool's free space waits for its writeback
@@ -105,20 +110,38 @@ class Snapshots:
 
     async def take(self, sandbox_id: str, sandbox: Sandbox, *, template: str, retain: bool,
                    labels: Mapping[str, str] | None, resume: bool = True,
-                   nic_mac: str | None = None, memory_mib: int = 0) -> dict[str, Any]:
+                   nic_mac: str | None = None, memory_mib: int = 0, tenant: str | None = None
+                   ) -> dict[str, Any]:
         """Snapshot a running sandbox; ``resume=False`` leaves it stopped (pause: the caller destroys it).
         ``nic_mac``: the sandbox's NIC (recorded, so a restore gives the device a network again);
-        ``memory_mib``: its RAM (what the snapshot may write, checked against the floor)."""
+        ``memory_mib``: its RAM (what the snapshot may write, checked against the floor); ``tenant``: whose
+        it is (its chunks' scope in the store). A retained snapshot is pushed to the store, when there is
+        one, before this returns; a store that fails leaves it here only (``stored`` false, logged)."""
         await self._check_space(memory_mib, f"a snapshot of {sandbox_id}")
         all_labels = {**_check_labels(labels), LABEL_SANDBOX: sandbox_id,
                       LABEL_RETAIN: "1" if retain else "0", LABEL_TEMPLATE: template}
         if nic_mac is not None:
             all_labels[LABEL_NIC] = nic_mac
+        if tenant is not None:
+            all_labels[LABEL_TENANT] = tenant
         snap = await self.runtime.snapshot(sandbox, new_id("snap"), resume=resume, labels=all_labels)
+        if retain and self.shipper is not None:
+            try:
+                await self.shipper.push(snap)
+            except CapsaError as e:
+                log.warning("%s", e)
+            else:
+                (snap.path / STORED_MARK).touch()
         return snapshot_info(snap)
 
     def open(self, snapshot_id: str) -> Snapshot:
         return self.runtime.open_snapshot(snapshot_id)
+
+    async def fetch(self, snapshot_id: str) -> Snapshot:
+        """The snapshot, pulled from the fleet's store first when this node does not hold it."""
+        if self.shipper is not None and is_id(snapshot_id, "snap"):
+            await self.shipper.pull(snapshot_id)
+        return await asyncio.to_thread(self.open, snapshot_id)
 
     def get(self, snapshot_id: str) -> dict[str, Any]:
         return snapshot_info(self.open(snapshot_id))
@@ -135,8 +158,19 @@ class Snapshots:
                 out.append(info)
         return sorted(out, key=lambda i: (i["created_at"], i["id"]))
 
-    def delete(self, snapshot_id: str) -> None:
-        self.runtime.delete_snapshot(self.open(snapshot_id))
+    async def delete(self, snapshot_id: str) -> None:
+        """Delete the snapshot here and from the store; ``snapshot_not_found`` when neither holds it."""
+        try:
+            snap = await asyncio.to_thread(self.open, snapshot_id)
+        except CapsaError as e:
+            if self.shipper is None or e.code != "snapshot_not_found":
+                raise
+            if not await self.shipper.holds(snapshot_id):
+                raise
+        else:
+            await asyncio.to_thread(self.runtime.delete_snapshot, snap)
+        if self.shipper is not None:
+            await self.shipper.forget(snapshot_id)
 
     def drop_unretained(self, sandbox_id: str) -> None:
         """Delete the snapshots of ``sandbox_id`` that were not taken to be kept."""

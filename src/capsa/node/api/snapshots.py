@@ -30,7 +30,7 @@ router = APIRouter(tags=["snapshots"])
 
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=SnapshotInfo)
 async def take_snapshot(agent: Agent, sandbox_id: str, body: SnapshotCreate) -> SnapshotInfo:
-    snap = await agent.snapshot(sandbox_id, retain=body.retain, labels=body.labels)
+    snap = await agent.snapshot(sandbox_id, retain=body.retain, labels=body.labels, tenant=body.tenant)
     return SnapshotInfo.model_validate(snap)
 
 
@@ -41,7 +41,7 @@ async def sandbox_snapshots(agent: Agent, sandbox_id: str) -> SnapshotList:
 
 @router.post("/sandboxes/{sandbox_id}/pause", response_model=SnapshotInfo)
 async def pause(agent: Agent, sandbox_id: str, body: PauseRequest) -> SnapshotInfo:
-    return SnapshotInfo.model_validate(await agent.pause(sandbox_id, labels=body.labels))
+    return SnapshotInfo.model_validate(await agent.pause(sandbox_id, labels=body.labels, tenant=body.tenant))
 
 
 def _egress(policy: dict[str, Any] | None, secrets: Mapping[str, SecretStr], placeholders: Mapping[str, str],
@@ -81,5 +81,5 @@ async def get_snapshot(agent: Agent, snapshot_id: str) -> SnapshotInfo:
 
 @router.delete("/snapshots/{snapshot_id}", status_code=204, response_class=Response)
 async def delete_snapshot(agent: Agent, snapshot_id: str) -> Response:
-    agent.delete_snapshot(snapshot_id)
+    await agent.delete_snapshot(snapshot_id)
     return Response(status_code=204)

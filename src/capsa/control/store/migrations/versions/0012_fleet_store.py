@@ -1,0 +1,30 @@
+"""The fleet's store: ``nodes.store`` (the store a node reads and writes, as it reported it) and
+``snapshots.stored`` (the snapshot is in that store, so any node of the same store can restore it).
+
+Revision ID: 0012
+Revises: 0011
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0012"
+down_revision = "0011"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("nodes") as nodes:
+        nodes.add_column(sa.Column("store", sa.String(1024), nullable=True))
+    with op.batch_alter_table("snapshots") as snapshots:
+        snapshots.add_column(sa.Column("stored", sa.Boolean(), nullable=False, server_default=sa.false()))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("snapshots") as snapshots:
+        snapshots.drop_column("stored")
+    with op.batch_alter_table("nodes") as nodes:
+        nodes.drop_column("store")
