@@ -10,16 +10,21 @@ goes on counting), under the same session id; the first node's stopping leaves n
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
 import secrets
 import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from capsa.control.keys import generate_key
-from capsa.sdk import AsyncClient, AsyncSession
-from tests.support.fleet import enrol_token, listed_nodes, start_control, start_node
+from capsa.sdk import AsyncClient, AsyncSession, SessionInfo
+from tests.support.fleet import cli, enrol_token, listed_nodes, start_control, start_node
 from tests.support.leftovers import wait_no_node_leftovers
 from tests.support.postgres import PgCluster, postgres_missing_reason, temporary_postgres
 from tests.support.s3_server import S3Server
@@ -102,3 +107,161 @@ async def test_a_paused_session_resumes_on_another_node_from_the_store(
     assert all(code == 0 for code in codes.values()), codes
     for name in ("node-a", "node-b"):
         assert wait_no_node_leftovers(workdir / name, timeout=60) == []
+
+
+def _kill_node(node: Served) -> list[int]:
+    """``kill -9`` of the node process and of every process of its state dir (its QEMUs): a host lost."""
+    node.proc.kill()
+    node.proc.wait(30)
+    found = subprocess.run(["pgrep", "-f", str(node.state_dir)], capture_output=True, text=True)
+    pids = [int(p) for p in found.stdout.split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def _qemus_of(state_dir: Path) -> list[str]:
+    """The command lines of QEMU processes running from ``state_dir``."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "qemu-system" in cmd and str(state_dir) in cmd:
+                out.append(cmd)
+    return out
+
+
+async def _wait_state(client: AsyncClient, session_id: str, state: str, limit_s: float) -> SessionInfo:
+    deadline = time.monotonic() + limit_s
+    while True:
+        info = await client.get_session(session_id)
+        if info.state == state or time.monotonic() > deadline:
+            return info
+        await asyncio.sleep(1.0)
+
+
+async def test_a_session_of_a_killed_node_runs_on_another_from_its_rolling_snapshot(
+        pg: PgCluster, workdir: Path, store_env: dict[str, str]) -> None:
+    admin = generate_key().full
+    # Node A is declared dead 10 s after its last heartbeat (nodes send one every 5 s).
+    fast = {"CAPSA_NODE_DEAD_AFTER_S": "10", "CAPSA_NODE_HEARTBEAT_TIMEOUT": "10"}
+    control = start_control(workdir, pg.new_database(), admin, fast)
+    started: list[Served] = [control]
+    try:
+        node_a, id_a = start_node(workdir, "node-a", control.url, enrol_token(control.url, admin), store_env)
+        started.append(node_a)
+        client = AsyncClient(control.url, admin)
+        session = await AsyncSession.create(timeout=900, client=client,
+                                            rolling_snapshots={"interval_s": 60, "after_command": True})
+        await session.files.write("/root/note", "written on a\n")
+        await session.commands.run(COUNTER, background=True)
+        await asyncio.sleep(1.5)
+        await session.commands.run("true")  # a finished command: a rolling snapshot follows
+        deadline = time.monotonic() + 300
+        while not [s for s in await client.list_snapshots(session.id) if s.kind == "rolling" and s.stored]:
+            assert time.monotonic() < deadline, await client.list_snapshots(session.id)
+            await asyncio.sleep(2.0)
+        node_b, id_b = start_node(workdir, "node-b", control.url, enrol_token(control.url, admin), store_env)
+        started.append(node_b)
+
+        killed = _kill_node(node_a)
+        started.remove(node_a)
+        assert killed, "node A ran no QEMU"
+        t0 = time.monotonic()
+        info = await _wait_state(client, session.id, "running", 30)
+        while info.node_id != id_b and time.monotonic() - t0 < 300:
+            await asyncio.sleep(1.0)
+            info = await client.get_session(session.id)
+        assert info.state == "running" and info.node_id == id_b, info
+        failover_s = time.monotonic() - t0
+        resumed = await AsyncSession.connect(session.id, client=client)
+        assert await resumed.files.read("/root/note") == "written on a\n"
+        first = await _counter(resumed)
+        assert first >= 5  # from the snapshot on, not from zero
+        await asyncio.sleep(1.0)
+        assert await _counter(resumed) > first
+        trail = [e for e in await client.audit.list(session_id=session.id) if e.action == "recover"]
+        assert len(trail) == 1 and trail[0].detail["from_node"] == id_a and trail[0].detail["node"] == id_b
+        print(f"failover: {failover_s:.1f} s from kill -9 to running on node B")
+
+        # Node A comes back on its state dir: it runs nothing of the session, which stays on B.
+        node_a, again = start_node(workdir, "node-a", control.url, "unused", store_env)
+        started.append(node_a)
+        assert again == id_a
+        await asyncio.sleep(6.0)  # a heartbeat of node A
+        assert not _qemus_of(node_a.state_dir)
+        info = await client.get_session(session.id)
+        assert info.state == "running" and info.node_id == id_b
+        assert (await resumed.commands.run("cat /root/note")).stdout == "written on a\n"
+        await resumed.close()
+        await client.aclose()
+    finally:
+        codes = {proc.stdout.name: proc.stop(signal.SIGTERM, timeout=120) for proc in reversed(started)}
+    assert all(code == 0 for code in codes.values()), codes
+
+
+@pytest.mark.parametrize("store_env", ["s3"], indirect=True)
+async def test_drain_moves_sessions_with_their_processes_and_policy(
+        pg: PgCluster, workdir: Path, store_env: dict[str, str]) -> None:
+    admin = generate_key().full
+    control = start_control(workdir, pg.new_database(), admin)
+    started: list[Served] = [control]
+    try:
+        node_a, id_a = start_node(workdir, "node-a", control.url, enrol_token(control.url, admin), store_env)
+        started.append(node_a)
+        client = AsyncClient(control.url, admin)
+        policy = {"domains": [{"domain": "api.allowed.test"}]}
+        sessions = [await AsyncSession.create(timeout=900, client=client, policy=policy),
+                    await AsyncSession.create(timeout=900, client=client),
+                    await AsyncSession.create(timeout=900, client=client)]
+        for s in sessions:
+            await s.files.write("/root/note", f"{s.id}\n")
+            await s.commands.run(COUNTER, background=True)
+        node_b, id_b = start_node(workdir, "node-b", control.url, enrol_token(control.url, admin), store_env)
+        started.append(node_b)
+        await asyncio.sleep(1.5)
+
+        t0 = time.monotonic()
+        drained = await asyncio.to_thread(cli, control.url, admin, "nodes", "drain", id_a, "--json")
+        drain_s = time.monotonic() - t0
+        assert drained.returncode == 0, drained.stderr
+        done = json.loads(drained.stdout)
+        assert sorted(done["moved"]) == sorted(s.id for s in sessions) and done["stayed"] == []
+        assert done["drained"] and done["node"]["draining"]
+        print(f"drain: {drain_s:.1f} s for {len(sessions)} sessions ({drain_s / len(sessions):.1f} s each)")
+        for s in sessions:
+            info = await client.get_session(s.id)
+            assert info.state == "running" and info.node_id == id_b, info
+            assert await s.files.read("/root/note") == f"{s.id}\n"
+            first = await _counter(s)
+            assert first >= 5
+            await asyncio.sleep(0.5)
+            assert await _counter(s) > first
+        # The networked session's policy holds on node B: it names only api.allowed.test (the request is made
+        # after the move, so its deny comes from node B's broker).
+        networked = sessions[0]
+        kept = (await networked.egress.policy()).policy
+        assert kept is not None and [d["domain"] for d in kept["domains"]] == ["api.allowed.test"]
+        refused = await networked.commands.run("curl -sS -m 10 https://not-allowed.test/ || true", timeout=60)
+        assert refused.exit_code == 0
+        deadline = time.monotonic() + 60
+        while True:
+            denied = [e for e in await networked.egress.audit(decision="deny")
+                      if "not-allowed.test" in (e.destination or "")]
+            if denied or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1.0)
+        assert denied, await networked.egress.audit()
+
+        # A drained node gets no new session until it is undrained.
+        fresh = await AsyncSession.create(timeout=600, client=client)
+        assert (await client.get_session(fresh.id)).node_id == id_b
+        undrained = await asyncio.to_thread(cli, control.url, admin, "nodes", "undrain", id_a, "--json")
+        assert undrained.returncode == 0 and json.loads(undrained.stdout)["draining"] is False
+        for s in [*sessions, fresh]:
+            await s.close()
+        await client.aclose()
+    finally:
+        codes = {proc.stdout.name: proc.stop(signal.SIGTERM, timeout=120) for proc in reversed(started)}
+    assert all(code == 0 for code in codes.values()), codes

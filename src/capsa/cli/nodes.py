@@ -1,4 +1,5 @@
-"""``capsa nodes``: list the nodes and make one-time enrolment tokens for new ones (needs an admin key)."""
+"""``capsa nodes``: list the nodes, make one-time enrolment tokens for new ones, drain and undrain a node
+(needs an admin key)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from capsa.cli.output import (
     ApiOptions,
     api_options,
     emit_items,
+    emit_json,
     emit_made,
     human_time,
     json_option,
@@ -54,3 +56,35 @@ def ls(as_json: bool, api: ApiOptions) -> None:
                           _usage(n.used, n.capacity, "memory_mib", "memory_mib"),
                           _usage(n.used, n.capacity, "vcpus", "vcpus"), "yes" if n.egress else "no",
                           ",".join(n.templates) or "-", human_time(n.last_heartbeat_at)])
+
+
+@nodes.command("drain")
+@click.argument("node_id")
+@json_option
+@api_options
+def drain(node_id: str, as_json: bool, api: ApiOptions) -> None:
+    """Move every running session off NODE_ID (memory, processes, files) and give it no new ones."""
+    with reports_errors(), api.client() as client:
+        done = client.nodes.drain(node_id)
+    if as_json:
+        emit_json(done)
+        return
+    for session_id in done.moved:
+        click.echo(f"moved {session_id}")
+    for stayed in done.stayed:
+        click.echo(f"stayed {stayed.session_id} (paused): {stayed.reason}")
+    click.echo(f"node {node_id} {'drained' if done.drained else 'still holds sessions'}", err=True)
+
+
+@nodes.command("undrain")
+@click.argument("node_id")
+@json_option
+@api_options
+def undrain(node_id: str, as_json: bool, api: ApiOptions) -> None:
+    """Let NODE_ID take new sessions again."""
+    with reports_errors(), api.client() as client:
+        node = client.nodes.undrain(node_id)
+    if as_json:
+        emit_json(node)
+    else:
+        click.echo(f"node {node_id} takes new sessions again", err=True)

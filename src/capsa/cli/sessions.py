@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, get_args
 
 import click
 import yaml
@@ -25,6 +25,7 @@ from capsa.cli.output import (
     reports_errors,
 )
 from capsa.sdk import CommandResult, Session
+from capsa.sdk.models import SessionState
 
 __all__ = ["close", "exec_", "ls", "run"]
 
@@ -171,8 +172,8 @@ def exec_(timeout: float, env: dict[str, str], cwd: str | None, user: str | None
 
 
 @click.command("ls")
-@click.option("--state", type=click.Choice(["creating", "running", "paused", "closed", "failed"]),
-              default=None, help="Only sessions in this state.")
+@click.option("--state", type=click.Choice(list(get_args(SessionState))), default=None,
+              help="Only sessions in this state.")
 @click.option("--metadata", "-m", "metadata", multiple=True, callback=_parse_env, metavar="KEY=VALUE",
               help="Only sessions with this metadata label (repeatable).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many sessions.")

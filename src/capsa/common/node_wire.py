@@ -90,6 +90,8 @@ class NodeOut(BaseModel):
     templates: list[str]
     egress: bool = False
     store: str | None = None
+    draining: bool = False
+    """Its sessions are being moved off (``capsa nodes drain``); it gets no new ones."""
     registered_at: datetime
     last_heartbeat_at: datetime
     left_at: datetime | None = None

@@ -29,8 +29,8 @@ __all__ = ["reap_once", "run_reaper"]
 
 log = logging.getLogger(__name__)
 
-# A session still "creating" this long after it entered that state (a first boot, or a resume) lost its
-# creator (e.g. a replica crashed mid-boot).
+# A session still "creating" or "recovering" this long after it entered that state (a first boot, a resume,
+# a recovery) lost its creator (e.g. a replica crashed mid-boot).
 _STUCK_CREATING = timedelta(minutes=15)
 
 
@@ -39,7 +39,8 @@ async def reap_once(plane: ControlPlane) -> dict[str, list[str]]:
     async with plane.db() as db:
         due = await sessions_to_expire(db, plane.settings.activity_stamp_interval)
         stuck = list((await db.execute(select(SessionRow.id).where(
-            SessionRow.state == "creating", SessionRow.updated_at < utcnow() - _STUCK_CREATING))).scalars())
+            SessionRow.state.in_(("creating", "recovering")),
+            SessionRow.updated_at < utcnow() - _STUCK_CREATING))).scalars())
         pausing = set((await db.execute(select(SessionRow.id).where(
             SessionRow.id.in_([sid for sid, _ in due]), SessionRow.state == "running",
             SessionRow.on_timeout == "pause"))).scalars()) if due else set()

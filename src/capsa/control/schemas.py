@@ -46,6 +46,8 @@ __all__ = [
     "Capacity",
     "CommandRequest",
     "CommandResult",
+    "DrainOut",
+    "DrainStayed",
     "FileInfo",
     "FileList",
     "Health",
@@ -292,3 +294,18 @@ class NodeToken(BaseModel):
 
 class NodeList(BaseModel):
     items: list[NodeOut]
+
+
+class DrainStayed(BaseModel):
+    session_id: str
+    reason: str
+    """Why it did not move (it stays paused and can be resumed)."""
+
+
+class DrainOut(BaseModel):
+    node: NodeOut
+    moved: list[str]
+    """Sessions now running on another node, with their memory, processes and files."""
+    stayed: list[DrainStayed]
+    drained: bool
+    """No session holds a sandbox on the node any more."""

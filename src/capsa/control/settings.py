@@ -105,7 +105,11 @@ class ControlSettings(BaseSettings):
     reaper_interval: float = 2.0
     """Seconds between reaper passes (expired sessions, silent nodes); 0 disables the reaper."""
     node_heartbeat_timeout: float = 30.0
-    """A node that has not sent a heartbeat for this long is considered gone."""
+    """A node that has not sent a heartbeat for this long gets no new sandboxes (it is not healthy)."""
+    node_dead_after_s: Annotated[float, Field(gt=0)] = 30.0
+    """A node silent this long (``CAPSA_NODE_DEAD_AFTER_S``) is lost: its running sessions are recovered on
+    another node from their latest stored snapshot, paused at a snapshot it held, or failed
+    (``node_lost``)."""
     node_request_timeout: float = 120.0
     """Timeout for non-streaming calls to a node (sandbox creation under TCG can take a while)."""
     max_file_bytes: int = 1 << 30

@@ -173,7 +173,7 @@ class SessionTools(_Tools):
 
     async def session_list(
         self, ctx: Ctx,
-        state: Annotated[Literal["creating", "running", "paused", "closed", "failed"] | None,
+        state: Annotated[Literal["creating", "running", "recovering", "paused", "closed", "failed"] | None,
                          Field(description="Only sessions in this state.")] = None,
         limit: Annotated[int, Field(description="At most this many, newest first.", ge=1, le=500)] = 50,
     ) -> list[SessionInfo]:

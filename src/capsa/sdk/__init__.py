@@ -66,7 +66,7 @@ from capsa.sdk.models import (
     SessionInfo,
     SnapshotInfo,
 )
-from capsa.sdk.nodes import AsyncNodes, EnrolToken, NodeInfo, Nodes
+from capsa.sdk.nodes import AsyncNodes, DrainResult, DrainStayed, EnrolToken, NodeInfo, Nodes
 from capsa.sdk.ports import AsyncPortForward, AsyncPorts
 from capsa.sdk.ports_sync import PortForward, Ports
 from capsa.sdk.session import AsyncSession
@@ -118,6 +118,8 @@ __all__ = [
     "ConnectionInfo",
     "ConnectionProviders",
     "Connections",
+    "DrainResult",
+    "DrainStayed",
     "Egress",
     "EnrolToken",
     "FieldError",

@@ -48,7 +48,7 @@ __all__ = [
     "parse_items",
 ]
 
-SessionState = Literal["creating", "running", "paused", "closed", "failed"]
+SessionState = Literal["creating", "running", "recovering", "paused", "closed", "failed"]
 SnapshotKind = Literal["manual", "rolling", "pause", "branch"]
 FileType = Literal["file", "dir", "symlink", "other"]
 OnTimeout = Literal["pause", "close"]

@@ -37,7 +37,7 @@ DEFAULT_TIMEOUT = 300
 TEMPLATE_ALIASES = {"base": "base", "rki5dems9wqfm4r03t7g": "base"}
 """E2B template names and ids that mean capsa's ``base``; any other name is looked up as a capsa template."""
 _CLIENT_ID = "capsa"
-_LIVE = ("creating", "running", "paused")
+_LIVE = ("creating", "running", "recovering", "paused")
 
 Caller = Annotated[tuple[Principal, str], Depends(api_caller)]
 

@@ -22,7 +22,7 @@ from capsa.control.store.models import NodeRow, SessionRow
 __all__ = ["checkpoint_chain", "checkpoint_out", "event_out", "list_chain", "verify_chain"]
 
 
-_LIVE = ("creating", "running")
+_LIVE = ("creating", "running", "recovering")
 
 
 async def _collect(plane: ControlPlane, tenant: str, session_id: str | None) -> None:

@@ -23,10 +23,15 @@ async def healthy_nodes(db: DbSession, heartbeat_timeout: float) -> list[NodeRow
     return list(rows.scalars())
 
 
+async def _placeable(db: DbSession, heartbeat_timeout: float) -> list[NodeRow]:
+    """Healthy nodes that take new sandboxes (a draining node does not)."""
+    return [n for n in await healthy_nodes(db, heartbeat_timeout) if not n.draining]
+
+
 async def choose_node(db: DbSession, template: str, memory_mib: int, vcpus: int,
                       heartbeat_timeout: float, egress: bool = False) -> NodeRow:
     """``egress``: the session has an egress policy, so only nodes with an egress broker can run it."""
-    nodes = await healthy_nodes(db, heartbeat_timeout)
+    nodes = await _placeable(db, heartbeat_timeout)
     if not nodes:
         raise NoCapacity("no healthy node is registered")
     candidates = [node for node in nodes if template in (node.templates or [])]
@@ -50,7 +55,7 @@ async def choose_snapshot_node(db: DbSession, snap: SnapshotRow, memory_mib: int
     same store (one that can run networked sandboxes when the session has an egress policy), which pulls
     it first; most free memory wins among those.
     """
-    nodes = await healthy_nodes(db, heartbeat_timeout)
+    nodes = await _placeable(db, heartbeat_timeout)
     holder = [n for n in nodes if n.id == snap.node_id]
     if holder:
         try:

@@ -28,6 +28,7 @@ from capsa.control.schemas import (
     NodeTokenCreate,
     NodeUpdate,
 )
+from capsa.control.sessions.recovery import recover_session
 from capsa.control.sessions.service import finish_session, lose_sandbox
 from capsa.control.sessions.states import ACTIVE_STATES
 from capsa.control.store.db import DbSession
@@ -58,8 +59,8 @@ def node_out(row: NodeRow, heartbeat_timeout: float) -> NodeOut:
         capacity={"memory_mib": row.memory_mib, "vcpus": row.vcpus, "max_sandboxes": row.max_sandboxes},
         capacity_limit=dict(row.capacity_limit) if row.capacity_limit else None,
         used=dict(row.used or {}), templates=list(row.templates or []), egress=bool(row.egress),
-        store=row.store, registered_at=row.registered_at, last_heartbeat_at=row.last_heartbeat_at,
-        left_at=row.left_at, healthy=healthy,
+        store=row.store, draining=bool(row.draining), registered_at=row.registered_at,
+        last_heartbeat_at=row.last_heartbeat_at, left_at=row.left_at, healthy=healthy,
     )
 
 
@@ -148,7 +149,8 @@ async def enrol_node(plane: ControlPlane, enrol_token: str | None, req: NodeEnro
         row = NodeRow(
             id=node_id, name=req.name, url=req.url, token_sealed=sealer.seal(node_id, req.api_token),
             credential_hash=hash_secret(credential), templates=list(req.templates),
-            egress=req.egress, used={}, registered_at=now, last_heartbeat_at=now, left_at=None)
+            egress=req.egress, store=req.store, used={}, registered_at=now, last_heartbeat_at=now,
+            left_at=None)
         _set_capacity(row, req.capacity, limit=req.capacity)  # the enrolled capacity is the limit
         db.add(row)
         await db.commit()
@@ -263,12 +265,13 @@ async def list_nodes(plane: ControlPlane) -> list[NodeOut]:
 
 
 async def fail_silent_nodes(plane: ControlPlane) -> list[str]:
-    """Fail every running session on a node that stopped heartbeating or left; returns the failed ids.
+    """Recover, pause or fail every running session on a node silent for ``node_dead_after_s`` or gone
+    (:func:`~capsa.control.sessions.recovery.recover_session`); returns the failed ids.
 
-    Safe with several replicas: each session's change is a conditional update (``lose_sandbox``), so
-    exactly one replica acts on it.
+    Safe with several replicas: each session's change is a conditional update, so exactly one replica acts
+    on it.
     """
-    cutoff = utcnow() - timedelta(seconds=plane.settings.node_heartbeat_timeout)
+    cutoff = utcnow() - timedelta(seconds=plane.settings.node_dead_after_s)
     async with plane.db() as db:
         rows = await db.execute(
             select(SessionRow.id).join(NodeRow, NodeRow.id == SessionRow.node_id)
@@ -276,6 +279,7 @@ async def fail_silent_nodes(plane: ControlPlane) -> list[str]:
                    SessionRow.state == "running")
         )
         ids = list(rows.scalars())
-    # A session with a snapshot is paused instead: it resumes once a node can read that snapshot again.
-    reason = "node stopped sending heartbeats"
-    return [sid for sid in ids if await lose_sandbox(plane, sid, reason) == "failed"]
+    # A session with a stored snapshot is recovered on another node; one with a snapshot on the lost node
+    # only is paused (it resumes once a node can read that snapshot again); the others fail (node_lost).
+    why = "node stopped sending heartbeats"
+    return [sid for sid in ids if await recover_session(plane, sid, why) == "failed"]

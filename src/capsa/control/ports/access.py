@@ -156,7 +156,7 @@ async def create_token(plane: ControlPlane, tenant: str, session_id: str, port: 
     ports domain, else the path route under ``base_url`` (the API's public URL)."""
     ttl = _ttl(plane, ttl_seconds)
     session = await get_session(plane, tenant, session_id)  # another tenant's: not_found
-    if session.state not in ("creating", "running", "paused"):
+    if session.state not in ("creating", "running", "recovering", "paused"):
         raise InvalidState(f"session {session_id} is {session.state}")
     if session.expose is not None and port not in session.expose:
         raise PortNotExposed(f"session {session_id} exposes ports {session.expose}, not {port}")

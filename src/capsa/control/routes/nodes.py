@@ -1,5 +1,5 @@
-"""``/v1/nodes``: admin routes (list, register by hand, enrolment tokens), a node's own routes (register,
-heartbeat, leave; its credential or an admin key) and enrolment (a one-time token)."""
+"""``/v1/nodes``: admin routes (list, register by hand, enrolment tokens, drain), a node's own routes
+(register, heartbeat, leave; its credential or an admin key) and enrolment (a one-time token)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from capsa.control.auth import authenticate, require_admin
 from capsa.control.connections import tokens as connection_tokens
 from capsa.control.deps import Admin, Plane, problems
 from capsa.control.errors import Unauthorized
+from capsa.control.nodes import drain
 from capsa.control.nodes import registry as nodes
 from capsa.control.schemas import (
+    DrainOut,
     HeartbeatOut,
     NodeCreate,
     NodeEnrol,
@@ -92,6 +94,20 @@ async def update_node(node_id: str, body: NodeUpdate, plane: Plane, _admin: Admi
     """Set a node's ``capacity_limit``: the most its own reports may claim (a leaked node credential
     cannot make the node attract every new session)."""
     return await nodes.update_node(plane, node_id, body)
+
+
+@router.post("/{node_id}/drain", response_model=DrainOut)
+async def drain_node(node_id: str, plane: Plane, _admin: Admin) -> DrainOut:
+    """Stop placing sandboxes on the node and move each of its running sessions to another node with its
+    memory, processes and files (through the fleet's store). Answers once every session moved or was left
+    paused (``stayed``, with the reason); ``drained``: nothing holds a sandbox on the node any more."""
+    return await drain.drain_node(plane, node_id)
+
+
+@router.post("/{node_id}/undrain", response_model=NodeOut)
+async def undrain_node(node_id: str, plane: Plane, _admin: Admin) -> NodeOut:
+    """Let a drained node take new sandboxes again."""
+    return await drain.undrain_node(plane, node_id)
 
 
 @router.post("/{node_id}/heartbeat", response_model=HeartbeatOut)

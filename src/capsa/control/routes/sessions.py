@@ -33,7 +33,7 @@ async def create_session(body: SessionCreate, plane: Plane, caller: Caller) -> S
 @router.get("", response_model=SessionList)
 async def list_sessions(
     request: Request, plane: Plane, caller: Caller,
-    state: Literal["creating", "running", "paused", "closed", "failed"] | None = None,
+    state: Literal["creating", "running", "recovering", "paused", "closed", "failed"] | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
 ) -> SessionList:

@@ -50,6 +50,7 @@ __all__ = [
     "pause_session",
     "prune_rolling",
     "reap_to_pause",
+    "restore_onto",
     "restore_session",
     "resume_session",
     "snapshot_out",
@@ -246,11 +247,11 @@ async def resume_session(plane: ControlPlane, tenant: str, session_id: str,
         await transition(db, session_id, "paused", sources=("creating",), sandbox_id=None,
                          node_id=snap.node_id, pause_reason=pause_reason)
 
-    await _restore_onto(plane, client, row, snap, sandbox_id, undo=back_to_paused, what="resumed")
+    await restore_onto(plane, client, row, snap, sandbox_id, undo=back_to_paused, what="resumed")
     return await _started(plane, tenant, session_id, sandbox_id, client)
 
 
-async def _restore_onto(plane: ControlPlane, client: NodeClient, row: SessionRow, snap: SnapshotRow,
+async def restore_onto(plane: ControlPlane, client: NodeClient, row: SessionRow, snap: SnapshotRow,
                         sandbox_id: str, *, undo: Callable[[DbSession], Awaitable[None]], what: str) -> None:
     """Restore ``snap`` as the session's new sandbox ``sandbox_id`` on ``client``'s node, with the session's
     egress as recorded now (a policy changed while paused applies from here on). On failure the session
@@ -311,7 +312,7 @@ async def restore_session(plane: ControlPlane, tenant: str, session_id: str, sna
         await transition(db, session_id, "running", sources=("creating",), sandbox_id=old_sandbox,
                          node_id=old_node_id)
 
-    await _restore_onto(plane, client, row, snap, sandbox_id, undo=back_to_its_sandbox, what="restored")
+    await restore_onto(plane, client, row, snap, sandbox_id, undo=back_to_its_sandbox, what="restored")
     if old_node is not None and old_sandbox:
         await destroy_quietly(plane.node_client(old_node), old_sandbox)
     return await _started(plane, tenant, session_id, sandbox_id, client)

@@ -19,15 +19,17 @@ __all__ = ["ACTIVE_STATES", "LEGAL_TRANSITIONS", "TERMINAL_STATES", "transition"
 LEGAL_TRANSITIONS: dict[str, frozenset[str]] = {
     # creating -> paused: a resume (or restore) whose new sandbox could not be started falls back.
     "creating": frozenset({"running", "paused", "failed", "closed"}),
-    # running -> creating: restore to an earlier snapshot swaps in a new sandbox.
-    "running": frozenset({"creating", "paused", "closed", "failed"}),
+    # running -> creating: restore to an earlier snapshot swaps in a new sandbox; running -> recovering: its
+    # node died and a stored snapshot is being restored on another (sessions/recovery.py).
+    "running": frozenset({"creating", "recovering", "paused", "closed", "failed"}),
+    "recovering": frozenset({"running", "paused", "closed", "failed"}),
     # paused -> creating: resume is starting a sandbox from the latest snapshot.
     "paused": frozenset({"creating", "running", "closed", "failed"}),
     "closed": frozenset(),
     "failed": frozenset(),
 }
 TERMINAL_STATES = frozenset({"closed", "failed"})
-ACTIVE_STATES = frozenset({"creating", "running"})
+ACTIVE_STATES = frozenset({"creating", "running", "recovering"})
 """States in which a session holds (or is about to hold) a sandbox on its node."""
 
 

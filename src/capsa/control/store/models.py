@@ -96,6 +96,8 @@ class NodeRow(Base):
     # Migration 0012.
     store: Mapped[str | None] = mapped_column(String(1024), nullable=True)
     """The fleet store the node reads and writes (as it reported it); None: it keeps snapshots to itself."""
+    draining: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+    """An admin is moving its sessions off (``capsa nodes drain``): it gets no new sandboxes."""
 
 
 class NodeEnrolTokenRow(Base):

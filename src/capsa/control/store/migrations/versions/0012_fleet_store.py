@@ -1,5 +1,6 @@
-"""The fleet's store: ``nodes.store`` (the store a node reads and writes, as it reported it) and
-``snapshots.stored`` (the snapshot is in that store, so any node of the same store can restore it).
+"""The fleet: ``nodes.store`` (the store a node reads and writes, as it reported it), ``nodes.draining``
+(an admin is moving its sessions off: it gets no new ones) and ``snapshots.stored`` (the snapshot is in
+that store, so any node of the same store can restore it).
 
 Revision ID: 0012
 Revises: 0011
@@ -19,6 +20,7 @@ depends_on = None
 def upgrade() -> None:
     with op.batch_alter_table("nodes") as nodes:
         nodes.add_column(sa.Column("store", sa.String(1024), nullable=True))
+        nodes.add_column(sa.Column("draining", sa.Boolean(), nullable=False, server_default=sa.false()))
     with op.batch_alter_table("snapshots") as snapshots:
         snapshots.add_column(sa.Column("stored", sa.Boolean(), nullable=False, server_default=sa.false()))
 
@@ -27,4 +29,5 @@ def downgrade() -> None:
     with op.batch_alter_table("snapshots") as snapshots:
         snapshots.drop_column("stored")
     with op.batch_alter_table("nodes") as nodes:
+        nodes.drop_column("draining")
         nodes.drop_column("store")
