@@ -263,9 +263,9 @@ class _Clock:
 
 async def test_api_keys_are_read_once_per_cache_period_and_revocation_bounds_hold(
         make_stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from capsa.control import auth
+    from capsa.control import ttl_cache
 
-    clock = _Clock(monkeypatch, auth)  # the key cache's clock
+    clock = _Clock(monkeypatch, ttl_cache)  # the key cache's clock
     period = 60.0  # long enough that no real delay ends it: only the test's clock does
     stack: ApiStack = await make_stack(settings={"key_cache_seconds": period, "reaper_interval": 0})
     other = await stack.add_replica()
@@ -308,9 +308,9 @@ async def test_without_the_key_cache_a_revoked_key_stops_on_every_replica_at_onc
 
 async def test_commands_read_their_session_once_per_cache_period(make_stack: Any,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from capsa.control.sessions import cache as session_cache
+    from capsa.control import ttl_cache
 
-    clock = _Clock(monkeypatch, session_cache)  # the session cache's clock
+    clock = _Clock(monkeypatch, ttl_cache)  # the session cache's clock
     period = 60.0  # long enough that no real delay ends it: only the test's clock does
     stack: ApiStack = await make_stack(settings={"session_cache_seconds": period, **_QUIET})
     key, other_key = await stack.tenant_key("acme"), await stack.tenant_key("globex")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
@@ -15,6 +13,7 @@ from capsa.control.errors import Forbidden, Unauthorized
 from capsa.control.keys import generate_key, hash_key, parse_key, verify_key
 from capsa.control.store.db import DbSession
 from capsa.control.store.models import ApiKeyRow, utcnow
+from capsa.control.ttl_cache import TtlCache
 
 __all__ = ["KeyCache", "Principal", "authenticate", "authenticate_cached", "bearer_token",
            "ensure_bootstrap_key", "key_principal", "require_admin"]
@@ -55,43 +54,19 @@ class _KnownKey:
     tenant: str
     admin: bool
     revoked: bool
-    until: float
 
 
-class KeyCache:
+class KeyCache(TtlCache[str, _KnownKey]):
     """API key records as this replica last read them, trusted for at most ``ttl`` seconds (at most
     ``capacity`` keys, least recently used dropped first), so a call does not read the database to learn
     who is calling. A key revoked through this replica is forgotten at once (:meth:`forget`); one revoked
     through another replica keeps working here for up to ``ttl``. Unknown key ids are never cached (a
     key created elsewhere works at once). ``ttl`` 0 disables it."""
 
-    def __init__(self, ttl: float, capacity: int = 4096) -> None:
-        self.ttl = ttl
-        self.capacity = capacity
-        self._keys: OrderedDict[str, _KnownKey] = OrderedDict()
-
-    def lookup(self, key_id: str) -> _KnownKey | None:
-        known = self._keys.get(key_id)
-        if known is None:
-            return None
-        if known.until <= time.monotonic():
-            del self._keys[key_id]
-            return None
-        self._keys.move_to_end(key_id)
-        return known
-
     def store(self, row: ApiKeyRow) -> _KnownKey:
-        known = _KnownKey(row.secret_hash, row.tenant, row.admin, row.revoked_at is not None,
-                          time.monotonic() + self.ttl)
-        if self.ttl > 0:
-            self._keys[row.id] = known
-            self._keys.move_to_end(row.id)
-            while len(self._keys) > self.capacity:
-                self._keys.popitem(last=False)
+        known = _KnownKey(row.secret_hash, row.tenant, row.admin, row.revoked_at is not None)
+        self.put(row.id, known)
         return known
-
-    def forget(self, key_id: str) -> None:
-        self._keys.pop(key_id, None)
 
 
 async def _known(db: async_sessionmaker[DbSession], cache: KeyCache, key_id: str) -> _KnownKey:

@@ -19,48 +19,15 @@ first. The cached rows are detached and shared between requests: callers read th
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
-from dataclasses import dataclass
-
 from capsa.control.store.models import NodeRow, SessionRow
+from capsa.control.ttl_cache import TtlCache
 
 __all__ = ["SessionCache"]
 
 
-@dataclass
-class _Entry:
-    row: SessionRow
-    node: NodeRow
-    until: float
-
-
-class SessionCache:
-    def __init__(self, ttl: float, capacity: int = 4096) -> None:
-        self.ttl = ttl
-        self.capacity = capacity
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-
-    def lookup(self, session_id: str) -> tuple[SessionRow, NodeRow] | None:
-        entry = self._entries.get(session_id)
-        if entry is None:
-            return None
-        if entry.until <= time.monotonic():
-            del self._entries[session_id]
-            return None
-        self._entries.move_to_end(session_id)
-        return entry.row, entry.node
-
+class SessionCache(TtlCache[str, tuple[SessionRow, NodeRow]]):
     def store(self, row: SessionRow, node: NodeRow | None) -> None:
         """Remember a row just read (it must not be used by a database session any more)."""
-        if (self.ttl <= 0 or node is None or row.state != "running" or not row.sandbox_id
-                or row.snapshot_keep is not None):
+        if node is None or row.state != "running" or not row.sandbox_id or row.snapshot_keep is not None:
             return
-        self._entries[row.id] = _Entry(row, node, time.monotonic() + self.ttl)
-        self._entries.move_to_end(row.id)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
-
-    def forget(self, session_id: str) -> bool:
-        """Drop the session's entry; whether there was one."""
-        return self._entries.pop(session_id, None) is not None
+        self.put(row.id, (row, node))
