@@ -46,6 +46,7 @@ from capsa.control.sessions.states import ACTIVE_STATES
 from capsa.control.store.connection_models import ConnectionLoginRow, ConnectionProviderRow, ConnectionRow
 from capsa.control.store.egress_models import SessionPolicyRow
 from capsa.control.store.models import NodeRow, SessionRow, utcnow
+from capsa.control.store.named import by_tenant, name_taken
 
 __all__ = [
     "CALLBACK_PATH",
@@ -104,9 +105,7 @@ async def create_provider(plane: ControlPlane, tenant: str, body: ProviderCreate
         client_secret=(box.seal(tenant, f"{provider_id}/client_secret", body.client_secret.get_secret_value())
                        if body.client_secret is not None else None))
     async with plane.db() as db:
-        taken = await db.scalar(select(func.count()).select_from(ConnectionProviderRow).where(
-            ConnectionProviderRow.tenant == tenant, ConnectionProviderRow.name == body.name))
-        if taken:
+        if await name_taken(db, ConnectionProviderRow, tenant, body.name):
             raise ApiError(f"a connection provider named {body.name!r} exists", code="already_exists",
                            status=409)
         db.add(row)
@@ -116,8 +115,7 @@ async def create_provider(plane: ControlPlane, tenant: str, body: ProviderCreate
 
 async def list_providers(plane: ControlPlane, tenant: str) -> ProviderList:
     async with plane.db() as db:
-        rows = (await db.execute(select(ConnectionProviderRow).where(ConnectionProviderRow.tenant == tenant)
-                                 .order_by(ConnectionProviderRow.name))).scalars()
+        rows = await db.scalars(by_tenant(ConnectionProviderRow, tenant))
         return ProviderList(items=[provider_out(r) for r in rows])
 
 
@@ -137,9 +135,7 @@ async def delete_provider(plane: ControlPlane, tenant: str, ref: str) -> None:
 async def create_connection(plane: ControlPlane, tenant: str, body: ConnectionCreate) -> ConnectionOut:
     async with plane.db() as db:
         provider = await find_provider(db, tenant, body.provider)
-        taken = await db.scalar(select(func.count()).select_from(ConnectionRow).where(
-            ConnectionRow.tenant == tenant, ConnectionRow.name == body.name))
-        if taken:
+        if await name_taken(db, ConnectionRow, tenant, body.name):
             raise ApiError(f"a connection named {body.name!r} exists", code="already_exists", status=409)
         row = ConnectionRow(id=new_id("con"), tenant=tenant, name=body.name, provider_id=provider.id,
                             scopes=list(body.scopes) if body.scopes is not None else None, state="pending",

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import select
-
-from capsa.common.ids import is_id
 from capsa.control.connections.oauth_client import Endpoints, OAuthClient, Outbound, TokenSet
 from capsa.control.connections.schemas import ConnectionOut, ProviderOut
 from capsa.control.errors import ApiError, NotFound
@@ -15,6 +12,7 @@ from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import SecretSealer
 from capsa.control.store.connection_models import ConnectionProviderRow, ConnectionRow
 from capsa.control.store.db import DbSession
+from capsa.control.store.named import by_ref
 
 __all__ = ["connection_out", "find_connection", "find_provider", "oauth_client", "outbound", "provider_out",
            "sealer", "store_tokens"]
@@ -29,18 +27,14 @@ def sealer(plane: ControlPlane) -> SecretSealer:
 
 
 async def find_provider(db: DbSession, tenant: str, ref: str) -> ConnectionProviderRow:
-    column = ConnectionProviderRow.id if is_id(ref, "prv") else ConnectionProviderRow.name
-    row: ConnectionProviderRow | None = await db.scalar(select(ConnectionProviderRow).where(
-        ConnectionProviderRow.tenant == tenant, column == ref))
+    row = await db.scalar(by_ref(ConnectionProviderRow, tenant, ref, "prv"))
     if row is None:
         raise NotFound(f"connection provider {ref} not found")
     return row
 
 
 async def find_connection(db: DbSession, tenant: str, ref: str) -> ConnectionRow:
-    column = ConnectionRow.id if is_id(ref, "con") else ConnectionRow.name
-    row: ConnectionRow | None = await db.scalar(select(ConnectionRow).where(
-        ConnectionRow.tenant == tenant, column == ref).execution_options(populate_existing=True))
+    row = await db.scalar(by_ref(ConnectionRow, tenant, ref, "con").execution_options(populate_existing=True))
     if row is None:
         raise NotFound(f"connection {ref} not found")
     return row

@@ -20,7 +20,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from capsa.common.destinations import DestinationRefused, ResolveError, screen_host
-from capsa.common.ids import is_id, new_id
+from capsa.common.ids import new_id
 from capsa.common.node_api import AuditEvent as NodeAuditEvent
 from capsa.common.placeholders import new_placeholder
 from capsa.control.audit.trail import AuditEntry, AuditKind
@@ -50,6 +50,7 @@ from capsa.control.store.egress_models import (
     SessionPolicyRow,
 )
 from capsa.control.store.models import NodeRow, SessionRow, utcnow
+from capsa.control.store.named import by_ref, by_tenant, name_taken
 
 __all__ = [
     "assign_placeholders",
@@ -92,9 +93,7 @@ async def create_secret(plane: ControlPlane, tenant: str, body: SecretCreate) ->
                     ciphertext=sealer.seal(tenant, secret_id, body.value.get_secret_value()),
                     created_at=utcnow())
     async with plane.db() as db:
-        taken = await db.scalar(select(func.count()).select_from(SecretRow)
-                                .where(SecretRow.tenant == tenant, SecretRow.name == body.name))
-        if taken:
+        if await name_taken(db, SecretRow, tenant, body.name):
             raise ApiError(f"a secret named {body.name!r} exists", code="already_exists", status=409)
         db.add(row)
         await db.commit()
@@ -103,16 +102,12 @@ async def create_secret(plane: ControlPlane, tenant: str, body: SecretCreate) ->
 
 async def list_secrets(plane: ControlPlane, tenant: str) -> SecretList:
     async with plane.db() as db:
-        rows = (await db.execute(select(SecretRow).where(SecretRow.tenant == tenant)
-                                 .order_by(SecretRow.name))).scalars()
+        rows = await db.scalars(by_tenant(SecretRow, tenant))
         return SecretList(items=[_secret_out(r) for r in rows])
 
 
 async def _find_secret(db: DbSession, tenant: str, ref: str) -> SecretRow | None:
-    column = SecretRow.id if is_id(ref, "sec") else SecretRow.name
-    row: SecretRow | None = await db.scalar(select(SecretRow).where(SecretRow.tenant == tenant,
-                                                                    column == ref))
-    return row
+    return await db.scalar(by_ref(SecretRow, tenant, ref, "sec"))
 
 
 async def delete_secret(plane: ControlPlane, tenant: str, ref: str) -> None:

@@ -10,21 +10,18 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, LargeBinary, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, LargeBinary, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from capsa.control.store.models import Base, UTCDateTime
+from capsa.control.store.named import TenantNamed
 
 __all__ = ["ConnectionLoginRow", "ConnectionProviderRow", "ConnectionRow"]
 
 
-class ConnectionProviderRow(Base):
+class ConnectionProviderRow(TenantNamed, Base):
     __tablename__ = "connection_providers"
-    __table_args__ = (UniqueConstraint("tenant", "name", name="uq_connection_providers_tenant_name"),)
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    tenant: Mapped[str] = mapped_column(String(64))
-    name: Mapped[str] = mapped_column(String(128))
     issuer: Mapped[str | None] = mapped_column(Text, nullable=True)
     authorization_endpoint: Mapped[str | None] = mapped_column(Text, nullable=True)
     token_endpoint: Mapped[str] = mapped_column(Text)
@@ -37,13 +34,9 @@ class ConnectionProviderRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
-class ConnectionRow(Base):
+class ConnectionRow(TenantNamed, Base):
     __tablename__ = "connections"
-    __table_args__ = (UniqueConstraint("tenant", "name", name="uq_connections_tenant_name"),)
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    tenant: Mapped[str] = mapped_column(String(64))
-    name: Mapped[str] = mapped_column(String(128))
     provider_id: Mapped[str] = mapped_column(String(32), ForeignKey("connection_providers.id"))
     scopes: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     """Overrides the provider's scopes when set."""

@@ -20,19 +20,16 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from capsa.control.store.models import Base, UTCDateTime
+from capsa.control.store.named import TenantNamed
 
 __all__ = ["AuditCursorRow", "AuditDroppedRow", "AuditEventRow", "SecretRow", "SessionPolicyRow"]
 
 
-class SecretRow(Base):
+class SecretRow(TenantNamed, Base):
     """A secret value, encrypted (``ciphertext``); the API never returns it."""
 
     __tablename__ = "secrets"
-    __table_args__ = (UniqueConstraint("tenant", "name", name="uq_secrets_tenant_name"),)
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    tenant: Mapped[str] = mapped_column(String(64))
-    name: Mapped[str] = mapped_column(String(128))
     description: Mapped[str | None] = mapped_column(Text, nullable=True)
     ciphertext: Mapped[bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)

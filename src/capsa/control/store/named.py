@@ -1,0 +1,55 @@
+"""Rows a tenant names: an id, the tenant, and a name unique within the tenant (stored secrets, connection
+providers, connections), and the queries every such table is read with.
+
+:class:`TenantNamed` declares the three columns and the ``uq_<table>_tenant_name`` constraint, as the
+migrations created them; :func:`name_taken`, :func:`by_tenant` and :func:`by_ref` are the queries.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from sqlalchemy import Select, String, UniqueConstraint, func, select
+from sqlalchemy.orm import Mapped, declared_attr, mapped_column
+
+from capsa.common.ids import is_id
+from capsa.control.store.db import DbSession
+
+__all__ = ["TenantNamed", "by_ref", "by_tenant", "name_taken"]
+
+
+class TenantNamed:
+    """Mixin of a table's ``id``, ``tenant`` and ``name`` columns (name unique within the tenant)."""
+
+    __tablename__: str
+
+    # First in the table, as the migrations created them (a mixin's columns otherwise come last).
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, sort_order=-1)
+    tenant: Mapped[str] = mapped_column(String(64), sort_order=-1)
+    name: Mapped[str] = mapped_column(String(128), sort_order=-1)
+
+    @declared_attr.directive
+    @classmethod
+    def __table_args__(cls) -> tuple[Any, ...]:
+        return (UniqueConstraint("tenant", "name", name=f"uq_{cls.__tablename__}_tenant_name"),)
+
+
+R = TypeVar("R", bound=TenantNamed)
+
+
+async def name_taken(db: DbSession, row_type: type[R], tenant: str, name: str) -> bool:
+    """Whether the tenant has a row of this table named ``name``."""
+    taken = await db.scalar(select(func.count()).select_from(row_type).where(row_type.tenant == tenant,
+                                                                             row_type.name == name))
+    return bool(taken)
+
+
+def by_tenant(row_type: type[R], tenant: str) -> Select[R]:
+    """The tenant's rows of this table, by name."""
+    return select(row_type).where(row_type.tenant == tenant).order_by(row_type.name)
+
+
+def by_ref(row_type: type[R], tenant: str, ref: str, id_prefix: str) -> Select[R]:
+    """The tenant's row named ``ref``, or whose id it is when it is an id (``<id_prefix>_…``)."""
+    column = row_type.id if is_id(ref, id_prefix) else row_type.name
+    return select(row_type).where(row_type.tenant == tenant, column == ref)
