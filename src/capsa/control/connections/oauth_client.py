@@ -75,26 +75,24 @@ class Endpoints:
 
 @dataclass(frozen=True)
 class TokenSet:
-    access_token: str
-    refresh_token: str | None
+    """Tokens from a provider's token endpoint (their repr leaves the tokens out)."""
+
+    access_token: str = field(repr=False)
+    refresh_token: str | None = field(repr=False)
     expires_at: float
     lifetime: float
-
-    def __repr__(self) -> str:
-        return f"TokenSet(expires_at={self.expires_at:.0f})"
 
 
 @dataclass(frozen=True)
 class DeviceStart:
-    device_code: str
+    """A device authorization under way (its repr leaves the device code out)."""
+
+    device_code: str = field(repr=False)
     user_code: str
     verification_uri: str
     verification_uri_complete: str | None
     expires_in: float
     interval: float
-
-    def __repr__(self) -> str:
-        return f"DeviceStart(user_code={self.user_code!r})"
 
 
 @dataclass(frozen=True)
