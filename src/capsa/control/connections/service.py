@@ -46,7 +46,7 @@ from capsa.control.sessions.states import ACTIVE_STATES
 from capsa.control.store.connection_models import ConnectionLoginRow, ConnectionProviderRow, ConnectionRow
 from capsa.control.store.egress_models import SessionPolicyRow
 from capsa.control.store.models import NodeRow, SessionRow, utcnow
-from capsa.control.store.named import by_tenant, name_taken
+from capsa.control.store.named import add_named, by_tenant
 
 __all__ = [
     "CALLBACK_PATH",
@@ -105,11 +105,7 @@ async def create_provider(plane: ControlPlane, tenant: str, body: ProviderCreate
         client_secret=(box.seal(tenant, f"{provider_id}/client_secret", body.client_secret.get_secret_value())
                        if body.client_secret is not None else None))
     async with plane.db() as db:
-        if await name_taken(db, ConnectionProviderRow, tenant, body.name):
-            raise ApiError(f"a connection provider named {body.name!r} exists", code="already_exists",
-                           status=409)
-        db.add(row)
-        await db.commit()
+        await add_named(db, row, "connection provider")
     return provider_out(row)
 
 
@@ -135,13 +131,10 @@ async def delete_provider(plane: ControlPlane, tenant: str, ref: str) -> None:
 async def create_connection(plane: ControlPlane, tenant: str, body: ConnectionCreate) -> ConnectionOut:
     async with plane.db() as db:
         provider = await find_provider(db, tenant, body.provider)
-        if await name_taken(db, ConnectionRow, tenant, body.name):
-            raise ApiError(f"a connection named {body.name!r} exists", code="already_exists", status=409)
         row = ConnectionRow(id=new_id("con"), tenant=tenant, name=body.name, provider_id=provider.id,
                             scopes=list(body.scopes) if body.scopes is not None else None, state="pending",
                             refreshes=0, created_at=utcnow())
-        db.add(row)
-        await db.commit()
+        await add_named(db, row, "connection")
         return connection_out(row, provider)
 
 

@@ -50,7 +50,7 @@ from capsa.control.store.egress_models import (
     SessionPolicyRow,
 )
 from capsa.control.store.models import NodeRow, SessionRow, utcnow
-from capsa.control.store.named import by_ref, by_tenant, name_taken
+from capsa.control.store.named import add_named, by_ref, by_tenant
 
 __all__ = [
     "assign_placeholders",
@@ -93,10 +93,7 @@ async def create_secret(plane: ControlPlane, tenant: str, body: SecretCreate) ->
                     ciphertext=sealer.seal(tenant, secret_id, body.value.get_secret_value()),
                     created_at=utcnow())
     async with plane.db() as db:
-        if await name_taken(db, SecretRow, tenant, body.name):
-            raise ApiError(f"a secret named {body.name!r} exists", code="already_exists", status=409)
-        db.add(row)
-        await db.commit()
+        await add_named(db, row, "secret")
     return _secret_out(row)
 
 

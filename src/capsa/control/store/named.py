@@ -2,7 +2,8 @@
 providers, connections), and the queries every such table is read with.
 
 :class:`TenantNamed` declares the three columns and the ``uq_<table>_tenant_name`` constraint, as the
-migrations created them; :func:`name_taken`, :func:`by_tenant` and :func:`by_ref` are the queries.
+migrations created them; :func:`add_named` inserts a row (refused when its name is taken), :func:`by_tenant`
+and :func:`by_ref` select them.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from sqlalchemy import Select, String, UniqueConstraint, func, select
 from sqlalchemy.orm import Mapped, declared_attr, mapped_column
 
 from capsa.common.ids import is_id
+from capsa.control.errors import ApiError
 from capsa.control.store.db import DbSession
 
-__all__ = ["TenantNamed", "by_ref", "by_tenant", "name_taken"]
+__all__ = ["TenantNamed", "add_named", "by_ref", "by_tenant"]
 
 
 class TenantNamed:
@@ -37,11 +39,16 @@ class TenantNamed:
 R = TypeVar("R", bound=TenantNamed)
 
 
-async def name_taken(db: DbSession, row_type: type[R], tenant: str, name: str) -> bool:
-    """Whether the tenant has a row of this table named ``name``."""
-    taken = await db.scalar(select(func.count()).select_from(row_type).where(row_type.tenant == tenant,
-                                                                             row_type.name == name))
-    return bool(taken)
+async def add_named(db: DbSession, row: TenantNamed, what: str) -> None:
+    """Add ``row`` and commit; refused (409 ``already_exists``, "a <what> named … exists") when its tenant
+    has a row of its table by that name."""
+    row_type = type(row)
+    taken = await db.scalar(select(func.count()).select_from(row_type).where(row_type.tenant == row.tenant,
+                                                                             row_type.name == row.name))
+    if taken:
+        raise ApiError(f"a {what} named {row.name!r} exists", code="already_exists", status=409)
+    db.add(row)
+    await db.commit()
 
 
 def by_tenant(row_type: type[R], tenant: str) -> Select[R]:
