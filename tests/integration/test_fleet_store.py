@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import time
@@ -21,9 +22,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zstandard
 
+from capsa.common.settings import Settings
 from capsa.control.keys import generate_key
-from capsa.sdk import AsyncClient, AsyncSession, SessionInfo
+from capsa.node.templates.cache import STORE_KIND
+from capsa.sdk import AsyncClient, AsyncSession
+from capsa.store import ObjectStore, open_store
+from capsa.store.bundles import list_bundles
 from tests.support.fleet import cli, enrol_token, listed_nodes, start_control, start_node
 from tests.support.leftovers import wait_no_node_leftovers
 from tests.support.postgres import PgCluster, postgres_missing_reason, temporary_postgres
@@ -121,6 +127,18 @@ def _kill_node(node: Served) -> list[int]:
     return pids
 
 
+def _scan_store(store: ObjectStore, needles: list[bytes]) -> dict[bytes, int]:
+    """How many of the store's objects hold each needle (chunks decompressed)."""
+    found = dict.fromkeys(needles, 0)
+    for obj in store.list(""):
+        data = store.get(obj.key)
+        if obj.key.startswith("chunks/"):
+            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=64 << 20)
+        for needle in needles:
+            found[needle] += needle in data
+    return found
+
+
 def _qemus_of(state_dir: Path) -> list[str]:
     """The command lines of QEMU processes running from ``state_dir``."""
     out = []
@@ -130,15 +148,6 @@ def _qemus_of(state_dir: Path) -> list[str]:
             if "qemu-system" in cmd and str(state_dir) in cmd:
                 out.append(cmd)
     return out
-
-
-async def _wait_state(client: AsyncClient, session_id: str, state: str, limit_s: float) -> SessionInfo:
-    deadline = time.monotonic() + limit_s
-    while True:
-        info = await client.get_session(session_id)
-        if info.state == state or time.monotonic() > deadline:
-            return info
-        await asyncio.sleep(1.0)
 
 
 async def test_a_session_of_a_killed_node_runs_on_another_from_its_rolling_snapshot(
@@ -169,10 +178,11 @@ async def test_a_session_of_a_killed_node_runs_on_another_from_its_rolling_snaps
         started.remove(node_a)
         assert killed, "node A ran no QEMU"
         t0 = time.monotonic()
-        info = await _wait_state(client, session.id, "running", 30)
-        while info.node_id != id_b and time.monotonic() - t0 < 300:
-            await asyncio.sleep(1.0)
+        while time.monotonic() - t0 < 300:
             info = await client.get_session(session.id)
+            if info.state == "running" and info.node_id == id_b:
+                break
+            await asyncio.sleep(0.5)
         assert info.state == "running" and info.node_id == id_b, info
         failover_s = time.monotonic() - t0
         resumed = await AsyncSession.connect(session.id, client=client)
@@ -211,7 +221,10 @@ async def test_drain_moves_sessions_with_their_processes_and_policy(
         node_a, id_a = start_node(workdir, "node-a", control.url, enrol_token(control.url, admin), store_env)
         started.append(node_a)
         client = AsyncClient(control.url, admin)
-        policy = {"domains": [{"domain": "api.allowed.test"}]}
+        secret = "sk-fleet-" + secrets.token_hex(16)
+        await client.secrets.create("upstream", secret)
+        policy = {"domains": [{"domain": "api.allowed.test"}],
+                  "secrets": [{"secret": "upstream", "domain": "api.allowed.test", "env": "API_KEY"}]}
         sessions = [await AsyncSession.create(timeout=900, client=client, policy=policy),
                     await AsyncSession.create(timeout=900, client=client),
                     await AsyncSession.create(timeout=900, client=client)]
@@ -243,6 +256,8 @@ async def test_drain_moves_sessions_with_their_processes_and_policy(
         networked = sessions[0]
         kept = (await networked.egress.policy()).policy
         assert kept is not None and [d["domain"] for d in kept["domains"]] == ["api.allowed.test"]
+        placeholder = (await networked.commands.run("printenv API_KEY", timeout=60)).stdout.strip()
+        assert placeholder.startswith("capsa_ph_") and secret not in placeholder
         refused = await networked.commands.run("curl -sS -m 10 https://not-allowed.test/ || true", timeout=60)
         assert refused.exit_code == 0
         deadline = time.monotonic() + 60
@@ -259,8 +274,59 @@ async def test_drain_moves_sessions_with_their_processes_and_policy(
         assert (await client.get_session(fresh.id)).node_id == id_b
         undrained = await asyncio.to_thread(cli, control.url, admin, "nodes", "undrain", id_a, "--json")
         assert undrained.returncode == 0 and json.loads(undrained.stdout)["draining"] is False
+        # Every object of the store (chunks decompressed): the snapshots of a session holding a secret
+        # binding carry its placeholder, never the secret's value.
+        store = open_store(store_env["CAPSA_STORE_URL"], s3_endpoint=store_env["CAPSA_STORE_S3_ENDPOINT"])
+        found = _scan_store(store, [secret.encode(), placeholder.encode()])
+        assert found[secret.encode()] == 0 and found[placeholder.encode()] > 0, found
         for s in [*sessions, fresh]:
             await s.close()
+        await client.aclose()
+    finally:
+        codes = {proc.stdout.name: proc.stop(signal.SIGTERM, timeout=120) for proc in reversed(started)}
+    assert all(code == 0 for code in codes.values()), codes
+
+
+@pytest.mark.shipped_templates
+@pytest.mark.parametrize("store_env", ["directory"], indirect=True)
+async def test_a_template_in_the_store_is_used_by_a_node_that_never_built_it(
+        pg: PgCluster, workdir: Path, store_env: dict[str, str]) -> None:
+    """Node A has the browser template (this host's cache) and puts it in the store on first use; node B,
+    with a cache of its own that holds only the guest image, serves a browser session from the store."""
+    admin = generate_key().full
+    control = start_control(workdir, pg.new_database(), admin)
+    started: list[Served] = [control]
+    store = open_store(store_env["CAPSA_STORE_URL"])
+    try:
+        node_a, _ = start_node(workdir, "node-a", control.url, enrol_token(control.url, admin), store_env)
+        started.append(node_a)
+        client = AsyncClient(control.url, admin)
+        on_a = await AsyncSession.create(template="browser", timeout=900, client=client)
+        await on_a.close()
+        deadline = time.monotonic() + 600
+        while not [n for n in list_bundles(store, STORE_KIND) if n.startswith("browser.")]:
+            assert time.monotonic() < deadline, node_a.errors()
+            await asyncio.sleep(2.0)
+        # Node A goes; node B starts with an empty template cache (the guest image linked in).
+        assert node_a.stop(signal.SIGTERM, timeout=120) == 0
+        started.remove(node_a)
+        cache_b = workdir / "cache-b"
+        cache_b.mkdir()
+        shutil.copytree(Settings().cache_dir / "images", cache_b / "images", copy_function=os.link)
+        node_b, id_b = start_node(workdir, "node-b", control.url, enrol_token(control.url, admin),
+                                  {**store_env, "CAPSA_CACHE_DIR": str(cache_b)})
+        started.append(node_b)
+        t0 = time.monotonic()
+        on_b = await AsyncSession.create(template="browser", timeout=900, client=client)
+        import_s = time.monotonic() - t0
+        assert (await client.get_session(on_b.id)).node_id == id_b
+        out = await on_b.commands.run("pgrep -c chromium || pgrep -c chrome", timeout=60)
+        assert int(out.stdout.strip() or 0) > 0, out
+        log = node_b.stderr.read_text()
+        assert "browser" in log and "pulled from the store" in log, log[-3000:]
+        assert "building shipped template browser" not in log
+        print(f"template import: browser session on a fresh node in {import_s:.1f} s")
+        await on_b.close()
         await client.aclose()
     finally:
         codes = {proc.stdout.name: proc.stop(signal.SIGTERM, timeout=120) for proc in reversed(started)}

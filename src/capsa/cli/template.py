@@ -108,6 +108,7 @@ def build(spec_file: Path, state_dir: Path | None, as_json: bool) -> None:
         from capsa.node.egress.node_egress import NodeEgress
         from capsa.node.templates.cache import TemplateCache
         from capsa.node.templates.shipped import shipped_template
+        from capsa.store import store_from_settings
 
         with _store(state_dir, need_image=True) as store:
             # A spec with network: true boots its build VM on a throwaway namespace (nothing leaves it).
@@ -125,7 +126,8 @@ def build(spec_file: Path, state_dir: Path | None, as_json: bool) -> None:
                     if shipped is not None and shipped.matches(t.spec):
                         # The shipped spec itself: nodes on this host import it instead of building it.
                         say("copying it into the template cache")
-                        cache = TemplateCache(Settings().cache_dir)
+                        settings = Settings()
+                        cache = TemplateCache(settings.cache_dir, store_from_settings(settings))
                         await asyncio.to_thread(cache.publish, shipped.cache_name, t.path,
                                                 t.snapshot.manifest)
                 return t.as_dict()

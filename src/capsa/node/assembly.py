@@ -78,14 +78,15 @@ async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> 
                                     webhook_allow_networks=settings.webhook_allow_networks,
                                     webhook_secret=webhook_secret)
                   if os.geteuid() == 0 else None)
-        # Node-built templates are cached beside the image: a fresh state dir restores from them at once.
+        # Node-built templates are cached beside the image: a fresh state dir restores from them at once;
+        # with a fleet store, the cache also pushes to and pulls from it (built once per fleet).
+        store = store_from_settings(settings)
         source = TemplateSource(runtime, image, egress=egress, pool_size=pool_cfg.size,
                                 pool_sizes=pool_cfg.sizes, pool_refill_delay=pool_cfg.refill_delay,
-                                cache=TemplateCache(settings.cache_dir),
+                                cache=TemplateCache(settings.cache_dir, store),
                                 ram_mode=RamMode.CLONE if settings.sandbox_ram == "private" else RamMode.COPY)
         floor = (SpaceFloor(storage.free_bytes, storage_settings.min_free_mib * MiB)
                  if storage_settings.min_free_mib else None)
-        store = store_from_settings(settings)
         shipper = Shipper(store, storage.snapshots_dir) if store is not None else None
         return await assemble_node(runtime, image, node_id=node_id, source=source, egress=egress,
                                    snapshots=snapshots_for(runtime, source, floor=floor, shipper=shipper),

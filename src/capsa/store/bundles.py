@@ -104,6 +104,7 @@ def pull_bundle(store: ObjectStore, kind: str, name: str, dest: Path) -> tuple[B
     try:
         for fname, record in bundle.files.items():
             check_key(fname)
+            (work / fname).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             stats.add(pull_file(store, record, work / fname))
         os.rename(work, dest)
     except BaseException:

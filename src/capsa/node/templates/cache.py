@@ -21,6 +21,12 @@ holds the shared lock while it copies, so a replacement never pulls files from u
 root's and private: the RAM file is a booted guest's memory (kernel state, CRNG state before the reseed
 every restore does), which no VM uid should read. Imports into the storage pool get the pool's modes:
 directories 0711, files 0600, owned by the node.
+
+With the fleet's store (``CAPSA_STORE_URL``) the cache is a window on it: every entry published here is
+pushed as bundle ``template/<entry>`` (chunks in the shared ``templates`` scope), and a lookup that finds no
+local entry a node can restore pulls one from the store whose manifest it can (:meth:`TemplateCache.fetch`),
+so a template is built once per fleet. An entry made by another QEMU, layout or accelerator is left in
+the store with the reason logged, and the node builds its own.
 """
 
 from __future__ import annotations
@@ -34,13 +40,15 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from capsa.node.runtime.snapshot.manifest import MANIFEST_FILE, SnapshotManifest, load_manifest
 from capsa.node.storage.filecopy import SourceCheck, copy_file, write_back
+from capsa.store.bundles import bundle_key, list_bundles, pull_bundle, push_bundle, read_bundle
+from capsa.store.objects import ObjectStore, StoreError
 
-__all__ = ["CACHE_SUBDIR", "TemplateCache", "entry_name", "entry_prefix"]
+__all__ = ["CACHE_SUBDIR", "STORE_KIND", "STORE_SCOPE", "TemplateCache", "entry_name", "entry_prefix"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +58,8 @@ _TMP_PREFIX = ".tmp-"
 _POOL_DIR_MODE = 0o711
 _FILE_MODE = 0o600
 _CACHE_DIR_MODE = 0o700
+STORE_KIND = "template"
+STORE_SCOPE = "templates"
 
 
 def _short(value: object) -> str:
@@ -100,8 +110,10 @@ def _copy_tree(src: Path, dst: Path, dir_mode: int, *, written_back: bool = Fals
 class TemplateCache:
     """Templates cached under ``<cache_dir>/templates``."""
 
-    def __init__(self, cache_dir: Path) -> None:
+    def __init__(self, cache_dir: Path, store: ObjectStore | None = None) -> None:
         self.root = cache_dir / CACHE_SUBDIR
+        self.store = store
+        """The fleet's store, shared by every node (None: this cache is the node's own)."""
 
     @contextlib.contextmanager
     def _locked(self, exclusive: bool) -> Iterator[None]:
@@ -173,7 +185,59 @@ class TemplateCache:
                 shutil.rmtree(work, ignore_errors=True)
                 raise
             self._prune_locked(keep=KEEP)
+        self.share(final, manifest)
         return final
+
+    def share(self, entry: Path, manifest: SnapshotManifest) -> bool:
+        """Push ``entry`` to the fleet's store unless it is there; True when it was pushed now. A store
+        that fails is logged: the template stays this node's."""
+        if self.store is None:
+            return False
+        try:
+            if self.store.exists(bundle_key(STORE_KIND, entry.name)):
+                return False
+            with self._locked(exclusive=False):
+                files = sorted(p.relative_to(entry).as_posix() for p in entry.rglob("*")
+                               if p.is_file() and not p.is_symlink())
+                _, stats = push_bundle(self.store, STORE_KIND, entry.name, entry, files, scope=STORE_SCOPE,
+                                       known=set(), meta={"manifest": manifest.model_dump(mode="json")})
+        except (StoreError, OSError) as exc:
+            log.warning("template %s could not be put in the store %s: %s", entry.name, self.store.url, exc)
+            return False
+        log.info("template %s put in the store %s: %d of %d chunks sent (%d bytes)", entry.name,
+                 self.store.url, stats.sent_chunks, stats.chunks, stats.sent_bytes)
+        return True
+
+    def fetch(self, name: str, image_digest: str, memory_mib: int, vcpus: int,
+              accept: Callable[[SnapshotManifest], str | None]) -> list[Path]:
+        """Pull the store's entries of this template, image and size into this cache, those whose manifest
+        ``accept`` finds restorable here (it answers None, or why not); returns the entries pulled."""
+        if self.store is None:
+            return []
+        prefix = entry_prefix(name, image_digest, memory_mib, vcpus)
+        pulled: list[Path] = []
+        try:
+            names = [n for n in list_bundles(self.store, STORE_KIND) if n.startswith(prefix)]
+            for entry_name_ in names:
+                final = self.root / entry_name_
+                if final.exists():
+                    continue
+                bundle = read_bundle(self.store, STORE_KIND, entry_name_)
+                manifest = SnapshotManifest.model_validate(bundle.meta.get("manifest"))
+                why = accept(manifest)
+                if why is not None:
+                    log.warning("template %s in the store %s cannot be restored here: %s", entry_name_,
+                                self.store.url, why)
+                    continue
+                with self._locked(exclusive=True):
+                    if not final.exists():
+                        pull_bundle(self.store, STORE_KIND, entry_name_, final)
+                pulled.append(final)
+                log.info("template %s pulled from the store %s (%d bytes)", entry_name_, self.store.url,
+                         bundle.size)
+        except (StoreError, OSError, ValueError) as exc:
+            log.warning("templates in the store %s cannot be read: %s", self.store.url, exc)
+        return pulled
 
     def _prune_locked(self, keep: int) -> list[Path]:
         """Drop all but the ``keep`` newest entries of each (template, size); the caller holds the exclusive

@@ -32,7 +32,7 @@ from typing import Any
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
 from capsa.node.runtime.base import GuestImage, RamMode, Sandbox, SnapshottingRuntime, VMSpec
-from capsa.node.runtime.snapshot.manifest import Snapshot, SnapshotError
+from capsa.node.runtime.snapshot.manifest import Snapshot, SnapshotError, SnapshotManifest
 from capsa.node.templates.cache import TemplateCache
 
 __all__ = [
@@ -266,6 +266,19 @@ class TemplateStore:
         except OSError as exc:
             log.warning("cannot read the template cache %s: %s", cache.root, exc)
             return []
+        usable = self._usable(cache, entries, mac)
+        if not usable and cache.store is not None:
+            # Built once per fleet: another node may have put it in the store.
+            def accept(manifest: SnapshotManifest) -> str | None:
+                if self._restorable(Snapshot(cache.root, manifest), mac):
+                    return None
+                return (f"it was made with QEMU {manifest.qemu_version} under {manifest.accel} and another "
+                        "device layout than this node's")
+
+            usable = self._usable(cache, cache.fetch(name, self.image.digest, memory_mib, vcpus, accept), mac)
+        return usable
+
+    def _usable(self, cache: TemplateCache, entries: list[Path], mac: str | None) -> list[Path]:
         usable = []
         for entry in entries:
             manifest = cache.manifest(entry)
@@ -297,9 +310,18 @@ class TemplateStore:
             if template is not None and await asyncio.to_thread(self.is_current, template, mac):
                 self.imports += 1
                 log.info("template %s (%d MiB, %d vCPU) imported from the cache", name, memory_mib, vcpus)
+                if cache.store is not None:  # made before the store was configured, or pushed by no one yet
+                    task = asyncio.create_task(self._share(cache, entry, template),
+                                               name=f"template-share-{name}")
+                    self._publishing.add(task)
+                    task.add_done_callback(self._publishing.discard)
                 return template
             log.warning("cached template %s does not load after its import; building instead", entry)
         return None
+
+    @staticmethod
+    async def _share(cache: TemplateCache, entry: Path, template: Template) -> None:
+        await asyncio.to_thread(cache.share, entry, template.snapshot.manifest)
 
     async def _publish(self, template: Template, cache_name: str | None = None) -> None:
         assert self.cache is not None

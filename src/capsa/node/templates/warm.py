@@ -26,6 +26,7 @@ from capsa.node.templates.cache import TemplateCache
 from capsa.node.templates.shipped import shipped_names, shipped_template
 from capsa.node.templates.source import NET_TEMPLATE, TemplateSource, cache_key
 from capsa.node.templates.store import BASE
+from capsa.store import store_from_settings
 
 __all__ = ["WarmResult", "warm_template_cache", "warm_templates", "warmable_names"]
 
@@ -63,7 +64,8 @@ async def _scratch_node(settings: Settings, image: GuestImage, *, network: bool,
             egress = NodeEgress.create(netns_prefix="capsa-tw-") if network else None
             try:
                 yield TemplateSource(runtime, image, egress=egress, pool_size=0, base_memory_mib=memory_mib,
-                                     base_vcpus=vcpus, cache=TemplateCache(settings.cache_dir))
+                                     base_vcpus=vcpus,
+                                     cache=TemplateCache(settings.cache_dir, store_from_settings(settings)))
             finally:
                 if egress is not None:
                     await egress.close()
