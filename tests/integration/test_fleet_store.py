@@ -236,7 +236,8 @@ async def test_drain_moves_sessions_with_their_processes_and_policy(
         await asyncio.sleep(1.5)
 
         t0 = time.monotonic()
-        drained = await asyncio.to_thread(cli, control.url, admin, "nodes", "drain", id_a, "--json")
+        drained = await asyncio.to_thread(cli, control.url, admin, "nodes", "drain", id_a, "--json",
+                                          timeout=900)
         drain_s = time.monotonic() - t0
         assert drained.returncode == 0, drained.stderr
         done = json.loads(drained.stdout)

@@ -16,9 +16,9 @@ from tests.support.served import CAPSA, ROOT, Served, free_port, spawn
 __all__ = ["cli", "enrol_token", "listed_nodes", "start_control", "start_node"]
 
 
-def cli(url: str, key: str, *args: str) -> subprocess.CompletedProcess[str]:
+def cli(url: str, key: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "CAPSA_API_URL": url, "CAPSA_API_KEY": key}
-    return subprocess.run([*CAPSA, *args], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    return subprocess.run([*CAPSA, *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
 def start_control(workdir: Path, db_url: str, key: str, env: Mapping[str, str] | None = None) -> Served:

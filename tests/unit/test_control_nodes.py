@@ -13,9 +13,10 @@ import pytest
 from sqlalchemy import select, text, update
 
 from capsa.control.errors import NoCapacity, TemplateNotFound
-from capsa.control.nodes.placement import choose_node
+from capsa.control.nodes.placement import choose_node, choose_snapshot_node
+from capsa.control.nodes.registry import fail_silent_nodes
 from capsa.control.plane import ControlPlane
-from capsa.control.store.models import NodeEnrolTokenRow, NodeRow, utcnow
+from capsa.control.store.models import NodeEnrolTokenRow, NodeRow, SnapshotRow, utcnow
 from tests.support.api_stack import ApiStack
 
 pytestmark = pytest.mark.postgresql
@@ -25,9 +26,10 @@ API_TOKEN = "node-api-token-" + "a" * 24
 
 
 def enrol_body(url: str = "http://127.0.0.1:9", *, egress: bool = False, memory: int = 4096,
-               templates: tuple[str, ...] = ("base",), name: str | None = "n1") -> dict[str, Any]:
+               templates: tuple[str, ...] = ("base",), name: str | None = "n1",
+               store: str | None = None) -> dict[str, Any]:
     return {"url": url, "api_token": API_TOKEN, "egress": egress, "name": name, "templates": list(templates),
-            "capacity": {"memory_mib": memory, "vcpus": 8, "max_sandboxes": 4}}
+            "capacity": {"memory_mib": memory, "vcpus": 8, "max_sandboxes": 4}, "store": store}
 
 
 def plane_of(stack: ApiStack) -> ControlPlane:
@@ -220,3 +222,58 @@ async def test_a_session_with_a_policy_needs_an_egress_node(make_stack: MakeStac
         answer = await client.post("/v1/sessions", json={"template": "base", "policy": policy})
     assert_problem(answer, 503, "no_capacity")
     assert "networked" in answer.json()["detail"]
+
+
+async def test_snapshot_placement_prefers_its_node_then_nodes_of_the_same_store(stack: ApiStack) -> None:
+    plane = plane_of(stack)
+    user = await stack.tenant_key("t1")
+    async with stack.client(user) as client:
+        created = await client.post("/v1/sessions", json={"template": "base"})
+        assert created.status_code == 201, created.text
+    async with stack.client(stack.admin_key) as admin:  # take the stack's own node out of the picture
+        assert (await admin.post(f"/v1/nodes/{stack.node_id}/leave")).status_code == 200
+    holder = await enrol(stack, await new_token(stack), memory=2048, store="s3://fleet/a")
+    same = await enrol(stack, await new_token(stack), memory=4096, store="s3://fleet/a")
+    other = await enrol(stack, await new_token(stack), memory=16384, store="s3://elsewhere/b")
+    local = await enrol(stack, await new_token(stack), memory=16384)
+    snap = SnapshotRow(id="snap_" + "a" * 20, tenant="t1", session_id=created.json()["id"],
+                       node_id=holder["id"], kind="pause", created_at=utcnow(), stored=True)
+
+    async def choose() -> str:
+        async with plane.db() as db:
+            return (await choose_snapshot_node(db, snap, 256, 1, plane.settings.node_heartbeat_timeout)).id
+
+    async def set_node(node_id: str, **values: Any) -> None:
+        async with plane.db() as db:
+            await db.execute(update(NodeRow).where(NodeRow.id == node_id).values(**values))
+            await db.commit()
+
+    assert await choose() == holder["id"]  # it holds the snapshot: no transfer
+    await set_node(holder["id"], last_heartbeat_at=utcnow() - timedelta(hours=1))
+    assert await choose() == same["id"]  # it reads the same store; the bigger nodes do not
+    snap.stored = False  # the push failed: only the holder has it
+    with pytest.raises(NoCapacity, match="holds the snapshot"):
+        await choose()
+    snap.stored = True
+    await set_node(same["id"], draining=True)  # a draining node takes nothing new
+    with pytest.raises(NoCapacity, match="no other healthy node reads the store"):
+        await choose()
+    assert other["id"] and local["id"]
+
+
+async def test_a_lost_nodes_session_without_a_snapshot_fails_as_node_lost(stack: ApiStack) -> None:
+    plane = plane_of(stack)
+    user = await stack.tenant_key("t1")
+    async with stack.client(user) as client:
+        created = await client.post("/v1/sessions", json={"template": "base"})
+        assert created.status_code == 201, created.text
+        sid = created.json()["id"]
+        async with plane.db() as db:
+            await db.execute(update(NodeRow).where(NodeRow.id == stack.node_id)
+                             .values(last_heartbeat_at=utcnow() - timedelta(seconds=31)))
+            await db.commit()
+        assert await fail_silent_nodes(plane) == [sid]
+        after = (await client.get(f"/v1/sessions/{sid}")).json()
+        assert after["state"] == "failed" and after["failure_reason"] == "node_lost"
+        events = (await client.get("/v1/audit", params={"session_id": sid})).json()["items"]
+        assert any(e["action"] == "fail" and e["detail"]["reason"] == "node_lost" for e in events), events

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends
@@ -100,8 +101,9 @@ async def update_node(node_id: str, body: NodeUpdate, plane: Plane, _admin: Admi
 async def drain_node(node_id: str, plane: Plane, _admin: Admin) -> DrainOut:
     """Stop placing sandboxes on the node and move each of its running sessions to another node with its
     memory, processes and files (through the fleet's store). Answers once every session moved or was left
-    paused (``stayed``, with the reason); ``drained``: nothing holds a sandbox on the node any more."""
-    return await drain.drain_node(plane, node_id)
+    paused (``stayed``, with the reason); ``drained``: nothing holds a sandbox on the node any more. A
+    client that goes away does not stop a drain half way (a session left between pause and resume)."""
+    return await asyncio.shield(drain.drain_node(plane, node_id))
 
 
 @router.post("/{node_id}/undrain", response_model=NodeOut)
