@@ -12,7 +12,15 @@ from typing import IO
 import click
 
 from capsa.cli.egress import audit as session_audit
-from capsa.cli.output import ApiOptions, api_options, emit_json, fail, json_option, reports_errors
+from capsa.cli.output import (
+    ApiOptions,
+    api_options,
+    emit_json,
+    emit_result,
+    fail,
+    json_api_options,
+    reports_errors,
+)
 from capsa.common.audit_chain import verify_export
 from capsa.sdk import AUDIT_KINDS
 
@@ -41,8 +49,7 @@ audit.add_command(session_audit, name="show")
 @click.option("--file", "export_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="Check this export (JSON lines of `capsa audit export`) offline instead "
                                  "of asking the server.")
-@json_option
-@api_options
+@json_api_options
 def verify(export_file: Path | None, as_json: bool, api: ApiOptions) -> None:
     """Check the caller's tenant chain against the signed checkpoints outside the database (or an
     exported file); exits 1 naming the first missing or altered event, or a cut tail."""
@@ -58,8 +65,7 @@ def verify(export_file: Path | None, as_json: bool, api: ApiOptions) -> None:
         if as_json:
             emit_json({"ok": ok, "checked": checked, "broken_id": broken, "reason": reason})
     else:
-        with reports_errors(), api.client() as client:
-            result = client.audit.verify()
+        result = api.call(lambda client: client.audit.verify())
         ok, checked, broken, reason, head = result.ok, result.checked, result.broken_id, result.reason, \
             result.head
         code, anchor = result.code, result.anchor
@@ -78,17 +84,12 @@ def verify(export_file: Path | None, as_json: bool, api: ApiOptions) -> None:
 
 
 @audit.command("checkpoint")
-@json_option
-@api_options
+@json_api_options
 def checkpoint(as_json: bool, api: ApiOptions) -> None:
     """Have the control plane sign the chain's head into its anchor outside the database now."""
-    with reports_errors(), api.client() as client:
-        result = client.audit.checkpoint()
-    if as_json:
-        emit_json(result)
-    else:
-        click.echo(f"checkpoint {result.n}: event {result.seq} ({result.hash[:16]}…) signed by key "
-                   f"{result.key} at {result.time.isoformat(timespec='seconds')}")
+    result = api.call(lambda client: client.audit.checkpoint())
+    emit_result(result, as_json, f"checkpoint {result.n}: event {result.seq} ({result.hash[:16]}…) signed by "
+                                 f"key {result.key} at {result.time.isoformat(timespec='seconds')}")
 
 
 _Time = click.DateTime(formats=["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M:%S%z",

@@ -10,13 +10,12 @@ import click
 
 from capsa.cli.output import (
     ApiOptions,
-    api_options,
-    emit_items,
     emit_json,
     emit_made,
     fail,
     human_time,
-    json_option,
+    json_api_options,
+    listing_command,
     reports_errors,
 )
 
@@ -58,8 +57,7 @@ def _client_secret(from_env: str | None, from_stdin: bool) -> str | None:
 @click.option("--client-secret-stdin", "secret_stdin", is_flag=True,
               help="Read the client secret from stdin.")
 @click.option("--scope", "scopes", multiple=True, help="A scope to ask for (repeat).")
-@json_option
-@api_options
+@json_api_options
 def add(name: str, provider: str | None, issuer: str | None, authorization_endpoint: str | None,
         token_endpoint: str | None, revocation_endpoint: str | None, device_endpoint: str | None,
         client_id: str | None, secret_env: str | None, secret_stdin: bool, scopes: tuple[str, ...],
@@ -95,8 +93,7 @@ def add(name: str, provider: str | None, issuer: str | None, authorization_endpo
 @click.option("--no-wait", is_flag=True, help="Return once the sign-in is started.")
 @click.option("--timeout", "wait", type=float, default=600.0, show_default=True,
               help="Seconds to wait for the sign-in.")
-@json_option
-@api_options
+@json_api_options
 def login(name: str, device: bool, no_browser: bool, no_wait: bool, wait: float, as_json: bool,
           api: ApiOptions) -> None:
     """Sign in to connection NAME: open the authorization URL (the provider redirects back to capsa),
@@ -127,38 +124,26 @@ def login(name: str, device: bool, no_browser: bool, no_wait: bool, wait: float,
     click.echo(f"signed in: connection {info.name!r} is {info.state}", err=True)
 
 
-@connections.command("ls")
-@json_option
-@api_options
-def ls(as_json: bool, api: ApiOptions) -> None:
-    """List connections (never a token)."""
-    with reports_errors(), api.client() as client:
-        items = client.connections.list()
-    emit_items(items, as_json, ["ID", "NAME", "PROVIDER", "STATE", "TOKEN EXPIRES", "REFRESHES", "CONNECTED"],
-               lambda c: [c.id, c.name, c.provider, c.state, human_time(c.access_expires_at),
-                          str(c.refreshes), human_time(c.connected_at)])
+listing_command(connections, "List connections (never a token).", lambda client: client.connections.list(),
+                ["ID", "NAME", "PROVIDER", "STATE", "TOKEN EXPIRES", "REFRESHES", "CONNECTED"],
+                lambda c: [c.id, c.name, c.provider, c.state, human_time(c.access_expires_at),
+                           str(c.refreshes), human_time(c.connected_at)])
 
 
 @connections.command("revoke")
 @click.argument("name")
-@json_option
-@api_options
+@json_api_options
 def revoke(name: str, as_json: bool, api: ApiOptions) -> None:
     """Revoke connection NAME: injection stops at once on every node, the provider revokes the tokens."""
-    with reports_errors(), api.client() as client:
-        out = client.connections.revoke(name)
+    out = api.call(lambda client: client.connections.revoke(name))
     note = "" if out.provider_revoked else " (the provider did not confirm revoking its tokens)"
     if out.nodes_unreached:
         note += f"; nodes not reached: {', '.join(out.nodes_unreached)}"
     emit_made(out, as_json, out.connection.id, f"revoked connection {out.connection.name!r}{note}")
 
 
-@connections.command("providers")
-@json_option
-@api_options
-def providers(as_json: bool, api: ApiOptions) -> None:
-    """List the registered OAuth providers (never a client secret)."""
-    with reports_errors(), api.client() as client:
-        items = client.connection_providers.list()
-    emit_items(items, as_json, ["ID", "NAME", "CLIENT ID", "TOKEN ENDPOINT", "SCOPES"],
-               lambda p: [p.id, p.name, p.client_id, p.token_endpoint, " ".join(p.scopes) or "-"])
+listing_command(connections, "List the registered OAuth providers (never a client secret).",
+                lambda client: client.connection_providers.list(),
+                ["ID", "NAME", "CLIENT ID", "TOKEN ENDPOINT", "SCOPES"],
+                lambda p: [p.id, p.name, p.client_id, p.token_endpoint, " ".join(p.scopes) or "-"],
+                name="providers")

@@ -6,7 +6,7 @@ import shlex
 
 import click
 
-from capsa.cli.output import ApiOptions, api_options, emit_json, json_option
+from capsa.cli.output import ApiOptions, emit_json, json_api_options
 from capsa.sdk.config import ClientConfig
 from capsa.sdk.e2b import e2b_environment
 
@@ -19,8 +19,7 @@ def e2b() -> None:
 
 
 @e2b.command("env")
-@json_option
-@api_options
+@json_api_options
 def env(as_json: bool, api: ApiOptions) -> None:
     """Print `export NAME=value` lines for the E2B SDK: capsa's API URL and the current API key.
 

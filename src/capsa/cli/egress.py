@@ -18,7 +18,8 @@ from capsa.cli.output import (
     emit_made,
     fail,
     human_time,
-    json_option,
+    json_api_options,
+    listing_command,
     reports_errors,
 )
 from capsa.sdk import AuditEvent, Session
@@ -49,28 +50,20 @@ def _read_value(from_env: str | None) -> str:
 @click.option("--from-env", metavar="VAR", default=None,
               help="Take the value from this environment variable (default: stdin, or a hidden prompt).")
 @click.option("--description", default=None, help="What the secret is for.")
-@json_option
-@api_options
+@json_api_options
 def create(name: str, from_env: str | None, description: str | None, as_json: bool, api: ApiOptions) -> None:
     """Store a secret NAME. Its value is never shown again, by any command."""
     value = _read_value(from_env)
     if not value:
         fail("the secret value is empty")
-    with reports_errors(), api.client() as client:
-        info = client.secrets.create(name, value, description=description)
+    info = api.call(lambda client: client.secrets.create(name, value, description=description))
     emit_made(info, as_json, info.id,
               f"stored secret {info.name!r}; bind it in a policy as {{\"secret\": \"{info.name}\", ...}}")
 
 
-@secrets.command("ls")
-@json_option
-@api_options
-def ls(as_json: bool, api: ApiOptions) -> None:
-    """List secrets (names and ids, never values)."""
-    with reports_errors(), api.client() as client:
-        items = client.secrets.list()
-    emit_items(items, as_json, ["ID", "NAME", "DESCRIPTION", "CREATED"],
-               lambda s: [s.id, s.name, s.description or "-", human_time(s.created_at)])
+listing_command(secrets, "List secrets (names and ids, never values).", lambda client: client.secrets.list(),
+                ["ID", "NAME", "DESCRIPTION", "CREATED"],
+                lambda s: [s.id, s.name, s.description or "-", human_time(s.created_at)])
 
 
 @secrets.command("rm")
@@ -89,12 +82,11 @@ def rm(secrets_: tuple[str, ...], api: ApiOptions) -> None:
 @click.option("--decision", type=click.Choice(["allow", "deny", "error"]), default=None,
               help="Only events with this decision.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many events.")
-@json_option
-@api_options
+@json_api_options
 def audit(session_id: str, decision: str | None, limit: int | None, as_json: bool, api: ApiOptions) -> None:
     """Show a session's egress audit trail: requests, DNS queries and dropped packets, oldest first."""
-    with reports_errors(), api.client() as client:
-        events = Session.connect(session_id, client=client).egress.audit(decision=decision, limit=limit)
+    events = api.call(lambda client: Session.connect(session_id, client=client).egress.audit(
+        decision=decision, limit=limit))
     emit_items(events, as_json, ["ID", "TIME", "KIND", "DECISION", "REQUEST", "STATUS", "SECRETS", "WHY"],
                _audit_row)
 
@@ -115,12 +107,10 @@ def policy() -> None:
 
 @policy.command("show")
 @click.argument("session_id")
-@json_option
-@api_options
+@json_api_options
 def show(session_id: str, as_json: bool, api: ApiOptions) -> None:
     """Print the session's policy (YAML; --json for JSON)."""
-    with reports_errors(), api.client() as client:
-        info = Session.connect(session_id, client=client).egress.policy()
+    info = api.call(lambda client: Session.connect(session_id, client=client).egress.policy())
     if as_json:
         emit_json(info)
     elif info.policy is None:
@@ -132,8 +122,7 @@ def show(session_id: str, as_json: bool, api: ApiOptions) -> None:
 @policy.command("set")
 @click.argument("session_id")
 @click.argument("file", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
-@json_option
-@api_options
+@json_api_options
 def set_(session_id: str, file: Path, as_json: bool, api: ApiOptions) -> None:
     """Replace a running session's policy with FILE (JSON or YAML; - for stdin). No restart needed."""
     text = sys.stdin.read() if str(file) == "-" else file.read_text()
@@ -143,8 +132,7 @@ def set_(session_id: str, file: Path, as_json: bool, api: ApiOptions) -> None:
         fail(f"{file}: neither JSON nor YAML: {exc}")
     if not isinstance(document, dict):
         fail(f"{file}: a policy is a mapping")
-    with reports_errors(), api.client() as client:
-        info = Session.connect(session_id, client=client).egress.set_policy(document)
+    info = api.call(lambda client: Session.connect(session_id, client=client).egress.set_policy(document))
     if as_json:
         emit_json(info)
         return

@@ -5,16 +5,7 @@ from __future__ import annotations
 
 import click
 
-from capsa.cli.output import (
-    ApiOptions,
-    api_options,
-    emit_items,
-    emit_json,
-    emit_made,
-    human_time,
-    json_option,
-    reports_errors,
-)
+from capsa.cli.output import ApiOptions, emit_json, emit_made, human_time, json_api_options, listing_command
 
 __all__ = ["nodes"]
 
@@ -27,12 +18,10 @@ def nodes() -> None:
 @nodes.command("token")
 @click.option("--ttl", "ttl_seconds", type=click.IntRange(60, 7 * 86400), default=None,
               help="Seconds the token stays valid (default: one hour).")
-@json_option
-@api_options
+@json_api_options
 def token(ttl_seconds: int | None, as_json: bool, api: ApiOptions) -> None:
     """Make a one-time enrolment token for `capsa node --enrol-token`."""
-    with reports_errors(), api.client() as client:
-        made = client.nodes.create_token(ttl_seconds=ttl_seconds)
+    made = api.call(lambda client: client.nodes.create_token(ttl_seconds=ttl_seconds))
     # `T=$(capsa nodes token)` gets the token alone.
     emit_made(made, as_json, made.token,
               f"one-time node enrolment token, valid until {human_time(made.expires_at)}")
@@ -42,30 +31,23 @@ def _usage(used: dict[str, int], capacity: dict[str, int], used_key: str, cap_ke
     return f"{used.get(used_key, 0)}/{capacity.get(cap_key, 0)}"
 
 
-@nodes.command("ls")
-@json_option
-@api_options
-def ls(as_json: bool, api: ApiOptions) -> None:
-    """List the nodes with their health, capacity and use."""
-    with reports_errors(), api.client() as client:
-        items = client.nodes.list()
-    emit_items(items, as_json, ["ID", "NAME", "URL", "HEALTHY", "SANDBOXES", "MEMORY MIB", "VCPUS", "EGRESS",
-                                "TEMPLATES", "LAST HEARTBEAT"],
-               lambda n: [n.id, n.name or "-", n.url, "yes" if n.healthy else "no",
-                          _usage(n.used, n.capacity, "sandboxes", "max_sandboxes"),
-                          _usage(n.used, n.capacity, "memory_mib", "memory_mib"),
-                          _usage(n.used, n.capacity, "vcpus", "vcpus"), "yes" if n.egress else "no",
-                          ",".join(n.templates) or "-", human_time(n.last_heartbeat_at)])
+listing_command(nodes, "List the nodes with their health, capacity and use.",
+                lambda client: client.nodes.list(),
+                ["ID", "NAME", "URL", "HEALTHY", "SANDBOXES", "MEMORY MIB", "VCPUS", "EGRESS", "TEMPLATES",
+                 "LAST HEARTBEAT"],
+                lambda n: [n.id, n.name or "-", n.url, "yes" if n.healthy else "no",
+                           _usage(n.used, n.capacity, "sandboxes", "max_sandboxes"),
+                           _usage(n.used, n.capacity, "memory_mib", "memory_mib"),
+                           _usage(n.used, n.capacity, "vcpus", "vcpus"), "yes" if n.egress else "no",
+                           ",".join(n.templates) or "-", human_time(n.last_heartbeat_at)])
 
 
 @nodes.command("drain")
 @click.argument("node_id")
-@json_option
-@api_options
+@json_api_options
 def drain(node_id: str, as_json: bool, api: ApiOptions) -> None:
     """Move every running session off NODE_ID (memory, processes, files) and give it no new ones."""
-    with reports_errors(), api.client() as client:
-        done = client.nodes.drain(node_id)
+    done = api.call(lambda client: client.nodes.drain(node_id))
     if as_json:
         emit_json(done)
         return
@@ -78,12 +60,10 @@ def drain(node_id: str, as_json: bool, api: ApiOptions) -> None:
 
 @nodes.command("undrain")
 @click.argument("node_id")
-@json_option
-@api_options
+@json_api_options
 def undrain(node_id: str, as_json: bool, api: ApiOptions) -> None:
     """Let NODE_ID take new sessions again."""
-    with reports_errors(), api.client() as client:
-        node = client.nodes.undrain(node_id)
+    node = api.call(lambda client: client.nodes.undrain(node_id))
     if as_json:
         emit_json(node)
     else:

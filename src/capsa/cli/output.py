@@ -25,9 +25,12 @@ __all__ = [
     "emit_items",
     "emit_json",
     "emit_made",
+    "emit_result",
     "fail",
     "human_time",
+    "json_api_options",
     "json_option",
+    "listing_command",
     "print_table",
     "reports_errors",
     "stderr_console",
@@ -51,6 +54,12 @@ class ApiOptions:
     def client(self) -> Client:
         return Client(self.api_url, self.api_key)
 
+    def call(self, call: Callable[[Client], T]) -> T:
+        """``call(client)`` with a client that is closed again after it; an SDK failure ends the command
+        as :func:`reports_errors` says."""
+        with reports_errors(), self.client() as client:
+            return call(client)
+
 
 def api_options(func: F) -> F:
     """Add ``--api-url`` and ``--api-key`` (also read from CAPSA_API_URL / CAPSA_API_KEY) as ``api``."""
@@ -68,6 +77,12 @@ def api_options(func: F) -> F:
 
 def json_option(func: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")(func)
+
+
+def json_api_options(func: F) -> F:
+    """``--json`` (as ``as_json``) and then the API options (as ``api``): a command that calls the API and
+    can answer in JSON."""
+    return json_option(api_options(func))
 
 
 def _jsonable(value: Any) -> Any:
@@ -95,6 +110,20 @@ def emit_items(items: Sequence[T], as_json: bool, columns: Sequence[str],
         print_table(columns, [row(item) for item in items])
 
 
+def listing_command(group: click.Group, doc: str, fetch: Callable[[Client], Sequence[T]],
+                    columns: Sequence[str], row: Callable[[T], Sequence[str]], *, name: str = "ls"
+                    ) -> click.Command:
+    """Add to ``group`` the command ``name`` (``--json`` and the API options; ``doc`` its help) that lists
+    what ``fetch(client)`` answers as :func:`emit_items` does."""
+
+    @json_api_options
+    def command(as_json: bool, api: ApiOptions) -> None:
+        emit_items(api.call(fetch), as_json, columns, row)
+
+    command.__doc__ = doc
+    return group.command(name)(command)
+
+
 def emit_made(made: Any, as_json: bool, value: str | None, note: str) -> None:
     """What a command made: ``made`` as JSON with ``--json``; else ``value`` alone on stdout (so
     ``X=$(capsa ...)`` works) and ``note``, for people, on stderr."""
@@ -103,6 +132,14 @@ def emit_made(made: Any, as_json: bool, value: str | None, note: str) -> None:
     else:
         click.echo(value)
         click.echo(note, err=True)
+
+
+def emit_result(result: Any, as_json: bool, line: str) -> None:
+    """What a command did: ``result`` as JSON with ``--json``, else ``line`` (for people) on stdout."""
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(line)
 
 
 def human_time(value: datetime | None) -> str:

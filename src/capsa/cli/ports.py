@@ -8,15 +8,14 @@ from types import FrameType
 
 import click
 
-from capsa.cli.output import ApiOptions, api_options, emit_json, json_option, reports_errors
+from capsa.cli.output import ApiOptions, emit_json, json_api_options, reports_errors
 from capsa.sdk import Session
 
 __all__ = ["port_forward"]
 
 
 @click.command("port-forward")
-@json_option
-@api_options
+@json_api_options
 @click.option("--address", default="127.0.0.1", show_default=True, help="Local address to listen on.")
 @click.argument("session_id")
 @click.argument("port", type=click.IntRange(1, 65535))

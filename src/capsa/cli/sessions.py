@@ -16,12 +16,11 @@ import yaml
 
 from capsa.cli.output import (
     ApiOptions,
-    api_options,
     emit_items,
     emit_json,
     fail,
     human_time,
-    json_option,
+    json_api_options,
     reports_errors,
 )
 from capsa.sdk import CommandResult, Session
@@ -126,8 +125,7 @@ def _load_policy(path: Path) -> dict[str, Any]:
 @click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="Egress policy (JSON or YAML file); without one the session has no network.")
 @_with_cmd_options
-@json_option
-@api_options
+@json_api_options
 @click.argument("command", nargs=-1, required=True)
 def run(template: str, memory_mib: int | None, vcpus: int | None, metadata: dict[str, str],
         policy_file: Path | None, timeout: float, env: dict[str, str], cwd: str | None, user: str | None,
@@ -152,8 +150,7 @@ def run(template: str, memory_mib: int | None, vcpus: int | None, metadata: dict
 
 @click.command("exec")
 @_with_cmd_options
-@json_option
-@api_options
+@json_api_options
 @click.argument("session_id")
 @click.argument("command", nargs=-1, required=True)
 def exec_(timeout: float, env: dict[str, str], cwd: str | None, user: str | None, interactive: bool,
@@ -177,8 +174,7 @@ def exec_(timeout: float, env: dict[str, str], cwd: str | None, user: str | None
 @click.option("--metadata", "-m", "metadata", multiple=True, callback=_parse_env, metavar="KEY=VALUE",
               help="Only sessions with this metadata label (repeatable).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many sessions.")
-@json_option
-@api_options
+@json_api_options
 def ls(state: str | None, metadata: dict[str, str], limit: int | None, as_json: bool,
        api: ApiOptions) -> None:
     """List this tenant's sessions."""
@@ -191,8 +187,7 @@ def ls(state: str | None, metadata: dict[str, str], limit: int | None, as_json: 
 
 
 @click.command("close")
-@json_option
-@api_options
+@json_api_options
 @click.argument("session_ids", nargs=-1, required=True, metavar="SESSION_ID...")
 def close(as_json: bool, api: ApiOptions, session_ids: tuple[str, ...]) -> None:
     """Close sessions (their sandboxes are destroyed)."""

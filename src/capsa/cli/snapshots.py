@@ -2,54 +2,55 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import click
 
 from capsa.cli.output import (
     ApiOptions,
-    api_options,
     emit_items,
     emit_json,
+    emit_result,
     human_time,
-    json_option,
+    json_api_options,
     reports_errors,
 )
 from capsa.sdk import Session, SessionInfo, SnapshotInfo
 
 __all__ = ["branch", "pause", "resume", "snapshots"]
 
+T = TypeVar("T")
+
 _MAX_BRANCHES = 32  # the API's bound
 
 
-def _session(api: ApiOptions, session_id: str) -> Session:
-    return Session.connect(session_id, api_url=api.api_url, api_key=api.api_key)
+def _on_session(api: ApiOptions, session_id: str, call: Callable[[Session], T]) -> T:
+    """``call(session)`` on the session ``session_id``, which is disconnected again after it (it keeps
+    running); an SDK failure ends the command."""
+    with reports_errors():
+        session = Session.connect(session_id, api_url=api.api_url, api_key=api.api_key)
+        try:
+            return call(session)
+        finally:
+            session.disconnect()
 
 
 def _print_session(info: SessionInfo, as_json: bool) -> None:
-    if as_json:
-        emit_json(info)
-    else:
-        reason = f" ({info.pause_reason})" if info.state == "paused" and info.pause_reason else ""
-        click.echo(f"{info.id} {info.state}{reason}")
+    reason = f" ({info.pause_reason})" if info.state == "paused" and info.pause_reason else ""
+    emit_result(info, as_json, f"{info.id} {info.state}{reason}")
 
 
 @click.command("pause")
-@json_option
-@api_options
+@json_api_options
 @click.argument("session_id")
 def pause(as_json: bool, api: ApiOptions, session_id: str) -> None:
     """Snapshot SESSION_ID and stop its sandbox; `capsa resume` continues where it was."""
-    with reports_errors():
-        session = _session(api, session_id)
-        try:
-            info = session.pause()
-        finally:
-            session.disconnect()
-    _print_session(info, as_json)
+    _print_session(_on_session(api, session_id, Session.pause), as_json)
 
 
 @click.command("resume")
-@json_option
-@api_options
+@json_api_options
 @click.argument("session_id")
 def resume(as_json: bool, api: ApiOptions, session_id: str) -> None:
     """Start a new sandbox for the paused SESSION_ID from its latest snapshot."""
@@ -62,17 +63,11 @@ def resume(as_json: bool, api: ApiOptions, session_id: str) -> None:
 @click.command("branch")
 @click.option("-n", "count", type=click.IntRange(1, _MAX_BRANCHES), default=1, show_default=True,
               help="Number of new sessions.")
-@json_option
-@api_options
+@json_api_options
 @click.argument("session_id")
 def branch(count: int, as_json: bool, api: ApiOptions, session_id: str) -> None:
     """Create N new sessions from the current state of SESSION_ID (it keeps running)."""
-    with reports_errors():
-        session = _session(api, session_id)
-        try:
-            children = session.branch(count)
-        finally:
-            session.disconnect()
+    children = _on_session(api, session_id, lambda session: session.branch(count))
     infos = [child.info for child in children]
     if as_json:
         emit_json({"items": infos})
@@ -90,30 +85,21 @@ def _snapshot_row(s: SnapshotInfo) -> list[str]:
 @click.option("--take", is_flag=True, help="Take a snapshot now (the session keeps running).")
 @click.option("--restore", "restore_id", metavar="SNAPSHOT_ID", default=None,
               help="Roll the session back to this snapshot.")
-@json_option
-@api_options
+@json_api_options
 @click.argument("session_id")
 def snapshots(take: bool, restore_id: str | None, as_json: bool, api: ApiOptions, session_id: str) -> None:
     """List the snapshots of SESSION_ID (newest first), take one, or restore one."""
     if take and restore_id:
         raise click.UsageError("--take and --restore cannot be combined")
-    with reports_errors():
-        session = _session(api, session_id)
-        try:
-            if take:
-                taken = session.snapshots.create()
-            elif restore_id:
-                session.snapshots.restore(restore_id)
-            else:
-                items = session.snapshots.list()
-        finally:
-            session.disconnect()
     if take:
-        if as_json:
-            emit_json(taken)
-        else:
-            click.echo(taken.id)
+        taken = _on_session(api, session_id, lambda session: session.snapshots.create())
+        emit_result(taken, as_json, taken.id)
     elif restore_id:
-        _print_session(session.info, as_json)
+        def restore(session: Session) -> SessionInfo:
+            session.snapshots.restore(restore_id)
+            return session.info
+
+        _print_session(_on_session(api, session_id, restore), as_json)
     else:
+        items = _on_session(api, session_id, lambda session: session.snapshots.list())
         emit_items(items, as_json, ["ID", "KIND", "CREATED", "SIZE", "PARENT"], _snapshot_row)
