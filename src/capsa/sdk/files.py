@@ -9,7 +9,7 @@ import os
 import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Self
 
 from capsa.sdk.errors import NotFound, error_from_problem
 from capsa.sdk.models import WATCH_EVENT, FileEvent, FileInfo, StreamError, parse_event
@@ -216,7 +216,7 @@ class AsyncWatch:
         self.closed = True
         await self._stack.aclose()
 
-    async def __aenter__(self) -> AsyncWatch:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

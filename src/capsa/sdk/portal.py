@@ -1,7 +1,8 @@
 """A private event loop on a background thread, through which the blocking API runs the async one.
 
 This is what keeps the SDK to a single implementation: every blocking method submits the matching coroutine
-here and waits for it. Only one loop thread exists per process (re-created after ``fork``).
+here and waits for it. Only one loop thread exists per process (re-created after ``fork``). The blocking
+classes derive from :class:`Blocking` (and :class:`Closing` when they hold something open).
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Coroutine, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
-__all__ = ["Blocking", "Portal", "get_portal"]
+__all__ = ["Blocking", "Closing", "Portal", "get_portal"]
 
 T = TypeVar("T")
 A = TypeVar("A")
@@ -94,3 +96,18 @@ class Blocking(Generic[A]):
 
     def __init__(self, inner: A, portal: Portal) -> None:
         self._inner, self._portal = inner, portal
+
+
+class Closing(ABC):
+    """A blocking object that holds something open until :meth:`close`: ``with obj:`` gives ``obj`` and
+    closes it when the block ends, however it ends."""
+
+    @abstractmethod
+    def close(self) -> object:
+        """Release what the object holds."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

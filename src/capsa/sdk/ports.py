@@ -20,7 +20,7 @@ from capsa.common.port_tunnel import PortTunnel, open_tunnel
 from capsa.sdk.api_socket import upgrade
 from capsa.sdk.models import PortToken, PortTokenInfo
 from capsa.sdk.paths import seg
-from capsa.sdk.resource import SessionResource
+from capsa.sdk.resource import AsyncClosing, SessionResource
 
 __all__ = ["AsyncPortForward", "AsyncPorts"]
 
@@ -79,7 +79,7 @@ class AsyncPorts(SessionResource):
         return forward
 
 
-class AsyncPortForward:
+class AsyncPortForward(AsyncClosing):
     """A local TCP listener whose connections go to a port in the sandbox (:meth:`AsyncPorts.forward`)."""
 
     def __init__(self, ports: AsyncPorts, port: int) -> None:
@@ -136,11 +136,6 @@ class AsyncPortForward:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
 
-    async def __aenter__(self) -> AsyncPortForward:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
 
 async def _relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tunnel: PortTunnel) -> None:

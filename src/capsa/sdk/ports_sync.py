@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from capsa.sdk.models import PortToken, PortTokenInfo
-from capsa.sdk.portal import Blocking
+from capsa.sdk.portal import Blocking, Closing
 from capsa.sdk.ports import AsyncPortForward, AsyncPorts
 
 __all__ = ["PortForward", "Ports"]
@@ -31,7 +31,7 @@ class Ports(Blocking[AsyncPorts]):
         return PortForward(self._portal.call(self._inner.forward(port, local_port, host=host)), self._portal)
 
 
-class PortForward(Blocking[AsyncPortForward]):
+class PortForward(Blocking[AsyncPortForward], Closing):
     """See :class:`capsa.sdk.ports.AsyncPortForward`; connections are served on the SDK's loop thread."""
 
     @property
@@ -52,9 +52,3 @@ class PortForward(Blocking[AsyncPortForward]):
 
     def close(self) -> None:
         self._portal.call(self._inner.close())
-
-    def __enter__(self) -> PortForward:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

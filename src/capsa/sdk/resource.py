@@ -1,11 +1,13 @@
 """The base of the SDK's resource objects (``client.secrets``, ``session.files`` ...): the client they call
 through, and the request-then-parse step their calls share. The client raises the API's errors; a
-malformed answer raises :class:`~capsa.sdk.errors.UnexpectedResponse`."""
+malformed answer raises :class:`~capsa.sdk.errors.UnexpectedResponse`. Also :class:`AsyncClosing`, the
+``async with`` of the async objects that hold something open (a terminal, a port forward, a session)."""
 
 from __future__ import annotations
 
 import builtins
-from typing import TYPE_CHECKING, Any, TypeVar
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from pydantic import BaseModel
 
@@ -15,7 +17,7 @@ from capsa.sdk.paths import seg
 if TYPE_CHECKING:
     from capsa.sdk.client import AsyncClient
 
-__all__ = ["Resource", "SessionResource"]
+__all__ = ["AsyncClosing", "Resource", "SessionResource"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -45,3 +47,18 @@ class SessionResource(Resource):
     @property
     def _base(self) -> str:
         return f"/sessions/{seg(self._session_id)}"
+
+
+class AsyncClosing(ABC):
+    """An async object that holds something open until :meth:`close`: ``async with obj:`` gives ``obj``
+    and closes it when the block ends, however it ends."""
+
+    @abstractmethod
+    async def close(self) -> object:
+        """Release what the object holds."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from types import TracebackType
 from typing import Any, Literal, overload
 
 import httpx
@@ -20,6 +19,7 @@ from capsa.sdk.files import AsyncFiles
 from capsa.sdk.models import SessionInfo, parse
 from capsa.sdk.paths import seg
 from capsa.sdk.ports import AsyncPorts
+from capsa.sdk.resource import AsyncClosing
 from capsa.sdk.snapshots import AsyncSnapshots
 from capsa.sdk.terminals import AsyncPty
 
@@ -45,7 +45,7 @@ class _Resume:
         return obj._resume
 
 
-class AsyncSession:
+class AsyncSession(AsyncClosing):
     """A capsa session. Create one with :meth:`create`, or attach to an existing one with :meth:`connect`.
 
     Used as ``async with``, the session is closed (its sandbox destroyed) when the block ends.
@@ -223,12 +223,6 @@ class AsyncSession:
             self._owns_client = False
             await self._client.aclose()
 
-    async def __aenter__(self) -> AsyncSession:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.close()
 
     def __repr__(self) -> str:
         return f"AsyncSession(id={self.id!r}, state={self.state!r}, template={self.info.template!r})"

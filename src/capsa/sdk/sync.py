@@ -9,7 +9,6 @@ from __future__ import annotations
 import builtins
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from types import TracebackType
 from typing import IO, Any, Literal, overload
 
 import httpx
@@ -38,7 +37,7 @@ from capsa.sdk.models import (
     SnapshotInfo,
 )
 from capsa.sdk.nodes import Nodes
-from capsa.sdk.portal import Blocking, get_portal
+from capsa.sdk.portal import Blocking, Closing, get_portal
 from capsa.sdk.ports_sync import Ports
 from capsa.sdk.session import AsyncSession
 from capsa.sdk.snapshots import AsyncSnapshots
@@ -60,7 +59,7 @@ class Keys(Blocking[AsyncKeys]):
         return self._portal.call(self._inner.revoke(key_id))
 
 
-class Client:
+class Client(Closing):
     """A blocking connection to a capsa API (``Session`` makes its own when none is given)."""
 
     def __init__(self, api_url: str | None = None, api_key: str | None = None, *,
@@ -87,12 +86,6 @@ class Client:
 
     def close(self) -> None:
         self._portal.call(self.aio.aclose())
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class Process(Blocking[AsyncProcess]):
@@ -226,7 +219,7 @@ class Files(Blocking[AsyncFiles]):
         return self._portal.call(self._inner.download_tar(path, dest))
 
 
-class Watch(Blocking[AsyncWatch]):
+class Watch(Blocking[AsyncWatch], Closing):
     """See :class:`capsa.sdk.files.AsyncWatch`: ``for event in watch``; ``close()``."""
 
     @property
@@ -242,12 +235,6 @@ class Watch(Blocking[AsyncWatch]):
 
     def close(self) -> None:
         self._portal.call(self._inner.aclose())
-
-    def __enter__(self) -> Watch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class Snapshots(Blocking[AsyncSnapshots]):
@@ -282,12 +269,11 @@ def _aio(client: Client | None) -> AsyncClient | None:
     return None if client is None else client.aio
 
 
-class Session:
+class Session(Blocking[AsyncSession], Closing):
     """A capsa session, blocking API. ``with Session.create() as s:`` closes the session at the end."""
 
     def __init__(self, inner: AsyncSession) -> None:
-        self._portal = get_portal()
-        self._inner = inner
+        super().__init__(inner, get_portal())
         self.aio = inner
         """The async session this one wraps (as ``Client.aio``). It lives on the SDK's loop thread: await its
         coroutines there (``get_portal().acall(...)``), not on another event loop."""
@@ -391,13 +377,6 @@ class Session:
 
     def disconnect(self) -> None:
         self._portal.call(self._inner.disconnect())
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"Session(id={self.id!r}, state={self.state!r}, template={self.info.template!r})"

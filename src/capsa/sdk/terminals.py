@@ -19,7 +19,7 @@ from capsa.common.errors import CapsaError
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
 from capsa.sdk.api_socket import api_error, upgrade
 from capsa.sdk.errors import CapsaConnectionError
-from capsa.sdk.resource import SessionResource
+from capsa.sdk.resource import AsyncClosing, SessionResource
 
 __all__ = ["AsyncPty", "AsyncTerminal"]
 
@@ -30,7 +30,7 @@ def _api_error(exc: CapsaError) -> Exception:
     return api_error(exc)
 
 
-class AsyncTerminal:
+class AsyncTerminal(AsyncClosing):
     """An open terminal: bytes in (``send``), bytes out (``recv`` / ``async for``), ``resize``, ``kill``,
     ``wait``; ``exit_code``/``signal`` once it ended."""
 
@@ -90,12 +90,6 @@ class AsyncTerminal:
     async def close(self) -> None:
         """Hang the terminal up (if it still runs) and drop the connection."""
         await self._term.close()
-
-    async def __aenter__(self) -> AsyncTerminal:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def _call(self, op: Awaitable[None]) -> None:
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from capsa.sdk.portal import Blocking
+from capsa.sdk.portal import Blocking, Closing
 from capsa.sdk.terminals import AsyncPty, AsyncTerminal
 
 __all__ = ["Pty", "Terminal"]
@@ -20,7 +20,7 @@ class Pty(Blocking[AsyncPty]):
                         self._portal)
 
 
-class Terminal(Blocking[AsyncTerminal]):
+class Terminal(Blocking[AsyncTerminal], Closing):
     """See :class:`capsa.sdk.terminals.AsyncTerminal`; ``for chunk in term`` reads its output."""
 
     @property
@@ -60,9 +60,3 @@ class Terminal(Blocking[AsyncTerminal]):
 
     def close(self) -> None:
         self._portal.call(self._inner.close())
-
-    def __enter__(self) -> Terminal:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
