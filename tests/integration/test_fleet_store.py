@@ -259,8 +259,10 @@ async def test_drain_moves_sessions_with_their_processes_and_policy(
         assert kept is not None and [d["domain"] for d in kept["domains"]] == ["api.allowed.test"]
         placeholder = (await networked.commands.run("printenv API_KEY", timeout=60)).stdout.strip()
         assert placeholder.startswith("capsa_ph_") and secret not in placeholder
-        refused = await networked.commands.run("curl -sS -m 10 https://not-allowed.test/ || true", timeout=60)
-        assert refused.exit_code == 0
+        lookup = ("import socket\ntry:\n socket.getaddrinfo('not-allowed.test', 443)\n"
+                  "except OSError as e:\n print(e)")
+        refused = await networked.commands.run(["python3", "-c", lookup], timeout=60)
+        assert refused.exit_code == 0 and refused.stdout.strip(), refused
         deadline = time.monotonic() + 60
         while True:
             denied = [e for e in await networked.egress.audit(decision="deny")
