@@ -213,7 +213,7 @@ async def test_a_session_of_a_killed_node_runs_on_another_from_its_rolling_snaps
 
 @pytest.mark.parametrize("store_env", ["s3"], indirect=True)
 async def test_drain_moves_sessions_with_their_processes_and_policy(
-        pg: PgCluster, workdir: Path, store_env: dict[str, str]) -> None:
+        pg: PgCluster, workdir: Path, store_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     admin = generate_key().full
     control = start_control(workdir, pg.new_database(), admin)
     started: list[Served] = [control]
@@ -279,6 +279,8 @@ async def test_drain_moves_sessions_with_their_processes_and_policy(
         assert undrained.returncode == 0 and json.loads(undrained.stdout)["draining"] is False
         # Every object of the store (chunks decompressed): the snapshots of a session holding a secret
         # binding carry its placeholder, never the secret's value.
+        for name, value in store_env.items():  # the S3 credentials
+            monkeypatch.setenv(name, value)
         store = open_store(store_env["CAPSA_STORE_URL"], s3_endpoint=store_env["CAPSA_STORE_S3_ENDPOINT"])
         found = _scan_store(store, [secret.encode(), placeholder.encode()])
         assert found[secret.encode()] == 0 and found[placeholder.encode()] > 0, found

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from capsa.control.settings import ControlSettings
+from capsa.control.store_collect import collect_unused, collection_due
 from capsa.store import ObjectMissing, ObjectStore, StoreError, open_store
 from capsa.store.bundles import delete_bundle, list_bundles, pull_bundle, push_bundle, read_bundle
 from capsa.store.chunks import CHUNK_SIZE, chunk_key, pull_file, push_file
@@ -168,3 +170,16 @@ def test_store_urls() -> None:
     for bad in ["ftp://x", "file://host/x", "file:relative", "s3://", "s3://b/p?x=1", "/plain/path"]:
         with pytest.raises(StoreError, match="CAPSA_STORE_URL"):
             open_store(bad)
+
+
+async def test_the_control_plane_collects_the_stores_unused_chunks_when_due(tmp_path: Path) -> None:
+    store = open_store((tmp_path / "store").as_uri())
+    (tmp_path / "f").write_bytes(b"x" * 10)
+    push_file(store, tmp_path / "f", "ten_a", known=set())
+    settings = ControlSettings(store_url=store.url, store_collect_interval=60)
+    assert collection_due(settings, 0.0, 5.0) and not collection_due(settings, 100.0, 130.0)
+    assert collection_due(settings, 100.0, 161.0) and not collection_due(ControlSettings(), 0.0, 5.0)
+    young = await collect_unused(settings)
+    assert young is not None and young.chunks == 1 and young.deleted == 0  # within the grace period
+    old = await collect_unused(settings.model_copy(update={"store_collect_grace": 0.0}))
+    assert old is not None and old.deleted == 1 and store.list("chunks/") == []

@@ -49,6 +49,8 @@ class ControlPlane:
     checkpoints: Checkpointer | None = None
     """Signs audit checkpoints into the anchor outside the database (:mod:`capsa.control.audit.anchor`);
     None when no signing key is configured."""
+    store_collected_at: float = 0.0
+    """When (monotonic) this replica last collected the fleet store's unused chunks (0: never)."""
     audit: AuditWriter = field(init=False)
     """This replica's group-commit writer of API-call audit events (:mod:`capsa.control.audit.writer`)."""
 

@@ -24,6 +24,7 @@ from capsa.control.plane import ControlPlane
 from capsa.control.sessions.service import fail_session, finish_session, purge_snapshots, sessions_to_expire
 from capsa.control.sessions.snapshots import reap_to_pause
 from capsa.control.store.models import SessionRow, utcnow
+from capsa.control.store_collect import collect_store
 
 __all__ = ["reap_once", "run_reaper"]
 
@@ -56,6 +57,7 @@ async def reap_once(plane: ControlPlane) -> dict[str, list[str]]:
     await purge_audit(plane)
     await purge_chain(plane)
     await purge_logins(plane)
+    await collect_store(plane)
     return {"closed": closed, "failed": failed, "paused": paused}
 
 

@@ -102,6 +102,14 @@ class ControlSettings(BaseSettings):
     (``invalid_state``). ``capsa serve`` (one replica: every transition goes through it and forgets the
     entry) turns it on at 5 s unless this is set."""
 
+    store_url: str | None = None
+    """The fleet's store (``CAPSA_STORE_URL``, as the nodes have it): the reaper deletes chunks no snapshot
+    or template names any more, every ``store_collect_interval`` seconds."""
+    store_s3_endpoint: str | None = None
+    store_collect_interval: Annotated[float, Field(gt=0)] = 3600.0
+    store_collect_grace: Annotated[float, Field(ge=0)] = 3600.0
+    """Chunks younger than this are kept even when nothing names them (a push writes its chunks first)."""
+
     reaper_interval: float = 2.0
     """Seconds between reaper passes (expired sessions, silent nodes); 0 disables the reaper."""
     node_heartbeat_timeout: float = 30.0
