@@ -20,8 +20,9 @@ import pytest
 from sqlalchemy import select
 
 from capsa.control.sessions.rolling import _due, due_sessions
+from capsa.control.sessions.snapshots import prune_aged_rolling
 from capsa.control.sessions.states import transition
-from capsa.control.store.models import SessionRow, utcnow
+from capsa.control.store.models import SessionRow, SnapshotRow, utcnow
 from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime
 
@@ -56,7 +57,8 @@ async def test_session_options_are_stored_and_shown(stack: ApiStack) -> None:
         assert created.status_code == 201, created.text
         ses = created.json()
         assert ses["on_timeout"] == "pause" and ses["keep_snapshots"] is True
-        assert ses["rolling_snapshots"] == {"interval_s": 60, "after_command": True, "keep": 3}
+        assert ses["rolling_snapshots"] == {"interval_s": 60, "after_command": True, "keep": 3,
+                                            "max_age_s": None}
         assert (await c.get(f"/v1/sessions/{ses['id']}")).json() == ses
         assert (await c.get(f"/v1/sessions/{ses['id']}/snapshots")).json() == {"items": []}
         row = await _row(stack, ses["id"])
@@ -300,3 +302,30 @@ async def test_rolling_snapshot_after_a_command_restores(stack: ApiStack) -> Non
         assert await _sh(c, sid, "cat /tmp/r") == "one\n"
         await _ok(await c.post(f"/v1/sessions/{sid}/close"))
         assert rolling[0]["id"] not in _snapshot_dirs(stack)
+
+
+async def test_rolling_snapshots_older_than_their_max_age_go_but_the_newest(stack: ApiStack) -> None:
+    key = await stack.tenant_key("acme")
+    async with stack.client(key) as c:
+        body = {"rolling_snapshots": {"after_command": True, "keep": 5, "max_age_s": 60}}
+        sid = (await _ok(await c.post("/v1/sessions", json=body), 201))["id"]
+        assert (await _ok(await c.get(f"/v1/sessions/{sid}")))["rolling_snapshots"]["max_age_s"] == 60
+        for n in range(3):  # one rolling snapshot after each command
+            await _sh(c, sid, f"echo {n} > /tmp/r")
+            deadline = time.monotonic() + 60
+            while len([s for s in (await _ok(await c.get(f"/v1/sessions/{sid}/snapshots")))["items"]
+                       if s["kind"] == "rolling"]) <= n:
+                assert time.monotonic() < deadline, "no rolling snapshot was taken"
+                await asyncio.sleep(0.2)
+        async with stack.plane.db() as db:  # all three are two minutes older now
+            taken = await db.execute(select(SnapshotRow).where(SnapshotRow.session_id == sid))
+            for snap in taken.scalars():
+                snap.created_at -= timedelta(minutes=2)
+            await db.commit()
+        items = (await _ok(await c.get(f"/v1/sessions/{sid}/snapshots")))["items"]
+        newest, *older = [s["id"] for s in items if s["kind"] == "rolling"]
+        assert sorted(await prune_aged_rolling(stack.plane)) == sorted(older)
+        left = [s["id"] for s in (await _ok(await c.get(f"/v1/sessions/{sid}/snapshots")))["items"]]
+        assert left == [newest] and not set(older) & _snapshot_dirs(stack)
+        assert await prune_aged_rolling(stack.plane) == []  # the newest stays however old
+        await _ok(await c.post(f"/v1/sessions/{sid}/close"))

@@ -22,7 +22,7 @@ from capsa.control.connections.logins import purge_logins
 from capsa.control.nodes.registry import fail_silent_nodes
 from capsa.control.plane import ControlPlane
 from capsa.control.sessions.service import fail_session, finish_session, purge_snapshots, sessions_to_expire
-from capsa.control.sessions.snapshots import reap_to_pause
+from capsa.control.sessions.snapshots import prune_aged_rolling, reap_to_pause
 from capsa.control.store.models import SessionRow, utcnow
 from capsa.control.store_collect import collect_store
 
@@ -57,6 +57,7 @@ async def reap_once(plane: ControlPlane) -> dict[str, list[str]]:
     await purge_audit(plane)
     await purge_chain(plane)
     await purge_logins(plane)
+    await prune_aged_rolling(plane)
     await collect_store(plane)
     return {"closed": closed, "failed": failed, "paused": paused}
 

@@ -82,6 +82,8 @@ class RollingSnapshots(BaseModel):
     """Snapshot after each command that ran to completion."""
     keep: Annotated[int, Field(ge=1, le=32)] = 3
     """How many rolling snapshots are kept (older ones are deleted)."""
+    max_age_s: Annotated[int, Field(ge=60, le=7 * 86400)] | None = None
+    """Rolling snapshots older than this are deleted too (the newest is always kept); at most a week."""
 
 
 class SessionInfo(_Model):

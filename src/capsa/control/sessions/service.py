@@ -61,7 +61,7 @@ def _policy(row: SessionRow) -> RollingSnapshots | None:
     if row.snapshot_keep is None:
         return None
     return RollingSnapshots(interval_s=row.snapshot_interval_s, after_command=row.snapshot_after_command,
-                            keep=row.snapshot_keep)
+                            keep=row.snapshot_keep, max_age_s=row.snapshot_max_age_s)
 
 
 def to_out(row: SessionRow, metadata: Mapping[str, str]) -> SessionOut:
@@ -162,6 +162,7 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
             row.snapshot_keep = req.rolling_snapshots.keep
             row.snapshot_interval_s = req.rolling_snapshots.interval_s
             row.snapshot_after_command = req.rolling_snapshots.after_command
+            row.snapshot_max_age_s = req.rolling_snapshots.max_age_s
         db.add(row)
         await db.flush()  # the metadata rows reference the session row
         db.add_all(SessionMetadataRow(session_id=session_id, key=k, value=v) for k, v in req.metadata.items())

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from capsa.common.ids import is_id, new_id
 from capsa.common.node_api import SnapshotInfo
@@ -48,6 +48,7 @@ __all__ = [
     "latest_snapshot",
     "list_snapshots",
     "pause_session",
+    "prune_aged_rolling",
     "prune_rolling",
     "reap_to_pause",
     "restore_onto",
@@ -157,16 +158,21 @@ async def take_snapshot(plane: ControlPlane, tenant: str | None, session_id: str
 
 
 async def prune_rolling(plane: ControlPlane, session_id: str) -> list[str]:
-    """Delete rolling snapshots beyond the session's ``keep`` (oldest first); returns the deleted ids."""
+    """Delete rolling snapshots beyond the session's ``keep`` and those older than its ``max_age_s`` but the
+    newest (oldest first); returns the deleted ids."""
     async with plane.db() as db:
         row = await db.get(SessionRow, session_id, populate_existing=True)
         if row is None or row.snapshot_keep is None:
             return []
         rows = await db.execute(select(SnapshotRow, NodeRow).join(NodeRow, NodeRow.id == SnapshotRow.node_id)
                                 .where(SnapshotRow.session_id == session_id, SnapshotRow.kind == "rolling")
-                                .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc())
-                                .offset(row.snapshot_keep))
-        extra = list(rows.all())
+                                .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc()))
+        ordered = list(rows.all())
+        cutoff = (utcnow() - timedelta(seconds=row.snapshot_max_age_s)
+                  if row.snapshot_max_age_s is not None else None)
+        extra = [(snap, node) for i, (snap, node) in enumerate(ordered)
+                 if i >= row.snapshot_keep or (i > 0 and cutoff is not None and snap.created_at < cutoff)]
+        extra.reverse()
     deleted: list[str] = []
     for snap, node in extra:
         if await _delete_on_node(plane.node_client(node), snap.id):
@@ -176,6 +182,26 @@ async def prune_rolling(plane: ControlPlane, session_id: str) -> list[str]:
                     await db.delete(gone)
                     await db.commit()
             deleted.append(snap.id)
+    return deleted
+
+
+async def prune_aged_rolling(plane: ControlPlane) -> list[str]:
+    """The reaper's pass for rolling snapshots that aged out while no new one was taken (an idle session):
+    :func:`prune_rolling` of each session with a ``max_age_s`` that has more than one rolling snapshot and
+    one older than that; returns the deleted ids."""
+    async with plane.db() as db:
+        rows = await db.execute(
+            select(SessionRow.id, SessionRow.snapshot_max_age_s, func.min(SnapshotRow.created_at),
+                   func.count())
+            .join(SnapshotRow, SnapshotRow.session_id == SessionRow.id)
+            .where(SessionRow.snapshot_max_age_s.is_not(None), SnapshotRow.kind == "rolling")
+            .group_by(SessionRow.id, SessionRow.snapshot_max_age_s))
+        now = utcnow()
+        due = [sid for sid, max_age, oldest, count in rows.all()
+               if count > 1 and oldest < now - timedelta(seconds=max_age or 0)]
+    deleted: list[str] = []
+    for sid in due:
+        deleted += await prune_rolling(plane, sid)
     return deleted
 
 
@@ -357,7 +383,7 @@ async def branch_session(plane: ControlPlane, tenant: str, session_id: str, n: i
                 sandbox_id=sandbox_id, timeout_s=row.timeout_s, on_timeout=row.on_timeout,
                 keep_snapshots=row.keep_snapshots, snapshot_interval_s=row.snapshot_interval_s,
                 snapshot_after_command=row.snapshot_after_command, snapshot_keep=row.snapshot_keep,
-                env=row.env, expose=row.expose))
+                snapshot_max_age_s=row.snapshot_max_age_s, env=row.env, expose=row.expose))
         await db.flush()
         for child_id, _ in children:
             db.add_all(SessionMetadataRow(session_id=child_id, key=k, value=v) for k, v in metadata.items())

@@ -143,6 +143,8 @@ class SessionRow(Base):
     snapshot_after_command: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
     snapshot_keep: Mapped[int | None] = mapped_column(Integer, nullable=True)
     """Rolling snapshots kept; None: the session has no rolling snapshot policy."""
+    snapshot_max_age_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """Rolling snapshots older than this are deleted, the newest excepted (migration 0012)."""
     snapshot_wanted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     """Set when a command finished and the policy wants a snapshot after each command."""
     last_snapshot_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
