@@ -336,3 +336,50 @@ async def test_a_template_in_the_store_is_used_by_a_node_that_never_built_it(
     finally:
         codes = {proc.stdout.name: proc.stop(signal.SIGTERM, timeout=120) for proc in reversed(started)}
     assert all(code == 0 for code in codes.values()), codes
+
+
+@pytest.mark.parametrize("store_env", ["directory"], indirect=True)
+async def test_a_node_that_returns_after_its_sessions_moved_destroys_its_stale_sandboxes(
+        pg: PgCluster, workdir: Path, store_env: dict[str, str]) -> None:
+    """Fencing: node A is frozen (SIGSTOP: a partition; its VM keeps running), declared dead, and its session
+    recovered on B; when A thaws, its heartbeat answer names the old sandbox and A destroys it."""
+    admin = generate_key().full
+    fast = {"CAPSA_NODE_DEAD_AFTER_S": "10", "CAPSA_NODE_HEARTBEAT_TIMEOUT": "10"}
+    control = start_control(workdir, pg.new_database(), admin, fast)
+    started: list[Served] = [control]
+    try:
+        node_a, _ = start_node(workdir, "node-a", control.url, enrol_token(control.url, admin), store_env)
+        started.append(node_a)
+        client = AsyncClient(control.url, admin)
+        session = await AsyncSession.create(timeout=900, client=client,
+                                            rolling_snapshots={"after_command": True})
+        await session.commands.run("echo before > /root/note")
+        deadline = time.monotonic() + 300
+        while not [s for s in await client.list_snapshots(session.id) if s.stored]:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(1.0)
+        node_b, id_b = start_node(workdir, "node-b", control.url, enrol_token(control.url, admin), store_env)
+        started.append(node_b)
+        assert _qemus_of(node_a.state_dir)
+        node_a.proc.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 300
+            while (info := await client.get_session(session.id)).state != "running" or info.node_id != id_b:
+                assert time.monotonic() < deadline, info
+                await asyncio.sleep(0.5)
+            assert _qemus_of(node_a.state_dir)  # the stale VM still runs while A is frozen
+        finally:
+            node_a.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while _qemus_of(node_a.state_dir):
+            assert time.monotonic() < deadline, "node A kept the recovered session's old VM"
+            await asyncio.sleep(1.0)
+        info = await client.get_session(session.id)
+        assert info.state == "running" and info.node_id == id_b
+        again = await AsyncSession.connect(session.id, client=client)
+        assert await again.files.read("/root/note") == "before\n"
+        await again.close()
+        await client.aclose()
+    finally:
+        codes = {proc.stdout.name: proc.stop(signal.SIGTERM, timeout=120) for proc in reversed(started)}
+    assert all(code == 0 for code in codes.values()), codes
