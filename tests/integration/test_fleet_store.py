@@ -306,7 +306,7 @@ async def test_a_template_in_the_store_is_used_by_a_node_that_never_built_it(
         node_a, _ = start_node(workdir, "node-a", control.url, enrol_token(control.url, admin), store_env)
         started.append(node_a)
         client = AsyncClient(control.url, admin)
-        on_a = await AsyncSession.create(template="browser", timeout=900, client=client)
+        on_a = await AsyncSession.create(template="browser", memory_mib=1024, timeout=900, client=client)
         await on_a.close()
         deadline = time.monotonic() + 600
         while not [n for n in list_bundles(store, STORE_KIND) if n.startswith("browser.")]:
@@ -322,7 +322,7 @@ async def test_a_template_in_the_store_is_used_by_a_node_that_never_built_it(
                                   {**store_env, "CAPSA_CACHE_DIR": str(cache_b)})
         started.append(node_b)
         t0 = time.monotonic()
-        on_b = await AsyncSession.create(template="browser", timeout=900, client=client)
+        on_b = await AsyncSession.create(template="browser", memory_mib=1024, timeout=900, client=client)
         import_s = time.monotonic() - t0
         assert (await client.get_session(on_b.id)).node_id == id_b
         out = await on_b.commands.run("pgrep -c chromium || pgrep -c chrome", timeout=60)
