@@ -38,6 +38,7 @@ from tests.support.served import Served, serve_workdir
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.timeout(1500)]
 
+BROWSER_POLICY = {"domains": [{"domain": "api.allowed.test"}]}  # a browser sandbox has a NIC: it needs one
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done"
 
 if (missing := postgres_missing_reason()) is not None:
@@ -306,7 +307,8 @@ async def test_a_template_in_the_store_is_used_by_a_node_that_never_built_it(
         node_a, _ = start_node(workdir, "node-a", control.url, enrol_token(control.url, admin), store_env)
         started.append(node_a)
         client = AsyncClient(control.url, admin)
-        on_a = await AsyncSession.create(template="browser", memory_mib=1024, timeout=900, client=client)
+        on_a = await AsyncSession.create(template="browser", memory_mib=1024, timeout=900, client=client,
+                                         policy=BROWSER_POLICY)
         await on_a.close()
         deadline = time.monotonic() + 600
         while not [n for n in list_bundles(store, STORE_KIND) if n.startswith("browser.")]:
@@ -322,7 +324,8 @@ async def test_a_template_in_the_store_is_used_by_a_node_that_never_built_it(
                                   {**store_env, "CAPSA_CACHE_DIR": str(cache_b)})
         started.append(node_b)
         t0 = time.monotonic()
-        on_b = await AsyncSession.create(template="browser", memory_mib=1024, timeout=900, client=client)
+        on_b = await AsyncSession.create(template="browser", memory_mib=1024, timeout=900, client=client,
+                                         policy=BROWSER_POLICY)
         import_s = time.monotonic() - t0
         assert (await client.get_session(on_b.id)).node_id == id_b
         out = await on_b.commands.run("pgrep -c chromium || pgrep -c chrome", timeout=60)
