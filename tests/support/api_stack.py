@@ -152,8 +152,9 @@ class ApiStack:
             "reaper_interval": 0.2,
             # This stack's node sends no heartbeats by itself (tests call heartbeat() when they mean to),
             # so with the default 30 s a test running that long under load would see its node counted as
-            # lost and its sessions paused or failed. Tests of node loss set a short timeout themselves.
+            # lost and its sessions paused or failed. Tests of node loss set short ones themselves.
             "node_heartbeat_timeout": 3600.0,
+            "node_dead_after_s": 3600.0,
             **self.settings,
             **overrides,
         }
