@@ -270,7 +270,7 @@ async def test_a_lost_nodes_session_without_a_snapshot_fails_as_node_lost(stack:
         sid = created.json()["id"]
         async with plane.db() as db:
             await db.execute(update(NodeRow).where(NodeRow.id == stack.node_id)
-                             .values(last_heartbeat_at=utcnow() - timedelta(seconds=31)))
+                             .values(last_heartbeat_at=utcnow() - timedelta(hours=2)))
             await db.commit()
         assert await fail_silent_nodes(plane) == [sid]
         after = (await client.get(f"/v1/sessions/{sid}")).json()
