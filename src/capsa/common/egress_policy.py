@@ -34,6 +34,7 @@ __all__ = [
     "MAX_RESPONSE_BYTES",
     "ApprovalRule",
     "ApprovalScope",
+    "ApprovalState",
     "ConnectionBinding",
     "DomainRule",
     "EgressPolicy",
@@ -61,6 +62,8 @@ _DEFAULT_NAME_RE = re.compile(r"^[a-z0-9*][a-z0-9*_.-]{0,252}#[0-9]{1,2}$")
 """The name a rule without one is given, ``<domain>#<index>``: it must parse again when the policy is sent
 on as JSON (control plane to node)."""
 ApprovalScope = Literal["once", "session"]
+ApprovalState = Literal["pending", "approved", "denied", "timeout", "cancelled"]
+"""Where a held request stands: ``pending`` until a decision, its timeout or the sandbox's end."""
 # Headers a binding may not target: they steer routing or framing, not credentials.
 _FORBIDDEN_BINDING_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "upgrade", "te"}
 

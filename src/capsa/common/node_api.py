@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, IPvAnyNetwork, SecretStr, TypeAdapter
 
+from capsa.common.egress_policy import ApprovalScope, ApprovalState
 from capsa.guest.limits import (
     COMMAND_ENV_ENTRIES,
     DEFAULT_MAX_OUTPUT,
@@ -218,13 +219,13 @@ class ApprovalInfo(_Answer):
     rule: str
     """The policy's domain rule the request matched."""
     approval_rule: str
-    scope: Literal["once", "session"]
+    scope: ApprovalScope
     preview: str
     """The start of the request body (at most 2 KiB), secrets and placeholders redacted."""
     body_bytes: int
     created_at: float
     expires_at: float
-    state: Literal["pending", "approved", "denied", "timeout", "cancelled"]
+    state: ApprovalState
     decided_by: str | None = None
     decided_at: float | None = None
     reason: str | None = None
@@ -238,7 +239,7 @@ class ApprovalDecision(_Request):
     approve: bool
     decided_by: Annotated[str, Field(min_length=1, max_length=128)]
     """Who decided (the control plane sends the API key id); named in the audit events."""
-    scope: Literal["once", "session"] | None = None
+    scope: ApprovalScope | None = None
     """What an approval covers; None: the rule's scope."""
     reason: Annotated[str, Field(max_length=1024)] | None = None
     session_id: str | None = None

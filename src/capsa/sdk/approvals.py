@@ -10,39 +10,17 @@ is recorded under the API key that made it.
 from __future__ import annotations
 
 import builtins
-from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
-
+from capsa.common.wire.approvals import ApprovalOut
 from capsa.sdk.paths import seg
 from capsa.sdk.resource import Resource
 
 __all__ = ["ApprovalInfo", "AsyncApprovals"]
 
 
-class ApprovalInfo(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-    id: str
-    session_id: str
-    destination: str
-    method: str
-    path: str
-    rule: str
-    approval_rule: str
-    scope: str
-    """``once`` or ``session``."""
-    preview: str
-    """The start of the request body (at most 2 KiB), secrets and placeholders redacted."""
-    body_bytes: int
-    created_at: datetime
-    expires_at: datetime
-    state: str
-    """``pending``, ``approved``, ``denied``, ``timeout`` or ``cancelled``."""
-    decided_by: str | None = None
-    decided_at: datetime | None = None
-    reason: str | None = None
+ApprovalInfo = ApprovalOut
+"""A held egress request, pending or decided (``state``), with a redacted preview of its body."""
 
 
 class AsyncApprovals(Resource):

@@ -13,8 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from capsa.common.wire.audit import AuditChainEvent, AuditChainList, AuditCheckpointOut, AuditVerifyOut
 from capsa.sdk.resource import Resource
 
 __all__ = ["AUDIT_KINDS", "AsyncAudit", "AuditCheckpoint", "AuditPage", "AuditRecord", "AuditVerification"]
@@ -22,55 +21,14 @@ __all__ = ["AUDIT_KINDS", "AsyncAudit", "AuditCheckpoint", "AuditPage", "AuditRe
 AUDIT_KINDS = ("api", "session", "command", "file", "egress", "approval", "connection")
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-
-class AuditRecord(_Model):
-    id: int
-    """The event's number in the tenant's chain (1, 2, ...)."""
-    time: datetime
-    time_us: int
-    kind: str
-    """One of :data:`AUDIT_KINDS`."""
-    action: str
-    tenant: str
-    key_id: str | None = None
-    request_id: str | None = None
-    session_id: str | None = None
-    detail: dict[str, Any] = Field(default_factory=dict)
-    prev_hash: str
-    hash: str
-
-
-class AuditPage(_Model):
-    items: list[AuditRecord]
-    next_cursor: str | None = None
-
-
-class AuditVerification(_Model):
-    ok: bool
-    checked: int
-    head: int
-    broken_id: int | None = None
-    """The first missing or altered event (None when ``ok``)."""
-    reason: str | None = None
-    code: str | None = None
-    """Why not ``ok``: ``audit_chain_broken``, ``audit_chain_truncated`` (the chain ends before what a
-    signed checkpoint vouches for) or ``audit_checkpoint_invalid`` (the checkpoint log was tampered with)."""
-    anchor: int | None = None
-    """The highest event a signed checkpoint vouches for (None: none was compared)."""
-
-
-class AuditCheckpoint(_Model):
-    n: int
-    tenant: str
-    seq: int
-    """The event of the chain the checkpoint vouches for."""
-    hash: str
-    time: datetime
-    purpose: str
-    key: str
+AuditRecord = AuditChainEvent
+"""One event of the chain; ``kind`` is one of :data:`AUDIT_KINDS`."""
+AuditPage = AuditChainList
+"""One page of events; pass its ``next_cursor`` back for the next one."""
+AuditVerification = AuditVerifyOut
+"""What the server found when it recomputed the chain (``ok``, or the first break and why)."""
+AuditCheckpoint = AuditCheckpointOut
+"""A signed checkpoint of the chain's head."""
 
 
 def _params(session_id: str | None, kind: str | Sequence[str] | None, since: datetime | None,

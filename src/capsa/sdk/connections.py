@@ -13,10 +13,9 @@ import asyncio
 import builtins
 import time
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
+from capsa.common.wire.connections import ConnectionOut, LoginOut, LoginPollOut, ProviderOut, RevokeOut
 from capsa.sdk.errors import CapsaClientError
 from capsa.sdk.paths import seg
 from capsa.sdk.resource import Resource
@@ -25,62 +24,17 @@ __all__ = ["AsyncConnectionProviders", "AsyncConnections", "ConnectionInfo", "Lo
            "ProviderInfo", "Revocation"]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-
-class ProviderInfo(_Model):
-    id: str
-    name: str
-    issuer: str | None = None
-    authorization_endpoint: str | None = None
-    token_endpoint: str
-    revocation_endpoint: str | None = None
-    device_authorization_endpoint: str | None = None
-    client_id: str
-    has_client_secret: bool
-    scopes: list[str]
-    created_at: datetime
-
-
-class ConnectionInfo(_Model):
-    id: str
-    name: str
-    provider_id: str
-    provider: str
-    scopes: list[str]
-    state: str
-    """``pending``, ``active`` or ``revoked``."""
-    access_expires_at: datetime | None = None
-    refreshes: int = 0
-    created_at: datetime
-    connected_at: datetime | None = None
-    revoked_at: datetime | None = None
-
-
-class Login(_Model):
-    mode: Literal["code", "device"]
-    login_id: str | None = None
-    authorization_url: str | None = None
-    """Code sign-in: open it in a browser; the provider sends the browser back to capsa."""
-    user_code: str | None = None
-    verification_uri: str | None = None
-    verification_uri_complete: str | None = None
-    interval: float | None = None
-    expires_at: datetime
-
-
-class LoginPoll(_Model):
-    status: Literal["pending", "connected", "denied", "expired"]
-    interval: float | None = None
-    connection: ConnectionInfo
-
-
-class Revocation(_Model):
-    connection: ConnectionInfo
-    nodes_notified: list[str]
-    nodes_unreached: list[str]
-    provider_revoked: bool
+ProviderInfo = ProviderOut
+"""An OAuth 2.0 provider (``has_client_secret`` only: the secret itself is never returned)."""
+ConnectionInfo = ConnectionOut
+"""A connection: a sign-in with a provider, held by the control plane (``state``: pending, active or
+revoked)."""
+Login = LoginOut
+"""A sign-in started: a URL to open (``code``) or a code to type in elsewhere (``device``)."""
+LoginPoll = LoginPollOut
+"""Where a device sign-in stands, and the connection."""
+Revocation = RevokeOut
+"""A revoked connection, and which nodes were told to stop injecting its token."""
 
 
 class AsyncConnectionProviders(Resource):

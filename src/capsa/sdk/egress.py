@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import AsyncIterator, Mapping
-from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from capsa.common.wire.egress import AuditEventOut, PolicyOut, SecretOut
 from capsa.sdk.models import parse_items
 from capsa.sdk.paths import seg
 from capsa.sdk.resource import Resource, SessionResource
@@ -21,46 +19,12 @@ from capsa.sdk.resource import Resource, SessionResource
 __all__ = ["AsyncEgress", "AsyncSecrets", "AuditEvent", "PolicyInfo", "SecretInfo"]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-
-class SecretInfo(_Model):
-    id: str
-    name: str
-    description: str | None = None
-    created_at: datetime
-
-
-class PolicyInfo(_Model):
-    session_id: str
-    policy: dict[str, Any] | None
-    """None: the session was created without a policy and has no network."""
-    updated_at: datetime | None = None
-    ca_reissued: bool = False
-
-
-class AuditEvent(_Model):
-    id: int
-    session_id: str
-    sandbox_id: str
-    time: datetime
-    kind: str
-    """``http``, ``connect``, ``tls``, ``dns`` or ``net`` (dropped packets of one class)."""
-    decision: str
-    """``allow``, ``deny`` or ``error``."""
-    source: str | None = None
-    destination: str | None = None
-    resolved_ip: str | None = None
-    method: str | None = None
-    path: str | None = None
-    status: int | None = None
-    bytes_out: int = 0
-    bytes_in: int = 0
-    rule: str | None = None
-    reason: str | None = None
-    secret_ids: list[str] = Field(default_factory=list)
-    count: int = 1
+SecretInfo = SecretOut
+"""A stored secret: its id, name and description, never its value."""
+PolicyInfo = PolicyOut
+"""A session's egress policy (None: the session has no network)."""
+AuditEvent = AuditEventOut
+"""One egress event of a session: a request, a DNS answer, a dropped packet class, an approval decided."""
 
 
 class AsyncSecrets(Resource):

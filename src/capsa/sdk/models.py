@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator
 from datetime import datetime
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from capsa.common.wire.base import Answer, known
 from capsa.sdk.errors import UnexpectedResponse
 
 __all__ = [
@@ -54,16 +55,7 @@ FileType = Literal["file", "dir", "symlink", "other"]
 OnTimeout = Literal["pause", "close"]
 
 
-def _known(values: Any) -> Any:
-    """A string field whose schema lists the values of the ``Literal`` ``values`` (an open enum)."""
-    return Field(json_schema_extra={"enum": list(get_args(values))})
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-
-class _Sent(_Model):
+class _Sent(Answer):
     """An answer whose defaults only make the client tolerant: the server always sends every field, so the
     schema lists them all as required."""
 
@@ -86,10 +78,10 @@ class RollingSnapshots(BaseModel):
     """Rolling snapshots older than this are deleted too (the newest is always kept); at most a week."""
 
 
-class SessionInfo(_Model):
+class SessionInfo(Answer):
     id: str
     tenant: str
-    state: Annotated[str, _known(SessionState)]
+    state: Annotated[str, known(SessionState)]
     """One of :data:`SessionState`."""
     template: str
     created_at: datetime
@@ -104,7 +96,7 @@ class SessionInfo(_Model):
     """The node the session's sandbox runs on (None while it has none)."""
     failure_reason: str | None
     closed_at: datetime | None
-    on_timeout: Annotated[str, _known(OnTimeout)] = "close"
+    on_timeout: Annotated[str, known(OnTimeout)] = "close"
     """``pause`` or ``close``: what happens when the session's TTL or idle timeout passes."""
     rolling_snapshots: RollingSnapshots | None = None
     keep_snapshots: bool = False
@@ -114,7 +106,7 @@ class SessionInfo(_Model):
     """The only ports the port proxy reaches (None: any port)."""
 
 
-class PortToken(_Model):
+class PortToken(Answer):
     """An access token for one port of one session (``POST /v1/sessions/{id}/ports/{port}/tokens``)."""
 
     id: str
@@ -130,7 +122,7 @@ class PortToken(_Model):
     """When the token stops working (``ttl_seconds`` after it was made; the API's default is a day)."""
 
 
-class PortTokenInfo(_Model):
+class PortTokenInfo(Answer):
     """A port token as ``GET /v1/sessions/{id}/port-tokens`` lists it (never the token itself): those made
     with ``POST …/ports/{port}/tokens`` and those ``GET …/browser`` made for its URLs."""
 
@@ -141,10 +133,10 @@ class PortTokenInfo(_Model):
     expires_at: datetime | None = None
 
 
-class SnapshotInfo(_Model):
+class SnapshotInfo(Answer):
     id: str
     session_id: str
-    kind: Annotated[str, _known(SnapshotKind)]
+    kind: Annotated[str, known(SnapshotKind)]
     """manual | rolling | pause | branch"""
     created_at: datetime
     size_bytes: int | None
@@ -177,7 +169,7 @@ class CommandResult(CommandStatus):
     stderr: str = ""
 
 
-class ExecOutput(_Model):
+class ExecOutput(Answer):
     """A piece of a streamed command's output, decoded as UTF-8."""
 
     type: Literal["stdout", "stderr"]
@@ -190,7 +182,7 @@ class ExecFinished(CommandStatus):
     type: Literal["result"] = "result"
 
 
-class ExecError(_Model):
+class ExecError(Answer):
     """The last event of a stream whose command could not finish (the HTTP status was sent already)."""
 
     type: Literal["error"] = "error"
@@ -216,7 +208,7 @@ class ProcessInfo(_Sent):
     """Started with ``open_stdin`` and its stdin not closed yet (``/processes/{pid}/stdin`` takes bytes)."""
 
 
-class OutputChunk(_Model):
+class OutputChunk(Answer):
     """A piece of a background process's output in ``GET /processes/{pid}/stream`` (UTF-8; a character
     cut by a chunk boundary comes whole in the next line)."""
 
@@ -230,7 +222,7 @@ class OutputChunk(_Model):
     """Bytes before this chunk that were asked for but had left the guest's ring buffer (1 MiB per stream)."""
 
 
-class OutputEnd(_Model):
+class OutputEnd(Answer):
     """The last line of a process stream: the process exited and all of its output was sent."""
 
     type: Literal["exit"] = "exit"
@@ -240,7 +232,7 @@ class OutputEnd(_Model):
     stderr_end: int = 0
 
 
-class StreamError(_Model):
+class StreamError(Answer):
     """The last line of an NDJSON stream that broke after the HTTP status was sent."""
 
     type: Literal["error"] = "error"
@@ -253,7 +245,7 @@ OutputEvent = Annotated[OutputChunk | OutputEnd | StreamError, Field(discriminat
 OUTPUT_EVENT: TypeAdapter[OutputChunk | OutputEnd | StreamError] = TypeAdapter(OutputEvent)
 
 
-class FileEvent(_Model):
+class FileEvent(Answer):
     """A change in a watched directory (``GET /sessions/{id}/files/watch``)."""
 
     type: Literal["created", "modified", "removed", "overflow"]
@@ -277,10 +269,10 @@ class ProcessOutput(_Sent):
     stderr_truncated: bool = False
 
 
-class FileInfo(_Model):
+class FileInfo(Answer):
     path: str
     name: str
-    type: Annotated[str, _known(FileType)]
+    type: Annotated[str, known(FileType)]
     """file | dir | symlink | other"""
     size: int
     mode: int
@@ -291,7 +283,7 @@ class FileInfo(_Model):
         return self.type == "dir"
 
 
-class ApiKey(_Model):
+class ApiKey(Answer):
     id: str
     tenant: str
     admin: bool = False

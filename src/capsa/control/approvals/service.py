@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from datetime import UTC, datetime
 
 from sqlalchemy import select
 
 from capsa.common.ids import is_id
 from capsa.common.node_api import ApprovalDecision, ApprovalInfo
-from capsa.control.approvals.schemas import ApprovalDecisionIn, ApprovalList, ApprovalOut
+from capsa.common.wire.approvals import ApprovalList, ApprovalOut
+from capsa.control.approvals.schemas import ApprovalDecisionIn
 from capsa.control.auth import Principal
 from capsa.control.errors import ApprovalDecided, ApprovalNotFound
 from capsa.control.nodes.calls import attempt
@@ -26,6 +28,19 @@ from capsa.control.store.models import NodeRow, SessionRow
 __all__ = ["decide", "get_approval", "list_approvals"]
 
 log = logging.getLogger(__name__)
+
+
+def _approval_out(info: ApprovalInfo, session_id: str) -> ApprovalOut:
+    """A node's held request as the tenant sees it: under its session, times as datetimes."""
+    def when(t: float | None) -> datetime | None:
+        return datetime.fromtimestamp(t, UTC) if t is not None else None
+
+    return ApprovalOut(id=info.id, session_id=session_id, destination=info.destination, method=info.method,
+                       path=info.path, rule=info.rule, approval_rule=info.approval_rule, scope=info.scope,
+                       preview=info.preview, body_bytes=info.body_bytes,
+                       created_at=datetime.fromtimestamp(info.created_at, UTC),
+                       expires_at=datetime.fromtimestamp(info.expires_at, UTC), state=info.state,
+                       decided_by=info.decided_by, decided_at=when(info.decided_at), reason=info.reason)
 
 
 async def _placed(plane: ControlPlane, tenant: str, session_id: str | None, *, running: bool
@@ -57,7 +72,7 @@ async def list_approvals(plane: ControlPlane, tenant: str, session_id: str | Non
             log.warning("could not list approvals on node %s: %s", node.id, page)
             continue
         mine = set(sids)
-        items += [ApprovalOut.of(a, a.session_id) for a in page.items if a.session_id in mine]
+        items += [_approval_out(a, a.session_id) for a in page.items if a.session_id in mine]
     items.sort(key=lambda a: (a.created_at, a.id))
     return ApprovalList(items=items)
 
@@ -78,7 +93,7 @@ async def _find(plane: ControlPlane, tenant: str, approval_id: str) -> tuple[Nod
 
 async def get_approval(plane: ControlPlane, tenant: str, approval_id: str) -> ApprovalOut:
     _node, info, session_id = await _find(plane, tenant, approval_id)
-    return ApprovalOut.of(info, session_id)
+    return _approval_out(info, session_id)
 
 
 async def decide(plane: ControlPlane, caller: Principal, approval_id: str, *, approve: bool,
@@ -96,4 +111,4 @@ async def decide(plane: ControlPlane, caller: Principal, approval_id: str, *, ap
         if decided.code == "approval_not_found":
             raise ApprovalNotFound(f"approval {approval_id} not found") from None
         raise decided  # as the node said it (the problem handler answers with its status and code)
-    return ApprovalOut.of(decided, session_id)
+    return _approval_out(decided, session_id)

@@ -10,9 +10,9 @@ from sqlalchemy import select
 
 from capsa.common.audit_checkpoint import Checkpoint, CheckpointInvalid
 from capsa.common.ids import is_id
+from capsa.common.wire.audit import AuditChainEvent, AuditChainList, AuditCheckpointOut, AuditVerifyOut
 from capsa.control.audit import trail as audit_trail
 from capsa.control.audit.checkpoints import ChainNotExtended, checkpoint_tenant
-from capsa.control.audit.schemas import AuditChainEvent, AuditChainList, AuditCheckpointOut, AuditVerifyOut
 from capsa.control.egress.service import collect_audit_quietly
 from capsa.control.errors import ApiError, ValidationFailed
 from capsa.control.plane import ControlPlane

@@ -1,27 +1,19 @@
-"""Request and response bodies of ``/v1/connection-providers`` and ``/v1/connections``.
-
-No answer carries a credential: a provider's client secret and a connection's tokens are write-only.
-"""
+"""Request bodies of ``/v1/connection-providers`` and ``/v1/connections`` (their answers are
+:mod:`capsa.common.wire.connections`)."""
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from capsa.common.wire.connections import LoginMode
+
 __all__ = [
     "ConnectionCreate",
-    "ConnectionList",
-    "ConnectionOut",
-    "LoginOut",
-    "LoginPollOut",
     "LoginStart",
     "ProviderCreate",
-    "ProviderList",
-    "ProviderOut",
-    "RevokeOut",
 ]
 
 def _endpoint(value: str) -> str:
@@ -66,24 +58,6 @@ class ProviderCreate(_Strict):
         return self
 
 
-class ProviderOut(BaseModel):
-    id: str
-    name: str
-    issuer: str | None
-    authorization_endpoint: str | None
-    token_endpoint: str
-    revocation_endpoint: str | None
-    device_authorization_endpoint: str | None
-    client_id: str
-    has_client_secret: bool
-    scopes: list[str]
-    created_at: datetime
-
-
-class ProviderList(BaseModel):
-    items: list[ProviderOut]
-
-
 class ConnectionCreate(_Strict):
     name: Name
     provider: Annotated[str, Field(min_length=1, max_length=128)]
@@ -92,56 +66,5 @@ class ConnectionCreate(_Strict):
     """Scopes to ask for instead of the provider's."""
 
 
-class ConnectionOut(BaseModel):
-    id: str
-    name: str
-    provider_id: str
-    provider: str
-    scopes: list[str]
-    state: Literal["pending", "active", "revoked"]
-    """``pending``: nobody has signed in (or the provider refused the refresh token); ``active``: the
-    broker can inject its token; ``revoked``: final."""
-    access_expires_at: datetime | None = None
-    """When the current access token (never shown) expires."""
-    refreshes: int
-    created_at: datetime
-    connected_at: datetime | None = None
-    revoked_at: datetime | None = None
-
-
-class ConnectionList(BaseModel):
-    items: list[ConnectionOut]
-
-
 class LoginStart(_Strict):
-    mode: Literal["code", "device"] = "code"
-    """``code``: authorization code with PKCE, the browser comes back to ``/v1/connections/callback``;
-    ``device``: the device authorization grant (a code to type in elsewhere), for headless use."""
-
-
-class LoginOut(BaseModel):
-    mode: Literal["code", "device"]
-    login_id: str | None = None
-    """Device sign-in: what ``POST .../logins/{login_id}/poll`` takes."""
-    authorization_url: str | None = None
-    user_code: str | None = None
-    verification_uri: str | None = None
-    verification_uri_complete: str | None = None
-    interval: float | None = None
-    expires_at: datetime
-
-
-class LoginPollOut(BaseModel):
-    status: Literal["pending", "connected", "denied", "expired"]
-    interval: float | None = None
-    """Seconds to wait before the next poll."""
-    connection: ConnectionOut
-
-
-class RevokeOut(BaseModel):
-    connection: ConnectionOut
-    nodes_notified: list[str]
-    """Nodes told to stop injecting its token (those serving sessions that bind it)."""
-    nodes_unreached: list[str]
-    provider_revoked: bool
-    """The provider's revocation endpoint accepted the refresh (and access) token."""
+    mode: LoginMode = "code"

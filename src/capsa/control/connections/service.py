@@ -17,18 +17,17 @@ from typing import Any
 from sqlalchemy import func, select, update
 
 from capsa.common.ids import new_id
-from capsa.control.connections.oauth_client import ProviderError, discover
-from capsa.control.connections.schemas import (
-    ConnectionCreate,
+from capsa.common.wire.connections import (
     ConnectionList,
     ConnectionOut,
     LoginOut,
     LoginPollOut,
-    ProviderCreate,
     ProviderList,
     ProviderOut,
     RevokeOut,
 )
+from capsa.control.connections.oauth_client import ProviderError, discover
+from capsa.control.connections.schemas import ConnectionCreate, ProviderCreate
 from capsa.control.connections.store import (
     connection_out,
     find_connection,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from capsa.common.wire.connections import ConnectionOut, ProviderOut
 from capsa.control.connections.oauth_client import Endpoints, OAuthClient, Outbound, TokenSet
-from capsa.control.connections.schemas import ConnectionOut, ProviderOut
 from capsa.control.errors import ApiError, NotFound
 from capsa.control.plane import ControlPlane
 from capsa.control.secretbox import SecretSealer
@@ -81,6 +81,6 @@ def connection_out(row: ConnectionRow, provider: ConnectionProviderRow) -> Conne
                if row.access_expires_at is not None and row.state == "active" else None)
     return ConnectionOut(id=row.id, name=row.name, provider_id=provider.id, provider=provider.name,
                          scopes=list(row.scopes if row.scopes is not None else provider.scopes or []),
-                         state=row.state,  # type: ignore[arg-type]
+                         state=row.state,
                          access_expires_at=expires, refreshes=row.refreshes, created_at=row.created_at,
                          connected_at=row.connected_at, revoked_at=row.revoked_at)

@@ -14,8 +14,8 @@ from sqlalchemy import select
 
 from capsa.common.egress_policy import EgressPolicy, PolicyError
 from capsa.common.errors import CapsaError
+from capsa.common.wire.egress import PolicyOut
 from capsa.control.egress.grants import check_policy_networks, tenant_networks
-from capsa.control.egress.schemas import PolicyOut
 from capsa.control.egress.service import assign_placeholders, merge_patch, resolve_policy
 from capsa.control.errors import InvalidState, ValidationFailed
 from capsa.control.plane import ControlPlane

@@ -1,9 +1,9 @@
-"""Request and response bodies of the egress API: secrets, session policies, the audit trail."""
+"""Request bodies of the egress API: a secret to store, a session's policy (its answers are
+:mod:`capsa.common.wire.egress`)."""
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, field_validator
 
@@ -12,14 +12,9 @@ from capsa.common.egress_policy import EgressPolicy, PolicyError
 __all__ = [
     "SECRET_VALUE_CONTROL",
     "SECRET_VALUE_WHITESPACE",
-    "AuditEventOut",
-    "AuditList",
     "PolicyDocument",
-    "PolicyOut",
     "PolicyUpdate",
     "SecretCreate",
-    "SecretList",
-    "SecretOut",
 ]
 
 
@@ -63,57 +58,5 @@ class SecretCreate(_Strict):
         return value
 
 
-class SecretOut(BaseModel):
-    id: str
-    name: str
-    description: str | None
-    created_at: datetime
-
-
-class SecretList(BaseModel):
-    items: list[SecretOut]
-
-
 class PolicyUpdate(_Strict):
     policy: PolicyDocument
-
-
-class PolicyOut(BaseModel):
-    session_id: str
-    policy: dict[str, Any] | None
-    """None: the session was created without a policy and has no network."""
-    updated_at: datetime | None
-    ca_reissued: bool = False
-    """Set by an update that added domains the sandbox's CA did not cover (a new CA was installed)."""
-
-
-class AuditEventOut(BaseModel):
-    id: int
-    session_id: str
-    sandbox_id: str
-    time: datetime
-    kind: Literal["http", "connect", "tls", "dns", "net", "approval", "connection"]
-    decision: Literal["allow", "deny", "error"]
-    source: str | None
-    destination: str | None
-    resolved_ip: str | None
-    method: str | None
-    path: str | None
-    status: int | None
-    bytes_out: int
-    bytes_in: int
-    rule: str | None
-    reason: str | None
-    secret_ids: list[str]
-    """Secrets injected into this request (ids, never values)."""
-    count: int
-    """For ``net`` events: packets dropped since the previous event of the class; for denials: how many
-    identical denials (same destination, rule and reason) this event stands for."""
-
-
-class AuditList(BaseModel):
-    items: list[AuditEventOut]
-    next_cursor: str | None
-    dropped: int = 0
-    """Events of this session its node discarded before the control plane collected them (the sandbox
-    filled its share of the node's audit buffer); they are missing from ``items``."""

@@ -23,18 +23,12 @@ from capsa.common.destinations import DestinationRefused, ResolveError, screen_h
 from capsa.common.ids import new_id
 from capsa.common.node_api import AuditEvent as NodeAuditEvent
 from capsa.common.placeholders import new_placeholder
+from capsa.common.wire.egress import AuditEventOut, AuditList, PolicyOut, SecretList, SecretOut
 from capsa.control.audit.trail import AuditEntry, AuditKind
 from capsa.control.audit.trail import append as audit_append
 from capsa.control.connections.tokens import resolve_connections
 from capsa.control.egress.grants import tenant_networks
-from capsa.control.egress.schemas import (
-    AuditEventOut,
-    AuditList,
-    PolicyOut,
-    SecretCreate,
-    SecretList,
-    SecretOut,
-)
+from capsa.control.egress.schemas import SecretCreate
 from capsa.control.errors import ApiError, NotFound, ValidationFailed
 from capsa.control.nodes.calls import quietly
 from capsa.control.nodes.client import EgressArgs, NodeClient, NodeError
@@ -378,7 +372,7 @@ async def list_audit(plane: ControlPlane, tenant: str, session_id: str, limit: i
     page, more = rows[:limit], len(rows) > limit
     items = [AuditEventOut(
         id=r.id, session_id=r.session_id, sandbox_id=r.sandbox_id, time=datetime.fromtimestamp(r.time, UTC),
-        kind=r.kind, decision=r.decision, source=r.source,  # type: ignore[arg-type]
+        kind=r.kind, decision=r.decision, source=r.source,
         destination=r.destination, resolved_ip=r.resolved_ip, method=r.method, path=r.path, status=r.status,
         bytes_out=r.bytes_out, bytes_in=r.bytes_in, rule=r.rule, reason=r.reason, secret_ids=r.secret_ids,
         count=r.count) for r in page]

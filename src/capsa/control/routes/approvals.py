@@ -6,8 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query
 
+from capsa.common.wire.approvals import ApprovalList, ApprovalOut
 from capsa.control.approvals import service as approvals
-from capsa.control.approvals.schemas import ApprovalDecisionIn, ApprovalList, ApprovalOut
+from capsa.control.approvals.schemas import ApprovalDecisionIn
 from capsa.control.deps import Caller, Plane, problems
 
 __all__ = ["router"]

@@ -7,8 +7,8 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 
+from capsa.common.wire.audit import AuditChainList, AuditCheckpointOut, AuditVerifyOut
 from capsa.control.audit import service as audit_api
-from capsa.control.audit.schemas import AuditChainList, AuditCheckpointOut, AuditVerifyOut
 from capsa.control.deps import Caller, Plane, problems
 
 __all__ = ["router"]

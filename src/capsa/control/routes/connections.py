@@ -13,18 +13,20 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query, Request, Response
 from fastapi.responses import HTMLResponse
 
-from capsa.control.connections import service as connections
-from capsa.control.connections.schemas import (
-    ConnectionCreate,
+from capsa.common.wire.connections import (
     ConnectionList,
     ConnectionOut,
     LoginOut,
     LoginPollOut,
-    LoginStart,
-    ProviderCreate,
     ProviderList,
     ProviderOut,
     RevokeOut,
+)
+from capsa.control.connections import service as connections
+from capsa.control.connections.schemas import (
+    ConnectionCreate,
+    LoginStart,
+    ProviderCreate,
 )
 from capsa.control.deps import Caller, Plane, problems
 

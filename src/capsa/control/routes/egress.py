@@ -6,10 +6,11 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Query
 
+from capsa.common.wire.egress import AuditList, PolicyOut
 from capsa.control.deps import Caller, Plane, problems
 from capsa.control.egress import policy_update
 from capsa.control.egress import service as egress
-from capsa.control.egress.schemas import AuditList, PolicyOut, PolicyUpdate
+from capsa.control.egress.schemas import PolicyUpdate
 
 __all__ = ["router"]
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
+from capsa.common.wire.egress import SecretList, SecretOut
 from capsa.control.deps import Caller, Plane, problems
 from capsa.control.egress import service as egress
-from capsa.control.egress.schemas import SecretCreate, SecretList, SecretOut
+from capsa.control.egress.schemas import SecretCreate
 
 __all__ = ["router"]
 

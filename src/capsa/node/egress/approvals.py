@@ -15,9 +15,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from capsa.common.egress_policy import ApprovalScope
+from capsa.common.egress_policy import ApprovalScope, ApprovalState
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
 
@@ -26,7 +26,6 @@ __all__ = [
     "Approval",
     "ApprovalBook",
     "ApprovalError",
-    "ApprovalState",
     "Outcome",
     "new_approval_id",
 ]
@@ -39,8 +38,6 @@ PENDING_PER_SANDBOX = 16
 """Held requests one sandbox may have at once; more are refused (429) rather than queued."""
 _DECIDED_KEPT = 1000
 _DECIDED_FOR_S = 3600.0
-
-ApprovalState = Literal["pending", "approved", "denied", "timeout", "cancelled"]
 
 
 class ApprovalError(CapsaError):

@@ -9,21 +9,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, Field
 
-__all__ = ["AuditSink", "Decision", "EgressEvent", "ListSink", "emit_safely"]
+from capsa.common.wire.egress import EgressDecision, EgressKind
 
-Decision = Literal["allow", "deny", "error"]
+__all__ = ["AuditSink", "EgressEvent", "ListSink", "emit_safely"]
 
 _log = logging.getLogger(__name__)
 
 
 class EgressEvent(BaseModel):
-    kind: Literal["http", "connect", "tls", "dns", "net", "approval", "connection"]
-    """Egress (``http`` ... ``net``); ``approval`` (a held request decided) and ``connection`` (an OAuth
-    connection's token injected, refreshed or revoked) go into the tenant chain under those kinds."""
+    kind: EgressKind
+    """``approval`` and ``connection`` events go into the tenant chain under those kinds."""
     session_id: str | None = None
     sandbox_id: str
     time: float = Field(default_factory=time.time)
@@ -39,7 +38,7 @@ class EgressEvent(BaseModel):
     """Request bytes sent upstream (body)."""
     bytes_in: int = 0
     """Response bytes returned to the sandbox (body)."""
-    decision: Decision
+    decision: EgressDecision
     rule: str | None = None
     """The policy rule (domain pattern) or network rule behind the decision."""
     reason: str | None = None

@@ -1,16 +1,18 @@
-"""Response bodies of the tenant audit chain API (``/v1/audit``)."""
+"""Answers of the tenant audit chain API (``/v1/audit``): the events, a verification, a signed checkpoint."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from capsa.common.wire.base import Answer
 
 __all__ = ["AuditChainEvent", "AuditChainList", "AuditCheckpointOut", "AuditVerifyOut"]
 
 
-class AuditChainEvent(BaseModel):
+class AuditChainEvent(Answer):
     id: int
     """The event's number in the tenant's chain (1, 2, ...)."""
     time: datetime
@@ -29,12 +31,12 @@ class AuditChainEvent(BaseModel):
     hash: str
 
 
-class AuditChainList(BaseModel):
+class AuditChainList(Answer):
     items: list[AuditChainEvent]
     next_cursor: str | None = None
 
 
-class AuditVerifyOut(BaseModel):
+class AuditVerifyOut(Answer):
     ok: bool
     checked: int
     """Events whose link and hash checked out before the first break (all of them when ``ok``)."""
@@ -53,7 +55,7 @@ class AuditVerifyOut(BaseModel):
     checkpoint yet, or checkpoints are not configured: a cut tail would then go unnoticed)."""
 
 
-class AuditCheckpointOut(BaseModel):
+class AuditCheckpointOut(Answer):
     n: int
     """The checkpoint's line in the anchor log."""
     tenant: str
