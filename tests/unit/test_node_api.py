@@ -17,15 +17,14 @@ import pytest
 from capsa.common.ids import new_id
 from capsa.common.node_api import (
     EXEC_EVENT,
-    ExecError,
     ExecFinished,
-    ExecOutput,
     ExecRequest,
     FileInfo,
     NodeInfo,
     ProcessInfo,
     ProcessStart,
 )
+from capsa.common.wire.streams import ExecError, ExecOutput
 from capsa.control.nodes.client import NodeClient, NodeClientPool, NodeError
 from capsa.node.agent.agent import NodeAgent
 from capsa.node.agent.capacity import NodeCapacity

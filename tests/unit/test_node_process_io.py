@@ -10,8 +10,9 @@ import pathlib
 import pytest
 
 from capsa.common.ids import new_id
-from capsa.common.node_api import ExecRequest, FileEvent, OutputChunk, OutputEnd, ProcessStart, StreamError
+from capsa.common.node_api import ExecRequest, ProcessStart
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
+from capsa.common.wire.streams import FileEvent, OutputChunk, OutputEnd, StreamError
 from capsa.control.nodes.client import NodeClient, NodeError
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, IPvAnyNetwork, SecretStr, TypeAdapter
 
 from capsa.common.egress_policy import ApprovalScope, ApprovalState
+from capsa.common.wire.streams import ExecError, ExecOutput
 from capsa.guest.limits import (
     COMMAND_ENV_ENTRIES,
     DEFAULT_MAX_OUTPUT,
@@ -27,8 +28,6 @@ __all__ = [
     "GUEST_PATH_PATTERN",
     "MAX_EXEC_OUTPUT",
     "NDJSON",
-    "OUTPUT_EVENT",
-    "WATCH_EVENT",
     "ApprovalDecision",
     "ApprovalInfo",
     "ApprovalList",
@@ -37,22 +36,16 @@ __all__ = [
     "BranchEgress",
     "BranchRequest",
     "CommandSpec",
-    "ExecError",
     "ExecEvent",
     "ExecFinished",
-    "ExecOutput",
     "ExecRequest",
     "ExecResult",
     "ExecStatus",
-    "FileEvent",
     "FileInfo",
     "FileList",
     "KillRequest",
     "NodeHealth",
     "NodeInfo",
-    "OutputChunk",
-    "OutputEnd",
-    "OutputEvent",
     "PauseRequest",
     "PolicyUpdate",
     "PolicyUpdated",
@@ -69,10 +62,8 @@ __all__ = [
     "SnapshotCreate",
     "SnapshotInfo",
     "SnapshotList",
-    "StreamError",
     "TemplateInfo",
     "TemplateList",
-    "WatchEvent",
 ]
 
 NDJSON = "application/x-ndjson"
@@ -298,25 +289,10 @@ class ExecResult(ExecStatus):
     stderr: str
 
 
-class ExecOutput(_Answer):
-    """A piece of the command's output, decoded as UTF-8 (invalid bytes replaced)."""
-
-    type: Literal["stdout", "stderr"]
-    data: str
-
-
 class ExecFinished(ExecStatus):
     """The last event of a stream whose command ran to its end."""
 
     type: Literal["result"] = "result"
-
-
-class ExecError(_Answer):
-    """The last event of a stream whose command could not finish (the HTTP status was sent already)."""
-
-    type: Literal["error"] = "error"
-    code: str
-    detail: str
 
 
 ExecEvent = Annotated[ExecOutput | ExecFinished | ExecError, Field(discriminator="type")]
@@ -349,53 +325,6 @@ class ProcessOutput(_Answer):
     signal: int | None
     stdout_truncated: bool
     stderr_truncated: bool
-
-
-class OutputChunk(_Answer):
-    """A piece of a background process's output in ``/processes/{pid}/stream`` (UTF-8; a character cut by
-    a chunk boundary waits for the next chunk)."""
-
-    type: Literal["output"] = "output"
-    ch: Literal["stdout", "stderr"]
-    data: str
-    offset: int
-    """Byte offset in ``ch`` just after this chunk: pass it back as ``{ch}_from`` to resume after it."""
-    lost: int = 0
-    """Bytes before this chunk that were asked for but no longer kept by the guest (its ring buffer)."""
-
-
-class OutputEnd(_Answer):
-    """The last line of a process stream: the process exited and all its output was sent."""
-
-    type: Literal["exit"] = "exit"
-    exit_code: int | None
-    signal: int | None
-    stdout_end: int
-    stderr_end: int
-
-
-class StreamError(_Answer):
-    """The last line of a stream that broke after the HTTP status was sent."""
-
-    type: Literal["error"] = "error"
-    code: str
-    detail: str
-
-
-OutputEvent = Annotated[OutputChunk | OutputEnd | StreamError, Field(discriminator="type")]
-OUTPUT_EVENT: TypeAdapter[OutputChunk | OutputEnd | StreamError] = TypeAdapter(OutputEvent)
-
-
-class FileEvent(_Answer):
-    """A change in a watched directory (``/files/watch``)."""
-
-    type: Literal["created", "modified", "removed", "overflow"]
-    path: str
-    is_dir: bool = False
-
-
-WatchEvent = Annotated[FileEvent | StreamError, Field(discriminator="type")]
-WATCH_EVENT: TypeAdapter[FileEvent | StreamError] = TypeAdapter(WatchEvent)
 
 
 class KillRequest(_Request):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from capsa.common.wire.streams import FileEvent, OutputChunk, OutputEnd
 from capsa.sdk.approvals import ApprovalInfo, AsyncApprovals
 from capsa.sdk.approvals_sync import Approvals
 from capsa.sdk.audit import (
@@ -55,10 +56,7 @@ from capsa.sdk.files import AsyncFiles, AsyncWatch, UploadSource
 from capsa.sdk.models import (
     ApiKey,
     CommandResult,
-    FileEvent,
     FileInfo,
-    OutputChunk,
-    OutputEnd,
     PortToken,
     PortTokenInfo,
     ProcessInfo,

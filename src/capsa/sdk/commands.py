@@ -12,19 +12,15 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
+from capsa.common.wire.streams import OUTPUT_EVENT, ExecOutput, OutputChunk, OutputEnd, StreamError
 from capsa.sdk.client import AsyncClient
 from capsa.sdk.errors import CapsaConnectionError, UnexpectedResponse, error_from_problem
 from capsa.sdk.models import (
     EXEC_EVENT,
-    OUTPUT_EVENT,
     CommandResult,
     ExecFinished,
-    ExecOutput,
-    OutputChunk,
-    OutputEnd,
     ProcessInfo,
     ProcessOutput,
-    StreamError,
     iter_events,
     parse,
 )

@@ -11,8 +11,9 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from pathlib import Path
 from typing import IO, Any, Self
 
+from capsa.common.wire.streams import WATCH_EVENT, FileEvent, StreamError
 from capsa.sdk.errors import NotFound, error_from_problem
-from capsa.sdk.models import WATCH_EVENT, FileEvent, FileInfo, StreamError, parse_event
+from capsa.sdk.models import FileInfo, parse_event
 from capsa.sdk.resource import SessionResource
 
 __all__ = [

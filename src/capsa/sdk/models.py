@@ -15,24 +15,17 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from capsa.common.wire.base import Answer, known
+from capsa.common.wire.streams import ExecError, ExecOutput
 from capsa.sdk.errors import UnexpectedResponse
 
 __all__ = [
     "EXEC_EVENT",
-    "OUTPUT_EVENT",
-    "WATCH_EVENT",
     "ApiKey",
     "CommandResult",
     "CommandStatus",
-    "ExecError",
     "ExecEvent",
     "ExecFinished",
-    "ExecOutput",
-    "FileEvent",
     "FileInfo",
-    "OutputChunk",
-    "OutputEnd",
-    "OutputEvent",
     "PortToken",
     "PortTokenInfo",
     "ProcessInfo",
@@ -41,8 +34,6 @@ __all__ = [
     "SessionInfo",
     "SessionState",
     "SnapshotInfo",
-    "StreamError",
-    "WatchEvent",
     "iter_events",
     "parse",
     "parse_event",
@@ -169,25 +160,10 @@ class CommandResult(CommandStatus):
     stderr: str = ""
 
 
-class ExecOutput(Answer):
-    """A piece of a streamed command's output, decoded as UTF-8."""
-
-    type: Literal["stdout", "stderr"]
-    data: str
-
-
 class ExecFinished(CommandStatus):
     """The last event of a stream whose command ran to its end (the output came in the events before)."""
 
     type: Literal["result"] = "result"
-
-
-class ExecError(Answer):
-    """The last event of a stream whose command could not finish (the HTTP status was sent already)."""
-
-    type: Literal["error"] = "error"
-    code: str
-    detail: str
 
 
 ExecEvent = Annotated[ExecOutput | ExecFinished | ExecError, Field(discriminator="type")]
@@ -206,57 +182,6 @@ class ProcessInfo(_Sent):
     started_at: datetime
     stdin_open: bool = False
     """Started with ``open_stdin`` and its stdin not closed yet (``/processes/{pid}/stdin`` takes bytes)."""
-
-
-class OutputChunk(Answer):
-    """A piece of a background process's output in ``GET /processes/{pid}/stream`` (UTF-8; a character
-    cut by a chunk boundary comes whole in the next line)."""
-
-    type: Literal["output"] = "output"
-    ch: Literal["stdout", "stderr"]
-    data: str
-    offset: int
-    """Byte offset in ``ch`` just after this chunk: reconnect with ``{ch}_from=offset`` to get what follows
-    (nothing lost, nothing repeated)."""
-    lost: int = 0
-    """Bytes before this chunk that were asked for but had left the guest's ring buffer (1 MiB per stream)."""
-
-
-class OutputEnd(Answer):
-    """The last line of a process stream: the process exited and all of its output was sent."""
-
-    type: Literal["exit"] = "exit"
-    exit_code: int | None = None
-    signal: int | None = None
-    stdout_end: int = 0
-    stderr_end: int = 0
-
-
-class StreamError(Answer):
-    """The last line of an NDJSON stream that broke after the HTTP status was sent."""
-
-    type: Literal["error"] = "error"
-    code: str
-    detail: str
-
-
-OutputEvent = Annotated[OutputChunk | OutputEnd | StreamError, Field(discriminator="type")]
-"""One line of ``GET /sessions/{id}/processes/{pid}/stream``: output, then one ``exit`` or ``error``."""
-OUTPUT_EVENT: TypeAdapter[OutputChunk | OutputEnd | StreamError] = TypeAdapter(OutputEvent)
-
-
-class FileEvent(Answer):
-    """A change in a watched directory (``GET /sessions/{id}/files/watch``)."""
-
-    type: Literal["created", "modified", "removed", "overflow"]
-    """``overflow``: the guest kernel dropped events (too many at once)."""
-    path: str
-    is_dir: bool = False
-
-
-WatchEvent = Annotated[FileEvent | StreamError, Field(discriminator="type")]
-"""One line of ``GET /sessions/{id}/files/watch``."""
-WATCH_EVENT: TypeAdapter[FileEvent | StreamError] = TypeAdapter(WatchEvent)
 
 
 class ProcessOutput(_Sent):

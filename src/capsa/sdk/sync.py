@@ -13,6 +13,7 @@ from typing import IO, Any, Literal, overload
 
 import httpx
 
+from capsa.common.wire.streams import FileEvent, OutputChunk, OutputEnd
 from capsa.sdk.approvals_sync import Approvals
 from capsa.sdk.audit_sync import Audit
 from capsa.sdk.browser import BrowserInfo
@@ -27,10 +28,7 @@ from capsa.sdk.files import AsyncFiles, AsyncWatch, UploadSource
 from capsa.sdk.models import (
     ApiKey,
     CommandResult,
-    FileEvent,
     FileInfo,
-    OutputChunk,
-    OutputEnd,
     ProcessInfo,
     ProcessOutput,
     SessionInfo,

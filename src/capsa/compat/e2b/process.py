@@ -27,13 +27,13 @@ from typing import Any
 from capsa.common import node_api
 from capsa.common.errors import CapsaError
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
+from capsa.common.wire.streams import OutputChunk, OutputEnd
 from capsa.compat.e2b.access import EnvdTarget
 from capsa.compat.e2b.connect import ConnectError, paced
 from capsa.control.audit import trail as audit_trail
 from capsa.control.plane import ControlPlane
 from capsa.control.ports.access import keep_active
 from capsa.control.sessions import process_io, relay
-from capsa.sdk.models import OutputChunk, OutputEnd
 
 __all__ = ["SIGNALS", "StartSpec", "Terminals", "close_stdin", "guest_user", "list_processes",
            "selected_pid", "send_input", "send_signal", "start_request", "stream_process", "update_process",

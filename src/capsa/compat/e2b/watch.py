@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from capsa.common.errors import CapsaError
+from capsa.common.wire.streams import FileEvent, StreamError
 from capsa.compat.e2b.access import EnvdTarget
 from capsa.compat.e2b.connect import ConnectError, as_connect, paced
 from capsa.control.plane import ControlPlane
 from capsa.control.sessions import process_io
 from capsa.control.sessions import service as sessions
 from capsa.control.settings import ControlSettings
-from capsa.sdk.models import FileEvent, StreamError
 
 __all__ = ["MAX_WATCHERS_PER_SESSION", "WatchLimits", "Watchers", "event_cost", "watch_stream"]
 

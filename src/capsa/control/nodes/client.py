@@ -29,8 +29,6 @@ from capsa.common.errors import CapsaError
 from capsa.common.node_api import (
     EXEC_EVENT,
     NDJSON,
-    OUTPUT_EVENT,
-    WATCH_EVENT,
     ApprovalDecision,
     ApprovalInfo,
     ApprovalList,
@@ -43,7 +41,6 @@ from capsa.common.node_api import (
     FileList,
     KillRequest,
     NodeInfo,
-    OutputEvent,
     PauseRequest,
     PolicyUpdated,
     ProcessInfo,
@@ -55,11 +52,11 @@ from capsa.common.node_api import (
     SandboxList,
     SnapshotCreate,
     SnapshotInfo,
-    WatchEvent,
 )
 from capsa.common.port_tunnel import PortTunnel, open_tunnel
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
 from capsa.common.websocket import SocketStream
+from capsa.common.wire.streams import OUTPUT_EVENT, WATCH_EVENT, OutputEvent, WatchEvent
 from capsa.control.audit import trail as audit_trail
 
 __all__ = ["EgressArgs", "NodeClient", "NodeClientPool", "NodeError"]

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from capsa.common import node_api
+from capsa.common.wire.streams import OUTPUT_EVENT, ExecError, ExecOutput, OutputChunk, OutputEnd, StreamError
 from capsa.control.audit import trail as audit_trail
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import PayloadTooLarge
@@ -32,16 +33,7 @@ from capsa.control.schemas import (
 )
 from capsa.control.sessions import process_io, relay
 from capsa.control.sessions.rolling import command_finished
-from capsa.sdk.models import (
-    EXEC_EVENT,
-    OUTPUT_EVENT,
-    ExecError,
-    ExecFinished,
-    ExecOutput,
-    OutputChunk,
-    OutputEnd,
-    StreamError,
-)
+from capsa.sdk.models import EXEC_EVENT, ExecFinished
 
 __all__ = ["AUDIT_ARGV_BYTES", "argv_detail", "router"]
 

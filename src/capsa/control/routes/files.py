@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from capsa.common import node_api
+from capsa.common.wire.streams import WATCH_EVENT, FileEvent, StreamError
 from capsa.control.audit.digest import StreamDigest
 from capsa.control.deps import PROBLEMS, Caller, Plane, problems
 from capsa.control.errors import PayloadTooLarge
@@ -18,7 +19,6 @@ from capsa.control.nodes.client import NodeClient
 from capsa.control.plane import ControlPlane
 from capsa.control.schemas import FileInfo, FileList
 from capsa.control.sessions import process_io, relay
-from capsa.sdk.models import WATCH_EVENT, FileEvent, StreamError
 
 __all__ = ["router"]
 

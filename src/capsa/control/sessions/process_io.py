@@ -22,18 +22,18 @@ from typing import Generic, TypeVar
 
 from capsa.common import node_api
 from capsa.common.terminal_wire import TerminalClient, TerminalOptions
+from capsa.common.wire.streams import FileEvent, OutputChunk, OutputEnd, StreamError
 from capsa.control.nodes.calls import NodeLost, until_lost
 from capsa.control.nodes.client import NodeClient
 from capsa.control.plane import ControlPlane
 from capsa.control.ports.access import keep_active
 from capsa.control.sessions import relay
-from capsa.sdk.models import FileEvent, OutputChunk, OutputEnd, ProcessInfo, StreamError
+from capsa.sdk.models import ProcessInfo
 
 __all__ = ["EventStream", "close_stdin", "open_terminal", "send_stdin", "start_background", "stream_output",
            "watch_files"]
 
 _T = TypeVar("_T")
-_N = TypeVar("_N")
 
 
 async def start_background(plane: ControlPlane, tenant: str, session_id: str, cmd: str | list[str], *,
@@ -81,12 +81,11 @@ class EventStream(Generic[_T]):
 
 
 async def _open_stream(target: relay.SessionTarget,
-                       opener: Callable[[NodeClient, str], AbstractAsyncContextManager[AsyncIterator[_N]]],
-                       convert: Callable[[_N], _T], failed: Callable[[str, str], _T], *,
-                       active: bool = True) -> EventStream[_T]:
+                       opener: Callable[[NodeClient, str], AbstractAsyncContextManager[AsyncIterator[_T]]],
+                       failed: Callable[[str, str], _T], *, active: bool = True) -> EventStream[_T]:
     """Open the node's stream (its refusal raises here), keep the session active while it is open
-    (``active``), and translate its events; a sandbox lost mid-stream is recorded and reported as the
-    last event."""
+    (``active``), and pass its events on (they are the public API's: :mod:`capsa.common.wire.streams`);
+    a sandbox lost mid-stream is recorded and reported as the last event."""
     node_events, stack = await relay.open_stream(target, opener)
     if active:
         try:
@@ -100,26 +99,16 @@ async def _open_stream(target: relay.SessionTarget,
             if isinstance(node_event, NodeLost):
                 yield failed("node_unreachable", f"lost the node while streaming: {node_event.message}")
                 return
-            if isinstance(node_event, node_api.StreamError) and node_event.code in relay.SANDBOX_GONE_CODES:
+            if isinstance(node_event, StreamError) and node_event.code in relay.SANDBOX_GONE_CODES:
                 yield failed(*await relay.sandbox_lost(target, node_event.code, node_event.detail))
                 return
-            yield convert(node_event)
+            yield node_event
 
     return EventStream(events(), stack)
 
 
 def _stream_error(code: str, detail: str) -> StreamError:
     return StreamError(code=code, detail=detail)
-
-
-def _output_event(event: node_api.OutputChunk | node_api.OutputEnd | node_api.StreamError
-                  ) -> OutputChunk | OutputEnd | StreamError:
-    if isinstance(event, node_api.OutputChunk):
-        return OutputChunk(ch=event.ch, data=event.data, offset=event.offset, lost=event.lost)
-    if isinstance(event, node_api.OutputEnd):
-        return OutputEnd(exit_code=event.exit_code, signal=event.signal, stdout_end=event.stdout_end,
-                         stderr_end=event.stderr_end)
-    return StreamError(code=event.code, detail=event.detail)
 
 
 async def stream_output(plane: ControlPlane, tenant: str, session_id: str, pid: int, *, stdout_from: int = 0,
@@ -131,13 +120,7 @@ async def stream_output(plane: ControlPlane, tenant: str, session_id: str, pid: 
     as ``lost`` on the first chunk after the gap."""
     target = await relay.running(plane, tenant, session_id)
     return await _open_stream(target, lambda node, sandbox: node.stream_process(
-        sandbox, pid, stdout_from=stdout_from, stderr_from=stderr_from), _output_event, _stream_error)
-
-
-def _watch_event(event: node_api.FileEvent | node_api.StreamError) -> FileEvent | StreamError:
-    if isinstance(event, node_api.FileEvent):
-        return FileEvent(type=event.type, path=event.path, is_dir=event.is_dir)
-    return StreamError(code=event.code, detail=event.detail)
+        sandbox, pid, stdout_from=stdout_from, stderr_from=stderr_from), _stream_error)
 
 
 async def watch_files(plane: ControlPlane, tenant: str, session_id: str, path: str, *,
@@ -148,7 +131,7 @@ async def watch_files(plane: ControlPlane, tenant: str, session_id: str, path: s
     target = await relay.running(plane, tenant, session_id)
     return await _open_stream(target, lambda node, sandbox: node.watch_dir(sandbox, path,
                                                                            recursive=recursive),
-                              _watch_event, _stream_error, active=active)
+                              _stream_error, active=active)
 
 
 async def open_terminal(plane: ControlPlane, tenant: str, session_id: str,

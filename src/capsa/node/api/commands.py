@@ -17,22 +17,17 @@ from capsa.common.errors import CapsaError
 from capsa.common.node_api import (
     EXEC_EVENT,
     NDJSON,
-    OUTPUT_EVENT,
-    ExecError,
     ExecFinished,
-    ExecOutput,
     ExecRequest,
     ExecResult,
     ExecStatus,
     KillRequest,
-    OutputChunk,
-    OutputEnd,
     ProcessInfo,
     ProcessList,
     ProcessOutput,
     ProcessStart,
-    StreamError,
 )
+from capsa.common.wire.streams import OUTPUT_EVENT, ExecError, ExecOutput, OutputChunk, OutputEnd, StreamError
 from capsa.guest.results import ProcessInfo as GuestProcess
 from capsa.node.agent.guest import ExecChunk
 from capsa.node.api.deps import Agent

@@ -10,7 +10,8 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from capsa.common.errors import CapsaError
-from capsa.common.node_api import NDJSON, WATCH_EVENT, FileEvent, FileInfo, FileList, StreamError
+from capsa.common.node_api import NDJSON, FileInfo, FileList
+from capsa.common.wire.streams import WATCH_EVENT, FileEvent, StreamError
 from capsa.guest.results import FileInfo as GuestFile
 from capsa.node.api.deps import Agent, GuestPath
 from capsa.node.guestlink.handles.watch import DirWatch
