@@ -68,6 +68,14 @@ ApprovalState = Literal["pending", "approved", "denied", "timeout", "cancelled"]
 _FORBIDDEN_BINDING_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "upgrade", "te"}
 
 
+def _binding_header(value: str, what: str) -> str:
+    """``value`` as the header a binding puts ``what`` (a secret, a token) in: a valid name that is not one
+    of :data:`_FORBIDDEN_BINDING_HEADERS`."""
+    if not _HEADER_RE.match(value) or value.lower() in _FORBIDDEN_BINDING_HEADERS:
+        raise ValueError(f"header {value!r} cannot carry {what}")
+    return value
+
+
 class PolicyError(CapsaError):
     code = "invalid_policy"
     status = 422
@@ -241,9 +249,7 @@ class SecretBinding(BaseModel):
     @field_validator("header")
     @classmethod
     def _check_header(cls, value: str) -> str:
-        if not _HEADER_RE.match(value) or value.lower() in _FORBIDDEN_BINDING_HEADERS:
-            raise ValueError(f"header {value!r} cannot carry a secret")
-        return value
+        return _binding_header(value, "a secret")
 
     @field_validator("domain")
     @classmethod
@@ -279,9 +285,7 @@ class ConnectionBinding(BaseModel):
     @field_validator("header")
     @classmethod
     def _check_header(cls, value: str) -> str:
-        if not _HEADER_RE.match(value) or value.lower() in _FORBIDDEN_BINDING_HEADERS:
-            raise ValueError(f"header {value!r} cannot carry a token")
-        return value
+        return _binding_header(value, "a token")
 
     @field_validator("domains")
     @classmethod

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from capsa.common.wire.audit import AUDIT_KINDS
 from capsa.common.wire.streams import FileEvent, OutputChunk, OutputEnd
 from capsa.sdk.approvals import ApprovalInfo, AsyncApprovals
 from capsa.sdk.approvals_sync import Approvals
 from capsa.sdk.audit import (
-    AUDIT_KINDS,
     AsyncAudit,
     AuditCheckpoint,
     AuditPage,

@@ -16,13 +16,10 @@ from typing import Any
 from capsa.common.wire.audit import AuditChainEvent, AuditChainList, AuditCheckpointOut, AuditVerifyOut
 from capsa.sdk.resource import Resource
 
-__all__ = ["AUDIT_KINDS", "AsyncAudit", "AuditCheckpoint", "AuditPage", "AuditRecord", "AuditVerification"]
-
-AUDIT_KINDS = ("api", "session", "command", "file", "egress", "approval", "connection")
-
+__all__ = ["AsyncAudit", "AuditCheckpoint", "AuditPage", "AuditRecord", "AuditVerification"]
 
 AuditRecord = AuditChainEvent
-"""One event of the chain; ``kind`` is one of :data:`AUDIT_KINDS`."""
+"""One event of the chain; ``kind`` is one of ``AUDIT_KINDS``."""
 AuditPage = AuditChainList
 """One page of events; pass its ``next_cursor`` back for the next one."""
 AuditVerification = AuditVerifyOut

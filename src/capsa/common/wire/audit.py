@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pydantic import Field
 
 from capsa.common.wire.base import Answer
 
-__all__ = ["AuditChainEvent", "AuditChainList", "AuditCheckpointOut", "AuditVerifyOut"]
+__all__ = ["AUDIT_KINDS", "AuditChainEvent", "AuditChainList", "AuditCheckpointOut", "AuditKind",
+           "AuditVerifyOut"]
+
+AuditKind = Literal["api", "session", "command", "file", "egress", "approval", "connection"]
+"""What an event of the chain records (its ``kind``)."""
+AUDIT_KINDS: tuple[str, ...] = get_args(AuditKind)
 
 
 class AuditChainEvent(Answer):
@@ -19,7 +24,7 @@ class AuditChainEvent(Answer):
     time_us: int
     """The same instant in microseconds since the Unix epoch, as hashed."""
     kind: str
-    """``api``, ``session``, ``command``, ``file``, ``egress``, ``approval`` or ``connection``."""
+    """One of :data:`AUDIT_KINDS`."""
     action: str
     tenant: str
     key_id: str | None

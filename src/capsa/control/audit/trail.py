@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -36,13 +36,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from capsa.common.audit_chain import GENESIS, ChainFields, event_hash, normalize_detail
 from capsa.common.audit_checkpoint import Checkpoint
+from capsa.common.wire.audit import AuditKind
 from capsa.control.store.audit_models import AuditHeadRow, AuditTrailRow
 from capsa.control.store.db import DbSession
 
 __all__ = [
-    "AUDIT_KINDS",
     "AuditEntry",
-    "AuditKind",
     "BreakCode",
     "ChainBreak",
     "Executor",
@@ -63,9 +62,6 @@ __all__ = [
     "verify",
     "write",
 ]
-
-AuditKind = Literal["api", "session", "command", "file", "egress", "approval", "connection"]
-AUDIT_KINDS: tuple[str, ...] = get_args(AuditKind)
 
 
 @dataclass

@@ -23,8 +23,9 @@ from capsa.common.destinations import DestinationRefused, ResolveError, screen_h
 from capsa.common.ids import new_id
 from capsa.common.node_api import AuditEvent as NodeAuditEvent
 from capsa.common.placeholders import new_placeholder
+from capsa.common.wire.audit import AuditKind
 from capsa.common.wire.egress import AuditEventOut, AuditList, PolicyOut, SecretList, SecretOut
-from capsa.control.audit.trail import AuditEntry, AuditKind
+from capsa.control.audit.trail import AuditEntry
 from capsa.control.audit.trail import append as audit_append
 from capsa.control.connections.tokens import resolve_connections
 from capsa.control.egress.grants import tenant_networks

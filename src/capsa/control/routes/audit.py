@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from capsa.common.wire.audit import AuditChainList, AuditCheckpointOut, AuditVerifyOut
+from capsa.common.wire.audit import AuditChainList, AuditCheckpointOut, AuditKind, AuditVerifyOut
 from capsa.control.audit import service as audit_api
 from capsa.control.deps import Caller, Plane, problems
 
@@ -15,13 +15,10 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/audit", tags=["audit"], responses=problems())
 
-Kind = Literal["api", "session", "command", "file", "egress", "approval", "connection"]
-
-
 @router.get("", response_model=AuditChainList)
 async def list_audit(plane: Plane, caller: Caller,
                      session_id: Annotated[str | None, Query(max_length=32)] = None,
-                     kind: Annotated[list[Kind] | None, Query()] = None,
+                     kind: Annotated[list[AuditKind] | None, Query()] = None,
                      since: datetime | None = None, until: datetime | None = None,
                      cursor: Annotated[str | None, Query(max_length=20)] = None,
                      limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> AuditChainList:

@@ -21,9 +21,9 @@ from typing import Generic, TypeVar
 from sqlalchemy import select, update
 
 from capsa.common.ids import is_id
+from capsa.common.wire.audit import AuditKind
 from capsa.control.audit import trail as audit_trail
 from capsa.control.audit.digest import StreamDigest
-from capsa.control.audit.trail import AuditKind
 from capsa.control.errors import ApiError, InvalidState, NotFound, SessionFailed
 from capsa.control.nodes.calls import attempt, node_error
 from capsa.control.nodes.client import NodeClient, NodeError
