@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 
 from tests.support.s3_server import temporary_s3
 
+from capsa.common.egress_policy import EgressPolicy
 from capsa.common.ids import new_id
 from capsa.common.settings import Settings
 from capsa.images import ensure_image
@@ -109,7 +110,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for template in args.templates:
                 memory = SIZES[template]
                 sid = new_id("sbx")
-                record = await agent.create(sid, template, memory, 1, {})
+                # A browser sandbox has a NIC, so it takes an egress policy (any: nothing is fetched).
+                policy = (EgressPolicy.from_data({"domains": [{"domain": "api.allowed.test"}]})
+                          if template != "base" else None)
+                record = await agent.create(sid, template, memory, 1, {}, policy=policy)
                 labels = {"capsa.tenant": "bench"}
                 await asyncio.sleep(args.idle)
                 first = await runtime.snapshot(record.sandbox, new_id("snap"), labels=labels)
