@@ -329,3 +329,22 @@ async def test_rolling_snapshots_older_than_their_max_age_go_but_the_newest(stac
         assert left == [newest] and not set(older) & _snapshot_dirs(stack)
         assert await prune_aged_rolling(stack.plane) == []  # the newest stays however old
         await _ok(await c.post(f"/v1/sessions/{sid}/close"))
+
+
+async def test_no_route_reaches_another_tenants_snapshot_by_its_id(stack: ApiStack) -> None:
+    owner, intruder = await stack.tenant_key("acme"), await stack.tenant_key("evil")
+    async with stack.client(owner) as a, stack.client(intruder) as b:
+        victim = (await _ok(await a.post("/v1/sessions", json={}), 201))["id"]
+        await _sh(a, victim, "echo secret-plans > /tmp/plans")
+        snap = (await _ok(await a.post(f"/v1/sessions/{victim}/snapshots", json={}), 201))["id"]
+        mine = (await _ok(await b.post("/v1/sessions", json={}), 201))["id"]
+        # Restore onto the intruder's own session from the id; its listing; its own pause and resume.
+        _problem(await b.post(f"/v1/sessions/{mine}/restore", json={"snapshot_id": snap}), 404,
+                 "snapshot_not_found")
+        listed = (await _ok(await b.get(f"/v1/sessions/{mine}/snapshots")))["items"]
+        assert snap not in {s["id"] for s in listed}
+        await _ok(await b.post(f"/v1/sessions/{mine}/pause"))
+        await _ok(await b.post(f"/v1/sessions/{mine}/resume"))
+        assert "secret-plans" not in await _sh(b, mine, "cat /tmp/plans 2>&1 || true")
+        for sid, c in ((victim, a), (mine, b)):
+            await _ok(await c.post(f"/v1/sessions/{sid}/close"))
