@@ -38,7 +38,7 @@ from tests.support.served import Served, serve_workdir
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.timeout(1500)]
 
-BROWSER_POLICY = {"domains": [{"domain": "api.allowed.test"}]}  # a browser sandbox has a NIC: it needs one
+POLICY = {"domains": [{"domain": "api.allowed.test"}]}  # a networked session (a browser needs one)
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done"
 
 if (missing := postgres_missing_reason()) is not None:
@@ -140,6 +140,22 @@ def _scan_store(store: ObjectStore, needles: list[bytes]) -> dict[bytes, int]:
     return found
 
 
+async def _denied_on_this_node(session: AsyncSession) -> bool:
+    """A name the session's policy does not allow is refused by the broker of the node it runs on now
+    (the lookup is made now, so the deny event is from that node), within a minute."""
+    lookup = ("import socket\ntry:\n socket.getaddrinfo('not-allowed.test', 443)\n"
+              "except OSError as e:\n print(e)")
+    refused = await session.commands.run(["python3", "-c", lookup], timeout=60)
+    assert refused.exit_code == 0 and refused.stdout.strip(), refused
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        denied = await session.egress.audit(decision="deny")
+        if [e for e in denied if "not-allowed.test" in (e.destination or "")]:
+            return True
+        await asyncio.sleep(1.0)
+    return False
+
+
 def _qemus_of(state_dir: Path) -> list[str]:
     """The command lines of QEMU processes running from ``state_dir``."""
     out = []
@@ -162,7 +178,7 @@ async def test_a_session_of_a_killed_node_runs_on_another_from_its_rolling_snaps
         node_a, id_a = start_node(workdir, "node-a", control.url, enrol_token(control.url, admin), store_env)
         started.append(node_a)
         client = AsyncClient(control.url, admin)
-        session = await AsyncSession.create(timeout=900, client=client,
+        session = await AsyncSession.create(timeout=900, client=client, policy=POLICY,
                                             rolling_snapshots={"interval_s": 60, "after_command": True})
         await session.files.write("/root/note", "written on a\n")
         await session.commands.run(COUNTER, background=True)
@@ -192,6 +208,9 @@ async def test_a_session_of_a_killed_node_runs_on_another_from_its_rolling_snaps
         assert first >= 5  # from the snapshot on, not from zero
         await asyncio.sleep(1.0)
         assert await _counter(resumed) > first
+        kept = (await resumed.egress.policy()).policy
+        assert kept is not None and [d["domain"] for d in kept["domains"]] == ["api.allowed.test"]
+        assert await _denied_on_this_node(resumed), "node B's broker did not apply the session's policy"
         trail = [e for e in await client.audit.list(session_id=session.id) if e.action == "recover"]
         assert len(trail) == 1 and trail[0].detail["from_node"] == id_a and trail[0].detail["node"] == id_b
         print(f"failover: {failover_s:.1f} s from kill -9 to running on node B")
@@ -260,18 +279,7 @@ async def test_drain_moves_sessions_with_their_processes_and_policy(
         assert kept is not None and [d["domain"] for d in kept["domains"]] == ["api.allowed.test"]
         placeholder = (await networked.commands.run("printenv API_KEY", timeout=60)).stdout.strip()
         assert placeholder.startswith("capsa_ph_") and secret not in placeholder
-        lookup = ("import socket\ntry:\n socket.getaddrinfo('not-allowed.test', 443)\n"
-                  "except OSError as e:\n print(e)")
-        refused = await networked.commands.run(["python3", "-c", lookup], timeout=60)
-        assert refused.exit_code == 0 and refused.stdout.strip(), refused
-        deadline = time.monotonic() + 60
-        while True:
-            denied = [e for e in await networked.egress.audit(decision="deny")
-                      if "not-allowed.test" in (e.destination or "")]
-            if denied or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(1.0)
-        assert denied, await networked.egress.audit()
+        assert await _denied_on_this_node(networked), await networked.egress.audit()
 
         # A drained node gets no new session until it is undrained.
         fresh = await AsyncSession.create(timeout=600, client=client)
@@ -308,7 +316,7 @@ async def test_a_template_in_the_store_is_used_by_a_node_that_never_built_it(
         started.append(node_a)
         client = AsyncClient(control.url, admin)
         on_a = await AsyncSession.create(template="browser", memory_mib=1024, timeout=900, client=client,
-                                         policy=BROWSER_POLICY)
+                                         policy=POLICY)
         await on_a.close()
         deadline = time.monotonic() + 600
         while not [n for n in list_bundles(store, STORE_KIND) if n.startswith("browser.")]:
@@ -325,7 +333,7 @@ async def test_a_template_in_the_store_is_used_by_a_node_that_never_built_it(
         started.append(node_b)
         t0 = time.monotonic()
         on_b = await AsyncSession.create(template="browser", memory_mib=1024, timeout=900, client=client,
-                                         policy=BROWSER_POLICY)
+                                         policy=POLICY)
         import_s = time.monotonic() - t0
         assert (await client.get_session(on_b.id)).node_id == id_b
         out = await on_b.commands.run("pgrep -c chromium || pgrep -c chrome", timeout=60)
