@@ -170,10 +170,12 @@ def _qemus_of(state_dir: Path) -> list[str]:
 async def test_a_session_of_a_killed_node_runs_on_another_from_its_rolling_snapshot(
         pg: PgCluster, workdir: Path, store_env: dict[str, str]) -> None:
     admin = generate_key().full
-    # Node A is declared dead 10 s after its last heartbeat (nodes send one every 5 s).
+    # Node A is declared dead 10 s after its last heartbeat (nodes send one every 5 s). Two replicas on one
+    # database: both reapers see the dead node, one recovers the session (one `recover` event below).
     fast = {"CAPSA_NODE_DEAD_AFTER_S": "10", "CAPSA_NODE_HEARTBEAT_TIMEOUT": "10"}
-    control = start_control(workdir, pg.new_database(), admin, fast)
-    started: list[Served] = [control]
+    db_url = pg.new_database()
+    control = start_control(workdir, db_url, admin, fast)
+    started: list[Served] = [control, start_control(workdir, db_url, admin, fast)]
     try:
         node_a, id_a = start_node(workdir, "node-a", control.url, enrol_token(control.url, admin), store_env)
         started.append(node_a)
