@@ -5,7 +5,9 @@ before the call that took it answers, so a snapshot the control plane knows of c
 that reads the store; the node's own copy becomes a cache. A restore or branch of a snapshot this node does
 not hold pulls it first (a whole directory or nothing, every chunk's digest checked, then the manifest's).
 Chunks go to the snapshot's tenant scope (``capsa.tenant``, sent by the control plane); a snapshot with no
-tenant (a node used without a control plane) goes to the ``node`` scope.
+tenant (a node used without a control plane) goes to the ``node`` scope. A chunk equal to one of a template
+in the store (the disk blocks and RAM pages a session has not changed since its template) is referenced in
+the shared ``templates`` scope instead of being stored again: templates are no tenant's secret.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 from capsa.common.errors import CapsaError
 from capsa.node.runtime.snapshot.manifest import DISK_FILE, MANIFEST_FILE, RAM_FILE, STATE_FILE, Snapshot
-from capsa.store.bundles import bundle_key, delete_bundle, pull_bundle, push_bundle
+from capsa.node.templates.cache import STORE_KIND as TEMPLATE_KIND
+from capsa.store.bundles import bundle_key, delete_bundle, list_bundles, pull_bundle, push_bundle, read_bundle
 from capsa.store.chunks import ChunkRef, TransferStats
 from capsa.store.objects import ObjectMissing, ObjectStore, StoreError
 
@@ -38,6 +41,7 @@ class Shipper:
         self.store = store
         self.snapshots_dir = snapshots_dir
         self._known: set[ChunkRef] = set()
+        self._templates: dict[str, set[ChunkRef]] = {}
         self._pulls: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     def _remember(self) -> set[ChunkRef]:
@@ -45,13 +49,29 @@ class Shipper:
             self._known.clear()
         return self._known
 
+    def _template_refs(self) -> set[ChunkRef]:
+        """The chunks of the templates in the store (each template's index read once)."""
+        names = set(list_bundles(self.store, TEMPLATE_KIND))
+        for gone in set(self._templates) - names:
+            del self._templates[gone]
+        for name in names - set(self._templates):
+            try:
+                self._templates[name] = read_bundle(self.store, TEMPLATE_KIND, name).refs()
+            except StoreError as e:  # deleted since the listing, or damaged: its chunks are not reused
+                log.warning("template %s in the store cannot be read: %s", name, e)
+        return set().union(*self._templates.values()) if self._templates else set()
+
+    def _push(self, snap: Snapshot, scope: str, files: list[str]) -> TransferStats:
+        _, stats = push_bundle(self.store, KIND, snap.id, snap.path, files, scope=scope,
+                               known=self._remember(), reusable=self._template_refs())
+        return stats
+
     async def push(self, snap: Snapshot) -> TransferStats:
         scope = snap.manifest.labels.get(LABEL_TENANT) or "node"
         files = [f for f in _FILES if (snap.path / f).is_file()]
         started = time.monotonic()
         try:
-            _, stats = await asyncio.to_thread(push_bundle, self.store, KIND, snap.id, snap.path, files,
-                                               scope=scope, known=self._remember())
+            stats = await asyncio.to_thread(self._push, snap, scope, files)
         except StoreError as e:
             raise CapsaError(f"snapshot {snap.id} was taken but could not be written to the store: {e}",
                              code="store_unavailable", status=503) from e
