@@ -15,6 +15,7 @@ from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
 from capsa.node.storage import StoragePool
 from tests.support.leftovers import wait_no_vm_leftovers
+from tests.support.postgres import PgCluster, temporary_postgres
 from tests.support.served import Served, serve_workdir, start_serve
 from tests.support.vm import snapshot_pool
 
@@ -52,3 +53,10 @@ def server(workdir: Path) -> Iterator[tuple[Served, str]]:
     finally:
         assert served.stop() == 0, served.errors()
         assert wait_no_vm_leftovers(served.state_dir) == []
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[PgCluster]:
+    """A throwaway PostgreSQL cluster for the module's ``capsa control`` processes (multi-host tests)."""
+    with temporary_postgres() as cluster:
+        yield cluster

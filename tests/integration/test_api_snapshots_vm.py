@@ -245,7 +245,8 @@ async def test_killed_vm_resumes_from_latest_rolling_snapshot(stack: Stack) -> N
     async with stack.client() as c:
         ses = await _create(c, rolling_snapshots={"after_command": True, "keep": 2})
         sid = ses["id"]
-        assert ses["rolling_snapshots"] == {"interval_s": None, "after_command": True, "keep": 2}
+        assert ses["rolling_snapshots"] == {"interval_s": None, "after_command": True, "keep": 2,
+                                            "max_age_s": None}
         seen: list[str] = []
         for word in ("one", "two", "three"):
             before = {s["id"] for s in await _snapshots(c, sid)}
@@ -404,7 +405,8 @@ async def test_sdk_async_sync_and_cli(stack: Stack) -> None:
     s = await AsyncSession.create(timeout=900, metadata={"via": "sdk"}, rolling_snapshots={"keep": 2},
                                   api_url=url, api_key=key)
     assert s.info.rolling_snapshots is not None
-    assert s.info.rolling_snapshots.model_dump() == {"interval_s": None, "after_command": False, "keep": 2}
+    assert s.info.rolling_snapshots.model_dump() == {"interval_s": None, "after_command": False, "keep": 2,
+                                                     "max_age_s": None}
     await s.files.write("/root/sdk", "first\n")
     snap = await s.snapshots.create()
     assert snap.kind == "manual" and [x.id for x in await s.snapshots.list()] == [snap.id]

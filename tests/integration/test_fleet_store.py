@@ -33,7 +33,7 @@ from capsa.store import ObjectStore, open_store
 from capsa.store.bundles import list_bundles
 from tests.support.fleet import cli, enrol_token, listed_nodes, start_control, start_node
 from tests.support.leftovers import wait_no_node_leftovers
-from tests.support.postgres import PgCluster, postgres_missing_reason, temporary_postgres
+from tests.support.postgres import PgCluster, postgres_missing_reason
 from tests.support.s3_server import S3Server
 from tests.support.served import Served, serve_workdir
 
@@ -44,12 +44,6 @@ COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; do
 
 if (missing := postgres_missing_reason()) is not None:
     pytest.skip(missing, allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def pg() -> Iterator[PgCluster]:
-    with temporary_postgres() as cluster:
-        yield cluster
 
 
 @pytest.fixture

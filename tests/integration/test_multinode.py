@@ -22,7 +22,7 @@ from capsa.sdk import AsyncClient, AsyncSession
 from tests.support.fleet import enrol_token, start_control, start_node
 from tests.support.fleet import listed_nodes as _nodes
 from tests.support.leftovers import wait_no_node_leftovers
-from tests.support.postgres import PgCluster, postgres_missing_reason, temporary_postgres
+from tests.support.postgres import PgCluster, postgres_missing_reason
 from tests.support.served import CAPSA, ROOT, Served, free_port, serve_workdir
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.timeout(1500)]
@@ -31,12 +31,6 @@ if os.geteuid() != 0:
     pytest.skip("nodes need root (VM uids, storage pool, namespaces)", allow_module_level=True)
 if (missing := postgres_missing_reason()) is not None:
     pytest.skip(missing, allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def pg() -> Iterator[PgCluster]:
-    with temporary_postgres() as cluster:
-        yield cluster
 
 
 @pytest.fixture(scope="module")
