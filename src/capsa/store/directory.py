@@ -32,7 +32,7 @@ class DirectoryStore:
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    def _write(self, key: str, write: object) -> None:
+    def _write(self, key: str, write: bytes | Path) -> None:
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=_TMP, dir=dest.parent)
@@ -41,7 +41,6 @@ class DirectoryStore:
                 if isinstance(write, bytes):
                     f.write(write)
                 else:
-                    assert isinstance(write, Path)
                     with write.open("rb") as src:
                         shutil.copyfileobj(src, f, 4 * 1024 * 1024)
                 f.flush()

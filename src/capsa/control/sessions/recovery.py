@@ -21,9 +21,6 @@ sandbox in ``destroy_sandboxes``.
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
-
-from sqlalchemy import select
 
 from capsa.common.ids import new_id
 from capsa.control.audit import trail as audit_trail
@@ -31,24 +28,16 @@ from capsa.control.errors import ApiError
 from capsa.control.nodes.placement import choose_snapshot_node
 from capsa.control.plane import ControlPlane
 from capsa.control.sessions.service import destroy_quietly, lose_sandbox
-from capsa.control.sessions.snapshots import restore_onto
+from capsa.control.sessions.snapshots import back_running, latest_snapshot, restore_onto
 from capsa.control.sessions.states import transition
 from capsa.control.store.db import DbSession
-from capsa.control.store.models import SessionRow, SnapshotRow, utcnow
+from capsa.control.store.models import SessionRow, utcnow
 
 __all__ = ["NODE_LOST", "recover_session"]
 
 log = logging.getLogger(__name__)
 
 NODE_LOST = "node_lost"
-_DEFAULT_TIMEOUT = 3600
-
-
-async def _latest_stored(db: DbSession, session_id: str) -> SnapshotRow | None:
-    result = await db.execute(select(SnapshotRow).where(SnapshotRow.session_id == session_id,
-                                                        SnapshotRow.stored.is_(True))
-                              .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc()).limit(1))
-    return result.scalar_one_or_none()
 
 
 async def recover_session(plane: ControlPlane, session_id: str, why: str) -> str:
@@ -59,7 +48,7 @@ async def recover_session(plane: ControlPlane, session_id: str, why: str) -> str
         row = await db.get(SessionRow, session_id, populate_existing=True)
         if row is None or row.state != "running":
             return row.state if row is not None else "failed"
-        snap = await _latest_stored(db, session_id)
+        snap = await latest_snapshot(db, session_id, stored=True)
         node = None
         if snap is not None:
             try:
@@ -94,12 +83,9 @@ async def recover_session(plane: ControlPlane, session_id: str, why: str) -> str
         async with plane.db() as db:
             current = await db.get(SessionRow, session_id, populate_existing=True)
             return current.state if current is not None else "failed"
-    now = utcnow()
-    lost = round((now - snap.created_at).total_seconds(), 1)
+    lost = round((utcnow() - snap.created_at).total_seconds(), 1)
     async with plane.db() as db:
-        lifetime = timedelta(seconds=row.timeout_s or _DEFAULT_TIMEOUT)
-        running = await transition(db, session_id, "running", sources=("recovering",), pause_reason=None,
-                                   expires_at=now + lifetime, last_activity_at=now)
+        running = await back_running(db, session_id, "recovering")
         if running:
             await audit_trail.record(db, tenant=row.tenant, kind="session", action="recover",
                                      session_id=session_id,

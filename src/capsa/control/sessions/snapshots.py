@@ -44,6 +44,7 @@ from capsa.control.store.models import NodeRow, SessionMetadataRow, SessionRow, 
 __all__ = [
     "BRANCHED_FROM",
     "SnapshotNotFound",
+    "back_running",
     "branch_session",
     "latest_snapshot",
     "list_snapshots",
@@ -81,9 +82,12 @@ def _state_error(row: SessionRow, wanted: str) -> ApiError:
     return InvalidState(f"session {row.id} is {row.state}, not {wanted}")
 
 
-async def latest_snapshot(db: DbSession, session_id: str) -> SnapshotRow | None:
-    result = await db.execute(select(SnapshotRow).where(SnapshotRow.session_id == session_id)
-                              .order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc()).limit(1))
+async def latest_snapshot(db: DbSession, session_id: str, *, stored: bool = False) -> SnapshotRow | None:
+    """The session's newest snapshot (``stored``: of those in the fleet's store)."""
+    query = select(SnapshotRow).where(SnapshotRow.session_id == session_id)
+    if stored:
+        query = query.where(SnapshotRow.stored.is_(True))
+    result = await db.execute(query.order_by(SnapshotRow.created_at.desc(), SnapshotRow.id.desc()).limit(1))
     return result.scalar_one_or_none()
 
 
@@ -295,16 +299,22 @@ async def restore_onto(plane: ControlPlane, client: NodeClient, row: SessionRow,
         raise
 
 
+async def back_running(db: DbSession, session_id: str, source: str) -> bool:
+    """A new sandbox of the session runs: ``source`` -> ``running`` with a fresh lifetime (its original
+    ``timeout``), in the caller's transaction; False when the session left ``source`` meanwhile."""
+    now = utcnow()
+    row = await db.get(SessionRow, session_id, populate_existing=True)
+    assert row is not None
+    lifetime = timedelta(seconds=row.timeout_s or _DEFAULT_TIMEOUT)
+    return await transition(db, session_id, "running", sources=(source,), pause_reason=None,
+                            expires_at=now + lifetime, last_activity_at=now)
+
+
 async def _started(plane: ControlPlane, tenant: str, session_id: str, sandbox_id: str,
                    client: NodeClient) -> SessionOut:
     """The new sandbox runs: the session is ``running`` again with a fresh lifetime."""
-    now = utcnow()
     async with plane.db() as db:
-        row = await db.get(SessionRow, session_id, populate_existing=True)
-        assert row is not None
-        lifetime = timedelta(seconds=row.timeout_s or _DEFAULT_TIMEOUT)
-        started = await transition(db, session_id, "running", sources=("creating",), pause_reason=None,
-                                   expires_at=now + lifetime, last_activity_at=now)
+        started = await back_running(db, session_id, "creating")
         await db.commit()
     if not started:
         # Closed while the sandbox was starting: the sandbox must not outlive that decision.
