@@ -172,8 +172,33 @@ async def test_leave_fails_sessions_without_snapshot_and_stops_placement(stack: 
         async with stack.client(stack.node_token) as node:
             assert (await node.post(f"/v1/nodes/{stack.node_id}/leave")).status_code == 200
         after = (await client.get(f"/v1/sessions/{session['id']}")).json()
-        assert after["state"] == "failed" and "node stopped" in after["failure_reason"]
+        assert after["state"] == "failed" and after["failure_reason"] == "node_lost"
         assert_problem(await client.post("/v1/sessions", json={"template": "base"}), 503, "no_capacity")
+
+
+@pytest.mark.parametrize("first", ["leave call", "reaper"])
+async def test_a_stopping_nodes_sessions_end_the_same_whichever_path_comes_first(stack: ApiStack,
+                                                                                first: str) -> None:
+    """A stopping node's leave call and the reaper (which sees the node's ``left_at``) race for its sessions:
+    either one must leave the same states and reasons behind."""
+    plane = plane_of(stack)
+    user = await stack.tenant_key("t1")
+    async with stack.client(user) as client:
+        bare = (await client.post("/v1/sessions", json={"template": "base"})).json()
+        kept = (await client.post("/v1/sessions", json={"template": "base"})).json()
+        assert (await client.post(f"/v1/sessions/{kept['id']}/snapshots")).status_code == 201
+        if first == "leave call":
+            async with stack.client(stack.node_token) as node:
+                assert (await node.post(f"/v1/nodes/{stack.node_id}/leave")).status_code == 200
+        else:
+            async with plane.db() as db:
+                await db.execute(update(NodeRow).where(NodeRow.id == stack.node_id).values(left_at=utcnow()))
+                await db.commit()
+            assert await fail_silent_nodes(plane) == [bare["id"]]
+        failed = (await client.get(f"/v1/sessions/{bare['id']}")).json()
+        paused = (await client.get(f"/v1/sessions/{kept['id']}")).json()
+    assert (failed["state"], failed["failure_reason"]) == ("failed", "node_lost")
+    assert paused["state"] == "paused" and paused["pause_reason"].startswith("sandbox lost (node stopped); ")
 
 
 async def _choose(plane: ControlPlane, memory: int = 256, egress: bool = False,

@@ -64,6 +64,10 @@ def node_out(row: NodeRow, heartbeat_timeout: float) -> NodeOut:
     )
 
 
+NODE_LEFT = "node stopped"
+NODE_SILENT = "node stopped sending heartbeats"
+
+
 async def _sessions_on(db: DbSession, node_id: str) -> list[tuple[str, bool]]:
     """(id, already expired) of the sessions that hold a sandbox on the node."""
     now = utcnow()
@@ -72,11 +76,16 @@ async def _sessions_on(db: DbSession, node_id: str) -> list[tuple[str, bool]]:
     return [(sid, expires_at <= now) for sid, expires_at in rows.all()]
 
 
-async def _drop_sandboxes(plane: ControlPlane, sessions: list[tuple[str, bool]], reason: str) -> None:
-    """The node's sandboxes are gone: each session is paused at its latest snapshot or failed."""
+async def _drop_sandboxes(plane: ControlPlane, sessions: list[tuple[str, bool]], reason: str, *,
+                          lost: bool = False) -> None:
+    """The node's sandboxes are gone: each session is paused at its latest snapshot or failed (``lost``: the
+    node itself is gone, and the session is recovered elsewhere first if it can be, exactly as the reaper
+    would)."""
     for session_id, expired in sessions:
         if expired:  # it would have been closed anyway: record what the reaper would have
             await finish_session(plane, session_id, "closed", "timeout")
+        elif lost:
+            await recover_session(plane, session_id, reason)
         else:
             await lose_sandbox(plane, session_id, reason)
 
@@ -246,15 +255,16 @@ async def update_node(plane: ControlPlane, node_id: str, req: NodeUpdate) -> Nod
 
 
 async def leave_node(plane: ControlPlane, node_id: str) -> NodeOut:
-    """The node is stopping: it gets no new sessions from now on, and its sessions lose their sandbox now
-    (paused at their latest snapshot, or failed). It takes sessions again once it registers."""
+    """The node is stopping (without a drain): it gets no new sessions from now on, and its running sessions
+    are handled as those of a lost node now (recovered elsewhere from a stored snapshot, paused at a local
+    one, or failed as ``node_lost``). It takes sessions again once it registers."""
     async with plane.db() as db:
         done = await db.execute(update(NodeRow).where(NodeRow.id == node_id).values(left_at=utcnow()))
         if done.rowcount != 1:  # type: ignore[attr-defined]  # CursorResult of an UPDATE
             raise NotFound(f"node {node_id} not found")
         stale = await _sessions_on(db, node_id)
         await db.commit()
-    await _drop_sandboxes(plane, stale, "node stopped")
+    await _drop_sandboxes(plane, stale, NODE_LEFT, lost=True)
     return await _load_out(plane, node_id)
 
 
@@ -274,12 +284,13 @@ async def fail_silent_nodes(plane: ControlPlane) -> list[str]:
     cutoff = utcnow() - timedelta(seconds=plane.settings.node_dead_after_s)
     async with plane.db() as db:
         rows = await db.execute(
-            select(SessionRow.id).join(NodeRow, NodeRow.id == SessionRow.node_id)
+            select(SessionRow.id, NodeRow.left_at).join(NodeRow, NodeRow.id == SessionRow.node_id)
             .where(or_(NodeRow.last_heartbeat_at < cutoff, NodeRow.left_at.is_not(None)),
                    SessionRow.state == "running")
         )
-        ids = list(rows.scalars())
+        found = [(sid, NODE_LEFT if left_at is not None else NODE_SILENT) for sid, left_at in rows.all()]
     # A session with a stored snapshot is recovered on another node; one with a snapshot on the lost node
     # only is paused (it resumes once a node can read that snapshot again); the others fail (node_lost).
-    why = "node stopped sending heartbeats"
-    return [sid for sid in ids if await recover_session(plane, sid, why) == "failed"]
+    # A node's leave call handles its sessions the same way, so whichever of the two comes first, the
+    # outcome and its reasons are the same.
+    return [sid for sid, why in found if await recover_session(plane, sid, why) == "failed"]

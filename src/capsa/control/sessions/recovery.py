@@ -1,7 +1,8 @@
 """Failover: a running session whose node died comes back on another node from its latest stored snapshot.
 
-When a node stops heartbeating for ``node_dead_after_s`` (``CAPSA_NODE_DEAD_AFTER_S``) or leaves, each of
-its running sessions is handled once (every step is a conditional state change, so with several replicas
+When a node stops heartbeating for ``node_dead_after_s`` (``CAPSA_NODE_DEAD_AFTER_S``) or leaves (stops
+without a drain), each of its running sessions is handled once, the same way whether the node's leave call
+or the reaper comes first (every step is a conditional state change, so with several replicas
 exactly one acts on a session):
 
 - its latest snapshot is in the fleet's store and another healthy node reads that store: the session goes
@@ -58,7 +59,7 @@ async def recover_session(plane: ControlPlane, session_id: str, why: str) -> str
                 log.warning("session %s cannot be recovered now: %s", session_id, e)
         if snap is None or node is None or node.id == row.node_id:
             await db.rollback()
-            return await lose_sandbox(plane, session_id, NODE_LOST)
+            return await lose_sandbox(plane, session_id, NODE_LOST, why=why)
         lost_node, lost_sandbox = row.node_id, row.sandbox_id
         if not await transition(db, session_id, "recovering", sources=("running",), node_id=node.id,
                                 sandbox_id=sandbox_id):

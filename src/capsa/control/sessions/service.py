@@ -266,13 +266,16 @@ async def purge_snapshots(plane: ControlPlane, session_id: str | None = None) ->
 
 
 async def lose_sandbox(plane: ControlPlane, session_id: str, reason: str,
-                       sandbox_id: str | None = None) -> str:
+                       sandbox_id: str | None = None, *, why: str | None = None) -> str:
     """The session's sandbox is gone (VM died, node lost). With a snapshot to come back to, the session is
-    paused and can be resumed from it; without one it fails. Returns the session's resulting state.
+    paused and can be resumed from it; without one it fails with ``reason``. Returns the session's
+    resulting state.
 
     ``sandbox_id``: the sandbox found gone; if the session has moved to another one since (a restore), the
-    session is left alone.
+    session is left alone. ``why``: how the loss was noticed, for the pause reason and the log (default
+    ``reason``).
     """
+    why = why or reason
     async with plane.db() as db:
         row = await db.get(SessionRow, session_id, populate_existing=True)
         if row is None or row.state != "running" or (sandbox_id is not None and row.sandbox_id != sandbox_id):
@@ -282,7 +285,7 @@ async def lose_sandbox(plane: ControlPlane, session_id: str, reason: str,
         sandbox_id, node = row.sandbox_id, await node_of(db, row)
         paused = latest is not None and await transition(
             db, session_id, "paused", sources=("running",), sandbox_id=None,
-            pause_reason=f"sandbox lost ({reason}); resume continues from snapshot {latest}")
+            pause_reason=f"sandbox lost ({why}); resume continues from snapshot {latest}")
         plane.sessions.forget(session_id)
         await db.commit()
     if latest is None:
@@ -296,7 +299,7 @@ async def lose_sandbox(plane: ControlPlane, session_id: str, reason: str,
             return now.state if now is not None else "failed"
     if node is not None and sandbox_id:
         await destroy_quietly(plane.node_client(node), sandbox_id)
-    log.warning("session %s lost its sandbox (%s); paused at snapshot %s", session_id, reason, latest)
+    log.warning("session %s lost its sandbox (%s); paused at snapshot %s", session_id, why, latest)
     return "paused"
 
 
