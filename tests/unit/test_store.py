@@ -170,6 +170,8 @@ def test_store_urls() -> None:
     for bad in ["ftp://x", "file://host/x", "file:relative", "s3://", "s3://b/p?x=1", "/plain/path"]:
         with pytest.raises(StoreError, match="CAPSA_STORE_URL"):
             open_store(bad)
+    # An empty CAPSA_STORE_S3_ENDPOINT (a manifest's unset value) means AWS's own endpoint, as absent does.
+    assert open_store("s3://bucket/p", s3_endpoint="").url == open_store("s3://bucket/p").url == "s3://bucket/p"
 
 
 async def test_the_control_plane_collects_the_stores_unused_chunks_when_due(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ __all__ = ["open_store", "store_from_settings"]
 
 
 def open_store(url: str, *, s3_endpoint: str | None = None) -> ObjectStore:
+    """The store ``url`` names (``CAPSA_STORE_URL``); ``s3_endpoint`` empty or None: AWS's own endpoint."""
     parts = urlsplit(url)
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
@@ -25,7 +26,7 @@ def open_store(url: str, *, s3_endpoint: str | None = None) -> ObjectStore:
             raise StoreError(f"CAPSA_STORE_URL: an S3 store is s3://bucket[/prefix], not {url!r}")
         from capsa.store.s3 import S3Store
 
-        return S3Store(parts.netloc, unquote(parts.path), endpoint=s3_endpoint)
+        return S3Store(parts.netloc, unquote(parts.path), endpoint=s3_endpoint or None)
     raise StoreError(f"CAPSA_STORE_URL must start with file:// or s3://, not {url!r}")
 
 
