@@ -6,13 +6,7 @@ from capsa.common.wire.audit import AUDIT_KINDS
 from capsa.common.wire.streams import FileEvent, OutputChunk, OutputEnd
 from capsa.sdk.approvals import ApprovalInfo, AsyncApprovals
 from capsa.sdk.approvals_sync import Approvals
-from capsa.sdk.audit import (
-    AsyncAudit,
-    AuditCheckpoint,
-    AuditPage,
-    AuditRecord,
-    AuditVerification,
-)
+from capsa.sdk.audit import AsyncAudit, AuditCheckpoint, AuditPage, AuditRecord, AuditVerification
 from capsa.sdk.audit_sync import Audit
 from capsa.sdk.client import AsyncClient, AsyncKeys
 from capsa.sdk.commands import AsyncCommands, AsyncProcess, OutputCallback

@@ -23,11 +23,7 @@ from capsa.common.wire.connections import (
     RevokeOut,
 )
 from capsa.control.connections import service as connections
-from capsa.control.connections.schemas import (
-    ConnectionCreate,
-    LoginStart,
-    ProviderCreate,
-)
+from capsa.control.connections.schemas import ConnectionCreate, LoginStart, ProviderCreate
 from capsa.control.deps import Caller, Plane, problems
 
 __all__ = ["providers_router", "router"]

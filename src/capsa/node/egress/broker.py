@@ -42,12 +42,7 @@ from capsa.node.egress.internal_networks import InternalNetworks
 from capsa.node.egress.limits import BrokerLimits, ByteBudget
 from capsa.node.egress.listeners import Listeners
 from capsa.node.egress.request_loop import RequestLoop
-from capsa.node.egress.sandboxes import (
-    PolicyUpdate,
-    SandboxEgress,
-    assign_placeholders,
-    parse_networks,
-)
+from capsa.node.egress.sandboxes import PolicyUpdate, SandboxEgress, assign_placeholders, parse_networks
 from capsa.node.egress.secrets import SecretStore
 from capsa.node.egress.tls import TlsFront
 from capsa.node.egress.tokens import ConnectionTokens

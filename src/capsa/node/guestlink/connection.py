@@ -37,15 +37,7 @@ import random
 import time
 from typing import Any, Self
 
-from capsa.guest.protocol import (
-                                  INSTANCE_KEY,
-                                  UNAVAILABLE,
-                                  Decoder,
-                                  Frame,
-                                  Kind,
-                                  encode_frame,
-                                  hello_instance,
-                                  )
+from capsa.guest.protocol import INSTANCE_KEY, UNAVAILABLE, Decoder, Frame, Kind, encode_frame, hello_instance
 from capsa.node.guestlink.errors import ChannelClosed, GuestError, GuestTimeout, GuestUnavailable
 from capsa.node.guestlink.streams import CallStream, GuestDeadlines, Limits, loop_time
 
