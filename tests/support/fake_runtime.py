@@ -355,9 +355,12 @@ class FakeRuntime:
 
     def delete_snapshot(self, snapshot: Snapshot | str) -> bool:
         path = snapshot.path if isinstance(snapshot, Snapshot) else self.snapshots_dir / snapshot
-        if not path.is_dir():
+        doomed = path.with_name(f".{path.name}.del-{os.urandom(4).hex()}")
+        try:  # renamed aside first, as the pool does: of two deletes at once, one wins and neither fails
+            path.rename(doomed)
+        except FileNotFoundError:
             return False
-        shutil.rmtree(path)
+        shutil.rmtree(doomed)
         return True
 
     async def destroy(self, sandbox: Sandbox) -> None:

@@ -7,7 +7,9 @@ import fcntl
 import os
 import struct
 import subprocess
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -267,6 +269,33 @@ def test_remove_and_prune(btrfs_pool: StoragePool) -> None:
     assert btrfs_pool.list_snapshots() == ["snap_1"]
     assert btrfs_pool.remove_snapshot("snap_1") is True
     assert btrfs_pool.list_snapshots() == []
+
+
+def test_removing_one_snapshot_twice_at_once_succeeds_once(btrfs_pool: StoragePool) -> None:
+    """Two replicas' reapers may prune the same rolling snapshot at the same moment: neither may fail."""
+    for round_ in range(10):
+        sid = f"snap_twice{round_}"
+        snap = btrfs_pool.snapshot_dir(sid)
+        for d in range(20):
+            (snap / f"d{d}").mkdir(parents=True)
+            for f in range(20):
+                (snap / f"d{d}" / f"f{f}").write_bytes(b"x")
+        start = threading.Barrier(2)
+
+        def remove(sid: str = sid, start: threading.Barrier = start) -> bool:
+            start.wait()
+            return btrfs_pool.remove_snapshot(sid)
+
+        with ThreadPoolExecutor(2) as pool:
+            results = sorted(pool.map(lambda _: remove(), range(2)))
+        assert results == [False, True], round_
+    assert btrfs_pool.list_snapshots() == [] and list(btrfs_pool.snapshots_dir.iterdir()) == []
+
+
+def test_prune_deletes_trees_a_crash_left_half_deleted(btrfs_pool: StoragePool) -> None:
+    half = btrfs_pool.snapshots_dir / ".snap_gone.del-0a1b2c3d"
+    (half / "memory").mkdir(parents=True)
+    assert btrfs_pool.prune_sandboxes(keep=set()) == [] and not half.exists()
 
 
 def test_remove_refuses_symlinks_out_of_the_pool(btrfs_pool: StoragePool, tmp_path: Path) -> None:

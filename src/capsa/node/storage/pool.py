@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _AREAS = ("templates", "sandboxes", "snapshots")
+_DOOMED = ".del-"
+"""Infix of a tree renamed aside to be deleted (:meth:`StoragePool._remove`)."""
 
 
 class StorageError(CapsaError):
@@ -298,12 +300,20 @@ class StoragePool:
                          check=SourceCheck(owner=source_owner, device=self.device))
 
     def _remove(self, path: Path) -> bool:
+        """Delete ``path``; False when it is not there. Two callers removing the same path at once (two
+        control-plane replicas pruning one snapshot) both succeed and exactly one gets True: the path is
+        first renamed aside (atomic; the loser finds it gone) and the renamed tree deleted."""
         if not path.exists():
             return False
         # Never follow a symlink out of the pool.
         if path.is_symlink() or self.root not in path.resolve().parents:
             raise StorageError(f"refusing to remove {path}: not inside the pool")
-        shutil.rmtree(path)
+        doomed = path.with_name(f".{path.name}{_DOOMED}{os.urandom(4).hex()}")
+        try:
+            path.rename(doomed)
+        except FileNotFoundError:
+            return False
+        shutil.rmtree(doomed)
         return True
 
     def remove_sandbox(self, sandbox_id: str) -> bool:
@@ -322,11 +332,13 @@ class StoragePool:
             if name not in keep:
                 self._remove(self.sandboxes_dir / name)
                 removed.append(name)
-        # Half-written temp copies from an interrupted clone.
+        # Half-written temp copies from an interrupted clone, trees a crash left half deleted.
         for area in _AREAS:
             for p in (self.root / area).glob(".*.tmp-*"):
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
+            for p in (self.root / area).glob(f".*{_DOOMED}*"):
+                shutil.rmtree(p, ignore_errors=True)
         return removed
 
     def usage(self) -> PoolUsage:
