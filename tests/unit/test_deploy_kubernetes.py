@@ -11,8 +11,12 @@ structure is checked field by field here instead, against the Service and Secret
 from __future__ import annotations
 
 import copy
+import json
+import os
+import re
 import shutil
 import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -214,6 +218,50 @@ def test_the_node_daemonset(name: str) -> None:
         assert c[probe]["httpGet"] == {"path": "/node/v1/health", "port": "node-api"}, probe
     assert "limits" not in c["resources"]  # the VMs run in this cgroup
     assert pod["enableServiceLinks"] is False and pod["automountServiceAccountToken"] is False
+
+
+def kubelet_expand(text: str, defined: dict[str, str]) -> str:
+    """The kubelet's expansion of a container's command and args: ``$(VAR)`` of a variable the container
+    defines becomes its value, ``$$`` a ``$``, anything else stays as written."""
+
+    def substitute(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1)
+        return defined[name] if name in defined else match.group(0)
+
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", substitute, text)
+
+
+def test_the_node_command_takes_this_hosts_enrolment_key(tmp_path: Path) -> None:
+    """The DaemonSet's shell line, run by a real /bin/sh after the kubelet's expansion: the key named after
+    this host becomes CAPSA_ENROL_TOKEN (a Secret key made with --from-literal has no final newline), a host
+    without a key starts without one, and capsa gets exactly the contract's arguments."""
+    daemonset = one(render("production"), "DaemonSet", "capsa-node")
+    c = container(daemonset)
+    assert set(env(daemonset)) >= {"POD_IP", "NODE_NAME"}
+    script = kubelet_expand(c["args"][0], {"POD_IP": "10.42.0.7"})
+    enrol = tmp_path / "enrol"
+    enrol.mkdir()
+    (enrol / "worker-1").write_text("tok_one")  # as `kubectl create secret --from-literal` stores it
+    mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["enrol"]
+    script = script.replace(mount, str(enrol))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "capsa"  # prints what it was started with instead of starting a node
+    stand_in.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                        "token = os.environ.get('CAPSA_ENROL_TOKEN')\n"
+                        "print(json.dumps({'argv': sys.argv[1:], 'token': token}))\n")
+    stand_in.chmod(0o755)
+    started = {}
+    for host in ("worker-1", "worker-2"):
+        done = subprocess.run([*c["command"], script], capture_output=True, text=True, timeout=30,
+                              env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "NODE_NAME": host})
+        assert done.returncode == 0, done.stderr
+        started[host] = json.loads(done.stdout)
+    argv = ["node", "--listen", "0.0.0.0:8701", "--advertise-url=http://10.42.0.7:8701"]
+    assert started == {"worker-1": {"argv": argv, "token": "tok_one"},
+                       "worker-2": {"argv": argv, "token": None}}
 
 
 @pytest.mark.parametrize("name", RENDERED)
