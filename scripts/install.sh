@@ -50,10 +50,6 @@ PACKAGES=(
 )
 # The tests' real S3 server (OpenStack Swift with its s3api middleware, tests/support/s3_server.py).
 [ "$DEV" = 1 ] && PACKAGES+=(swift-proxy swift-object swift-container swift-account)
-# `kubectl kustomize` renders deploy/kubernetes in tests/unit/test_deploy_kubernetes.py. The package is
-# `kubectl` from the Kubernetes (pkgs.k8s.io) or Google Cloud apt repository: Debian 12's own
-# kubernetes-client is 1.20, whose kustomize (v2) cannot read the overlays (components, labels, replicas).
-[ "$DEV" = 1 ] && PACKAGES+=(kubectl)
 
 step "System packages"
 missing=()
@@ -65,11 +61,6 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "installing: ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q
-    if [[ " ${missing[*]} " == *" kubectl "* ]]; then
-        candidate="$(apt-cache policy kubectl | sed -n 's/^ *Candidate: //p')"
-        [ -n "$candidate" ] && [ "$candidate" != "(none)" ] ||
-            die "no apt source has kubectl: add the Kubernetes apt repository (https://pkgs.k8s.io) first"
-    fi
     apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
     echo "all ${#PACKAGES[@]} packages already installed"

