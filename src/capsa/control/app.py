@@ -32,6 +32,7 @@ from capsa.control.routes import (
     files,
     health,
     keys,
+    metrics,
     nodes,
     ports,
     sessions,
@@ -142,6 +143,7 @@ def create_app(settings: ControlSettings | None = None,
         app.include_router(egress_module.router, prefix="/v1")
     app.include_router(connection_routes.providers_router, prefix="/v1")
     app.include_router(connection_routes.router, prefix="/v1")
+    app.include_router(metrics.router)
     front_lifetimes = [lifetime for front in front_ends
                        if (lifetime := front.install(app, lambda: _plane_of(app))) is not None]
     # Last, so it is the outermost middleware: bodies are bounded and credentials checked before any route.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -11,7 +12,7 @@ from capsa.control.auth import Principal, authenticate_cached, require_admin
 from capsa.control.plane import ControlPlane
 from capsa.control.schemas import ProblemDetail
 
-__all__ = ["PROBLEMS", "Admin", "Caller", "Plane", "problems"]
+__all__ = ["PROBLEMS", "Admin", "Caller", "Plane", "Scraper", "problems"]
 
 _bearer = HTTPBearer(auto_error=False, description="An API key: `csk_<id>_<secret>`")
 
@@ -39,6 +40,19 @@ async def _admin(caller: Caller) -> Principal:
 
 
 Admin = Annotated[Principal, Depends(_admin)]
+
+
+async def _scraper(plane: Plane,
+                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    """The metrics token (``CAPSA_METRICS_TOKEN``) or an admin API key."""
+    given = credentials.credentials if credentials else None
+    token = plane.settings.metrics_token
+    if given and token is not None and hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
+        return
+    require_admin(await authenticate_cached(plane.db, plane.keys, given))
+
+
+Scraper = Annotated[None, Depends(_scraper)]
 
 _DESCRIPTIONS = {
     401: "Missing, wrong or revoked API key (`unauthorized`)",

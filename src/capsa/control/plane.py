@@ -16,6 +16,7 @@ from capsa.control.audit.anchor import Checkpointer
 from capsa.control.audit.writer import AuditWriter
 from capsa.control.auth import KeyCache
 from capsa.control.errors import ApiError
+from capsa.control.metrics import ControlMetrics
 from capsa.control.nodes.client import NodeClient, NodeClientPool, NodeError
 from capsa.control.nodes.secrets import NodeSealer
 from capsa.control.ratelimit import RateLimiter
@@ -49,6 +50,8 @@ class ControlPlane:
     checkpoints: Checkpointer | None = None
     """Signs audit checkpoints into the anchor outside the database (:mod:`capsa.control.audit.anchor`);
     None when no signing key is configured."""
+    metrics: ControlMetrics = field(default_factory=ControlMetrics)
+    """This replica's Prometheus registry and series (``GET /metrics``, :mod:`capsa.control.metrics`)."""
     store_collected_at: float = 0.0
     """When (monotonic) this replica last collected the fleet store's unused chunks (0: never)."""
     audit: AuditWriter = field(init=False)

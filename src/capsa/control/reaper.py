@@ -59,6 +59,9 @@ async def reap_once(plane: ControlPlane) -> dict[str, list[str]]:
     await purge_logins(plane)
     await prune_aged_rolling(plane)
     await collect_store(plane)
+    for action, done in (("closed", closed), ("failed", failed), ("paused", paused)):
+        if done:
+            plane.metrics.reaped.labels(action).inc(len(done))
     return {"closed": closed, "failed": failed, "paused": paused}
 
 

@@ -127,6 +127,9 @@ class ControlSettings(BaseSettings):
     secret_key: SecretStr | None = None
     """Base64 of 32 random bytes: the key secrets are encrypted with at rest (``CAPSA_SECRET_KEY``)."""
     secret_key_file: Path | None = None
+    metrics_token: SecretStr | None = Field(default=None, min_length=16)
+    """A bearer token that may read ``GET /metrics`` and nothing else (``CAPSA_METRICS_TOKEN``: what a
+    Prometheus ServiceMonitor sends); an admin API key may read it too."""
     """A file holding that key (``capsa serve`` creates one, mode 0600, in its state directory)."""
     rolling_snapshot_interval: float = 2.0
     """Seconds between passes that take due rolling snapshots; 0 disables them in this replica."""

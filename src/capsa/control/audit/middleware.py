@@ -9,6 +9,11 @@ wait for them).
 
 Requests that never authenticate (health checks, wrong keys) belong to no tenant and are not chained.
 A failing audit write is logged and does not change the answer: the effect has already happened.
+
+The same layer binds the request's log context (:func:`capsa.common.logs.log_scope`): every line logged
+while the request runs carries its ``request_id`` (and ``upstream_request_id``, an ``X-Request-Id`` the
+caller or an ingress sent, when it looks like an id: the trail keeps capsa's own), and counts the request
+in the replica's metrics (:meth:`~capsa.control.metrics.ControlMetrics.request_done`, by route template).
 """
 
 from __future__ import annotations
@@ -19,17 +24,17 @@ import logging
 import time
 from collections.abc import Callable
 
-from starlette.datastructures import MutableHeaders
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from capsa.common.ids import new_id
+from capsa.common.logs import REQUEST_ID_HEADER, header_id, log_scope
 from capsa.control.audit import trail as audit_trail
 from capsa.control.audit.trail import AuditEntry, RequestAudit
+from capsa.control.metrics import route_label
 from capsa.control.plane import ControlPlane
 
 __all__ = ["REQUEST_ID_HEADER", "AuditMiddleware"]
-
-REQUEST_ID_HEADER = "X-Request-Id"
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +71,12 @@ class AuditMiddleware:
             if written:
                 return
             written = True
-            await self._write(scope, context, final_status, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            plane = self.plane()
+            if plane is not None:
+                method = scope.get("method", "GET") if scope["type"] == "http" else "WEBSOCKET"
+                plane.metrics.request_done(method, route_label(scope), final_status or 500, seconds)
+            await self._write(scope, context, final_status, seconds)
 
         async def send_with_audit(message: Message) -> None:
             nonlocal status
@@ -83,13 +93,15 @@ class AuditMiddleware:
                 await finish(status)
             await send(message)
 
-        try:
-            await self.app(scope, receive, send_with_audit)
-        finally:
+        upstream = header_id(Headers(scope=scope).get(REQUEST_ID_HEADER))
+        with log_scope(request_id=context.request_id, upstream_request_id=upstream):
             try:
-                await finish(status if status is not None else 500)
+                await self.app(scope, receive, send_with_audit)
             finally:
-                audit_trail.unbind(token)
+                try:
+                    await finish(status if status is not None else 500)
+                finally:
+                    audit_trail.unbind(token)
 
     async def _write(self, scope: Scope, context: RequestAudit, status: int | None, seconds: float) -> None:
         plane = self.plane()

@@ -25,6 +25,7 @@ import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.types import ASGIApp
 
+from capsa.common import logs
 from capsa.common.errors import CapsaError
 from capsa.common.node_api import (
     EXEC_EVENT,
@@ -123,10 +124,14 @@ def _unreachable(exc: httpx.TransportError) -> NodeError:
 
 async def _carry_request_id(request: httpx.Request) -> None:
     """Node calls made for an API request carry its id (``X-Request-Id``), for node-side events it causes
-    (:attr:`capsa.node.egress.audit.EgressEvent.request_id`)."""
+    (:attr:`capsa.node.egress.audit.EgressEvent.request_id`) and the node's log lines, and the id of the
+    session the request looked up (``X-Capsa-Session-Id``, see :mod:`capsa.common.logs`)."""
     context = audit_trail.current()
     if context is not None:
-        request.headers["X-Request-Id"] = context.request_id
+        request.headers[logs.REQUEST_ID_HEADER] = context.request_id
+    session_id = logs.context_value("session_id")
+    if isinstance(session_id, str):
+        request.headers[logs.SESSION_ID_HEADER] = session_id
 
 
 class _InProcess(httpx.AsyncBaseTransport):

@@ -233,6 +233,8 @@ async def heartbeat(plane: ControlPlane, node_id: str, req: NodeHeartbeat) -> He
                 SessionRow.state.in_(ACTIVE_STATES)))
             orphans = sorted(set(req.sandboxes) - set(owned.scalars()))
         await db.commit()
+        if orphans:
+            plane.metrics.orphans.inc(len(orphans))
         out = HeartbeatOut(**node_out(row, plane.settings.node_heartbeat_timeout).model_dump(),
                            destroy_sandboxes=orphans)
     for session_id, sandbox_id in failed:

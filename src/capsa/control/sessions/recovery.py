@@ -13,6 +13,10 @@ exactly one acts on a session):
   resumes once a node can read it, as before the store);
 - else it fails with reason ``node_lost``.
 
+Each outcome is counted in ``capsa_session_recoveries_total`` (``recovered``, ``paused``, ``failed``, by
+the replica that acted; :func:`~capsa.control.sessions.service.lose_sandbox` counts the last two), and the
+restore onto the new node is timed as the ``recover`` operation.
+
 Fencing: the recovered session has a new sandbox id on another node, so nothing of the control plane
 routes to the old sandbox again, and when the dead node comes back its old sandbox is owned by no live
 session: its re-registration fails nothing of the recovered session, and its heartbeat answer lists the
@@ -22,6 +26,7 @@ sandbox in ``destroy_sandboxes``.
 from __future__ import annotations
 
 import logging
+import time
 
 from capsa.common.ids import new_id
 from capsa.control.audit import trail as audit_trail
@@ -77,13 +82,18 @@ async def recover_session(plane: ControlPlane, session_id: str, why: str) -> str
                                       f"snapshot {snap.id}")
 
     client = plane.node_client(node)
+    started = time.perf_counter()
     try:
         await restore_onto(plane, client, row, snap, sandbox_id, undo=back_to_lost, what="recovered")
     except Exception as e:
+        plane.metrics.operation_seconds.labels("recover", "error").observe(time.perf_counter() - started)
         log.warning("session %s: recovery on node %s failed: %s", session_id, node.id, e)
         async with plane.db() as db:
             current = await db.get(SessionRow, session_id, populate_existing=True)
-            return current.state if current is not None else "failed"
+        if current is not None and current.state == "paused":
+            plane.metrics.sandbox_losses.labels("paused").inc()
+        return current.state if current is not None else "failed"
+    plane.metrics.operation_seconds.labels("recover", "ok").observe(time.perf_counter() - started)
     lost = round((utcnow() - snap.created_at).total_seconds(), 1)
     async with plane.db() as db:
         running = await back_running(db, session_id, "recovering")
@@ -99,6 +109,7 @@ async def recover_session(plane: ControlPlane, session_id: str, why: str) -> str
     if not running:  # closed while it was being recovered: the new sandbox must not outlive that
         await destroy_quietly(client, sandbox_id)
         return "closed"
+    plane.metrics.sandbox_losses.labels("recovered").inc()
     log.warning("session %s recovered on node %s from snapshot %s (%s; %.1f s of work lost)", session_id,
                 node.id, snap.id, why, lost)
     return "running"

@@ -1,7 +1,8 @@
 """The relay: "as this caller, on this session, call the node", the one way every front end (the ``/v1``
 routes, :mod:`capsa.control.sessions.process_io`, the E2B layer) reaches a running session's sandbox.
 
-- :func:`running`: the one session lookup: the session (this replica's
+- :func:`running`: the one session lookup (from then on the request's log lines carry its ``session_id``,
+  and its node calls send it to the node): the session (this replica's
   :class:`~capsa.control.sessions.cache.SessionCache`, else the database), the tenant check (another
   tenant's session is ``not_found``), that it runs, and the activity stamp its idle timeout reads;
 - :func:`call`, :func:`open_stream` and :func:`download`: a node call on the session's sandbox; a node
@@ -20,6 +21,7 @@ from typing import Generic, TypeVar
 
 from sqlalchemy import select, update
 
+from capsa.common import logs
 from capsa.common.ids import is_id
 from capsa.common.wire.audit import AuditKind
 from capsa.control.audit import trail as audit_trail
@@ -56,7 +58,9 @@ class SessionTarget:
 
 
 def _target(plane: ControlPlane, row: SessionRow, node: NodeRow) -> SessionTarget:
+    """The target; the rest of the request logs (and its node calls carry) the session's id."""
     assert row.sandbox_id is not None  # a running session has one (:func:`_not_running`)
+    logs.bind(session_id=row.id)
     return SessionTarget(plane, row, plane.node_client(node), row.id, row.sandbox_id)
 
 

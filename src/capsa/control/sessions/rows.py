@@ -7,6 +7,7 @@ session cache)."""
 
 from __future__ import annotations
 
+from capsa.common import logs
 from capsa.common.ids import is_id
 from capsa.control.errors import NotFound
 from capsa.control.store.db import DbSession
@@ -16,8 +17,10 @@ __all__ = ["load_session"]
 
 
 async def load_session(db: DbSession, tenant: str, session_id: str) -> SessionRow:
-    """The session ``session_id`` of ``tenant``, in any state; NotFound when it is missing or another's."""
+    """The session ``session_id`` of ``tenant``, in any state; NotFound when it is missing or another's.
+    Found, the rest of the request logs its ``session_id``."""
     row = await db.get(SessionRow, session_id, populate_existing=True) if is_id(session_id, "ses") else None
     if row is None or row.tenant != tenant:
         raise NotFound(f"session {session_id} not found")
+    logs.bind(session_id=row.id)
     return row

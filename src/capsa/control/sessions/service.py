@@ -17,6 +17,7 @@ from capsa.control.auth import Principal
 from capsa.control.egress import grants as egress_grants
 from capsa.control.egress import service as egress
 from capsa.control.errors import InvalidState, SessionFailed, ValidationFailed
+from capsa.control.metrics import timed
 from capsa.control.nodes.calls import quietly
 from capsa.control.nodes.client import EgressArgs, NodeClient, NodeError
 from capsa.control.nodes.placement import choose_node
@@ -136,6 +137,7 @@ async def list_sessions(plane: ControlPlane, tenant: str, state: str | Collectio
                        next_cursor=_encode_cursor(page[-1]) if more and page else None)
 
 
+@timed("create")
 async def create_session(plane: ControlPlane, principal: Principal, req: SessionCreate) -> SessionOut:
     now = utcnow()
     session_id, sandbox_id = new_id("ses"), new_id("sbx")
@@ -289,7 +291,8 @@ async def lose_sandbox(plane: ControlPlane, session_id: str, reason: str,
         plane.sessions.forget(session_id)
         await db.commit()
     if latest is None:
-        await fail_session(plane, session_id, reason)
+        if await fail_session(plane, session_id, reason):
+            plane.metrics.sandbox_losses.labels("failed").inc()
         return "failed"
     if not paused:
         # Someone else changed the session first (a second heartbeat or replica handling the same loss,
@@ -297,6 +300,7 @@ async def lose_sandbox(plane: ControlPlane, session_id: str, reason: str,
         async with plane.db() as db:
             now = await db.get(SessionRow, session_id, populate_existing=True)
             return now.state if now is not None else "failed"
+    plane.metrics.sandbox_losses.labels("paused").inc()
     if node is not None and sandbox_id:
         await destroy_quietly(plane.node_client(node), sandbox_id)
     log.warning("session %s lost its sandbox (%s); paused at snapshot %s", session_id, why, latest)

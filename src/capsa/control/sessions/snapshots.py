@@ -22,6 +22,7 @@ from capsa.common.ids import is_id, new_id
 from capsa.common.node_api import SnapshotInfo
 from capsa.control.egress import service as egress
 from capsa.control.errors import ApiError, InvalidState, SessionFailed
+from capsa.control.metrics import timed
 from capsa.control.nodes.calls import node_error, quietly
 from capsa.control.nodes.client import NodeClient, NodeError
 from capsa.control.nodes.placement import choose_snapshot_node
@@ -209,6 +210,7 @@ async def prune_aged_rolling(plane: ControlPlane) -> list[str]:
     return deleted
 
 
+@timed("pause")
 async def pause_session(plane: ControlPlane, tenant: str | None, session_id: str,
                         reason: str = "paused") -> SessionOut:
     """Snapshot the session and destroy its sandbox; it keeps only the snapshot until it is resumed.
@@ -252,9 +254,14 @@ async def _own_snapshot(db: DbSession, row: SessionRow, snapshot_id: str | None)
     return snap
 
 
+@timed("resume")
 async def resume_session(plane: ControlPlane, tenant: str, session_id: str,
                          snapshot_id: str | None = None) -> SessionOut:
     """A new sandbox for a paused session, from its latest snapshot (or ``snapshot_id``)."""
+    return await _resume(plane, tenant, session_id, snapshot_id)
+
+
+async def _resume(plane: ControlPlane, tenant: str, session_id: str, snapshot_id: str | None) -> SessionOut:
     sandbox_id = new_id("sbx")
     async with plane.db() as db:
         await lock_tenant(db, tenant)
@@ -322,6 +329,7 @@ async def _started(plane: ControlPlane, tenant: str, session_id: str, sandbox_id
     return await get_session(plane, tenant, session_id)
 
 
+@timed("restore")
 async def restore_session(plane: ControlPlane, tenant: str, session_id: str, snapshot_id: str) -> SessionOut:
     """Roll the session back to one of its snapshots: a new sandbox from it replaces the current one."""
     async with plane.db() as db:
@@ -330,7 +338,7 @@ async def restore_session(plane: ControlPlane, tenant: str, session_id: str, sna
             raise _state_error(row, "running or paused")
         snap = await _own_snapshot(db, row, snapshot_id)
     if row.state == "paused":
-        return await resume_session(plane, tenant, session_id, snapshot_id)
+        return await _resume(plane, tenant, session_id, snapshot_id)
     sandbox_id = new_id("sbx")
     async with plane.db() as db:
         old_sandbox, old_node_id = row.sandbox_id, row.node_id
@@ -354,6 +362,7 @@ async def restore_session(plane: ControlPlane, tenant: str, session_id: str, sna
     return await _started(plane, tenant, session_id, sandbox_id, client)
 
 
+@timed("branch")
 async def branch_session(plane: ControlPlane, tenant: str, session_id: str, n: int) -> BranchOut:
     """``n`` new sessions (same tenant, copied metadata + ``branched_from``) from the session's state now:
     a fresh snapshot of a running session, or the latest snapshot of a paused one."""

@@ -31,6 +31,7 @@ from capsa.common.egress_policy import ApprovalScope, EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.node.agent.capacity import NodeCapacity, default_capacity
 from capsa.node.agent.guest import SandboxGuest
+from capsa.node.agent.node_metrics import AgentCollector, register_parts
 from capsa.node.agent.sandbox_egress import EgressHook
 from capsa.node.agent.sandboxes import SandboxRecord, SandboxTable
 from capsa.node.agent.shipping import Shipper
@@ -94,7 +95,19 @@ class NodeAgent:
         self.snapshots: Snapshots | None = (snapshots_for(runtime, self.source) if snapshots == "auto"
                                             else snapshots)
         self.metrics = self.source.metrics if isinstance(self.source, TemplateSource) else PoolMetrics()
+        """The node's registry (``GET /metrics``): the warm pool's series, and its parts' (shipping,
+        egress decisions, sandboxes running, approvals pending; :mod:`capsa.node.agent.node_metrics`)."""
         self._table = SandboxTable(self.capacity)
+        shipper = self.snapshots.shipper if self.snapshots is not None else None
+        register_parts(self.metrics.registry, [
+            AgentCollector(lambda: len(self._table.records()), self._approvals_pending),
+            *(shipper.metrics.collectors() if shipper is not None else []),
+            *(egress.audit.metrics.collectors() if egress is not None else [])])
+
+    def _approvals_pending(self) -> int:
+        if self.egress is None:
+            return 0
+        return len(self.egress.approvals.list())  # the pending ones
 
     # -- lifecycle of the agent ------------------------------------------------------------------------
     async def start(self) -> list[str]:

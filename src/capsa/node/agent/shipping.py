@@ -19,6 +19,7 @@ import weakref
 from pathlib import Path
 
 from capsa.common.errors import CapsaError
+from capsa.node.agent.node_metrics import ShippingMetrics
 from capsa.node.runtime.snapshot.manifest import DISK_FILE, MANIFEST_FILE, RAM_FILE, STATE_FILE, Snapshot
 from capsa.node.templates.cache import STORE_KIND as TEMPLATE_KIND
 from capsa.store.bundles import bundle_key, delete_bundle, list_bundles, pull_bundle, push_bundle, read_bundle
@@ -43,6 +44,8 @@ class Shipper:
         self._known: set[ChunkRef] = set()
         self._templates: dict[str, set[ChunkRef]] = {}
         self._pulls: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self.metrics = ShippingMetrics()
+        """Bytes and time of its pushes and pulls (the agent registers them)."""
 
     def _remember(self) -> set[ChunkRef]:
         if len(self._known) > _KNOWN_MAX:
@@ -73,11 +76,14 @@ class Shipper:
         try:
             stats = await asyncio.to_thread(self._push, snap, scope, files)
         except StoreError as e:
+            self.metrics.seconds.labels("push", "error").observe(time.monotonic() - started)
             raise CapsaError(f"snapshot {snap.id} was taken but could not be written to the store: {e}",
                              code="store_unavailable", status=503) from e
+        elapsed = time.monotonic() - started
+        self.metrics.seconds.labels("push", "ok").observe(elapsed)
+        self.metrics.bytes.labels("push").inc(stats.sent_bytes)
         log.info("snapshot %s shipped to %s: %d of %d chunks sent (%d bytes) in %.2f s", snap.id,
-                 self.store.url, stats.sent_chunks, stats.chunks, stats.sent_bytes,
-                 time.monotonic() - started)
+                 self.store.url, stats.sent_chunks, stats.chunks, stats.sent_bytes, elapsed)
         return stats
 
     async def pull(self, snapshot_id: str) -> bool:
@@ -94,10 +100,14 @@ class Shipper:
             except ObjectMissing:
                 return False
             except StoreError as e:
+                self.metrics.seconds.labels("pull", "error").observe(time.monotonic() - started)
                 raise CapsaError(f"snapshot {snapshot_id} could not be read from the store: {e}",
                                  code="store_unavailable", status=503) from e
+        elapsed = time.monotonic() - started
+        self.metrics.seconds.labels("pull", "ok").observe(elapsed)
+        self.metrics.bytes.labels("pull").inc(stats.sent_bytes)
         log.info("snapshot %s pulled from %s: %d chunks (%d bytes) in %.2f s", snapshot_id, self.store.url,
-                 stats.sent_chunks, stats.sent_bytes, time.monotonic() - started)
+                 stats.sent_chunks, stats.sent_bytes, elapsed)
         return True
 
     async def holds(self, snapshot_id: str) -> bool:

@@ -29,6 +29,7 @@ from capsa.node.api import (
 from capsa.node.api.commands import MAX_STDIN_WRITE
 from capsa.node.api.deps import bearer_matches, require_node_token
 from capsa.node.api.errors import install_error_handlers
+from capsa.node.api.log_context import LogContext
 
 __all__ = ["BODY_RULES", "PREFIX", "create_node_app"]
 
@@ -92,4 +93,5 @@ def create_node_app(agent: NodeAgent, token: str, limits: RequestLimits | None =
     app.include_router(ports.router, prefix=PREFIX)  # a WebSocket: it checks the node token itself
     app.include_router(terminals.router, prefix=PREFIX)  # so does this one
     _guard(app, token, limits or RequestLimits())
+    app.add_middleware(LogContext)  # outermost: the guard's lines carry the call's ids too
     return app

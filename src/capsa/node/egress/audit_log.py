@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from capsa.node.egress.audit import EgressEvent
+from capsa.node.egress.metrics import EgressMetrics
 
 __all__ = ["AUDIT_FILE", "AuditLog", "AuditPage"]
 
@@ -92,6 +93,8 @@ class AuditLog:
         self._handed_out = 0
         self._lost = 0
         self._dropped: OrderedDict[str, int] = OrderedDict()
+        self.metrics = EgressMetrics()
+        """Every decision recorded here, counted (aggregated denials each count)."""
         if path is not None:
             self._load(path)
 
@@ -193,6 +196,7 @@ class AuditLog:
         return len(self._events)
 
     def __call__(self, event: EgressEvent) -> None:
+        self.metrics.record(event)
         if event.decision == "deny" and self._aggregated(event):
             return
         self._seq += 1
