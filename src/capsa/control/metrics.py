@@ -6,8 +6,8 @@ Two kinds of series:
 - **counted by this replica** as things happen: API requests by route template and status, the latency
   of session operations (create, pause, resume, branch, restore, recover) by outcome, what became of
   sessions whose sandbox or node was lost, what the reaper did, and the orphan sandboxes heartbeats told
-  nodes to destroy. Each replica counts what it did (every state change is won by exactly one replica), so the fleet's figure
-  is the sum over replicas (``sum without (instance)``).
+  nodes to destroy. Each replica counts what it did (every state change is won by exactly one replica),
+  so the fleet's figure is the sum over replicas (``sum without (instance)``).
 - **read from the database at scrape time** (:func:`read_fleet`): sessions by state, and each node's
   capacity, use, health and drain. Every replica reports the same figures (the database is shared): take
   ``max without (instance)``, not the sum.
@@ -148,13 +148,20 @@ class ControlMetrics:
 
 
 def route_label(scope: Scope) -> str:
-    """The template of the route that served the request (mount prefix included), or :data:`UNMATCHED`."""
+    """The template of the route that served the request (``/v1/sessions/{session_id}``; a mount's prefix
+    included), or :data:`UNMATCHED`. FastAPI keeps an included router's routes without the include prefix
+    and records the route as included (prefix and all) in ``scope["fastapi"]``; older versions copied the
+    routes with the prefix."""
     route = scope.get("route")
-    template = getattr(route, "path_format", None) or getattr(route, "path", None)
+    if route is None:
+        return UNMATCHED
+    fastapi = scope.get("fastapi")
+    included = fastapi.get("effective_route_context") if isinstance(fastapi, dict) else None
+    template = getattr(included, "path_format", None) or getattr(route, "path_format", None)
     if not isinstance(template, str):
         return UNMATCHED
-    mount = scope.get("root_path", "") or ""
-    return (mount + template) if isinstance(mount, str) else template
+    mount = scope.get("root_path", "")
+    return mount + template if isinstance(mount, str) else template
 
 
 _F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
