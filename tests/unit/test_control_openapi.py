@@ -28,6 +28,7 @@ def test_openapi_document_covers_the_contract() -> None:
     expected = {
         "/v1/health": {"get"},
         "/v1/ready": {"get"},
+        "/metrics": {"get"},
         "/v1/sessions": {"get", "post"},
         "/v1/sessions/{session_id}": {"get", "delete"},
         "/v1/sessions/{session_id}/timeout": {"post"},

@@ -19,7 +19,7 @@ router = APIRouter(tags=["metrics"])
 
 
 @router.get("/metrics", response_class=Response, responses={
-    200: {"description": "Prometheus text exposition (format 0.0.4)",
+    200: {"description": "Prometheus text exposition",
           "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
     **problems(403)})
 async def prometheus(plane: Plane, _scraper: Scraper) -> Response:
