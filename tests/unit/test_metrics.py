@@ -8,6 +8,7 @@ command, a pause and a resume must move are compared before and after.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,15 @@ async def scrape(stack: ApiStack, key: str | None = None) -> Samples:
     return parse(response.text)
 
 
+def node_api(stack: ApiStack) -> httpx.AsyncClient:
+    """The stack's node API on its socket, with the API token the node registered with."""
+    assert stack.service is not None
+    return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(stack._socket)), base_url="http://node",
+                             headers={"Authorization": f"Bearer {stack.service.api_token}"})
+
+
 async def scrape_node(stack: ApiStack) -> Samples:
-    assert stack.service is not None  # its API token: the one it registered with
-    transport = httpx.AsyncHTTPTransport(uds=str(stack._socket))
-    async with httpx.AsyncClient(transport=transport, base_url="http://node",
-                                 headers={"Authorization": f"Bearer {stack.service.api_token}"}) as c:
+    async with node_api(stack) as c:
         response = await c.get("/metrics")
     assert response.status_code == 200, response.text
     return parse(response.text)
@@ -142,6 +147,41 @@ async def test_each_replica_counts_its_own_requests_and_reads_the_shared_databas
     assert value(second_says, created[0], **created[1]) == 1
     assert value(first_says, "capsa_sessions", state="running") == 1
     assert value(second_says, "capsa_sessions", state="running") == 1
+
+
+async def test_lost_sandboxes_reaped_sessions_and_orphans_are_counted(stack: ApiStack) -> None:
+    """A stopping node's sessions (one with a snapshot to pause at, one without: it fails), a session past
+    its timeout (the reaper closes it), and a sandbox the control plane never asked for (the heartbeat
+    answer orders it destroyed)."""
+    key = await stack.tenant_key("acme")
+    before = await scrape(stack)
+    async with stack.client(key) as c:
+        brief = (await c.post("/v1/sessions", json={"timeout": 1})).json()
+        for _ in range(100):  # the stack's reaper runs every 0.2 s
+            if (await c.get(f"/v1/sessions/{brief['id']}")).json()["state"] == "closed":
+                break
+            await asyncio.sleep(0.1)
+        async with node_api(stack) as node:
+            made = await node.post("/node/v1/sandboxes", json={"id": "sbx_" + "o" * 20})
+            assert made.status_code == 201, made.text
+        beat = await stack.heartbeat()
+        assert beat.json()["destroy_sandboxes"] == ["sbx_" + "o" * 20]
+        bare = (await c.post("/v1/sessions", json={})).json()
+        kept = (await c.post("/v1/sessions", json={})).json()
+        assert (await c.post(f"/v1/sessions/{kept['id']}/snapshots")).status_code == 201
+        async with stack.client(stack.node_token) as node_link:
+            assert (await node_link.post(f"/v1/nodes/{stack.node_id}/leave")).status_code == 200
+        assert (await c.get(f"/v1/sessions/{bare['id']}")).json()["state"] == "failed"
+        assert (await c.get(f"/v1/sessions/{kept['id']}")).json()["state"] == "paused"
+    delta = moved(before, await scrape(stack))
+    assert delta("capsa_reaper_sessions_total", action="closed") == 1
+    assert delta("capsa_orphan_sandboxes_total") == 1
+    assert delta("capsa_session_recoveries_total", result="failed") == 1
+    assert delta("capsa_session_recoveries_total", result="paused") == 1
+    assert delta("capsa_session_recoveries_total", result="recovered") == 0
+    after = await scrape(stack)
+    assert value(after, "capsa_sessions", state="closed") == 1
+    assert value(after, "capsa_node_healthy", node=stack.node_id) == 0  # it left
 
 
 async def _get(url: str, key: str) -> httpx.Response:
