@@ -85,6 +85,8 @@ async def test_create_exec_pause_resume_move_the_control_planes_and_the_nodes_se
         assert resumed.status_code == 200 and resumed.json()["state"] == "running", resumed.text
         missing = await c.get("/v1/sessions/ses_" + "x" * 20)
         assert missing.status_code == 404
+        e2b = await c.get("/e2b/sandboxes/" + "x" * 20, headers={"X-API-Key": key})  # a mounted front end
+        assert e2b.status_code == 404, e2b.text
     plane_after, node_after = await scrape(stack), await scrape_node(stack)
     delta = moved(plane_before, plane_after)
 
@@ -97,7 +99,9 @@ async def test_create_exec_pause_resume_move_the_control_planes_and_the_nodes_se
     assert delta(requests, method="GET", route="/v1/sessions/{session_id}", status="404") == 1
     assert delta("capsa_http_request_duration_seconds_count", method="POST",
                  route="/v1/sessions/{session_id}/commands") == 1
-    assert not [labels for (_name, labels) in plane_after if any("ses_" in v for _k, v in labels)]
+    assert delta(requests, method="GET", route="/e2b/sandboxes/{sandbox_id}", status="404") == 1
+    assert not [labels for (_name, labels) in plane_after
+                if any(sid in v or "x" * 20 in v for _k, v in labels)]
 
     # Session operations: one observation each, by outcome.
     ops = "capsa_session_operation_duration_seconds_count"
