@@ -170,6 +170,8 @@ async def test_create_from_pool_then_on_demand_and_identity(api: httpx.AsyncClie
         assert 'capsa_pool_hits_total{memory_mib="256",template="base",vcpus="1"} 1.0' in metrics
         assert 'capsa_pool_misses_total{memory_mib="256",template="base",vcpus="1"}' in metrics
         assert 'capsa_sandbox_create_seconds_count{source="pool"}' in metrics
+        running = [line for line in metrics.splitlines() if line.startswith("capsa_sandboxes_running ")]
+        assert running and float(running[0].split()[1]) >= 2  # a and b at least
         # Two sandboxes from one template: their own randomness, the host's time, their own hostname.
         probe = ("python3 -c 'import os,time,socket; "
                  "print(os.urandom(16).hex(), time.time(), socket.gethostname())'")
