@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -140,6 +141,7 @@ async def test_metrics_take_the_metrics_token_or_an_admin_key(make_stack: Any) -
     assert value(await scrape(stack, stack.admin_key), "capsa_sessions", state="running") == 0
 
 
+@pytest.mark.postgresql
 async def test_each_replica_counts_its_own_requests_and_reads_the_shared_database(stack: ApiStack) -> None:
     second = await stack.add_replica()
     key = await stack.tenant_key("acme")
