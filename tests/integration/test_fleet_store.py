@@ -23,8 +23,10 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 import zstandard
+from prometheus_client.parser import text_string_to_metric_families
 
 from capsa.common.settings import Settings
 from capsa.control.keys import generate_key
@@ -118,6 +120,19 @@ async def _running_on(client: AsyncClient, session_id: str, node_id: str, limit_
         await asyncio.sleep(0.5)
 
 
+async def _metric_sum(fleet: Fleet, controls: int, name: str, **labels: str) -> float:
+    """``name{labels}`` summed over the first ``controls`` replicas' ``/metrics``, as Prometheus would."""
+    total = 0.0
+    for control in fleet.started[:controls]:
+        async with httpx.AsyncClient(base_url=control.url,
+                                     headers={"Authorization": f"Bearer {fleet.admin}"}) as http:
+            response = await http.get("/metrics")
+        assert response.status_code == 200, response.text
+        total += sum(s.value for family in text_string_to_metric_families(response.text)
+                     for s in family.samples if s.name == name and s.labels == labels)
+    return total
+
+
 async def _stored_snapshot(client: AsyncClient, session_id: str, limit_s: float = 300) -> None:
     """Until the session has a snapshot in the store (a rolling one after its last command)."""
     deadline = time.monotonic() + limit_s
@@ -192,6 +207,10 @@ async def test_a_session_of_a_killed_node_runs_on_another_from_its_rolling_snaps
         assert await _denied_on_this_node(resumed), "node B's broker did not apply the session's policy"
         trail = [e for e in await client.audit.list(session_id=session.id) if e.action == "recover"]
         assert len(trail) == 1 and trail[0].detail["from_node"] == id_a and trail[0].detail["node"] == id_b
+        # Both replicas' reapers saw the dead node; the one that won the session counted it (sum: 1).
+        assert await _metric_sum(fleet, 2, "capsa_session_recoveries_total", result="recovered") == 1
+        assert await _metric_sum(fleet, 2, "capsa_session_operation_duration_seconds_count",
+                                 operation="recover", outcome="ok") == 1
         print(f"failover: {failover_s:.1f} s from kill -9 to running on node B")
 
         # Node A comes back on its state dir: it runs nothing of the session, which stays on B.
