@@ -4,6 +4,7 @@
 #   sudo scripts/install.sh              # system packages, venv, guest image, then the demo
 #   sudo scripts/install.sh --no-demo    # everything except the demo
 #   sudo scripts/install.sh --no-demo --dev   # and the test tools in the same pip pass (what CI uses)
+#   sudo scripts/install.sh --no-demo --link  # and /usr/local/bin/capsa, which deploy/systemd's units run
 #
 # Idempotent: packages already installed are not touched, the venv is reused, and the guest image
 # comes from the cache (/var/cache/capsa, or $CAPSA_CACHE_DIR) when its inputs have not changed.
@@ -13,6 +14,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CAPSA_VENV:-$REPO/.venv}"
 DEMO=1
 DEV=0
+LINK=0
 EXTRAS=""
 
 usage() {
@@ -20,12 +22,14 @@ usage() {
     echo "options: --no-demo   skip the final demo run"
     echo "         --dev       also install the development extras (tests, linters) in the same pass"
     echo "         --venv DIR  virtualenv to create/use (default: \$CAPSA_VENV or $REPO/.venv)"
+    echo "         --link      make /usr/local/bin/capsa a link to the venv's capsa (the systemd units run it)"
 }
 
 while [ $# -gt 0 ]; do
     case "$1" in
         --no-demo) DEMO=0 ;;
         --dev) EXTRAS="[dev]"; DEV=1 ;;
+        --link) LINK=1 ;;
         --venv) [ $# -ge 2 ] || { echo "install.sh: --venv needs a directory" >&2; exit 2; }; VENV="$2"; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "install.sh: unknown option: $1" >&2; usage >&2; exit 2 ;;
@@ -50,6 +54,8 @@ PACKAGES=(
 )
 # The tests' real S3 server (OpenStack Swift with its s3api middleware, tests/support/s3_server.py).
 [ "$DEV" = 1 ] && PACKAGES+=(swift-proxy swift-object swift-container swift-account)
+# systemd-analyze verifies deploy/systemd's units (tests/unit/test_deploy_systemd.py).
+[ "$DEV" = 1 ] && PACKAGES+=(systemd)
 
 step "System packages"
 missing=()
@@ -99,6 +105,16 @@ if [ "$DEMO" -eq 1 ]; then
     step "Main job"
     # ---- MAIN JOB: capsa serve + the SDK quick start (examples/quickstart.py), see scripts/demo.sh ----
     CAPSA_VENV="$VENV" "$REPO/scripts/demo.sh"
+fi
+
+if [ "$LINK" -eq 1 ]; then
+    step "Command link"
+    # deploy/systemd/capsa-*.service run /usr/local/bin/capsa; a file there that is not a link is not ours.
+    if [ -e /usr/local/bin/capsa ] && [ ! -L /usr/local/bin/capsa ]; then
+        die "/usr/local/bin/capsa exists and is not a link: not replacing it"
+    fi
+    ln -sfn "$(cd "$VENV" && pwd)/bin/capsa" /usr/local/bin/capsa
+    echo "/usr/local/bin/capsa -> $(readlink /usr/local/bin/capsa)"
 fi
 
 step "Done"

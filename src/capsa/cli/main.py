@@ -16,6 +16,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "vm": ("capsa.cli.vm", "vm"),
     "serve": ("capsa.cli.serve", "serve"),
     "node": ("capsa.cli.node", "node"),
+    "doctor": ("capsa.cli.doctor", "doctor"),
     "keys": ("capsa.cli.keys", "keys"),
     "nodes": ("capsa.cli.nodes", "nodes"),
     "control": ("capsa.cli.control", "control"),

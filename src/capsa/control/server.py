@@ -17,6 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from capsa.common.audit_checkpoint import ensure_signing_key
+from capsa.common.sdnotify import notify
 from capsa.common.service import QuietServer, bind_tcp
 from capsa.control.nodes.secrets import derive_secret_key
 from capsa.control.secretbox import ensure_key_file
@@ -67,7 +68,7 @@ class AppFactory(Protocol):
 async def run_control(host: str, port: int, state_dir: Path, database_url: str | None,
                       build_app: AppFactory) -> None:
     """Serve the control plane's API (``build_app``) on ``host:port`` until cancelled; prints one line once it
-    answers."""
+    answers, and then tells systemd (``READY=1``; ``STOPPING=1`` when it stops) under a notify unit."""
     # Bind first: a taken port fails before a bootstrap key is generated that would never be shown again.
     listener = bind_tcp(host, port)
     try:
@@ -84,9 +85,12 @@ async def run_control(host: str, port: int, state_dir: Path, database_url: str |
             bound = listener.getsockname()
             shown = f"[{bound[0]}]" if ":" in str(bound[0]) else bound[0]
             print(f"capsa: control plane on http://{shown}:{bound[1]}", flush=True)
+            notify("READY=1", f"STATUS=serving on http://{shown}:{bound[1]}")
             # Shielded: a cancellation (SIGTERM, SIGINT) lands here and the finally below stops the server.
             await asyncio.shield(task)
         finally:
+            if server.started:
+                notify("STOPPING=1")
             if not task.done():
                 server.should_exit = True
                 with contextlib.suppress(asyncio.CancelledError):

@@ -95,3 +95,14 @@ class DirectoryStore:
                     continue
                 out.append(ObjectInfo(full.relative_to(self.root).as_posix(), st.st_size, st.st_mtime))
         return sorted(out, key=lambda o: o.key)
+
+    def check(self) -> str:
+        """The root is a directory this process can write: a hidden temporary file (which :meth:`list`
+        never shows) is made and removed in it."""
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=_TMP + "check-", dir=self.root)
+        except OSError as e:
+            raise StoreError(f"store directory {self.root} is not writable: {e.strerror}") from e
+        os.close(fd)
+        os.unlink(tmp)
+        return f"directory {self.root} is writable"

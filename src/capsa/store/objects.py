@@ -69,3 +69,7 @@ class ObjectStore(Protocol):
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (a whole segment path ending in ``/``, or "")."""
+
+    def check(self) -> str:
+        """Whether this node can use the store, without changing what it holds; returns what was checked
+        (one line), raises :class:`StoreError` saying why not."""

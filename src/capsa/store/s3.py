@@ -127,3 +127,15 @@ class S3Store:
         except (BotoCoreError, ClientError) as e:
             raise self._fail(e, "cannot list", prefix or "/") from e
         return out
+
+    def check(self) -> str:
+        """The bucket answers a HEAD with these credentials (it exists and they may use it)."""
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            err = e.response.get("Error", {})
+            raise StoreError(f"bucket {self.bucket} at {self.url}: HEAD answered {err.get('Code')} "
+                             f"{err.get('Message', '')}".rstrip()) from e
+        except BotoCoreError as e:
+            raise StoreError(f"bucket {self.bucket} at {self.url} unreachable: {e}") from e
+        return f"bucket {self.bucket} answered HEAD"

@@ -303,6 +303,35 @@ class QemuRuntime:
                      persist=True)
         return sandbox
 
+    async def settle_accelerator(self, spec: VMSpec | None) -> AccelDecision | None:
+        """The accelerator this runtime's VMs would get, decided as a first boot decides it but keeping no
+        VM (``capsa doctor``): ``tcg`` as requested; ``kvm`` as requested once the VM user can open the
+        device and a probe boot of ``spec`` under it answers (else :class:`BootError`, coded as a boot's:
+        ``kvm_unavailable``, ``kvm_boot_failed``); ``auto``: the cached decision, else TCG when the VM user
+        cannot open the device, else a KVM probe boot of ``spec`` (cached as a boot's probe is). None when
+        only a probe boot can tell and ``spec`` is None (no guest image yet)."""
+        if self.requested_accel is Accelerator.TCG:
+            return self.accel_decision
+        if self.requested_accel is Accelerator.AUTO:
+            cached = self._accel_cache.get(self._accel_key())
+            if cached is not None:
+                self.accel_decision = cached
+                return cached
+            if (reason := await self._kvm_access_error()) is not None:
+                self._decide(Accelerator.TCG, f"kvm unusable: {reason}", persist=False)
+                return self.accel_decision
+        if spec is None:
+            if self.requested_accel is Accelerator.KVM and (reason := await self._kvm_access_error()):
+                raise BootError(f"kvm was requested but {reason}", code="kvm_unavailable")
+            return None
+        started = time.monotonic()
+        sandbox = await self.boot(spec)
+        await self.destroy(sandbox)
+        if self.requested_accel is Accelerator.KVM:
+            return AccelDecision(Accelerator.KVM, f"requested; a probe boot answered in "
+                                 f"{time.monotonic() - started:.1f}s", time.time())
+        return self.accel_decision
+
     # -- snapshots ---------------------------------------------------------------------------------
 
     @property
