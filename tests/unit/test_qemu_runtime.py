@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import pytest
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.guestlink.errors import GuestError
+from capsa.node.runtime.accel import AccelCache
 from capsa.node.runtime.base import Accelerator, BootError, VMSpec
 from capsa.node.runtime.qemu import QemuRuntime
 from capsa.node.runtime.qemu.cmdline import SANDBOX_OPTIONS
@@ -137,6 +139,43 @@ async def test_auto_without_kvm_access_decides_tcg_and_says_why(base: Path, bogu
     assert rt.accel_decision.reason.startswith("kvm unusable: ")
     assert "not accessible to the VM user" in rt.accel_decision.reason
     assert rt.accelerator is Accelerator.TCG
+    assert _leftovers(base) == []
+
+
+async def test_settle_accelerator_decides_as_a_boot_would_and_keeps_no_vm(base: Path,
+                                                                          bogus_image: GuestImage) -> None:
+    """What ``capsa doctor`` reports: the runtime's own decision, without a VM left running."""
+    decided = await _runtime(base).settle_accelerator(None)
+    assert decided is not None and (decided.accel, decided.reason) == (Accelerator.TCG, "requested")
+    closed = kvm_node_copy(base, 0o600)
+    rt = _runtime(base, accel="auto", kvm_device=closed)
+    decided = await rt.settle_accelerator(VMSpec(image=bogus_image))
+    assert decided is not None and decided.accel is Accelerator.TCG
+    assert decided.reason.startswith(f"kvm unusable: {closed} (mode 0600, owner 0:0) is not accessible")
+    with pytest.raises(BootError) as info:  # kvm forced: refused as a boot would be, image or not
+        await _runtime(base, accel="kvm", kvm_device=closed).settle_accelerator(None)
+    assert info.value.code == "kvm_unavailable"
+    # The device opens and there is no image to probe-boot: only a first boot can tell.
+    opens = kvm_node_copy(base, 0o666, name="kvm-open")
+    assert await _runtime(base, accel="auto", kvm_device=opens).settle_accelerator(None) is None
+    assert _leftovers(base) == []
+
+
+async def test_a_settled_probe_is_cached_for_the_next_runtime(base: Path, bogus_image: GuestImage) -> None:
+    cache = base / "cache" / "accel.json"
+    settings = Settings(state_dir=base / "state", cache_dir=base / "cache")
+    device = kvm_node_copy(base, 0o666)  # the VM user may open it: a probe boot is what decides
+    rt = QemuRuntime(settings, accel="auto", accel_cache=cache, kvm_device=device)
+    # The probe under kvm fails (the bogus image boots under no kvm, and QEMU opens the host's /dev/kvm),
+    # then the boot under the TCG fallback fails too, for the image's sake: the decision stands.
+    with pytest.raises(BootError, match=r"\(tcg\) failed"):
+        await rt.settle_accelerator(VMSpec(image=bogus_image))
+    [entry] = json.loads(cache.read_text()).values()
+    assert entry["accel"] == "tcg" and entry["reason"].startswith("kvm probe boot failed")
+    AccelCache(cache).forget()  # the next process knows only the file
+    again = QemuRuntime(settings, accel="auto", accel_cache=cache, kvm_device=device)
+    decided = await again.settle_accelerator(VMSpec(image=bogus_image))
+    assert decided is not None and decided.accel is Accelerator.TCG and decided.reason == entry["reason"]
     assert _leftovers(base) == []
 
 

@@ -54,6 +54,26 @@ def test_objects_round_trip_and_list(store: ObjectStore, tmp_path: Path) -> None
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out*"))
 
 
+def test_check_says_a_store_is_usable_and_changes_nothing(store: ObjectStore) -> None:
+    store.put("kept", b"1")
+    found = store.check()
+    assert found.endswith("is writable") or found.endswith("answered HEAD")
+    assert [o.key for o in store.list("")] == ["kept"]
+
+
+def test_check_says_why_a_store_cannot_be_used(tmp_path: Path, s3_server: S3Server,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    gone = open_store((tmp_path / "gone").as_uri())
+    (tmp_path / "gone").rmdir()
+    with pytest.raises(StoreError, match=f"store directory {tmp_path / 'gone'} is not writable"):
+        gone.check()
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    missing = "t" + secrets.token_hex(6)
+    with pytest.raises(StoreError, match=f"bucket {missing} at .*: HEAD answered 404"):
+        open_store(f"s3://{missing}/fleet", s3_endpoint=s3_server.endpoint).check()
+
+
 def test_a_large_file_goes_in_parts_and_comes_back_whole(store: ObjectStore, tmp_path: Path) -> None:
     src = tmp_path / "big"
     src.write_bytes(os.urandom(40 * MiB))  # above the 16 MiB multipart threshold of the S3 backend

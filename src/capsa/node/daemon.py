@@ -41,12 +41,15 @@ from capsa.common.service import QuietServer, bind_tcp, wait_started
 from capsa.node.api.app import create_node_app
 from capsa.node.assembly import NodeParts
 
-__all__ = ["HEARTBEAT_INTERVAL", "ControlLink", "ControlLinkError", "HttpControlLink", "NodeIdentity",
-           "NodeService"]
+__all__ = ["HEARTBEAT_INTERVAL", "LEAVE_TIMEOUT", "ControlLink", "ControlLinkError", "HttpControlLink",
+           "NodeIdentity", "NodeService"]
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 5.0
+LEAVE_TIMEOUT = 30.0
+"""How long a stopping node waits for the control plane to take its sessions (``leave``) before it stops its
+VMs anyway (deploy/systemd's TimeoutStopSec and Kubernetes' grace period leave room for it)."""
 IDENTITY_FILE = "node-identity.json"
 
 
@@ -301,7 +304,7 @@ class NodeService:
         if self.node_id is not None:
             try:
                 # While the API still answers: the control plane destroys sandboxes through it.
-                await asyncio.wait_for(self.link.leave(self.node_id), timeout=30)
+                await asyncio.wait_for(self.link.leave(self.node_id), timeout=LEAVE_TIMEOUT)
             except Exception as exc:
                 log.warning("could not tell the control plane that node %s is stopping: %s", self.node_id,
                             exc)

@@ -62,7 +62,10 @@ async def accelerator(cfg: DoctorConfig) -> Check:
     try:
         decision = await runtime.settle_accelerator(VMSpec(image=cfg.image) if cfg.image else None)
     except BootError as exc:
-        return Check(name, False, str(exc).splitlines()[0], _KVM_FIX)
+        fix = (_KVM_FIX if exc.code in ("kvm_unavailable", "kvm_boot_failed") else
+               "the guest image does not boot (the log has QEMU's output): rebuild it with "
+               "`capsa image build --force`")
+        return Check(name, False, str(exc).splitlines()[0], fix)
     finally:
         await runtime.close()
         await asyncio.to_thread(shutil.rmtree, scratch, True)
