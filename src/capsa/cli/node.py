@@ -50,6 +50,7 @@ def node(control_url: str, enrol_token: str | None, state_dir: Path | None, list
     from capsa.common.sdnotify import notify
     from capsa.common.service import run_service
     from capsa.images.build import ensure_image, find_image
+    from capsa.images.bundle import install_bundled_image
     from capsa.node.assembly import build_node
     from capsa.node.daemon import HttpControlLink, NodeService
     from capsa.node.doctor import first_failure, run_checks
@@ -74,6 +75,10 @@ def node(control_url: str, enrol_token: str | None, state_dir: Path | None, list
     async def main() -> None:
         link = HttpControlLink(control_url, state, enrol_token=enrol_token)
         image = find_image(settings)
+        if image is None:
+            image = await asyncio.to_thread(install_bundled_image, settings, settings.image_bundle_dir)
+            if image is not None:
+                log.info("guest image %s unpacked from %s", image.digest[:12], settings.image_bundle_dir)
         if image is None:
             log.info("building the guest image (first start only)")
             image = await asyncio.to_thread(ensure_image, settings)

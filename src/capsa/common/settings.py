@@ -40,6 +40,10 @@ class Settings(BaseSettings):
     """Per-node mutable state: VM workdirs, database (embedded mode), keys."""
     cache_dir: Path = default_cache_dir()
     """Built guest images and downloaded packages, keyed by their inputs; safe to delete."""
+    image_bundle_dir: Path = Path("/usr/share/capsa/images")
+    """Guest images shipped packed (``<config digest>.tar.zst``, capsa.images.bundle): a node that finds no
+    image for its sources in ``cache_dir`` unpacks the matching bundle from here before it would build one
+    (the container image carries one; ``CAPSA_IMAGE_BUNDLE_DIR``)."""
     accel: str = "auto"
     """auto | kvm | tcg"""
     command_aslr: Literal["auto", "on", "off"] = "auto"
