@@ -52,8 +52,10 @@ PACKAGES=(
     iproute2 procps curl util-linux debian-archive-keyring ca-certificates python3 python3-venv python3-dev gcc
     postgresql
 )
-# The tests' real S3 server (OpenStack Swift with its s3api middleware, tests/support/s3_server.py).
-[ "$DEV" = 1 ] && PACKAGES+=(swift-proxy swift-object swift-container swift-account)
+# The tests' real S3 server (OpenStack Swift with its s3api middleware, tests/support/s3_server.py), and
+# what builds and runs the container image without a registry (scripts/build_image.py,
+# tests/integration/test_container_fleet.py).
+[ "$DEV" = 1 ] && PACKAGES+=(swift-proxy swift-object swift-container swift-account mmdebstrap buildah podman)
 # systemd-analyze verifies deploy/systemd's units (tests/unit/test_deploy_systemd.py).
 [ "$DEV" = 1 ] && PACKAGES+=(systemd)
 

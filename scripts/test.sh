@@ -102,6 +102,14 @@ else
     warm "$RECORD/templates.log" base base-net &
     tpl_pid=$!
     lane1_pid=""
+    # The container image (scripts/build_image.py), in the background at low priority: reused when its
+    # inputs are unchanged (seconds), else built from Debian packages and this tree (the root filesystem
+    # is cached under $CACHE/oci); the container test waits for it on the build's lock.
+    image_start=$SECONDS
+    step "container image (background: scripts/build_image.py; log $RECORD/image.log)"
+    ( status=0; low python3 "$REPO/scripts/build_image.py" --venv "$VENV" > "$RECORD/image.log" 2>&1 \
+          || status=$?; echo "$status $SECONDS" > "$RECORD/image.end" ) &
+    image_pid=$!
     # Interrupted or failing early: stop the background work as Ctrl-C would (the build removes its VMs,
     # pool and mounts; pytest tears down its fixtures): the lane's own shell is ended so it starts nothing
     # more, and what it runs gets SIGINT.
@@ -111,7 +119,7 @@ else
     }
     stop_background() {
         local pid kids
-        for pid in $tpl_pid $lane1_pid; do
+        for pid in $tpl_pid $lane1_pid $image_pid; do
             kids="$(tree "$pid")"
             kill -TERM "$pid" 2>/dev/null
             [ -n "$kids" ] && kill -INT $kids 2>/dev/null
@@ -165,6 +173,12 @@ else
         record "templates" FAILED $((tpl_end - tpl_start)) "$tpl_start"
         echo "the VM tests that need the missing templates did not run"
     fi
+
+    wait "$image_pid"
+    read -r image_status image_end < "$RECORD/image.end" || { image_status=1; image_end=$SECONDS; }
+    record "container image" "$([ "$image_status" = 0 ] && echo ok || echo FAILED)" \
+        $((image_end - image_start)) "$image_start"
+    tail -n 3 "$RECORD/image.log"
 
     step "lane 1 (its log)"
     wait "$lane1_pid"

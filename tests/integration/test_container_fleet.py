@@ -1,0 +1,187 @@
+"""capsa's container image runs a fleet (issue 30): PostgreSQL, the control plane container and two node
+containers started with podman the way the Kubernetes manifests start them, and a session that is created on
+node A, runs commands, pauses there and resumes on node B through the store.
+
+How each container is run (the manifests' settings, as podman options):
+
+- the image is ``localhost/capsa:<key>`` from scripts/build_image.py, built from Debian packages and this
+  tree without a registry (reused when its inputs are unchanged);
+- control plane: ``capsa control``, as the image's user (uid 10001, not root), read-only root filesystem,
+  no capabilities, tmpfs (emptyDir) state directory and /tmp, with CAPSA_DATABASE_URL, CAPSA_BOOTSTRAP_KEY
+  and CAPSA_SECRET_KEY as a Secret would give them; ready when ``/v1/ready`` answers 200 (at least one
+  node), alive on ``/v1/health``;
+- node: ``capsa node --listen ... --advertise-url ...``, as root and privileged (/dev/kvm when there is one,
+  loop devices for the btrfs pool, network namespaces and nftables for sandboxes, cgroups), enrolled with a
+  token from ``capsa nodes token``, its state directory ``/var/lib/capsa`` a bind mount of a host directory
+  (hostPath), the host's /lib/modules read-only, the store a bind-mounted directory (``file:///store``),
+  QEMU under TCG, no warm pool;
+- every container on the host network (the manifests give each pod its own IP: here the node API and the
+  control plane listen on 127.0.0.1 ports of their own, and PostgreSQL is the host's);
+- everything is stopped with SIGTERM (what the kubelet sends) and must exit 0; then no container, QEMU,
+  loop device, mount, network namespace, link or nftables table of the fleet may be left on the host.
+
+What this does not prove about a real cluster: there is no kubelet (no probes acting on readiness or
+liveness, no restarts, no termination grace period enforced), no CNI (no pod network, no NetworkPolicy, no
+Service in front of the control plane), no scheduler or DaemonSet placement, no Secret or downward API
+plumbing (the same values are passed as plain environment variables), no image pull from a registry, one
+kernel and one host for both "nodes" (so a node's loss of its host, or nodes with different CPUs or QEMU
+versions, are not exercised), TCG instead of KVM, and a directory store instead of object storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import secrets
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from capsa.control.keys import generate_key
+from capsa.sdk import AsyncClient, AsyncSession
+from tests.support.containers import (
+    Container,
+    build_capsa_image,
+    containers_labelled,
+    host_snapshot,
+    run_container,
+)
+from tests.support.fleet import enrol_token
+from tests.support.leftovers import node_leftovers, node_netns_prefix
+from tests.support.postgres import PgCluster
+from tests.support.processes import qemu_pids
+from tests.support.served import free_port, serve_workdir
+
+pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.timeout(3600)]
+
+STATE = Path("/var/lib/capsa")  # the node's state directory inside its container (the contract's)
+CONTROL_OPTIONS = ("--user", "10001:10001", "--read-only", "--cap-drop", "ALL",
+                   "--security-opt", "no-new-privileges",
+                   "--tmpfs", f"{STATE}:rw,size=256m,mode=1777", "--tmpfs", "/tmp:rw,size=2g,mode=1777")
+"""The control plane's pod security: uid 10001, read-only root, no capabilities, emptyDirs for its state
+directory and /tmp."""
+NODE_OPTIONS = ("--user", "0:0", "--privileged")
+"""The node's: root and privileged (see deploy/kubernetes's node DaemonSet for why)."""
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done"
+
+
+@pytest.fixture(scope="module")
+def capsa_image() -> str:
+    built = build_capsa_image()
+    print(f"image {built['image']}: {int(str(built['size_bytes'])) / 1e6:.0f} MB, "
+          f"reused {built['reused']}, {built['seconds']} s")
+    return str(built["image"])
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    with serve_workdir("capsa-containers-") as path:
+        yield path
+
+
+def _uid(container: Container) -> str:
+    done = subprocess.run(["podman", "exec", container.name, "id", "-u"], capture_output=True, text=True,
+                          check=False, timeout=60)
+    return done.stdout.strip()
+
+
+async def _status(url: str) -> int:
+    async with httpx.AsyncClient(timeout=10) as http:
+        return (await http.get(url)).status_code
+
+
+async def _counter(session: AsyncSession) -> int:
+    return int((await session.files.read("/tmp/counter")).strip() or 0)
+
+
+async def test_a_session_pauses_on_one_node_container_and_resumes_on_another_through_the_store(
+        pg: PgCluster, capsa_image: str, workdir: Path) -> None:
+    run_id = secrets.token_hex(4)
+    store = workdir / "store"
+    store.mkdir()
+    needles = [str(workdir), str(STATE), node_netns_prefix(STATE)]
+    before = host_snapshot(needles)
+    admin, db_url = generate_key().full, pg.new_database()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    started: list[Container] = []
+
+    def node(name: str) -> tuple[Container, str]:
+        state = workdir / name
+        state.mkdir()
+        node_port = free_port()
+        container = run_container(
+            capsa_image, f"capsa-{name}-{run_id}", run_id,
+            ["node", "--listen", f"127.0.0.1:{node_port}", "--advertise-url", f"http://127.0.0.1:{node_port}"],
+            env={"CAPSA_CONTROL_URL": url, "CAPSA_ENROL_TOKEN": enrol_token(url, admin),
+                 "CAPSA_STATE_DIR": str(STATE), "CAPSA_STORE_URL": "file:///store", "CAPSA_ACCEL": "tcg",
+                 "CAPSA_POOL_SIZE": "0"},
+            mounts={state: str(STATE), store: "/store", Path("/lib/modules"): "/lib/modules:ro"},
+            options=NODE_OPTIONS)
+        started.append(container)
+        registered = container.wait_for_line(" registered", timeout=900)
+        container.wait_http(f"http://127.0.0.1:{node_port}/health")
+        return container, registered.split()[1]
+
+    codes: dict[str, int] = {}
+    try:
+        control = run_container(
+            capsa_image, f"capsa-control-{run_id}", run_id,
+            ["control", "--host", "127.0.0.1", "--port", str(port)],
+            env={"CAPSA_DATABASE_URL": db_url, "CAPSA_BOOTSTRAP_KEY": admin,
+                 "CAPSA_SECRET_KEY": base64.b64encode(os.urandom(32)).decode(),
+                 "CAPSA_ALLOW_INSECURE_NODE_URLS": "1", "CAPSA_STATE_DIR": str(STATE)},
+            options=CONTROL_OPTIONS)
+        started.append(control)
+        control.wait_http(f"{url}/v1/health")
+        assert await _status(f"{url}/v1/ready") == 503  # no node yet
+        assert _uid(control) == "10001"
+
+        node_a, id_a = node("node-a")
+        assert _uid(node_a) == "0"
+        assert await _status(f"{url}/v1/ready") == 200
+        async with AsyncClient(url, admin) as client:
+            session = await AsyncSession.create(timeout=900, client=client)
+            assert (await client.get_session(session.id)).node_id == id_a
+            ran = await session.commands.run("echo hello from $(hostname)")
+            assert ran.exit_code == 0 and ran.stdout.startswith("hello from "), ran
+            await session.files.write("/root/note", "kept on a\n")
+            await session.commands.run(COUNTER, background=True)
+            await asyncio.sleep(1.5)
+            await session.pause()
+            [snap] = await client.list_snapshots(session.id)
+            assert snap.kind == "pause" and snap.node_id == id_a and snap.stored
+            assert any(store.rglob("*")), "nothing was written to the store"
+
+            _, id_b = node("node-b")
+            codes[node_a.name] = node_a.stop()
+            started.remove(node_a)
+            node_a.remove()
+            assert node_leftovers(workdir / "node-a", netns_prefix=node_netns_prefix(STATE)) == []
+
+            resumed = await AsyncSession.resume(session.id, client=client)
+            info = await client.get_session(session.id)
+            assert info.state == "running" and info.node_id == id_b
+            assert await resumed.files.read("/root/note") == "kept on a\n"
+            first = await _counter(resumed)
+            assert first >= 5  # it counted on node A and goes on from there, not from zero
+            await asyncio.sleep(1.0)
+            assert await _counter(resumed) > first
+            assert (await resumed.commands.run("cat /root/note")).stdout == "kept on a\n"
+            await resumed.close()
+    finally:
+        for container in reversed(started):
+            codes[container.name] = container.stop()
+            if codes[container.name] != 0:
+                print(container.logs()[-4000:])
+            container.remove()
+    assert all(code == 0 for code in codes.values()), codes
+    assert containers_labelled(run_id) == []
+    assert qemu_pids(STATE) == [] and qemu_pids(workdir) == []
+    for name in ("node-a", "node-b"):
+        assert node_leftovers(workdir / name, netns_prefix=node_netns_prefix(STATE)) == []
+    assert host_snapshot(needles).added_since(before) == []
