@@ -200,19 +200,19 @@ def build_rootfs(*, out: Path, wheel: Path, bundle: Path, config_digest: str, py
     debs = cache / "oci" / "debs"
     debs.mkdir(parents=True, exist_ok=True)
     argv = [
-        "mmdebstrap", "--mode=root", "--variant=apt", f"--include={','.join(PACKAGES)}",
+        "mmdebstrap", "--mode=root", "--format=tar", "--variant=apt", f"--include={','.join(PACKAGES)}",
         "--aptopt=Acquire::Retries \"3\"", "--dpkgopt=path-exclude=/usr/share/doc/*",
         "--dpkgopt=path-include=/usr/share/doc/*/copyright", "--dpkgopt=path-exclude=/usr/share/man/*",
         "--dpkgopt=path-exclude=/usr/share/locale/*",
         # downloaded packages are kept in the cache between builds
-        "--skip=download/empty", "--skip=essential/unlink",
+        "--skip=essential/unlink",
         '--setup-hook=mkdir -p "$1"/var/cache/apt/archives/',
         f"--setup-hook=sync-in {shlex.quote(str(debs))} /var/cache/apt/archives/",
         f"--customize-hook=sync-out /var/cache/apt/archives {shlex.quote(str(debs))}",
         *(f"--customize-hook={hook}" for hook in customize_hooks(wheelhouse, bundle, config_digest, record)),
         SUITE, str(out), MIRROR,
     ]
-    part = out.with_name(out.name + ".tmp")
+    part = out.with_name("part-" + out.name)
     argv[-2] = str(part)
     with Step("root filesystem (mmdebstrap)") as s:
         # TMPDIR: mmdebstrap assembles the tree there before packing it (beside the cache, not in /tmp); the

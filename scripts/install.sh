@@ -55,7 +55,8 @@ PACKAGES=(
 # The tests' real S3 server (OpenStack Swift with its s3api middleware, tests/support/s3_server.py), and
 # what builds and runs the container image without a registry (scripts/build_image.py,
 # tests/integration/test_container_fleet.py).
-[ "$DEV" = 1 ] && PACKAGES+=(swift-proxy swift-object swift-container swift-account mmdebstrap buildah podman)
+# runc: crun (podman's default) refuses hosts with a hybrid cgroup hierarchy, as the CI machines have.
+[ "$DEV" = 1 ] && PACKAGES+=(swift-proxy swift-object swift-container swift-account mmdebstrap buildah podman runc)
 # systemd-analyze verifies deploy/systemd's units (tests/unit/test_deploy_systemd.py).
 [ "$DEV" = 1 ] && PACKAGES+=(systemd)
 

@@ -9,7 +9,9 @@
 #     boot there, so a VM test without the `vm` marker fails);
 #   - lane 2: the templates (`capsa template warm`, in the background at low priority: base and
 #     base-net first, then the shipped ones), the tests marked `vm` as soon as base and base-net are
-#     cached, then those marked `shipped_templates` once browser and desktop are. VM tests run one at a time.
+#     cached, then those marked `shipped_templates` once browser and desktop are. VM tests run one at a time;
+#   - beside them, the container image (scripts/build_image.py, at low priority): reused when its inputs are
+#     unchanged, else built; the container test waits for it.
 # Every stage runs even if an earlier one fails; the exit status is non-zero if any did. At the end: each
 # stage's time and span, the 30 slowest tests and every skip. A record of the run (stage times, junit XML,
 # the template and no-VM logs) is kept under $CAPSA_CACHE_DIR/ci/runs/ (default /var/cache/capsa).

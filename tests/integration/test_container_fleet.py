@@ -7,13 +7,13 @@ How each container is run (the manifests' settings, as podman options):
 - the image is ``localhost/capsa:<key>`` from scripts/build_image.py, built from Debian packages and this
   tree without a registry (reused when its inputs are unchanged);
 - control plane: ``capsa control``, as the image's user (uid 10001, not root), read-only root filesystem,
-  no capabilities, tmpfs (emptyDir) state directory and /tmp, with CAPSA_DATABASE_URL, CAPSA_BOOTSTRAP_KEY
-  and CAPSA_SECRET_KEY as a Secret would give them; ready when ``/v1/ready`` answers 200 (at least one
-  node), alive on ``/v1/health``;
+  no capabilities, its state directory and /tmp emptyDirs (a host directory owned by 10001, a tmpfs), with
+  CAPSA_DATABASE_URL, CAPSA_BOOTSTRAP_KEY and CAPSA_SECRET_KEY as a Secret would give them; ready when
+  ``/v1/ready`` answers 200 (at least one node), alive on ``/v1/health``;
 - node: ``capsa node --listen ... --advertise-url ...``, as root and privileged (/dev/kvm when there is one,
   loop devices for the btrfs pool, network namespaces and nftables for sandboxes, cgroups), enrolled with a
   token from ``capsa nodes token``, its state directory ``/var/lib/capsa`` a bind mount of a host directory
-  (hostPath), the host's /lib/modules read-only, the store a bind-mounted directory (``file:///store``),
+  (hostPath), the host's /lib/modules read-only when it has one, the store a bind-mounted directory (``file:///store``),
   QEMU under TCG, no warm pool;
 - every container on the host network (the manifests give each pod its own IP: here the node API and the
   control plane listen on 127.0.0.1 ports of their own, and PostgreSQL is the host's);
@@ -60,12 +60,13 @@ pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.timeout(3600)]
 
 STATE = Path("/var/lib/capsa")  # the node's state directory inside its container (the contract's)
 CONTROL_OPTIONS = ("--user", "10001:10001", "--read-only", "--cap-drop", "ALL",
-                   "--security-opt", "no-new-privileges",
-                   "--tmpfs", f"{STATE}:rw,size=256m,mode=1777", "--tmpfs", "/tmp:rw,size=2g,mode=1777")
-"""The control plane's pod security: uid 10001, read-only root, no capabilities, emptyDirs for its state
-directory and /tmp."""
+                   "--security-opt", "no-new-privileges", "--tmpfs", "/tmp:rw,size=2g,mode=1777")
+"""The control plane's pod security: uid 10001, read-only root, no capabilities, /tmp an emptyDir (its
+state directory, another, is a host directory owned by 10001 as fsGroup makes it)."""
 NODE_OPTIONS = ("--user", "0:0", "--privileged")
 """The node's: root and privileged (see deploy/kubernetes's node DaemonSet for why)."""
+MODULES = {Path("/lib/modules"): "/lib/modules:ro"} if Path("/lib/modules").is_dir() else {}
+"""The host's kernel modules for modprobe, as the DaemonSet mounts them (these hosts' kernels have none)."""
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done"
 
 
@@ -120,22 +121,24 @@ async def test_a_session_pauses_on_one_node_container_and_resumes_on_another_thr
             env={"CAPSA_CONTROL_URL": url, "CAPSA_ENROL_TOKEN": enrol_token(url, admin),
                  "CAPSA_STATE_DIR": str(STATE), "CAPSA_STORE_URL": "file:///store", "CAPSA_ACCEL": "tcg",
                  "CAPSA_POOL_SIZE": "0"},
-            mounts={state: str(STATE), store: "/store", Path("/lib/modules"): "/lib/modules:ro"},
-            options=NODE_OPTIONS)
+            mounts={state: str(STATE), store: "/store", **MODULES}, options=NODE_OPTIONS)
         started.append(container)
         registered = container.wait_for_line(" registered", timeout=900)
-        container.wait_http(f"http://127.0.0.1:{node_port}/health")
+        container.wait_http(f"http://127.0.0.1:{node_port}/node/v1/health")
         return container, registered.split()[1]
 
     codes: dict[str, int] = {}
     try:
+        control_state = workdir / "control"
+        control_state.mkdir()
+        os.chown(control_state, 10001, 10001)
         control = run_container(
             capsa_image, f"capsa-control-{run_id}", run_id,
             ["control", "--host", "127.0.0.1", "--port", str(port)],
             env={"CAPSA_DATABASE_URL": db_url, "CAPSA_BOOTSTRAP_KEY": admin,
                  "CAPSA_SECRET_KEY": base64.b64encode(os.urandom(32)).decode(),
                  "CAPSA_ALLOW_INSECURE_NODE_URLS": "1", "CAPSA_STATE_DIR": str(STATE)},
-            options=CONTROL_OPTIONS)
+            mounts={control_state: str(STATE)}, options=CONTROL_OPTIONS)
         started.append(control)
         control.wait_http(f"{url}/v1/health")
         assert await _status(f"{url}/v1/ready") == 503  # no node yet

@@ -5,6 +5,7 @@ the Kubernetes manifests run it, stopped with SIGTERM, and the host checked for 
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -20,6 +21,20 @@ __all__ = ["Container", "HostSnapshot", "build_capsa_image", "containers_labelle
            "run_container"]
 
 LABEL = "io.capsa.test"
+
+
+def _host_options() -> list[str]:
+    """podman run options every container of the tests needs on these machines, none of which changes
+    what capsa does in it: runc, because crun refuses the hybrid cgroup hierarchy these hosts have (v1
+    controllers beside a v2 mount); and this process's own open-file and process limits, because these
+    hosts do not let root raise a limit (podman's defaults are higher; it clamps its own process limit to
+    pid_max)."""
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
+    nproc = resource.getrlimit(resource.RLIMIT_NPROC)
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    procs = [n if n != resource.RLIM_INFINITY else pid_max for n in nproc]
+    return ["--runtime", "runc", "--ulimit", f"nofile={nofile[0]}:{nofile[1]}",
+            "--ulimit", f"nproc={min(procs[0], pid_max)}:{min(procs[1], pid_max)}"]
 
 
 def build_capsa_image() -> dict[str, object]:
@@ -97,7 +112,7 @@ def run_container(image: str, name: str, run_id: str, args: Sequence[str], *, en
     ``mounts``: host path -> container path (``:ro`` appended for read-only); ``options``: more of
     podman run's (user, privileges, tmpfs)."""
     argv = ["run", "--detach", "--name", name, "--label", f"{LABEL}={run_id}", "--network", "host",
-            "--stop-signal", "TERM", *options]
+            "--stop-signal", "TERM", *_host_options(), *options]
     for key, value in sorted(env.items()):
         argv += ["--env", f"{key}={value}"]
     for host, inside in mounts.items():
