@@ -183,7 +183,7 @@ def customize_hooks(wheelhouse: Path, bundle: Path, config_digest: str, record: 
         f'install -d -o {CONTROL_UID} -g {CONTROL_UID} -m 0755 "$1"/var/lib/capsa',
         # nothing of the build host
         'rm -f "$1"/etc/resolv.conf "$1"/etc/hostname && : > "$1"/etc/resolv.conf',
-        f'chroot "$1" dpkg-query -W -f "${{Package}}=${{Version}}\\n" > {q(str(record / "packages.txt"))}',
+        f"chroot \"$1\" dpkg-query -W -f '${{Package}}=${{Version}}\\n' > {q(str(record / 'packages.txt'))}",
         f'chroot "$1" /opt/capsa/bin/pip freeze --all > {q(str(record / "python.txt"))}',
     ]
 

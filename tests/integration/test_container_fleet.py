@@ -35,6 +35,7 @@ import base64
 import os
 import secrets
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,29 +145,39 @@ async def test_a_session_pauses_on_one_node_container_and_resumes_on_another_thr
         assert await _status(f"{url}/v1/ready") == 503  # no node yet
         assert _uid(control) == "10001"
 
+        t0 = time.monotonic()
         node_a, id_a = node("node-a")
+        timings = {"node A up (guest image unpacked, base template built)": time.monotonic() - t0}
         assert _uid(node_a) == "0"
         assert await _status(f"{url}/v1/ready") == 200
         async with AsyncClient(url, admin) as client:
+            t0 = time.monotonic()
             session = await AsyncSession.create(timeout=900, client=client)
+            timings["create"] = time.monotonic() - t0
             assert (await client.get_session(session.id)).node_id == id_a
             ran = await session.commands.run("echo hello from $(hostname)")
             assert ran.exit_code == 0 and ran.stdout.startswith("hello from "), ran
             await session.files.write("/root/note", "kept on a\n")
             await session.commands.run(COUNTER, background=True)
             await asyncio.sleep(1.5)
+            t0 = time.monotonic()
             await session.pause()
+            timings["pause (to the store)"] = time.monotonic() - t0
             [snap] = await client.list_snapshots(session.id)
             assert snap.kind == "pause" and snap.node_id == id_a and snap.stored
             assert any(store.rglob("*")), "nothing was written to the store"
 
+            t0 = time.monotonic()
             _, id_b = node("node-b")
+            timings["node B up"] = time.monotonic() - t0
             codes[node_a.name] = node_a.stop()
             started.remove(node_a)
             node_a.remove()
             assert node_leftovers(workdir / "node-a", netns_prefix=node_netns_prefix(STATE)) == []
 
+            t0 = time.monotonic()
             resumed = await AsyncSession.resume(session.id, client=client)
+            timings["resume on node B (from the store)"] = time.monotonic() - t0
             info = await client.get_session(session.id)
             assert info.state == "running" and info.node_id == id_b
             assert await resumed.files.read("/root/note") == "kept on a\n"
@@ -176,6 +187,7 @@ async def test_a_session_pauses_on_one_node_container_and_resumes_on_another_thr
             assert await _counter(resumed) > first
             assert (await resumed.commands.run("cat /root/note")).stdout == "kept on a\n"
             await resumed.close()
+            print(", ".join(f"{what}: {took:.1f} s" for what, took in timings.items()))
     finally:
         for container in reversed(started):
             codes[container.name] = container.stop()
