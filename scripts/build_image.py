@@ -280,7 +280,8 @@ def commit_image(rootfs: Path, ref: str, key: str, epoch: int) -> None:
 
 def prune(oci: Path, keep: str) -> None:
     """Keep the newest KEEP root filesystems (by use) and the images built from them."""
-    dirs = sorted((d for d in oci.iterdir() if d.is_dir() and len(d.name) == 16),
+    dirs = sorted((d for d in oci.iterdir()
+                   if d.is_dir() and len(d.name) == 16 and set(d.name) <= set("0123456789abcdef")),
                   key=lambda d: d.stat().st_mtime, reverse=True)
     for old in dirs[KEEP:]:
         if old.name != keep:
@@ -310,7 +311,8 @@ def main() -> int:
     env = capsa_env(epoch)
     times: dict[str, float] = {}
 
-    with tempfile.TemporaryDirectory(prefix="capsa-oci-", dir=cache) as tmp:
+    oci.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tmp-", dir=oci) as tmp:
         work = Path(tmp)
         with Step("guest image (capsa image build)") as s:
             guest = guest_image(python, env)
