@@ -12,11 +12,13 @@ How each container is run (the manifests' settings, as podman options):
   ``/v1/ready`` answers 200 (at least one node), alive on ``/v1/health``;
 - node: ``capsa node --listen ... --advertise-url ...``, as root and privileged (/dev/kvm when there is one,
   loop devices for the btrfs pool, network namespaces and nftables for sandboxes, cgroups), enrolled with a
-  token from ``capsa nodes token``, its state directory ``/var/lib/capsa`` a bind mount of a host directory
-  (hostPath), the host's /lib/modules read-only when it has one, the store a bind-mounted directory (``file:///store``),
-  QEMU under TCG, no warm pool;
+  token from ``capsa nodes token`` (CAPSA_ENROL_TOKEN: the DaemonSet's shell reads it from a Secret), its
+  state directory ``/var/lib/capsa`` a bind mount of a host directory (hostPath), the host's /lib/modules
+  read-only when it has one, the store a bind-mounted directory (``file:///store``), QEMU under TCG, no
+  warm pool; its image cache (the unpacked guest image, the base template) in the container's own layer;
 - every container on the host network (the manifests give each pod its own IP: here the node API and the
-  control plane listen on 127.0.0.1 ports of their own, and PostgreSQL is the host's);
+  control plane listen on 127.0.0.1 ports of their own, and PostgreSQL is the host's), run by runc with
+  the test process's own ulimits (tests/support/containers.py: what these machines need, not capsa);
 - everything is stopped with SIGTERM (what the kubelet sends) and must exit 0; then no container, QEMU,
   loop device, mount, network namespace, link or nftables table of the fleet may be left on the host.
 
@@ -118,7 +120,8 @@ async def test_a_session_pauses_on_one_node_container_and_resumes_on_another_thr
         node_port = free_port()
         container = run_container(
             capsa_image, f"capsa-{name}-{run_id}", run_id,
-            ["node", "--listen", f"127.0.0.1:{node_port}", "--advertise-url", f"http://127.0.0.1:{node_port}"],
+            ["node", "--listen", f"127.0.0.1:{node_port}",
+             "--advertise-url", f"http://127.0.0.1:{node_port}"],
             env={"CAPSA_CONTROL_URL": url, "CAPSA_ENROL_TOKEN": enrol_token(url, admin),
                  "CAPSA_STATE_DIR": str(STATE), "CAPSA_STORE_URL": "file:///store", "CAPSA_ACCEL": "tcg",
                  "CAPSA_POOL_SIZE": "0"},
