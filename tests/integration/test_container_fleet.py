@@ -51,6 +51,7 @@ from tests.support.containers import (
     build_capsa_image,
     containers_labelled,
     host_snapshot,
+    loop_devices_into,
     run_container,
 )
 from tests.support.fleet import enrol_token
@@ -177,6 +178,7 @@ async def test_a_session_pauses_on_one_node_container_and_resumes_on_another_thr
             started.remove(node_a)
             node_a.remove()
             assert node_leftovers(workdir / "node-a", netns_prefix=node_netns_prefix(STATE)) == []
+            assert loop_devices_into(workdir / "node-a") == []
 
             t0 = time.monotonic()
             resumed = await AsyncSession.resume(session.id, client=client)
@@ -202,4 +204,5 @@ async def test_a_session_pauses_on_one_node_container_and_resumes_on_another_thr
     assert qemu_pids(STATE) == [] and qemu_pids(workdir) == []
     for name in ("node-a", "node-b"):
         assert node_leftovers(workdir / name, netns_prefix=node_netns_prefix(STATE)) == []
+    assert loop_devices_into(workdir) == []
     assert host_snapshot(needles).added_since(before) == []

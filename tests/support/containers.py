@@ -5,6 +5,7 @@ the Kubernetes manifests run it, stopped with SIGTERM, and the host checked for 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import httpx
 from tests.support.served import ROOT
 
 __all__ = ["Container", "HostSnapshot", "build_capsa_image", "containers_labelled", "host_snapshot",
-           "run_container"]
+           "loop_devices_into", "run_container"]
 
 LABEL = "io.capsa.test"
 
@@ -138,6 +139,23 @@ class HostSnapshot:
 
     def added_since(self, before: HostSnapshot) -> list[str]:
         return sorted(self.items - before.items)
+
+
+def loop_devices_into(root: Path) -> list[str]:
+    """Loop devices whose backing file is a file under ``root``, found by device and inode: a loop device
+    attached in a container names its file by the path inside the container's bind mount (``/f`` for
+    ``HOST/f`` mounted at ``/``), not the host's."""
+    inodes = {(st.st_dev, st.st_ino) for f in root.rglob("*") if f.is_file() and not f.is_symlink()
+              for st in [f.stat()]}
+    listed = subprocess.run(["losetup", "--list", "--noheadings", "--raw", "--output",
+                             "NAME,BACK-MAJ:MIN,BACK-INO"], capture_output=True, text=True, check=True)
+    found = []
+    for line in listed.stdout.splitlines():
+        name, majmin, ino = line.replace("\\x20", "").split()
+        major, minor = (int(n) for n in majmin.split(":"))
+        if (os.makedev(major, minor), int(ino)) in inodes:
+            found.append(f"loop device {name} -> a file under {root} (inode {ino})")
+    return found
 
 
 def host_snapshot(needles: Sequence[str]) -> HostSnapshot:
