@@ -56,7 +56,6 @@ PACKAGES=(
 # what builds and runs the container image without a registry (scripts/build_image.py,
 # tests/integration/test_container_fleet.py).
 # runc: crun (podman's default) refuses hosts with a hybrid cgroup hierarchy, as the CI machines have.
-# runc: crun (podman's default) refuses hosts with a hybrid cgroup hierarchy, as the CI machines have.
 [ "$DEV" = 1 ] && PACKAGES+=(swift-proxy swift-object swift-container swift-account
                              mmdebstrap buildah podman runc)
 # systemd-analyze verifies deploy/systemd's units (tests/unit/test_deploy_systemd.py).
