@@ -222,13 +222,25 @@ class StoragePool:
                    mounted_here=mounted_here)
 
     def unmount(self, *, lazy: bool = False) -> None:
-        """Unmount the loop filesystem this pool lives on (no-op for a configured directory)."""
+        """Unmount the loop filesystem this pool lives on (no-op for a configured directory).
+
+        A plain unmount returns once the filesystem is written out and its loop device detached, so a node
+        that exits after it leaves nothing attached. ``lazy``: when the plain one fails (something still
+        holds a file in the pool), detach it lazily instead (the loop device then goes with the last
+        holder). A lazy unmount first returned at once and left the loop device attached for as long as
+        btrfs took to write out what a pause had just written (seen past 60 s on a loaded host)."""
         if self.loop_image is None:
             return
         lock = self.loop_image.parent / ".lock"
         with _locked(lock):
             if any(m.mount_point == self.root for m in mounts()):
-                unmount(self.root, lazy=lazy)
+                try:
+                    unmount(self.root)
+                except MountError:
+                    if not lazy:
+                        raise
+                    log.warning("storage.pool_busy", extra={"mount_point": str(self.root)})
+                    unmount(self.root, lazy=True)
                 log.info("storage.loop_unmounted", extra={"mount_point": str(self.root)})
 
     def destroy(self) -> None:
