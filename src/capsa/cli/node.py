@@ -65,7 +65,8 @@ def node(control_url: str, enrol_token: str | None, state_dir: Path | None, list
         detail = " ".join(failed.detail.split())
         fail(f"capsa node: host check {failed.name} failed: {detail} (fix: {failed.fix}; all checks: "
              "capsa doctor)")
-    log.info("host checks passed; accelerator: %s", checks[0].detail)
+    accel_check = next(c for c in checks if c.name == "accelerator")
+    log.info("host checks passed; accelerator: %s", accel_check.detail)
     try:
         state = prepare_state_dir(state_dir or base.state_dir)
     except CapsaError as exc:
