@@ -34,6 +34,7 @@ from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
 from capsa.node.storage import StoragePool
 from capsa.node.templates.source import TemplateSource
 from tests.support.api_stack import Replica, serve_app
+from tests.support.counter import counter_script
 
 pytestmark = [
     pytest.mark.vm,
@@ -45,7 +46,7 @@ pytestmark = [
 
 NODE_TOKEN = "n" * 32
 NODE_ID = "node-snap"
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done"
+COUNTER = counter_script()
 
 
 class Stack:

@@ -54,6 +54,7 @@ from tests.support.containers import (
     loop_devices_into,
     run_container,
 )
+from tests.support.counter import counter_script
 from tests.support.fleet import enrol_token
 from tests.support.leftovers import node_leftovers, node_netns_prefix
 from tests.support.postgres import PgCluster
@@ -71,7 +72,7 @@ NODE_OPTIONS = ("--user", "0:0", "--privileged")
 """The node's: root and privileged (see deploy/kubernetes's node DaemonSet for why)."""
 MODULES = {Path("/lib/modules"): "/lib/modules:ro"} if Path("/lib/modules").is_dir() else {}
 """The host's kernel modules for modprobe, as the DaemonSet mounts them (these hosts' kernels have none)."""
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done"
+COUNTER = counter_script()
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ from capsa.node.templates.cache import STORE_KIND
 from capsa.sdk import AsyncClient, AsyncSession
 from capsa.store import ObjectStore, open_store
 from capsa.store.bundles import list_bundles
+from tests.support.counter import counter_script
 from tests.support.fleet import cli, enrol_token, listed_nodes, start_control, start_node
 from tests.support.leftovers import wait_no_node_leftovers
 from tests.support.postgres import PgCluster
@@ -45,7 +46,7 @@ from tests.support.served import Served, serve_workdir
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.timeout(1500)]
 
 POLICY = {"domains": [{"domain": "api.allowed.test"}]}  # a networked session (a browser needs one)
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done"
+COUNTER = counter_script()
 
 @pytest.fixture
 def workdir() -> Iterator[Path]:

@@ -29,6 +29,7 @@ from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.storage import StoragePool
 from capsa.node.templates.build import build_template, load_spec
 from capsa.node.templates.source import TemplateSource
+from tests.support.counter import counter_script
 from tests.support.waits import eventually
 
 pytestmark = [
@@ -39,7 +40,7 @@ pytestmark = [
 ]
 
 TOKEN = "t" * 32
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"
+COUNTER = counter_script(0.1)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

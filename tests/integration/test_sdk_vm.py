@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from capsa import AsyncClient, AsyncSession, SessionFailed
+from tests.support.counter import counter_script
 from tests.support.leftovers import wait_no_vm_leftovers
 from tests.support.processes import qemu_pids
 from tests.support.served import Served, capsa
@@ -47,7 +48,7 @@ async def test_sdk_features_in_a_real_vm(server: tuple[Served, str], tmp_path: P
         res = await s.commands.run("id -un; pwd", cwd="/tmp", env={"A": "b"})
         assert res.stdout.splitlines()[1] == "/tmp"
 
-        proc = await s.commands.run("i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done",
+        proc = await s.commands.run(counter_script(),
                                     background=True)
         await asyncio.sleep(1.0)
         first = int((await s.commands.run("cat /tmp/counter")).stdout)

@@ -26,6 +26,7 @@ from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.runtime.snapshot.manifest import Snapshot, write_manifest
 from capsa.node.runtime.snapshot.mechanics import RamMode, SnapshotError
 from capsa.node.storage import StoragePool, StorageSettings
+from tests.support.counter import counter_script
 from tests.support.waits import eventually
 
 pytestmark = [
@@ -36,7 +37,7 @@ pytestmark = [
     pytest.mark.asyncio(loop_scope="module"),
 ]
 
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"
+COUNTER = counter_script(0.1)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -1,0 +1,19 @@
+"""A guest process that counts, for tests that check a session's processes survive a pause, a move or a
+branch: it writes each value to a new file and renames it over ``/tmp/counter``.
+
+A snapshot can stop the guest at any instruction. With a plain ``echo $i > /tmp/counter`` it can stop between
+the truncation and the write, and the restored file is empty until the shell runs again; a read that comes
+first sees nothing (test_fleet_store failed so in CI). ``mv`` replaces the file in one rename, so every
+read sees a whole number."""
+
+from __future__ import annotations
+
+__all__ = ["COUNTER_FILE", "counter_script"]
+
+COUNTER_FILE = "/tmp/counter"
+
+
+def counter_script(interval_s: float = 0.2) -> str:
+    """A shell loop counting from 1 into :data:`COUNTER_FILE`, one tick every ``interval_s`` seconds."""
+    return (f"i=0; while true; do i=$((i+1)); echo $i > {COUNTER_FILE}.new; "
+            f"mv {COUNTER_FILE}.new {COUNTER_FILE}; sleep {interval_s}; done")
