@@ -27,6 +27,7 @@ from capsa.node.runtime.snapshot.manifest import Snapshot, write_manifest
 from capsa.node.runtime.snapshot.mechanics import RamMode, SnapshotError
 from capsa.node.storage import StoragePool, StorageSettings
 from tests.support.counter import counter_script
+from tests.support.memfd_attack import attack_as
 from tests.support.waits import eventually
 
 pytestmark = [
@@ -197,6 +198,71 @@ async def test_branch_into_three_sees_parent_files_then_diverges(
         for b in branches:
             await runtime.destroy(b)
         runtime.delete_snapshot(snap)
+
+
+def _memfd_mapping(pid: int) -> tuple[int, dict[str, int]]:
+    """(inode, smaps fields in KiB summed over its mappings) of the sealed RAM memfd QEMU ``pid`` maps."""
+    inodes: set[int] = set()
+    fields: dict[str, int] = {}
+    mine = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        parts = line.split()
+        if not parts[0].endswith(":"):  # a mapping's header: range perms offset dev inode [name]
+            mine = len(parts) > 5 and parts[5].startswith("/memfd:capsa-ram")
+            if mine:
+                inodes.add(int(parts[4]))
+        elif mine and line.endswith(" kB"):
+            fields[parts[0][:-1]] = fields.get(parts[0][:-1], 0) + int(parts[1])
+    assert len(inodes) == 1, f"QEMU {pid} maps sealed RAM memfds {inodes}"
+    return inodes.pop(), fields
+
+
+def _memfd_descriptor(pid: int) -> Path:
+    """QEMU ``pid``'s descriptor of its sealed RAM memfd (``/proc/PID/fd/N``)."""
+    return next(p for p in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(p).startswith("/memfd:capsa-ram"))
+
+
+async def test_branches_share_the_snapshots_clean_pages_and_no_qemu_can_write_them(
+    runtime: QemuRuntime, spec: VMSpec, parent: QemuSandbox
+) -> None:
+    await _sh(parent, "head -c 16M /dev/urandom > /dev/shm/shared-data")  # guest RAM both branches keep
+    snap = await runtime.snapshot(parent, resume=True)
+    branches = await runtime.branch(snap, 2, spec)
+    try:
+        for b in branches:  # every branch reads the 16 MiB, so its QEMU maps those pages
+            await _sh(b, "md5sum /dev/shm/shared-data")
+        await _sh(branches[0], "head -c 8M /dev/urandom > /dev/shm/mine; echo one > /dev/shm/who")
+        await _sh(branches[1], "echo two > /dev/shm/who")
+        assert (await _sh(branches[0], "cat /dev/shm/who")).strip() == "one"
+        assert (await _sh(branches[1], "cat /dev/shm/who; ls /dev/shm")).split() == ["two", "shared-data",
+                                                                                     "who"]
+        pids = [b.pid for b in branches]
+        assert all(pids)
+        maps = [_memfd_mapping(pid) for pid in pids if pid]
+        # One memfd (one inode) for both, and its pages are shared, not copies: measured, not assumed.
+        assert maps[0][0] == maps[1][0]
+        for _, fields in maps:
+            # memfd pages are shmem, counted as dirty: shared ones are Shared_*, the guest's own writes
+            # Anonymous (copy-on-write).
+            assert fields["Shared_Clean"] + fields["Shared_Dirty"] >= 16 * 1024, fields
+            assert fields["Pss"] < fields["Rss"] * 0.75, fields
+        # Neither the frozen file nor the memfd can be written by the QEMU's uid, even through QEMU's own
+        # descriptor.
+        ram = snap.path / "memory.ram"
+        for b, pid in zip(branches, pids, strict=True):
+            assert b.vm_uid is not None and pid
+            fd = _memfd_descriptor(pid)
+            got = attack_as(b.vm_uid, b.vm_uid, ram, fd)
+            assert got[str(ram)] == {"open": "Permission denied"}, got
+            refused = "Operation not permitted"
+            assert got[str(fd)] == {"open": "ok", "write": refused, "truncate": refused, "punch": refused,
+                                    "shared_map": refused}, got
+    finally:
+        for b in branches:
+            await runtime.destroy(b)
+        runtime.delete_snapshot(snap)
+        await _sh(parent, "rm -f /dev/shm/shared-data")
+    assert runtime.storage.sealed_ram.users() == {}  # type: ignore[attr-defined]
 
 
 async def _random_and_clock(sb: QemuSandbox) -> tuple[str, float]:

@@ -96,7 +96,7 @@ def test_pool_storage_lays_out_disk_and_shared_ram_and_releases_them(tmp_path: P
     assert files.disk.parent == pool.sandbox_dir("sbx_one") and files.disk.stat().st_size == 4 * 1024 * 1024
     assert files.ram is not None and files.ram.stat().st_size == 64 * 1024 * 1024 and files.shared_ram
     assert any("share=on" in a and str(files.ram) in a for a in files.qemu_args)
-    assert files.restore is None and files.groups == ()
+    assert files.restore is None and files.fds == ()
     storage.release("sbx_one")
     assert not pool.sandbox_dir("sbx_one").exists()
     assert storage.prune(set()) == []

@@ -65,13 +65,6 @@ class IdAllocator:
             self._live.add(value)
             return value
 
-    def claim(self, value: int) -> None:
-        """Mark ``value`` live (an id found on disk that is in use again)."""
-        if not self.owns(value):
-            raise ValueError(f"{value} is not a {self.what}")
-        with self._lock:
-            self._live.add(value)
-
     def release(self, value: int) -> None:
         """Give ``value`` back (idempotent)."""
         with self._lock:

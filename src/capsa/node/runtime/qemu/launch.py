@@ -98,7 +98,7 @@ async def launch(req: LaunchRequest, *, started: float) -> QemuSandbox:
         )
         process = QemuProcess(build_argv(config), vmdir, user=req.owner, extra_groups=req.groups,
                               console_limit=req.console_limit,
-                              pass_fds=(tap_fd,) if tap_fd is not None else (),
+                              pass_fds=(*req.files.fds, *((tap_fd,) if tap_fd is not None else ())),
                               nice=BACKGROUND_NICE if spec.background else 0)
         t_files = loop.time()
         await process.start()

@@ -2,11 +2,11 @@
 nothing behind.
 
 What QEMU runs with (least privilege): its own uid from a private range (never root when the node is
-root), no supplementary groups except the group owning /dev/kvm when KVM is used (and a snapshot's RAM
-group for branches), a seccomp filter (``-sandbox on,...``: no set*id, fork/exec, obsolete or scheduler
-syscalls), its own process group, no default devices, no display, no network device unless asked for, its
-own disk, and a working directory only it and the node can enter. The node keeps the pidfile and console
-log in a folder QEMU cannot write to.
+root), no supplementary groups except the group owning /dev/kvm when KVM is used (a branch maps a sealed
+memfd copy of its snapshot's RAM, never the file), a seccomp filter (``-sandbox on,...``: no set*id,
+fork/exec, obsolete or scheduler syscalls), its own process group, no default devices, no display, no
+network device unless asked for, its own disk, and a working directory only it and the node can enter. The
+node keeps the pidfile and console log in a folder QEMU cannot write to.
 
 Where disks and RAM live is the pluggable :class:`~capsa.node.runtime.qemu.storage.VmStorage`: work-dir
 copies (no snapshots) or the node's storage pool (snapshots, restores, branches, templates). Cold boots,
@@ -209,7 +209,7 @@ class QemuRuntime:
                 if isinstance(exc, (DiskError, CopyError, OSError, ValueError)):
                     raise BootError(f"preparing the disk of {sid} failed: {exc}", sandbox_id=sid) from exc
                 raise
-            groups = (*self._kvm_groups(), *files.groups) if accel is Accelerator.KVM else files.groups
+            groups = self._kvm_groups() if accel is Accelerator.KVM else ()
             request = LaunchRequest(sandbox_id=sid, spec=spec, binary=binary, accel=accel, vmdir=vmdir,
                                     files=files, within=within, owner=owner, groups=groups,
                                     console_limit=self.console_limit, parent=parent, refresh=refresh,

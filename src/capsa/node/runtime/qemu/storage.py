@@ -7,43 +7,39 @@
   snapshot reflinks both while the VM is stopped and its migration stream is only the device state.
   Restores clone (or privately map) a snapshot's files; snapshots and templates live in the pool too.
 
-Privileges: a VM's disk and RAM belong to its own VM uid. Branches that map a snapshot's frozen RAM
-privately need the kernel's permission to open that file read-write (QEMU 7.2 has no read-only private
-mapping), so the file gets a group of its own and only those VMs join it; the mapping is private, so guests
-never write the file, but a QEMU compromised from inside its guest could. Use ``RamMode.COPY`` where that
-matters more than the ~0.1 s per clone it costs.
+Privileges: a VM's disk and RAM belong to its own VM uid. VMs that map a snapshot's frozen RAM privately
+(:attr:`RamMode.PRIVATE`: branches) never get the file itself, which stays root's (mode 0600): QEMU 7.2
+opens a memory backend read-write even for a private mapping, so each gets a sealed memfd copy of it
+(:mod:`capsa.node.runtime.qemu.sealed_ram`), one per snapshot shared by its branches, which no process can
+write.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from capsa.node.runtime.base import RamMode, VMSpec
-from capsa.node.runtime.ids import IdAllocator
+from capsa.node.runtime.qemu.sealed_ram import SealedRam
 from capsa.node.runtime.snapshot.manifest import RAM_FILE, Snapshot, SnapshotError
 from capsa.node.runtime.snapshot.mechanics import (
     RestorePlan,
     create_ram_file,
+    incoming_args,
     memory_backend_args,
     plan_restore,
 )
-from capsa.node.runtime.workdir import VM_UID_BASE, VmDir
+from capsa.node.runtime.workdir import VmDir
 from capsa.node.storage.disks import private_disk
 from capsa.node.storage.filecopy import CopyError, copy_file
 from capsa.node.storage.pool import StoragePool
 
-__all__ = ["RAM_GID_BASE", "RAM_GID_COUNT", "PoolStorage", "VmFiles", "VmStorage", "WorkdirStorage"]
+__all__ = ["PoolStorage", "VmFiles", "VmStorage", "WorkdirStorage"]
 
-# Groups of frozen RAM files that branches map privately: a range of their own right below the VM uids,
-# so no VM's own uid/gid can ever be one of them.
-RAM_GID_COUNT = 1_000_000
-RAM_GID_BASE = VM_UID_BASE - RAM_GID_COUNT
 _IMAGE_PREFIX = "image-"
 
 
@@ -59,8 +55,9 @@ class VmFiles:
     """True: the RAM file is mapped shared, so snapshots leave it out of the stream (x-ignore-shared)."""
     qemu_args: tuple[str, ...] = ()
     """Memory backend arguments (plus ``-incoming defer`` for a restore)."""
-    groups: tuple[int, ...] = ()
-    """Supplementary groups QEMU needs for these files (a snapshot's frozen RAM)."""
+    fds: tuple[int, ...] = ()
+    """Descriptors QEMU inherits for these files (a sealed copy of a snapshot's frozen RAM); the storage's,
+    closed by its :meth:`VmStorage.release`."""
     restore: RestorePlan | None = None
     """The snapshot state to load once QEMU is up (None: a cold boot)."""
     private_ram: bool = False
@@ -125,10 +122,7 @@ class PoolStorage:
     def __init__(self, pool: StoragePool, *, image_copies: int = 2) -> None:
         self._pool = pool
         self.image_copies = image_copies
-        self._grant_lock = threading.Lock()
-        self.ram_gids = IdAllocator(RAM_GID_BASE, RAM_GID_COUNT, "branch RAM group")
-        # Frozen RAM file -> the sandboxes mapping it privately; the last one gone revokes the group.
-        self._ram_users: dict[Path, set[str]] = {}
+        self.sealed_ram = SealedRam()
 
     @property
     def pool(self) -> StoragePool:
@@ -158,20 +152,29 @@ class PoolStorage:
             clone = functools.partial(self._pool.clone, source_owner=os.geteuid())
             plan = plan_restore(snapshot.path, pool_dir, clone=clone, mode=mode, owner=owner,
                                 memory_mib=spec.memory_mib, vcpus=spec.vcpus, image_digest=spec.image.digest)
-            groups: tuple[int, ...] = ()
-            if mode is RamMode.PRIVATE and owner is not None:
-                groups = self._grant_private_ram(snapshot, sandbox_id)
+            fds: tuple[int, ...] = ()
+            if mode is RamMode.PRIVATE and plan.ram is not None:
+                plan, fds = self._sealed(plan, sandbox_id, domain=snapshot.manifest.id)
         except BaseException:
-            self._revoke_private_ram(sandbox_id)
+            self.sealed_ram.release(sandbox_id)
             self._pool.remove_sandbox(sandbox_id)
             raise
         return VmFiles(disk=plan.disk, disk_cow=self._pool.cow, ram=plan.ram, shared_ram=plan.shared_ram,
-                       qemu_args=tuple(plan.extra_args), groups=groups, restore=plan,
+                       qemu_args=tuple(plan.extra_args), fds=fds, restore=plan,
                        private_ram=mode is RamMode.CLONE)
 
     def release(self, sandbox_id: str) -> None:
-        self._revoke_private_ram(sandbox_id)
+        self.sealed_ram.release(sandbox_id)
         self._pool.remove_sandbox(sandbox_id)
+
+    def _sealed(self, plan: RestorePlan, sandbox_id: str, *, domain: str) -> tuple[RestorePlan, tuple[int]]:
+        """``plan`` with its frozen RAM file replaced by the sealed memfd of it that VMs of ``domain``
+        share; QEMU maps the descriptor it inherits (``/proc/self/fd/N``), never the file."""
+        assert plan.ram is not None
+        fd = self.sealed_ram.acquire(plan.ram, sandbox_id, domain)
+        mapped = Path(f"/proc/self/fd/{fd}")
+        args = (*memory_backend_args(plan.manifest.memory_mib, mapped, share=False), *incoming_args())
+        return dataclasses.replace(plan, ram=mapped, extra_args=args), (fd,)
 
     def prune(self, keep: set[str]) -> list[str]:
         return self._pool.prune_sandboxes(keep)
@@ -197,62 +200,3 @@ class PoolStorage:
         copies.sort(key=lambda p: p.stat().st_mtime, reverse=True)
         for old in copies[max(0, self.image_copies - 1):]:
             self._pool.remove_template(old.name)
-
-    def _ram_gids_on_disk(self) -> set[int]:
-        """Groups of frozen RAM files in the pool (granted by this or a previous node process)."""
-        found: set[int] = set()
-        for area in (self._pool.snapshots_dir, self._pool.templates_dir):
-            for ram in area.glob(f"*/{RAM_FILE}"):
-                with contextlib.suppress(OSError):
-                    gid = ram.lstat().st_gid
-                    if self.ram_gids.owns(gid):
-                        found.add(gid)
-        return found
-
-    def _grant_private_ram(self, snap: Snapshot, sandbox_id: str) -> tuple[int, ...]:
-        """Let the VM of ``sandbox_id`` open the frozen RAM file (it maps it privately) through a group
-        that only the VMs branched from this file join; no other snapshot's branches share it."""
-        if snap.manifest.ram is None:
-            return ()
-        ram = snap.path / RAM_FILE
-        with self._grant_lock:  # concurrent branches must agree on one group for the file
-            fd = os.open(ram, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                st = os.fstat(fd)
-                if st.st_uid != 0:
-                    raise SnapshotError(f"{ram} is not owned by the node (uid {st.st_uid})",
-                                        code="snapshot_corrupt")
-                gid = st.st_gid
-                users = self._ram_users.setdefault(ram, set())
-                if not self.ram_gids.owns(gid) or (not users and gid in self.ram_gids):
-                    gid = self.ram_gids.allocate(taken=self._ram_gids_on_disk())
-                elif gid not in self.ram_gids:
-                    self.ram_gids.claim(gid)  # granted by a previous node process
-                os.fchown(fd, 0, gid)
-                os.fchmod(fd, 0o660)
-            finally:
-                os.close(fd)
-            users.add(sandbox_id)
-        os.chmod(snap.path, 0o711)
-        return (gid,)
-
-    def _revoke_private_ram(self, sandbox_id: str) -> None:
-        """Drop ``sandbox_id`` from the users of a frozen RAM file; the last one takes the group back
-        (the file is root's alone again and the group is free for another branch set)."""
-        with self._grant_lock:
-            for ram, users in list(self._ram_users.items()):
-                if sandbox_id not in users:
-                    continue
-                users.discard(sandbox_id)
-                if users:
-                    continue
-                del self._ram_users[ram]
-                with contextlib.suppress(FileNotFoundError):
-                    fd = os.open(ram, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                    try:
-                        gid = os.fstat(fd).st_gid
-                        os.fchmod(fd, 0o600)
-                        os.fchown(fd, 0, 0)
-                    finally:
-                        os.close(fd)
-                    self.ram_gids.release(gid)
