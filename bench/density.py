@@ -11,7 +11,8 @@ SQLite, default capacity and warm pool), driven by the SDK:
    over ``--idle`` seconds while they idle, as a share of the machine (all CPUs); the whole machine's busy
    share over the same interval is stored beside it (other work on the host shows there, not in the first);
 4. ``true`` through the API again with all of them idle, and the ratio to step 1;
-5. PSS of the QEMU processes (sum and per sandbox).
+5. PSS and USS of the QEMU processes (sum and per sandbox; the guest RAM mappings' share apart) and the
+   host's MemAvailable before and with them.
 
 Writes ``bench/results/density.json``. Sessions are closed at the end and the state dir removed.
 """
@@ -30,7 +31,16 @@ from typing import Any
 from capsa.common.service import run_service
 from capsa.sdk import AsyncSession
 from capsa.sdk.errors import CapsaAPIError, RateLimited
-from harness import cpu_seconds, host_facts, memory_kib, qemu_pids, summary, write_results
+from harness import (
+    cpu_seconds,
+    guest_ram_pss_kib,
+    host_facts,
+    mem_available_mib,
+    memory_kib,
+    qemu_pids,
+    summary,
+    write_results,
+)
 from session_ops import serving
 
 RESULTS = Path(__file__).with_name("results") / "density.json"
@@ -63,7 +73,7 @@ async def _trues(session: AsyncSession, n: int) -> list[float]:
 
 async def measure(state: Path, accel: str, sessions: int, execs: int, idle_s: float,
                   memory_mib: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"host_available_mib_before": mem_available_mib()}
     async with serving(state, accel) as (url, key, made):
         probe = await _create(url, key, memory_mib)
         made.append(probe)
@@ -101,9 +111,15 @@ async def measure(state: Path, accel: str, sessions: int, execs: int, idle_s: fl
         out["idle_cpu_share_capsa"] = round((cpu1 - cpu0) / (elapsed * ncpu), 4)
         out["idle_cpu_share_machine"] = round((busy1 - busy0) / (total1 - total0), 4)
         out["idle_cpu_share_per_session"] = round(out["idle_cpu_share_capsa"] / max(1, len(made)), 6)
-        pss = [memory_kib(p).get("pss", 0) for p in pids]
+        mem = [memory_kib(p) for p in pids]
+        pss = [m.get("pss", 0) for m in mem]
+        per = max(1, len(pids)) * 1024
         out["qemu_pss_mib_total"] = round(sum(pss) / 1024, 1)
-        out["qemu_pss_mib_per_sandbox"] = round(sum(pss) / 1024 / max(1, len(pss)), 1)
+        out["qemu_pss_mib_per_sandbox"] = round(sum(pss) / per, 1)
+        out["qemu_uss_mib_per_sandbox"] = round(
+            sum(m.get("private_clean", 0) + m.get("private_dirty", 0) for m in mem) / per, 1)
+        out["guest_ram_pss_mib_per_sandbox"] = round(sum(guest_ram_pss_kib(p) for p in pids) / per, 1)
+        out["host_available_mib_loaded"] = mem_available_mib()
         out["true_api_loaded_s"] = summary(await _trues(probe, execs))
         out["true_api_loaded_vs_empty"] = round(
             out["true_api_loaded_s"]["p50"] / out["true_api_empty_s"]["p50"], 3)

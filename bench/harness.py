@@ -28,13 +28,37 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def memory_kib(pid: int) -> dict[str, int]:
-    """Rss and Pss (proportional: shared pages divided among their users) of a process, in KiB."""
+    """Rss, Pss (proportional: shared pages divided among their users), private and shared pages of a
+    process, in KiB (USS is private_clean + private_dirty)."""
     out: dict[str, int] = {}
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
         key, _, rest = line.partition(":")
-        if key in ("Rss", "Pss", "Private_Dirty", "Shared_Clean"):
+        if key in ("Rss", "Pss", "Private_Clean", "Private_Dirty", "Shared_Clean", "Shared_Dirty"):
             out[key.lower()] = int(rest.split()[0])
     return out
+
+
+def guest_ram_pss_kib(pid: int) -> int:
+    """PSS (KiB) of the mappings of QEMU ``pid`` that hold its guest's RAM (the RAM file, or the sealed
+    memfd copy of a frozen one, plus the copy-on-write pages written over it); the rest of its PSS is
+    QEMU's own (code, heap, TCG's translation cache)."""
+    total, ram = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        parts = line.split()
+        if not parts[0].endswith(":"):
+            name = parts[5] if len(parts) > 5 else ""
+            ram = name.endswith("memory.ram") or name.startswith("/memfd:capsa-ram")
+        elif ram and parts[0] == "Pss:":
+            total += int(parts[1])
+    return total
+
+
+def mem_available_mib() -> float:
+    """The host's MemAvailable, in MiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
 
 
 def host_facts() -> dict[str, Any]:
