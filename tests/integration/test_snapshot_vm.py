@@ -24,7 +24,7 @@ from capsa.node.agent.snapshots import Snapshots
 from capsa.node.runtime.base import LABEL_PRIVATE_RAM, BootError, SandboxState, VMSpec
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.runtime.snapshot.manifest import Snapshot, write_manifest
-from capsa.node.runtime.snapshot.mechanics import RamMode, SnapshotError
+from capsa.node.runtime.snapshot.mechanics import LABEL_RAM_DELTA, RamMode, SnapshotError
 from capsa.node.storage import StoragePool, StorageSettings
 from tests.support.counter import counter_script
 from tests.support.memfd_attack import attack_as
@@ -263,6 +263,46 @@ async def test_branches_share_the_snapshots_clean_pages_and_no_qemu_can_write_th
         runtime.delete_snapshot(snap)
         await _sh(parent, "rm -f /dev/shm/shared-data")
     assert runtime.storage.sealed_ram.users() == {}  # type: ignore[attr-defined]
+
+
+async def test_a_paused_branch_records_only_what_it_changed_and_resumes_whole(
+    runtime: QemuRuntime, spec: VMSpec, parent: QemuSandbox
+) -> None:
+    await _sh(parent, "head -c 16M /dev/urandom > /dev/shm/from-parent")
+    base = await runtime.snapshot(parent, resume=True)
+    [branch] = await runtime.branch(base, 1, spec)
+    resumed: list[QemuSandbox] = []
+    paused: Snapshot | None = None
+    try:
+        digest = await _sh(branch, "head -c 4M /dev/urandom > /dev/shm/mine; md5sum /dev/shm/*")
+        await branch.guest.start_process(["sh", "-c", COUNTER])
+        before = await _counter_past(branch, 3)
+        paused = await runtime.snapshot(branch, resume=False)
+        await runtime.destroy(branch)
+        # The snapshot holds its base's RAM file (a reflink) and, in the stream, only the pages that
+        # differ from it: far less than the 20 MiB of /dev/shm alone, let alone the guest's whole RAM.
+        assert paused.manifest.labels[LABEL_RAM_DELTA] == base.id
+        assert paused.manifest.ram is not None
+        state = (paused.path / "state.bin").stat().st_size
+        assert 4 << 20 < state < 16 << 20, state
+        assert (paused.path / "memory.ram").read_bytes() == (base.path / "memory.ram").read_bytes()
+        for mode in (RamMode.COPY, RamMode.PRIVATE):
+            vm = await runtime.restore(paused, spec, ram_mode=mode)
+            assert isinstance(vm, QemuSandbox)
+            resumed.append(vm)
+            assert await _sh(vm, "md5sum /dev/shm/from-parent /dev/shm/mine") == digest
+            assert await _counter_past(vm, before) > before  # the process kept its memory and goes on
+        # A resumed copy snapshots again as any shared-RAM VM does: a RAM file, no delta.
+        again = await runtime.snapshot(resumed[0], resume=True)
+        assert LABEL_RAM_DELTA not in again.manifest.labels
+        runtime.delete_snapshot(again)
+    finally:
+        for vm in (branch, *resumed):
+            await runtime.destroy(vm)
+        for snap in (paused, base):
+            if snap is not None:
+                runtime.delete_snapshot(snap)
+        await _sh(parent, "rm -f /dev/shm/from-parent")
 
 
 async def _random_and_clock(sb: QemuSandbox) -> tuple[str, float]:

@@ -452,7 +452,7 @@ class QemuRuntime:
                         image_digest=spec.image.digest, qemu_version=version,
                         machine=self._machine(spec, sandbox.accelerator), parent=sandbox.parent,
                         labels=labels, resume=resume, content_digest=content_digest,
-                        time_limit=self.snapshot_timeout,
+                        time_limit=self.snapshot_timeout, ram_base=files.ram_base,
                     )
             except TimeoutError:
                 raise SnapshotError(f"snapshot of {sandbox.id} did not finish within "

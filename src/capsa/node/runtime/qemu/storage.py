@@ -27,6 +27,7 @@ from capsa.node.runtime.base import RamMode, VMSpec
 from capsa.node.runtime.qemu.sealed_ram import SealedRam
 from capsa.node.runtime.snapshot.manifest import RAM_FILE, Snapshot, SnapshotError
 from capsa.node.runtime.snapshot.mechanics import (
+    RamBase,
     RestorePlan,
     create_ram_file,
     incoming_args,
@@ -62,6 +63,9 @@ class VmFiles:
     """The snapshot state to load once QEMU is up (None: a cold boot)."""
     private_ram: bool = False
     """The RAM is the sandbox's own clone mapped privately (:attr:`RamMode.CLONE`)."""
+    ram_base: RamBase | None = None
+    """The RAM is a private mapping of this frozen RAM (:attr:`RamMode.PRIVATE`): snapshots record only
+    the pages that differ from it."""
 
 
 class VmStorage(Protocol):
@@ -153,15 +157,19 @@ class PoolStorage:
             plan = plan_restore(snapshot.path, pool_dir, clone=clone, mode=mode, owner=owner,
                                 memory_mib=spec.memory_mib, vcpus=spec.vcpus, image_digest=spec.image.digest)
             fds: tuple[int, ...] = ()
+            base = None
             if mode is RamMode.PRIVATE and plan.ram is not None:
+                frozen = plan.ram
                 plan, fds = self._sealed(plan, sandbox_id, domain=snapshot.manifest.id)
+                base = RamBase(pages=plan.ram or frozen, file=frozen, snapshot_id=snapshot.manifest.id,
+                               clone=clone)
         except BaseException:
             self.sealed_ram.release(sandbox_id)
             self._pool.remove_sandbox(sandbox_id)
             raise
         return VmFiles(disk=plan.disk, disk_cow=self._pool.cow, ram=plan.ram, shared_ram=plan.shared_ram,
                        qemu_args=tuple(plan.extra_args), fds=fds, restore=plan,
-                       private_ram=mode is RamMode.CLONE)
+                       private_ram=mode is RamMode.CLONE, ram_base=base)
 
     def release(self, sandbox_id: str) -> None:
         self.sealed_ram.release(sandbox_id)

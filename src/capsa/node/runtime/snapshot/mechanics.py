@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import mmap
 import os
 import secrets
 import shutil
@@ -47,12 +49,15 @@ from capsa.node.runtime.snapshot.manifest import (
     load_manifest,
     write_manifest,
 )
+from capsa.node.runtime.snapshot.ram_delta import DeltaStats, StreamFormatError, filter_stream
 
 __all__ = [
+    "LABEL_RAM_DELTA",
     "MAX_BRANCHES",
     "MEMORY_BACKEND_ID",
     "CloneFn",
     "Monitor",
+    "RamBase",
     "RamMode",
     "RestorePlan",
     "SnapshotError",
@@ -62,14 +67,21 @@ __all__ = [
     "load_state",
     "memory_backend_args",
     "plan_restore",
+    "save_delta_state",
     "save_snapshot",
 ]
+
+_log = logging.getLogger(__name__)
 
 MEMORY_BACKEND_ID = "mem0"
 MAX_BRANCHES = 64
 # Bytes per second. The default (32 MiB/s) is meant for live migration over a network; a stopped VM
 # writing to a local file should go as fast as the disk allows.
 _MAX_BANDWIDTH = 1 << 40
+LABEL_RAM_DELTA = "capsa.ram-delta"
+"""Snapshot label: the stream holds the RAM pages that differ from ``memory.ram`` (the frozen RAM the VM
+was restored from, reflinked in), so a restore maps that file and loads the pages over it. The value is
+the id of the snapshot the RAM came from."""
 _POLL = 0.005
 
 
@@ -187,6 +199,60 @@ async def save_state(monitor: Monitor, state_path: Path, *, ram_in_file: bool,
         os.close(fd)
 
 
+def _filter_into(read_fd: int, state_path: Path, base: Path) -> DeltaStats | None:
+    """Filter the stream QEMU writes into the pipe ``read_fd`` against ``base`` into ``state_path``; None
+    when the stream could not be read (the rest is drained so QEMU can finish, and the file removed)."""
+    with os.fdopen(read_fd, "rb", buffering=1 << 20) as src:
+        try:
+            with open(base, "rb") as base_file, \
+                    mmap.mmap(base_file.fileno(), 0, prot=mmap.PROT_READ) as pages, \
+                    open(state_path, "xb", buffering=1 << 20) as out:
+                stats = filter_stream(src, out, MEMORY_BACKEND_ID, pages)
+                out.flush()
+                os.fsync(out.fileno())
+                return stats
+        except Exception as exc:
+            while src.read(1 << 20):  # QEMU must not block on a full pipe
+                pass
+            state_path.unlink(missing_ok=True)
+            if not isinstance(exc, StreamFormatError):
+                raise
+            _log.warning("keeping the whole RAM in the snapshot: %s", exc)
+            return None
+
+
+async def save_delta_state(monitor: Monitor, state_path: Path, base: Path, *,
+                           time_limit: float = 120.0) -> DeltaStats | None:
+    """Write the stopped VM's migration stream to ``state_path`` with only the RAM pages that differ from
+    ``base``, the frozen RAM its private mapping was restored from (:mod:`ram_delta`). If the stream cannot
+    be filtered, the whole stream is written instead and None returned."""
+    await _configure(monitor, False)
+    read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+    try:
+        name = await _pass_fd(monitor, write_fd)
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)  # QEMU holds its own copy: the pipe ends when its migration does
+    filtering = asyncio.ensure_future(asyncio.to_thread(_filter_into, read_fd, state_path, base))
+    try:
+        await monitor.execute("migrate", {"uri": f"fd:{name}"})
+        await _wait_migration(monitor, time_limit, "saving the VM state")
+    except BaseException:
+        # The pipe ends (and the filter with it) once QEMU lets go of its end: a migration that started
+        # closes it when cancelled, a descriptor it never used is closed by name.
+        for cmd, args in (("migrate_cancel", None), ("closefd", {"fdname": name})):
+            with contextlib.suppress(Exception):
+                await monitor.execute(cmd, args)
+        await asyncio.shield(filtering)
+        raise
+    stats = await filtering
+    if stats is None:
+        await save_state(monitor, state_path, ram_in_file=False, time_limit=time_limit)
+    return stats
+
+
 async def load_state(monitor: Monitor, state_path: Path, *, ram_in_file: bool, time_limit: float = 120.0,
                      start: bool = True) -> None:
     """Feed ``state_path`` to a QEMU started with :func:`incoming_args`, then (by default) run the VM.
@@ -206,6 +272,28 @@ async def load_state(monitor: Monitor, state_path: Path, *, ram_in_file: bool, t
 
 
 # -- saving ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RamBase:
+    """The frozen RAM a VM's private mapping was restored from."""
+
+    pages: Path
+    """What the VM maps: readable by this process (the sealed memfd, ``/proc/self/fd/N``)."""
+    file: Path
+    """The snapshot's RAM file the pages were copied from."""
+    snapshot_id: str
+    clone: CloneFn
+    """Reflinks :attr:`file` (a root-owned file) into a snapshot."""
+
+    def freeze(self, dest: Path) -> bool:
+        """``dest``: a reflink of :attr:`file`; False when the file is gone (its snapshot was deleted)."""
+        try:
+            self.clone(self.file, dest)
+        except FileNotFoundError:
+            return False
+        _fsync_path(dest)
+        return True
 
 
 def _entry(path: Path, content_digest: bool) -> FileEntry:
@@ -239,11 +327,14 @@ async def save_snapshot(
     resume: bool = True,
     content_digest: bool = False,
     time_limit: float = 120.0,
+    ram_base: RamBase | None = None,
 ) -> SnapshotManifest:
     """Snapshot a VM into the new directory ``dest``.
 
     ``ram`` is the VM's shared RAM file, or None when its RAM is private (then the pages go into the
-    state file). With ``resume`` a VM that was running runs again afterwards (rolling snapshots); without,
+    state file). ``ram_base``: the VM's private RAM maps a frozen RAM file, so the state file gets only the
+    pages that differ from it and the snapshot a reflink of it (labelled :data:`LABEL_RAM_DELTA`). With
+    ``resume`` a VM that was running runs again afterwards (rolling snapshots); without,
     it is left stopped for the caller to destroy (pause). On failure nothing is left at ``dest`` and a VM
     that was running is continued.
     """
@@ -251,13 +342,26 @@ async def save_snapshot(
     was_running = False
     ok = False
     try:
+        base = None  # the delta's base, reflinked in first (the frozen file does not change)
+        if ram is None and ram_base is not None and await asyncio.to_thread(ram_base.freeze, work / RAM_FILE):
+            base = ram_base
         was_running = await _run_state(monitor) == "running"
         if was_running:
             # stop drains and flushes QEMU's block layer, so the disk file is consistent from here on.
             await monitor.execute("stop")
-        await save_state(monitor, work / STATE_FILE, ram_in_file=ram is not None, time_limit=time_limit)
+        delta = None
+        if base is not None:
+            delta = await save_delta_state(monitor, work / STATE_FILE, base.pages, time_limit=time_limit)
+            if delta is None:  # the whole RAM went into the stream after all
+                (work / RAM_FILE).unlink()
+        else:
+            await save_state(monitor, work / STATE_FILE, ram_in_file=ram is not None, time_limit=time_limit)
         # The VM is stopped: the disk and (shared) RAM files are frozen at the same instant as the state.
         await asyncio.to_thread(_freeze_files, clone, disk, ram, work)
+        if delta is not None and base is not None:
+            labels = {**(labels or {}), LABEL_RAM_DELTA: base.snapshot_id}
+            _log.debug("snapshot %s: %d RAM pages differ from %s, %d do not", dest.name, delta.pages_kept,
+                       base.snapshot_id, delta.pages_dropped)
         manifest = SnapshotManifest(
             id=dest.name,
             created_at=SnapshotManifest.now(),
@@ -268,7 +372,8 @@ async def save_snapshot(
             qemu_version=qemu_version,
             machine=machine,
             device_state=_entry(work / STATE_FILE, True),
-            ram=await asyncio.to_thread(_entry, work / RAM_FILE, content_digest) if ram is not None else None,
+            ram=(await asyncio.to_thread(_entry, work / RAM_FILE, content_digest)
+                 if ram is not None or delta is not None else None),
             disk=await asyncio.to_thread(_entry, work / DISK_FILE, content_digest),
             parent=parent,
             labels=dict(labels or {}),
@@ -328,7 +433,8 @@ class RestorePlan:
 
     @property
     def ram_in_file(self) -> bool:
-        return self.manifest.ram is not None
+        """The whole RAM is in the RAM file (else some or all of it is in the stream)."""
+        return self.manifest.ram is not None and LABEL_RAM_DELTA not in self.manifest.labels
 
     async def load(self, monitor: Monitor, *, time_limit: float = 120.0, start: bool = True) -> None:
         """Feed the snapshot's state to the QEMU started with ``extra_args``."""
