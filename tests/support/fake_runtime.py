@@ -219,6 +219,8 @@ class FakeRuntime:
         self.boot_error: str | None = None
         self.boots = 0
         self.restores = 0
+        self.ram_modes: list[tuple[RamMode, str | None]] = []
+        """(mode, domain) of every restore, in order."""
         self.hostnames: dict[str, str] = {}
         """sandbox id -> the hostname :meth:`bind_identity` gave it."""
         self.snapshots_dir = self.base_dir / ".snapshots"
@@ -316,8 +318,10 @@ class FakeRuntime:
         return m.machine == _MACHINE + _nic(spec) and (m.memory_mib, m.vcpus) == (spec.memory_mib, spec.vcpus)
 
     async def restore(self, snapshot: Snapshot | Path | str, spec: VMSpec, *, sandbox_id: str | None = None,
-                      ram_mode: RamMode = RamMode.COPY, refresh: bool = True) -> Sandbox:
+                      ram_mode: RamMode = RamMode.COPY, refresh: bool = True,
+                      ram_domain: str | None = None) -> Sandbox:
         snap = self._open(snapshot)
+        self.ram_modes.append((ram_mode, ram_domain))
         if not self.can_restore(snap, spec) or snap.manifest.image_digest != spec.image.digest:
             raise SnapshotError(f"snapshot {snap.id} does not fit this sandbox", code="snapshot_mismatch",
                                 status=409)

@@ -11,6 +11,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -19,7 +20,9 @@ from capsa.common.ids import new_id
 from capsa.node.agent.agent import NodeAgent
 from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.agent.snapshots import Snapshots
+from capsa.node.runtime.base import RamMode
 from capsa.node.templates.source import ColdBootSource, TemplateSource
+from tests.support.api_stack import ApiStack
 from tests.support.fake_runtime import FakeRuntime, fake_image
 
 pytestmark = [
@@ -206,3 +209,49 @@ async def test_template_source_pool_bind_restore_on_demand_and_snapshots(tmp_pat
     finally:
         await agent.close()
     assert runtime.list() == []
+
+
+@pytest.mark.parametrize(("sharing", "pooled", "on_demand"), [
+    ("off", (RamMode.COPY, None), [(RamMode.COPY, None)] * 3),
+    # Pooled sandboxes have no tenant yet: their own RAM; restores on demand share within their tenant.
+    ("tenant", (RamMode.COPY, None), [(RamMode.PRIVATE, "tenant:acme"), (RamMode.PRIVATE, "tenant:zeta"),
+                                      (RamMode.PRIVATE, "node:")]),
+    ("all", (RamMode.PRIVATE, "public"), [(RamMode.PRIVATE, "public")] * 3),
+])
+async def test_template_sharing_decides_who_shares_a_templates_ram(
+        tmp_path: Path, sharing: Literal["off", "tenant", "all"], pooled: tuple[RamMode, str | None],
+        on_demand: list[tuple[RamMode, str | None]]) -> None:
+    runtime = FakeRuntime()
+    image = fake_image(tmp_path / "img")
+    source = TemplateSource(runtime, image, pool_size=1, bind=runtime.bind_identity, sharing=sharing)
+    agent = NodeAgent(runtime, image, source=source, capacity=NodeCapacity(8192, 32, 16))
+    await agent.start()
+    try:
+        await agent.wait_ready()
+        for _ in range(200):  # the pool fills in the background
+            if agent.pool_status()[0]["idle"] == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert runtime.ram_modes == [pooled]
+        source.warm.sizes["base"] = 0  # from here on every sandbox is a restore on demand
+        await source.warm.drain("base")
+        made = [await agent.create(new_id("sbx"), "base", 256, 1, {}, tenant=tenant)
+                for tenant in ("acme", "zeta", None)]
+        assert [m.source for m in made] == ["restore"] * 3
+        assert runtime.ram_modes[1:] == on_demand
+    finally:
+        await agent.close()
+    assert runtime.list() == []
+
+
+async def test_a_sessions_tenant_reaches_the_nodes_restore(tmp_path: Path) -> None:
+    runtime = FakeRuntime()
+    image = fake_image(tmp_path / "img")
+    source = TemplateSource(runtime, image, pool_size=0, bind=runtime.bind_identity, sharing="tenant")
+    async with ApiStack(f"sqlite+aiosqlite:///{tmp_path}/capsa.db", runtime, image, source=source) as stack:
+        await source.wait_ready()
+        for tenant in ("acme", "zeta"):
+            async with stack.client(await stack.tenant_key(tenant)) as api:
+                created = await api.post("/v1/sessions", json={})
+                assert created.status_code == 201, created.text
+        assert runtime.ram_modes == [(RamMode.PRIVATE, "tenant:acme"), (RamMode.PRIVATE, "tenant:zeta")]

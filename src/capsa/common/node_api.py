@@ -99,6 +99,7 @@ _SessionId = Annotated[str, Field(max_length=64)]
 _Networks = Annotated[list[IPvAnyNetwork], Field(max_length=256)]
 """The networks the session's tenant was granted (``/v1/egress-grants``): of the node's internal networks
 (``CAPSA_EGRESS_ALLOW_NETWORKS``), those the sandbox may reach."""
+_Tenant = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
 _Labels = Annotated[dict[Annotated[str, Field(min_length=1, max_length=64)],
                          Annotated[str, Field(max_length=256)]], Field(max_length=32)]
 
@@ -136,6 +137,9 @@ class SandboxCreate(_Request):
     placeholders: _Placeholders = Field(default_factory=dict)
     """The session's placeholders by secret id; a binding without one gets a random placeholder."""
     granted_networks: _Networks = Field(default_factory=list)
+    tenant: _Tenant | None = None
+    """The session's tenant: with ``CAPSA_TEMPLATE_SHARING=tenant`` only sandboxes of one tenant share a
+    template's RAM pages."""
 
 
 class SandboxInfo(_Answer):
@@ -347,9 +351,6 @@ class FileList(_Answer):
 
 
 # -- snapshots -------------------------------------------------------------------------------------------
-_Tenant = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
-
-
 class SnapshotCreate(_Request):
     retain: bool = False
     """Kept when its sandbox is destroyed (pause snapshots always are)."""

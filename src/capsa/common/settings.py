@@ -61,6 +61,16 @@ class Settings(BaseSettings):
     create + first ``true`` 78.5 vs 66.6 ms, first vs tenth ``true`` 43.0/34.7 vs 34.6/35.6 ms, restore
     on demand + first ``true`` 584 vs 538 ms, resume 296 vs 502 ms, branch into 4 646 vs 1357 ms.
     Templates whose spec says ``ram: private`` (browser, desktop) are always private."""
+    template_sharing: Literal["off", "tenant", "all"] = "off"
+    """Whether sandboxes restored from one template share its clean RAM pages (``CAPSA_TEMPLATE_SHARING``).
+    ``tenant``: a sandbox restored on demand maps the template's RAM privately from a sealed copy that only
+    the same tenant's sandboxes of that template share (one copy of its non-zero pages per tenant and
+    template on the node; what a guest writes is its own); warm-pool sandboxes, restored before their
+    tenant is known, keep their own RAM file. ``all``: pooled and on-demand sandboxes of every tenant share
+    one copy per template: less memory, but tenants then share physical pages, which exposes them to
+    flush+reload timing side channels between each other (docs/security.md). ``off`` (the default):
+    ``sandbox_ram`` decides. Pauses and snapshots of a sharing sandbox record only the pages that differ
+    from the template; a resume gets its own RAM again."""
     store_url: str | None = None
     """The fleet's shared snapshot and template store (``file:///path`` or ``s3://bucket/prefix``); none:
     snapshots and templates stay on the node that made them (capsa.store)."""

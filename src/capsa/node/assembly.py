@@ -84,7 +84,8 @@ async def build_node(settings: Settings, image: GuestImage, *, node_id: str) -> 
         source = TemplateSource(runtime, image, egress=egress, pool_size=pool_cfg.size,
                                 pool_sizes=pool_cfg.sizes, pool_refill_delay=pool_cfg.refill_delay,
                                 cache=TemplateCache(settings.cache_dir, store),
-                                ram_mode=RamMode.CLONE if settings.sandbox_ram == "private" else RamMode.COPY)
+                                ram_mode=RamMode.CLONE if settings.sandbox_ram == "private" else RamMode.COPY,
+                                sharing=settings.template_sharing)
         floor = (SpaceFloor(storage.free_bytes, storage_settings.min_free_mib * MiB)
                  if storage_settings.min_free_mib else None)
         shipper = Shipper(store, storage.snapshots_dir) if store is not None else None

@@ -217,17 +217,20 @@ class NodeClient:
     # -- sandboxes -------------------------------------------------------------------------------------
     @staticmethod
     def create_body(sandbox_id: str, template: str, memory_mib: int, vcpus: int, env: Mapping[str, str], *,
-                    egress: EgressArgs | None = None) -> dict[str, Any]:
+                    egress: EgressArgs | None = None, tenant: str | None = None) -> dict[str, Any]:
         """The body of ``POST /sandboxes`` (:class:`~capsa.common.node_api.SandboxCreate` as JSON)."""
         body: dict[str, Any] = {"id": sandbox_id, "template": template, "memory_mib": memory_mib,
                                 "vcpus": vcpus, "env": dict(env)}
+        if tenant is not None:
+            body["tenant"] = tenant
         if egress is not None:
             body.update(egress.body())
         return body
 
     async def create_sandbox(self, sandbox_id: str, template: str, memory_mib: int, vcpus: int,
-                             env: Mapping[str, str], *, egress: EgressArgs | None = None) -> SandboxInfo:
-        body = self.create_body(sandbox_id, template, memory_mib, vcpus, env, egress=egress)
+                             env: Mapping[str, str], *, egress: EgressArgs | None = None,
+                             tenant: str | None = None) -> SandboxInfo:
+        body = self.create_body(sandbox_id, template, memory_mib, vcpus, env, egress=egress, tenant=tenant)
         return await self._call(SandboxInfo, "POST", "/sandboxes", json=body, timeout=None)
 
     async def destroy_sandbox(self, sandbox_id: str) -> None:

@@ -177,7 +177,8 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
         args = (EgressArgs(policy, secret_values, placeholders, session_id,
                            await egress_grants.tenant_networks(plane, principal.tenant))
                 if policy is not None else None)
-        await client.create_sandbox(sandbox_id, req.template, req.memory_mib, req.vcpus, req.env, egress=args)
+        await client.create_sandbox(sandbox_id, req.template, req.memory_mib, req.vcpus, req.env, egress=args,
+                                    tenant=principal.tenant)
     except BaseException as exc:
         # Nothing may stay half-created: the node cleans up a failed boot itself, and we ask it again in
         # case the failure was on the way back (or this request was cancelled while it booted).

@@ -162,24 +162,27 @@ class NodeAgent:
                      env: Mapping[str, str], *, policy: EgressPolicy | None = None,
                      secrets: Mapping[str, str] | None = None, session_id: str | None = None,
                      placeholders: Mapping[str, str] | None = None,
-                     networks: Sequence[str] = ()) -> SandboxRecord:
+                     networks: Sequence[str] = (), tenant: str | None = None) -> SandboxRecord:
         """Make a sandbox from the source. Without ``policy`` it has no NIC at all; with one it gets its own
         namespace behind the egress broker, the broker's CA in its trust store and the placeholders in
         ``env`` (``placeholders``: secret id -> the session's placeholder; missing ones are made up).
-        ``networks``: the internal networks the session's tenant was granted."""
+        ``networks``: the internal networks the session's tenant was granted; ``tenant``: whose sandbox
+        it is (the template's RAM pages are shared only within a tenant)."""
         request = (EgressRequest(policy, secrets or {}, placeholders or {}, session_id, tuple(networks))
                    if policy is not None else None)
         egress = self._egress(request)
         started = time.perf_counter()
         with self._table.reserve([sandbox_id], memory_mib, vcpus):
             if request is None or egress is None:
-                made = await self.source.make(SandboxRequest(sandbox_id, template, memory_mib, vcpus))
+                made = await self.source.make(SandboxRequest(sandbox_id, template, memory_mib, vcpus,
+                                                             tenant=tenant))
                 egress_env: dict[str, str] | None = None
             else:
                 hook = EgressHook(egress, self.trust, sandbox_id, request)
                 try:
                     made = await self.source.make(SandboxRequest(
-                        sandbox_id, template, memory_mib, vcpus, attach=hook.attach, prepare=hook.prepare))
+                        sandbox_id, template, memory_mib, vcpus, attach=hook.attach, prepare=hook.prepare,
+                        tenant=tenant))
                 except BaseException:
                     await asyncio.shield(egress.detach(sandbox_id))
                     raise

@@ -24,7 +24,7 @@ async def create_from(agent: NodeAgent, body: SandboxCreate) -> SandboxInfo:
     policy = EgressPolicy.from_data(body.policy) if body.policy is not None else None
     record = await agent.create(body.id, body.template, body.memory_mib, body.vcpus, body.env, policy=policy,
                                 session_id=body.session_id, placeholders=body.placeholders,
-                                networks=[str(n) for n in body.granted_networks],
+                                networks=[str(n) for n in body.granted_networks], tenant=body.tenant,
                                 secrets={k: v.get_secret_value() for k, v in body.secrets.items()})
     return sandbox_info(record)
 

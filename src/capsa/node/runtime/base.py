@@ -219,9 +219,12 @@ class SnapshotCapable(Protocol):
         ...
 
     async def restore(self, snapshot: Snapshot | Path | str, spec: VMSpec, *, sandbox_id: str | None = None,
-                      ram_mode: RamMode = RamMode.COPY, refresh: bool = True) -> Sandbox:
+                      ram_mode: RamMode = RamMode.COPY, refresh: bool = True,
+                      ram_domain: str | None = None) -> Sandbox:
         """A new running sandbox from ``snapshot``; its guest gets fresh entropy and the host clock unless
-        ``refresh=False``."""
+        ``refresh=False``. ``ram_domain``: in :attr:`RamMode.PRIVATE`, the sandboxes that share the
+        snapshot's RAM pages with this one are those restored with the same domain (None: the
+        snapshot's own id, as for branches)."""
         ...
 
     async def branch(self, snapshot: Snapshot | Path | str, n: int, spec: VMSpec, *,

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from capsa.common.errors import CapsaError
 from capsa.common.image import GuestImage
@@ -79,6 +79,8 @@ class SandboxRequest:
     prepare: Prepare | None = None
     """Run on the new sandbox before it counts as made (e.g. install the egress CA); if it fails, the
     sandbox is destroyed."""
+    tenant: str | None = None
+    """Whose sandbox it is: with template sharing, whose sandboxes its RAM pages may be shared with."""
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,8 @@ class TemplateSource:
                  ram_mode: RamMode = RamMode.COPY, base_memory_mib: int = 256, base_vcpus: int = 1,
                  bind: IdentityBinder[Sandbox] = bind_sandbox, metrics: PoolMetrics | None = None,
                  trust: TrustStore | None = None, cache: TemplateCache | None = None,
-                 warm_up_rounds: int = 2, warm_restores: bool = True, pool_refill_delay: float = 0.0) -> None:
+                 warm_up_rounds: int = 2, warm_restores: bool = True, pool_refill_delay: float = 0.0,
+                 sharing: Literal["off", "tenant", "all"] = "off") -> None:
         self.runtime = runtime
         self.image = image
         self.egress = egress
@@ -223,6 +226,8 @@ class TemplateSource:
         self._pool_nets: dict[str, tuple[SandboxNet, str]] = {}
         """pooled VM id -> its network (a namespace and tap without a broker) and its template snapshot"""
         self.ram_mode = ram_mode
+        self.sharing = sharing
+        """Which sandboxes share a template's RAM pages (``CAPSA_TEMPLATE_SHARING``, see :meth:`_restore`)."""
         self.bind = bind
         self.store = TemplateStore(runtime, image, base_memory_mib=base_memory_mib, base_vcpus=base_vcpus,
                                    cache=cache, warm_up_rounds=warm_up_rounds)
@@ -311,9 +316,24 @@ class TemplateSource:
 
     def _spec(self, template: Template, labels: Mapping[str, str], network: object | None = None) -> VMSpec:
         m = template.snapshot.manifest
-        # Pooled restores (and their warm-ups) run in the background: see WarmPool.take.
+        # Pooled restores (and their warm-ups) run in the background: see WarmPool.take. A ``ram: private``
+        # template's sandboxes keep their RAM private through pauses (see _ram_mode).
         return VMSpec(image=self.image_for(m.image_digest), memory_mib=m.memory_mib, vcpus=m.vcpus,
-                      network=network, labels=dict(labels), background=labels.get("pooled") == "1")
+                      network=network, labels=dict(labels), background=labels.get("pooled") == "1",
+                      private_ram=_ram_mode(template) is RamMode.CLONE)
+
+    async def _restore(self, template: Template, spec: VMSpec, *, tenant: str | None = None,
+                       pooled: bool = False, sandbox_id: str | None = None) -> Sandbox:
+        """``template`` restored as ``spec``, its RAM mapped as :attr:`sharing` says: privately from the
+        copy of the template's pages shared within the tenant (``tenant``; pooled sandboxes have none yet,
+        so they keep their own RAM) or within the node (``all``), else as ``ram_mode`` and the template's
+        spec say."""
+        if self.sharing == "all" or (self.sharing == "tenant" and not pooled):
+            domain = "public" if self.sharing == "all" else f"tenant:{tenant}" if tenant else "node:"
+            return await self.runtime.restore(template.snapshot, spec, sandbox_id=sandbox_id,
+                                              ram_mode=RamMode.PRIVATE, ram_domain=domain)
+        return await self.runtime.restore(template.snapshot, spec, sandbox_id=sandbox_id,
+                                          ram_mode=_ram_mode(template, self.ram_mode))
 
     async def _pool_restore(self, key: PoolKey) -> Sandbox:
         if key[0] == NET_TEMPLATE:
@@ -324,8 +344,7 @@ class TemplateSource:
                 sandbox = await self._pool_restore_networked(key, template)
             else:
                 spec = self._spec(template, {"template": key[0], "pooled": "1"})
-                sandbox = await self.runtime.restore(template.snapshot, spec,
-                                                     ram_mode=_ram_mode(template, self.ram_mode))
+                sandbox = await self._restore(template, spec, pooled=True)
         try:
             # A restored guest starts with cold caches (under TCG: no translated code; its RAM pages are
             # faulted in from the snapshot on first touch), so its first command is slow. Spend that on
@@ -347,8 +366,7 @@ class TemplateSource:
         try:
             spec = self._spec(template, {"template": key[0], "pooled": "1"},
                               network=dataclasses.replace(net, mac=NET_TEMPLATE_MAC))
-            sandbox = await self.runtime.restore(template.snapshot, spec,
-                                                 ram_mode=_ram_mode(template, self.ram_mode))
+            sandbox = await self._restore(template, spec, pooled=True)
         except BaseException:
             await asyncio.shield(self.egress.release_network(net))
             raise
@@ -381,8 +399,7 @@ class TemplateSource:
             if sandbox is None:
                 source = "restore"
                 labels = {"sandbox": request.sandbox_id, "template": request.template}
-                sandbox = await self.runtime.restore(tpl.snapshot, self._spec(tpl, labels),
-                                                     ram_mode=_ram_mode(tpl, self.ram_mode))
+                sandbox = await self._restore(tpl, self._spec(tpl, labels), tenant=request.tenant)
             try:
                 if source == "restore" and self.warm_restores:
                     # Independent: the warm-up's throwaway commands need no identity (one round trip less).
@@ -427,8 +444,7 @@ class TemplateSource:
                 network = await request.attach(None)
                 spec = self._spec(tpl, {"sandbox": request.sandbox_id, "template": BASE},
                                   network=dataclasses.replace(network, mac=NET_TEMPLATE_MAC))
-                sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
-                                                     ram_mode=self.ram_mode)
+                sandbox = await self._restore(tpl, spec, tenant=request.tenant, sandbox_id=request.sandbox_id)
             # Identity, the CA install and the warm-up are independent guest calls: made at once (the
             # channel multiplexes them), which shortens the bind.
             steps = [self.bind(sandbox, hostname_for(request.sandbox_id))]
@@ -477,8 +493,7 @@ class TemplateSource:
                 network = await request.attach(None)
                 labels = {"sandbox": request.sandbox_id, "template": request.template}
                 spec = self._spec(tpl, labels, network=dataclasses.replace(network, mac=NET_TEMPLATE_MAC))
-                sandbox = await self.runtime.restore(tpl.snapshot, spec, sandbox_id=request.sandbox_id,
-                                                     ram_mode=_ram_mode(tpl, self.ram_mode))
+                sandbox = await self._restore(tpl, spec, tenant=request.tenant, sandbox_id=request.sandbox_id)
         finally:
             self.warm.watch(tpl.key)
         try:

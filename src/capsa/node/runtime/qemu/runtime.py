@@ -429,7 +429,8 @@ class QemuRuntime:
         elif dest is None:
             dest = pool.snapshot_dir(new_id("snap"))
         spec, files = sandbox.spec, sandbox.files
-        if files.private_ram:  # its restores keep the RAM private too (a busy guest: no write-back)
+        if files.private_ram or (spec.private_ram and files.ram_base is not None):
+            # Its restores keep the RAM private too (a busy guest: no write-back).
             labels = {**(labels or {}), LABEL_PRIVATE_RAM: "private"}
         # The disk and RAM file belong to the VM user, whose QEMU may be compromised: clone only regular
         # files of that user on the pool's filesystem, never a link planted in their place.
@@ -470,7 +471,8 @@ class QemuRuntime:
         return Snapshot(dest, manifest)
 
     async def restore(self, snapshot: Snapshot | Path | str, spec: VMSpec, *, sandbox_id: str | None = None,
-                      ram_mode: RamMode = RamMode.COPY, refresh: bool = True) -> QemuSandbox:
+                      ram_mode: RamMode = RamMode.COPY, refresh: bool = True,
+                      ram_domain: str | None = None) -> QemuSandbox:
         """A new running sandbox from ``snapshot``. ``refresh=False`` skips the reseed and clock (tests)."""
         sid = self._admit(spec, sandbox_id)
         snap = await asyncio.to_thread(self._resolve, snapshot)
@@ -480,7 +482,8 @@ class QemuRuntime:
         try:
             sandbox = await self._start(
                 binary, spec, sid, accel, self.boot_timeout, parent=snap.id, refresh=refresh,
-                prepare=lambda _vmdir, owner: self.storage.restore_files(sid, snap, spec, ram_mode, owner))
+                prepare=lambda _vmdir, owner: self.storage.restore_files(sid, snap, spec, ram_mode, owner,
+                                                                         domain=ram_domain))
         finally:
             self._booting.discard(sid)
         return await self._admitted(sid, sandbox)

@@ -82,8 +82,9 @@ class VmStorage(Protocol):
         ...
 
     def restore_files(self, sandbox_id: str, snapshot: Snapshot, spec: VMSpec, mode: RamMode,
-                      owner: tuple[int, int] | None) -> VmFiles:
-        """The disk and RAM of a VM restored from ``snapshot``."""
+                      owner: tuple[int, int] | None, *, domain: str | None = None) -> VmFiles:
+        """The disk and RAM of a VM restored from ``snapshot`` (``domain``: who shares its RAM pages in
+        :attr:`RamMode.PRIVATE`; None: the snapshot's branches)."""
         ...
 
     def release(self, sandbox_id: str) -> None:
@@ -109,7 +110,7 @@ class WorkdirStorage:
         return VmFiles(disk=disk.path, disk_cow=disk.cow, ram=None, shared_ram=False)
 
     def restore_files(self, sandbox_id: str, snapshot: Snapshot, spec: VMSpec, mode: RamMode,
-                      owner: tuple[int, int] | None) -> VmFiles:
+                      owner: tuple[int, int] | None, *, domain: str | None = None) -> VmFiles:
         raise SnapshotError("this runtime keeps VM disks in their work directories and cannot restore "
                             "snapshots (it needs the storage pool)", code="snapshot_unsupported", status=409)
 
@@ -149,7 +150,7 @@ class PoolStorage:
                        private_ram=not shared)
 
     def restore_files(self, sandbox_id: str, snapshot: Snapshot, spec: VMSpec, mode: RamMode,
-                      owner: tuple[int, int] | None) -> VmFiles:
+                      owner: tuple[int, int] | None, *, domain: str | None = None) -> VmFiles:
         pool_dir = self._pool.sandbox_dir(sandbox_id, create=True)
         try:
             # A snapshot's files are the node's own: anything else under their names was planted.
@@ -160,7 +161,7 @@ class PoolStorage:
             base = None
             if mode is RamMode.PRIVATE and plan.ram is not None:
                 frozen = plan.ram
-                plan, fds = self._sealed(plan, sandbox_id, domain=snapshot.manifest.id)
+                plan, fds = self._sealed(plan, sandbox_id, domain=domain or snapshot.manifest.id)
                 base = RamBase(pages=plan.ram or frozen, file=frozen, snapshot_id=snapshot.manifest.id,
                                clone=clone)
         except BaseException:

@@ -1,0 +1,124 @@
+"""Template RAM shared within a tenant (issue 31, ``CAPSA_TEMPLATE_SHARING=tenant``), with real VMs: sessions
+of one tenant restored from a template map one sealed copy of its RAM, another tenant's map their own, a
+guest's writes stay its own through a pause and resume, and no QEMU can write what it shares. Pages are
+measured from /proc, not assumed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from capsa.common.ids import new_id
+from capsa.common.image import GuestImage
+from capsa.common.settings import Settings
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.api.app import create_node_app
+from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
+from capsa.node.runtime.snapshot.mechanics import LABEL_RAM_DELTA
+from capsa.node.storage import StoragePool
+from capsa.node.templates.source import TemplateSource
+from tests.support.memfd_attack import attack_as
+
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (loop btrfs pool, VM uids)"),
+    pytest.mark.asyncio(loop_scope="module"),
+]
+
+TOKEN = "t" * 32
+MEMFD = "/memfd:capsa-ram"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def agent(state_dir: Path, pool: StoragePool, guest_image: GuestImage) -> AsyncIterator[NodeAgent]:
+    rt = QemuRuntime(Settings(state_dir=state_dir, cache_dir=Settings().cache_dir), storage=PoolStorage(pool))
+    a = NodeAgent(rt, guest_image, source=TemplateSource(rt, guest_image, pool_size=0, sharing="tenant"))
+    await a.start()
+    try:
+        await a.wait_ready()
+        yield a
+    finally:
+        await a.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def api(agent: NodeAgent) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=create_node_app(agent, TOKEN))
+    async with httpx.AsyncClient(transport=transport, base_url="http://node/node/v1",
+                                 headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300) as client:
+        yield client
+
+
+async def _ok(resp: httpx.Response, status: int = 200) -> Any:
+    assert resp.status_code == status, resp.text
+    return resp.json() if resp.content else None
+
+
+async def _sh(api: httpx.AsyncClient, sid: str, cmd: str) -> str:
+    res = await _ok(await api.post(f"/sandboxes/{sid}/exec", json={"cmd": ["sh", "-c", cmd], "timeout": 60}))
+    assert res["exit_code"] == 0, res
+    return str(res["stdout"])
+
+
+def _memfd(pid: int) -> tuple[int, int, Path]:
+    """(inode, KiB of its pages other processes map too, descriptor) of QEMU ``pid``'s template memfd."""
+    inode, shared, mine = 0, 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        parts = line.split()
+        if not parts[0].endswith(":"):
+            mine = len(parts) > 5 and parts[5].startswith(MEMFD)
+            inode = int(parts[4]) if mine else inode
+        elif mine and parts[0] in ("Shared_Clean:", "Shared_Dirty:"):
+            shared += int(parts[1])
+    fd = next(p for p in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(p).startswith(MEMFD))
+    assert inode, f"QEMU {pid} maps no template memfd"
+    return inode, shared, fd
+
+
+async def test_one_tenants_sessions_share_the_templates_pages_and_another_tenants_do_not(
+        agent: NodeAgent, api: httpx.AsyncClient) -> None:
+    ids = {"a1": new_id("sbx"), "a2": new_id("sbx"), "b1": new_id("sbx")}
+    for name, sid in ids.items():
+        tenant = "acme" if name.startswith("a") else "zeta"
+        made = await _ok(await api.post("/sandboxes", json={"id": sid, "tenant": tenant}), 201)
+        assert made["source"] == "restore"
+    vms = {name: agent.get(sid).sandbox for name, sid in ids.items()}
+    assert all(isinstance(vm, QemuSandbox) and vm.pid for vm in vms.values())
+    maps = {name: _memfd(vm.pid) for name, vm in vms.items() if vm.pid}
+    assert maps["a1"][0] == maps["a2"][0] != maps["b1"][0]  # one copy per tenant
+    assert maps["a1"][1] >= 8 * 1024 and maps["a2"][1] >= 8 * 1024, maps  # measured: shared pages
+    assert maps["b1"][1] == 0, maps  # zeta's only session shares no page with anyone
+
+    # A write in one of acme's sessions is invisible to the other, and survives its pause and resume.
+    await _sh(api, ids["a1"], "head -c 4M /dev/urandom > /dev/shm/mine; md5sum /dev/shm/mine > /root/sum")
+    assert "mine" not in await _sh(api, ids["a2"], "ls /dev/shm")
+    snap = await _ok(await api.post(f"/sandboxes/{ids['a1']}/pause", json={}))
+    runtime = agent.runtime
+    assert isinstance(runtime, QemuRuntime)
+    paused = runtime.open_snapshot(snap["id"])  # only the pages that differ from the template
+    assert paused.manifest.labels[LABEL_RAM_DELTA] and paused.manifest.ram is not None
+    assert (paused.path / "state.bin").stat().st_size < 32 << 20
+    resumed = new_id("sbx")
+    await _ok(await api.post(f"/snapshots/{snap['id']}/restore", json={"id": resumed}), 201)
+    assert await _sh(api, resumed, "md5sum -c /root/sum") == "/dev/shm/mine: OK\n"
+
+    # No QEMU can write the template's RAM file or the copy it maps, even through its own descriptor.
+    a2 = vms["a2"]
+    assert isinstance(a2, QemuSandbox) and a2.vm_uid is not None
+    source = agent.source
+    assert isinstance(source, TemplateSource)
+    ram = (await source.store.resolve("base")).snapshot.path / "memory.ram"
+    got = attack_as(a2.vm_uid, a2.vm_uid, ram, maps["a2"][2])
+    refused = "Operation not permitted"
+    assert got[str(ram)] == {"open": "Permission denied"}, got
+    assert got[str(maps["a2"][2])] == {"open": "ok", "write": refused, "truncate": refused, "punch": refused,
+                                       "shared_map": refused}, got
+    for sid in (ids["a2"], ids["b1"], resumed):
+        await _ok(await api.delete(f"/sandboxes/{sid}"), 204)
