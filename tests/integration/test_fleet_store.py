@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -33,9 +34,10 @@ from capsa.control.keys import generate_key
 from capsa.node.storage.mounts import mounts
 from capsa.node.templates.cache import STORE_KIND
 from capsa.sdk import AsyncClient, AsyncSession
+from capsa.sdk.errors import NotFound
 from capsa.store import ObjectStore, open_store
 from capsa.store.bundles import list_bundles
-from tests.support.counter import counter_script
+from tests.support.counter import COUNTER_FILE, counter_past, counter_script
 from tests.support.fleet import cli, enrol_token, listed_nodes, start_control, start_node
 from tests.support.leftovers import wait_no_node_leftovers
 from tests.support.postgres import PgCluster
@@ -65,7 +67,11 @@ def store_env(request: pytest.FixtureRequest, workdir: Path) -> dict[str, str]:
 
 
 async def _counter(session: AsyncSession) -> int:
-    return int((await session.files.read("/tmp/counter")).strip() or 0)
+    """The guest's counter (0 before its first tick)."""
+    try:
+        return int((await session.files.read(COUNTER_FILE)).strip())
+    except NotFound:
+        return 0
 
 
 FAST = {"CAPSA_NODE_DEAD_AFTER_S": "10", "CAPSA_NODE_HEARTBEAT_TIMEOUT": "10"}
@@ -153,7 +159,7 @@ async def test_a_paused_session_resumes_on_another_node_from_the_store(
         assert (await client.get_session(session.id)).node_id == id_a
         await session.files.write("/root/note", "kept on a\n")
         await session.commands.run(COUNTER, background=True)
-        await asyncio.sleep(1.5)
+        before = await counter_past(lambda: _counter(session), 4)
         await session.pause()
         [snap] = await client.list_snapshots(session.id)
         assert snap.kind == "pause" and snap.node_id == id_a and snap.stored
@@ -169,9 +175,8 @@ async def test_a_paused_session_resumes_on_another_node_from_the_store(
         assert info.state == "running" and info.node_id == id_b
         assert await resumed.files.read("/root/note") == "kept on a\n"
         first = await _counter(resumed)
-        assert first >= 5  # it counted before the pause and goes on from there, not from zero
-        await asyncio.sleep(1.0)
-        assert await _counter(resumed) > first
+        assert first >= before  # it counted before the pause and goes on from there, not from zero
+        await counter_past(lambda: _counter(resumed), first)
         await resumed.close()
 
 
@@ -186,7 +191,7 @@ async def test_a_session_of_a_killed_node_runs_on_another_from_its_rolling_snaps
                                             rolling_snapshots={"interval_s": 60, "after_command": True})
         await session.files.write("/root/note", "written on a\n")
         await session.commands.run(COUNTER, background=True)
-        await asyncio.sleep(1.5)
+        before = await counter_past(lambda: _counter(session), 4)
         await session.commands.run("true")  # a finished command: a rolling snapshot follows
         await _stored_snapshot(client, session.id)
         _, id_b = fleet.node("node-b")
@@ -200,9 +205,8 @@ async def test_a_session_of_a_killed_node_runs_on_another_from_its_rolling_snaps
         resumed = await AsyncSession.connect(session.id, client=client)
         assert await resumed.files.read("/root/note") == "written on a\n"
         first = await _counter(resumed)
-        assert first >= 5  # from the snapshot on, not from zero
-        await asyncio.sleep(1.0)
-        assert await _counter(resumed) > first
+        assert first >= before  # from the snapshot on, not from zero
+        await counter_past(lambda: _counter(resumed), first)
         kept = (await resumed.egress.policy()).policy
         assert kept is not None and [d["domain"] for d in kept["domains"]] == ["api.allowed.test"]
         assert await _denied_on_this_node(resumed), "node B's broker did not apply the session's policy"
@@ -242,7 +246,7 @@ async def test_drain_moves_sessions_with_their_processes_and_policy(
             await s.files.write("/root/note", f"{s.id}\n")
             await s.commands.run(COUNTER, background=True)
         _, id_b = fleet.node("node-b")
-        await asyncio.sleep(1.5)
+        before = {s.id: await counter_past(functools.partial(_counter, s), 4) for s in sessions}
 
         t0 = time.monotonic()
         drained = await asyncio.to_thread(cli, fleet.control.url, fleet.admin, "nodes", "drain", id_a,
@@ -258,9 +262,8 @@ async def test_drain_moves_sessions_with_their_processes_and_policy(
             assert info.state == "running" and info.node_id == id_b, info
             assert await s.files.read("/root/note") == f"{s.id}\n"
             first = await _counter(s)
-            assert first >= 5
-            await asyncio.sleep(0.5)
-            assert await _counter(s) > first
+            assert first >= before[s.id]
+            await counter_past(functools.partial(_counter, s), first)
         # The networked session's policy holds on node B: it names only api.allowed.test (the request is made
         # after the move, so its deny comes from node B's broker).
         networked = sessions[0]

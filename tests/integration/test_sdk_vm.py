@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from capsa import AsyncClient, AsyncSession, SessionFailed
-from tests.support.counter import counter_script
+from tests.support.counter import COUNTER_FILE, counter_past, counter_script
 from tests.support.leftovers import wait_no_vm_leftovers
 from tests.support.processes import qemu_pids
 from tests.support.served import Served, capsa
@@ -48,13 +48,13 @@ async def test_sdk_features_in_a_real_vm(server: tuple[Served, str], tmp_path: P
         res = await s.commands.run("id -un; pwd", cwd="/tmp", env={"A": "b"})
         assert res.stdout.splitlines()[1] == "/tmp"
 
-        proc = await s.commands.run(counter_script(),
-                                    background=True)
-        await asyncio.sleep(1.0)
-        first = int((await s.commands.run("cat /tmp/counter")).stdout)
-        await asyncio.sleep(1.0)
-        second = int((await s.commands.run("cat /tmp/counter")).stdout)
-        assert second > first > 0  # kept running between two execs
+        proc = await s.commands.run(counter_script(), background=True)
+
+        async def counter() -> int:
+            return int((await s.commands.run(f"cat {COUNTER_FILE} 2>/dev/null || echo 0")).stdout)
+
+        first = await counter_past(counter, 0)
+        await counter_past(counter, first)  # kept running between two execs
         assert (await proc.refresh()).running
         await proc.kill()
         done = await proc.wait(20, poll_interval=0.2)

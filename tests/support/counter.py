@@ -8,7 +8,11 @@ read sees a whole number."""
 
 from __future__ import annotations
 
-__all__ = ["COUNTER_FILE", "counter_script"]
+from collections.abc import Awaitable, Callable
+
+from tests.support.waits import eventually
+
+__all__ = ["COUNTER_FILE", "counter_past", "counter_script"]
 
 COUNTER_FILE = "/tmp/counter"
 
@@ -17,3 +21,13 @@ def counter_script(interval_s: float = 0.2) -> str:
     """A shell loop counting from 1 into :data:`COUNTER_FILE`, one tick every ``interval_s`` seconds."""
     return (f"i=0; while true; do i=$((i+1)); echo $i > {COUNTER_FILE}.new; "
             f"mv {COUNTER_FILE}.new {COUNTER_FILE}; sleep {interval_s}; done")
+
+
+async def counter_past(read: Callable[[], Awaitable[int]], value: int, *, within: float = 60.0) -> int:
+    """The counter once it is past ``value``, read with ``read`` (0 while there is none yet). A bounded
+    wait, not a fixed sleep: under TCG on a loaded host a tick may take far longer than its interval."""
+    async def past() -> int:
+        now = await read()
+        return now if now > value else 0
+
+    return await eventually(past, f"the guest's counter past {value}", within=within, every=0.2)
