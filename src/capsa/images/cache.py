@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from capsa.common.layout import Below
+
 __all__ = ["CacheLayout", "digest_json"]
 
 
@@ -40,25 +42,11 @@ class CacheLayout:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    @property
-    def images(self) -> Path:
-        return self.root / "images"
-
-    @property
-    def base(self) -> Path:
-        return self.root / "base"
-
-    @property
-    def debs(self) -> Path:
-        return self.root / "debs"
-
-    @property
-    def debootstrap_debs(self) -> Path:
-        return self.root / "debootstrap-debs"
-
-    @property
-    def tmp(self) -> Path:
-        return self.root / "tmp"
+    images = Below("images")
+    base = Below("base")
+    debs = Below("debs")
+    debootstrap_debs = Below("debootstrap-debs")
+    tmp = Below("tmp")
 
     def apt(self, mirror: str, suite: str) -> Path:
         return self.root / "apt" / digest_json({"mirror": mirror, "suite": suite})[:16]

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from capsa.common.layout import Below
 from capsa.node.statedir import unsearchable_ancestor
 
 __all__ = [
@@ -47,29 +48,12 @@ VM_UID_COUNT = 1_000_000
 class VmDir:
     root: Path
 
-    @property
-    def pidfile(self) -> Path:
-        return self.root / "qemu.pid"
-
-    @property
-    def console_log(self) -> Path:
-        return self.root / "console.log"
-
-    @property
-    def disk(self) -> Path:
-        return self.root / "disk.img"
-
-    @property
-    def run(self) -> Path:
-        return self.root / "run"
-
-    @property
-    def qmp_socket(self) -> Path:
-        return self.run / "qmp.sock"
-
-    @property
-    def agent_socket(self) -> Path:
-        return self.run / "agent.sock"
+    pidfile = Below("qemu.pid")
+    console_log = Below("console.log")
+    disk = Below("disk.img")
+    run = Below("run")
+    qmp_socket = Below("qmp.sock", parent="run")
+    agent_socket = Below("agent.sock", parent="run")
 
     def check_socket_paths(self) -> None:
         longest = max(len(str(self.qmp_socket)), len(str(self.agent_socket)))

@@ -39,6 +39,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from capsa.common.errors import CapsaError
+from capsa.common.layout import Below
 from capsa.common.settings import Settings
 from capsa.node.storage.filecopy import SourceCheck, copy_file, probe_reflink
 from capsa.node.storage.mounts import (
@@ -256,17 +257,9 @@ class StoragePool:
 
     # -- layout --------------------------------------------------------------------------------------
 
-    @property
-    def templates_dir(self) -> Path:
-        return self.root / "templates"
-
-    @property
-    def sandboxes_dir(self) -> Path:
-        return self.root / "sandboxes"
-
-    @property
-    def snapshots_dir(self) -> Path:
-        return self.root / "snapshots"
+    templates_dir = Below("templates")
+    sandboxes_dir = Below("sandboxes")
+    snapshots_dir = Below("snapshots")
 
     def template_dir(self, name: str) -> Path:
         return self.templates_dir / _check_name("template", name)
