@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from capsa.common.errors import CapsaError
-from capsa.common.websocket import ByteStream, WebSocketClient, WebSocketRejected
+from capsa.common.websocket import ByteStream, WebSocketClient, WebSocketRejected, receive_first_json, upgrade
 
 __all__ = ["OK_MESSAGE", "PortTunnel", "open_tunnel", "problem_message"]
 
@@ -30,6 +30,11 @@ OK_MESSAGE = json.dumps({"ok": True})
 def problem_message(status: int, code: str, detail: str) -> str:
     """The first (and last) TEXT message of a tunnel that could not be opened."""
     return json.dumps({"ok": False, "status": status, "code": code, "detail": detail})
+
+
+def _refused(exc: WebSocketRejected) -> CapsaError:
+    code, detail = _problem(exc.body)
+    return CapsaError(detail or f"port tunnel refused with HTTP {exc.status}", code=code, status=exc.status)
 
 
 def _problem(raw: bytes) -> tuple[str, str]:
@@ -75,31 +80,16 @@ class PortTunnel:
 async def open_tunnel(stream: ByteStream, host: str, target: str, *,
                       headers: Sequence[tuple[str, str]] = ()) -> PortTunnel:
     """Upgrade ``stream`` to a tunnel at ``target``; a refusal raises CapsaError with the server's code."""
-    try:
-        ws = await WebSocketClient.connect(stream, host, target, headers=headers)
-    except WebSocketRejected as exc:
-        await stream.aclose()
-        code, detail = _problem(exc.body)
-        raise CapsaError(detail or f"port tunnel refused with HTTP {exc.status}", code=code,
-                         status=exc.status) from None
-    except BaseException:
-        await stream.aclose()
-        raise
-    try:
-        first = await ws.receive()
-        if not isinstance(first, str):
-            raise CapsaError("the port tunnel closed before saying whether it opened", code="tunnel_refused",
-                             status=502)
-        body = json.loads(first)
-        if not isinstance(body, dict):
-            raise ValueError("not an object")
-    except (ValueError, ConnectionError, OSError) as exc:
+    ws = await upgrade(stream, host, target, headers=headers, refused=_refused)
+    bad = "the port tunnel sent a bad status"
+    first, body = await receive_first_json(ws, bad=bad, code="tunnel_refused")
+    if not isinstance(first, str):
         await ws.close()
-        raise CapsaError(f"the port tunnel sent a bad status: {exc}", code="tunnel_refused",
-                         status=502) from None
-    except BaseException:
+        raise CapsaError("the port tunnel closed before saying whether it opened", code="tunnel_refused",
+                         status=502)
+    if not isinstance(body, dict):
         await ws.close()
-        raise
+        raise CapsaError(f"{bad}: not an object", code="tunnel_refused", status=502)
     if body.get("ok") is not True:
         await ws.close()
         status = body.get("status")

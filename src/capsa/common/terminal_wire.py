@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from capsa.common.errors import CapsaError
-from capsa.common.websocket import ByteStream, WebSocketClient, WebSocketRejected
+from capsa.common.websocket import ByteStream, WebSocketClient, WebSocketRejected, receive_first_json, upgrade
 
 __all__ = [
     "MAX_SIZE",
@@ -165,6 +165,14 @@ def _refusal(body: object, status: int = 502) -> CapsaError:
     return CapsaError("the terminal could not be opened", code="terminal_failed", status=status)
 
 
+def _rejected(exc: WebSocketRejected) -> CapsaError:
+    try:
+        refused = json.loads(exc.body) if exc.body else {}
+    except ValueError:
+        refused = {}
+    return _refusal(refused, exc.status)
+
+
 class TerminalClient:
     """The client end of a terminal: ``send``, ``resize``, ``kill``, ``recv`` (bytes; None once it ended),
     ``exit`` (set once the server said how the command ended), ``close``."""
@@ -180,28 +188,9 @@ class TerminalClient:
                       headers: Sequence[tuple[str, str]] = ()) -> TerminalClient:
         """Upgrade ``stream`` at ``target`` and wait for the terminal to start; a refusal raises
         CapsaError with the server's status and code."""
-        try:
-            ws = await WebSocketClient.connect(stream, host, target, headers=headers)
-        except WebSocketRejected as exc:
-            await stream.aclose()
-            try:
-                refused = json.loads(exc.body) if exc.body else {}
-            except ValueError:
-                refused = {}
-            raise _refusal(refused, exc.status) from None
-        except BaseException:
-            await stream.aclose()
-            raise
-        try:
-            first = await ws.receive()
-            body: Any = json.loads(first) if isinstance(first, str) else None
-        except (ValueError, ConnectionError, OSError) as exc:
-            await ws.close()
-            raise CapsaError(f"the terminal sent a bad first message: {exc}", code="terminal_failed",
-                             status=502) from None
-        except BaseException:
-            await ws.close()
-            raise
+        ws = await upgrade(stream, host, target, headers=headers, refused=_rejected)
+        first, body = await receive_first_json(ws, bad="the terminal sent a bad first message",
+                                               code="terminal_failed")
         pid = _int_or_none(body.get("pid")) if isinstance(body, dict) else None
         if not isinstance(body, dict) or body.get("type") != "started" or pid is None:
             await ws.close()

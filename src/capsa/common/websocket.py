@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import ssl
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (
@@ -32,8 +33,10 @@ from wsproto.events import (
 )
 from wsproto.utilities import RemoteProtocolError
 
+from capsa.common.errors import CapsaError
+
 __all__ = ["HANDSHAKE_TIMEOUT", "MAX_REFUSAL_BYTES", "ByteStream", "SocketStream", "WebSocketClient",
-           "WebSocketHandshakeFailed", "WebSocketRejected"]
+           "WebSocketHandshakeFailed", "WebSocketRejected", "receive_first_json", "upgrade"]
 
 READ_SIZE = 256 * 1024
 MAX_MESSAGE = 16 * 1024 * 1024
@@ -236,3 +239,30 @@ class WebSocketClient:
                 async with self._write_lock:
                     await self._stream.write(self._ws.send(CloseConnection(code=code, reason=reason)))
         await self._stream.aclose()
+
+
+async def upgrade(stream: ByteStream, host: str, target: str, *, headers: Sequence[tuple[str, str]],
+                  refused: Callable[[WebSocketRejected], BaseException]) -> WebSocketClient:
+    """:meth:`WebSocketClient.connect`, closing ``stream`` if it fails; a refusal raises ``refused(exc)``."""
+    try:
+        return await WebSocketClient.connect(stream, host, target, headers=headers)
+    except WebSocketRejected as exc:
+        await stream.aclose()
+        raise refused(exc) from None
+    except BaseException:
+        await stream.aclose()
+        raise
+
+
+async def receive_first_json(ws: WebSocketClient, *, bad: str, code: str) -> tuple[str | bytes | None, Any]:
+    """The server's first message and its JSON (None when it is not text). One that cannot be read or parsed
+    closes ``ws`` and raises CapsaError(``"<bad>: <why>"``, ``code``, 502); so does any failure, re-raised."""
+    try:
+        first = await ws.receive()
+        return first, json.loads(first) if isinstance(first, str) else None
+    except (ValueError, ConnectionError, OSError) as exc:
+        await ws.close()
+        raise CapsaError(f"{bad}: {exc}", code=code, status=502) from None
+    except BaseException:
+        await ws.close()
+        raise
