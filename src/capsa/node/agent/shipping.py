@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from capsa.common.errors import CapsaError
@@ -69,19 +70,29 @@ class Shipper:
                                known=self._remember(), reusable=self._template_refs())
         return stats
 
+    async def _measured(self, direction: str, transfer: Callable[[], TransferStats], *, failure: str,
+                        passes: tuple[type[StoreError], ...] = ()) -> tuple[TransferStats, float]:
+        """Run ``transfer`` in a thread and record its time and bytes under ``direction`` (push, pull); a
+        StoreError raises CapsaError(``"<failure>: <why>"``, 503), unless it is one of ``passes``."""
+        started = time.monotonic()
+        try:
+            stats = await asyncio.to_thread(transfer)
+        except passes:
+            raise
+        except StoreError as e:
+            self.metrics.seconds.labels(direction, "error").observe(time.monotonic() - started)
+            raise CapsaError(f"{failure}: {e}", code="store_unavailable", status=503) from e
+        elapsed = time.monotonic() - started
+        self.metrics.seconds.labels(direction, "ok").observe(elapsed)
+        self.metrics.bytes.labels(direction).inc(stats.sent_bytes)
+        return stats, elapsed
+
     async def push(self, snap: Snapshot) -> TransferStats:
         scope = snap.manifest.labels.get(LABEL_TENANT) or "node"
         files = [f for f in _FILES if (snap.path / f).is_file()]
-        started = time.monotonic()
-        try:
-            stats = await asyncio.to_thread(self._push, snap, scope, files)
-        except StoreError as e:
-            self.metrics.seconds.labels("push", "error").observe(time.monotonic() - started)
-            raise CapsaError(f"snapshot {snap.id} was taken but could not be written to the store: {e}",
-                             code="store_unavailable", status=503) from e
-        elapsed = time.monotonic() - started
-        self.metrics.seconds.labels("push", "ok").observe(elapsed)
-        self.metrics.bytes.labels("push").inc(stats.sent_bytes)
+        stats, elapsed = await self._measured(
+            "push", lambda: self._push(snap, scope, files),
+            failure=f"snapshot {snap.id} was taken but could not be written to the store")
         log.info("snapshot %s shipped to %s: %d of %d chunks sent (%d bytes) in %.2f s", snap.id,
                  self.store.url, stats.sent_chunks, stats.chunks, stats.sent_bytes, elapsed)
         return stats
@@ -94,18 +105,13 @@ class Shipper:
             dest = self.snapshots_dir / snapshot_id
             if dest.is_dir():
                 return True
-            started = time.monotonic()
             try:
-                _, stats = await asyncio.to_thread(pull_bundle, self.store, KIND, snapshot_id, dest)
+                stats, elapsed = await self._measured(
+                    "pull", lambda: pull_bundle(self.store, KIND, snapshot_id, dest)[1],
+                    failure=f"snapshot {snapshot_id} could not be read from the store",
+                    passes=(ObjectMissing,))
             except ObjectMissing:
                 return False
-            except StoreError as e:
-                self.metrics.seconds.labels("pull", "error").observe(time.monotonic() - started)
-                raise CapsaError(f"snapshot {snapshot_id} could not be read from the store: {e}",
-                                 code="store_unavailable", status=503) from e
-        elapsed = time.monotonic() - started
-        self.metrics.seconds.labels("pull", "ok").observe(elapsed)
-        self.metrics.bytes.labels("pull").inc(stats.sent_bytes)
         log.info("snapshot %s pulled from %s: %d chunks (%d bytes) in %.2f s", snapshot_id, self.store.url,
                  stats.sent_chunks, stats.sent_bytes, elapsed)
         return True
