@@ -22,6 +22,7 @@ import asyncio
 import builtins
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from capsa.common.errors import CapsaError
@@ -89,20 +90,19 @@ def check_branch_count(n: int) -> None:
                          code="invalid_branch_count", status=422)
 
 
+@dataclass(eq=False)
 class Snapshots:
     """Snapshots of session sandboxes on ``runtime``; ``image_for`` finds the guest image of a digest."""
 
-    def __init__(self, runtime: SnapshottingRuntime, image_for: Callable[[str], GuestImage], *,
-                 ram_mode: RamMode = RamMode.COPY, bind: IdentityBinder[Sandbox] = bind_sandbox,
-                 floor: SpaceFloor | None = None, shipper: Shipper | None = None) -> None:
-        self.runtime = runtime
-        self.image_for = image_for
-        self.ram_mode = ram_mode
-        self.bind = bind
-        self.floor = floor
-        """The storage pool's free-space floor (None: none is kept)."""
-        self.shipper = shipper
-        """The fleet's store (None: snapshots stay on this node)."""
+    runtime: SnapshottingRuntime
+    image_for: Callable[[str], GuestImage]
+    _: KW_ONLY
+    ram_mode: RamMode = RamMode.COPY
+    bind: IdentityBinder[Sandbox] = bind_sandbox
+    floor: SpaceFloor | None = None
+    """The storage pool's free-space floor (None: none is kept)."""
+    shipper: Shipper | None = None
+    """The fleet's store (None: snapshots stay on this node)."""
 
     async def _check_space(self, memory_mib: int, what: str) -> None:
         if self.floor is not None:  # in a thread: reading the pool's free space waits for its writeback
