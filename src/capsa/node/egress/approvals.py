@@ -14,12 +14,15 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from pydantic import ConfigDict, Field
 
 from capsa.common.egress_policy import ApprovalScope, ApprovalState
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
+from capsa.common.node_api import ApprovalInfo
 
 __all__ = [
     "PREVIEW_BYTES",
@@ -54,41 +57,22 @@ class Outcome:
     reason: str | None
 
 
-@dataclass
-class Approval:
-    id: str
-    sandbox_id: str
-    session_id: str | None
-    destination: str
-    method: str
-    path: str
-    rule: str
-    """The domain rule (pattern) the request matched."""
-    approval_rule: str
-    """The name of the approval rule that holds it."""
-    scope: ApprovalScope
-    """The rule's scope, used when a decision does not name one."""
-    preview: str
-    """The first :data:`PREVIEW_BYTES` of the body, secrets and placeholders redacted (UTF-8, replaced)."""
-    body_bytes: int
-    created_at: float
-    expires_at: float
+class Approval(ApprovalInfo):
+    """A held request: what the node API shows of it (:class:`ApprovalInfo`; its ``preview`` is the first
+    :data:`PREVIEW_BYTES` of the body, redacted) and the futures that tie it to the held connection."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
     state: ApprovalState = "pending"
-    decided_by: str | None = None
-    decided_at: float | None = None
-    reason: str | None = None
-    future: asyncio.Future[Outcome] | None = field(default=None, repr=False)
-    waiter: asyncio.Future[Any] | None = field(default=None, repr=False)
+    future: asyncio.Future[Outcome] | None = Field(default=None, exclude=True, repr=False)
+    """Resolved with the decision (made by :meth:`ApprovalBook.open`)."""
+    waiter: asyncio.Future[Any] | None = Field(default=None, exclude=True, repr=False)
     """The connection task holding the request (so a stopping sandbox can let it answer before its
     listeners close)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "sandbox_id": self.sandbox_id, "session_id": self.session_id,
-                "destination": self.destination, "method": self.method, "path": self.path, "rule": self.rule,
-                "approval_rule": self.approval_rule, "scope": self.scope, "preview": self.preview,
-                "body_bytes": self.body_bytes, "created_at": self.created_at, "expires_at": self.expires_at,
-                "state": self.state, "decided_by": self.decided_by, "decided_at": self.decided_at,
-                "reason": self.reason}
+        """What the node API and the approval webhook show (no futures)."""
+        return self.model_dump()
 
 
 Notify = Callable[[Approval], None]
