@@ -13,10 +13,11 @@ resolves only to public addresses, unless the operator's ``CAPSA_OAUTH_ALLOW_NET
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -153,6 +154,21 @@ _DISCOVERED = ("authorization_endpoint", "token_endpoint", "revocation_endpoint"
                "device_authorization_endpoint")
 
 
+@contextlib.contextmanager
+def _reaching(exchange: str, *, refused: tuple[str, str]) -> Iterator[None]:
+    """Around one HTTP exchange with a provider (``exchange`` names it in messages): a destination the
+    outbound checks refuse raises ProviderError(``refused``: message, code); a failed exchange raises
+    ProviderError("<exchange> failed: <error class>")."""
+    try:
+        yield
+    except DestinationRefused as exc:
+        log.warning("%s refused: %s", exchange, exc.message)
+        raise ProviderError(*refused) from None
+    except httpx.HTTPError as exc:
+        log.warning("%s failed: %r", exchange, exc)
+        raise ProviderError(f"{exchange} failed: {exc.__class__.__name__}") from None
+
+
 async def discover(issuer: str, *, outbound: Outbound, ca_file: str | None = None,
                    wait: float = 15.0) -> dict[str, Any]:
     """The provider's metadata: OpenID Connect discovery, else RFC 8414 authorization-server metadata. The
@@ -160,18 +176,13 @@ async def discover(issuer: str, *, outbound: Outbound, ca_file: str | None = Non
     (:meth:`Outbound.check`), so a document cannot point the control plane at an internal address."""
     base = issuer.rstrip("/")
     await outbound.check("issuer", base)
+    exchange = f"discovery at {base}"
+    refused = (f"{exchange} was refused (destination_refused)", "discovery_failed")
     async with httpx.AsyncClient(transport=outbound.transport(_verify(ca_file)), timeout=wait,
                                  follow_redirects=False, trust_env=False) as client:
         for path in ("/.well-known/openid-configuration", "/.well-known/oauth-authorization-server"):
-            try:
+            with _reaching(exchange, refused=refused):
                 response = await client.get(base + path)
-            except DestinationRefused as exc:
-                log.warning("discovery at %s refused: %s", base, exc.message)
-                raise ProviderError(f"discovery at {base} was refused (destination_refused)",
-                                    "discovery_failed") from None
-            except httpx.HTTPError as exc:
-                log.warning("discovery at %s failed: %r", base, exc)
-                raise ProviderError(f"discovery at {base} failed: {exc.__class__.__name__}") from None
             if response.status_code == 200:
                 try:
                     data = response.json()
@@ -217,19 +228,14 @@ class OAuthClient:
 
     async def _call(self, what: str, coro: Any) -> Any:
         try:
-            return await coro
+            with _reaching(f"the provider's {what}", refused=(
+                    f"the provider's {what} endpoint is not a permitted destination", "server_error")):
+                return await coro
         except OAuthError as exc:
             error = _standard(exc.error)
             log.warning("the provider refused the %s: %.200r (%.500r)", what, exc.error, exc.description)
             status = 409 if error in ("invalid_grant", "access_denied", "expired_token") else 502
             raise ProviderError(f"the provider refused the {what}: {error}", error, status) from None
-        except DestinationRefused as exc:
-            log.warning("the provider's %s endpoint was refused: %s", what, exc.message)
-            raise ProviderError(f"the provider's {what} endpoint is not a permitted destination",
-                                "server_error") from None
-        except httpx.HTTPError as exc:
-            log.warning("the provider's %s failed: %r", what, exc)
-            raise ProviderError(f"the provider's {what} failed: {exc.__class__.__name__}") from None
         except ValueError:
             raise ProviderError(f"the provider's {what} answer is not valid", "invalid_response") from None
 
