@@ -68,12 +68,25 @@ ApprovalState = Literal["pending", "approved", "denied", "timeout", "cancelled"]
 _FORBIDDEN_BINDING_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "upgrade", "te"}
 
 
-def _binding_header(value: str, what: str) -> str:
-    """``value`` as the header a binding puts ``what`` (a secret, a token) in: a valid name that is not one
+def _binding_header(what: str) -> AfterValidator:
+    """The check of the header a binding puts ``what`` (a secret, a token) in: a valid name that is not one
     of :data:`_FORBIDDEN_BINDING_HEADERS`."""
-    if not _HEADER_RE.match(value) or value.lower() in _FORBIDDEN_BINDING_HEADERS:
-        raise ValueError(f"header {value!r} cannot carry {what}")
-    return value
+
+    def check(value: str) -> str:
+        if not _HEADER_RE.match(value) or value.lower() in _FORBIDDEN_BINDING_HEADERS:
+            raise ValueError(f"header {value!r} cannot carry {what}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _exact_name(raw: str, refusal: str) -> str:
+    """``raw`` as the one exact DNS name a binding sends its credential to (lower case, no trailing dot; not
+    a pattern, not an IP literal); ValueError("<refusal>, got <raw>") otherwise."""
+    name = raw.strip().lower().rstrip(".")
+    if not _HOST_RE.match(name) or _is_ip_literal(name):
+        raise ValueError(f"{refusal}, got {raw!r}")
+    return name
 
 
 class PolicyError(CapsaError):
@@ -239,25 +252,17 @@ class SecretBinding(BaseModel):
 
     secret: str
     """Reference of a secret stored by the control plane (``sec_…``); the value never appears here."""
-    header: str = "Authorization"
+    header: Annotated[str, _binding_header("a secret")] = "Authorization"
     """The only request header in which the placeholder is swapped for the secret."""
     domain: str
     """The only destination (exact name) the secret is sent to, over verified HTTPS."""
     env: str | None = None
     """Environment variable that carries the placeholder into the sandbox."""
 
-    @field_validator("header")
-    @classmethod
-    def _check_header(cls, value: str) -> str:
-        return _binding_header(value, "a secret")
-
     @field_validator("domain")
     @classmethod
     def _check_domain(cls, value: str) -> str:
-        name = value.strip().lower().rstrip(".")
-        if not _HOST_RE.match(name) or _is_ip_literal(name):
-            raise ValueError(f"a secret is bound to one exact DNS name, got {value!r}")
-        return name
+        return _exact_name(value, "a secret is bound to one exact DNS name")
 
     @field_validator("env")
     @classmethod
@@ -278,26 +283,15 @@ class ConnectionBinding(BaseModel):
     """Reference of a connection (``con_…`` or, in what users send, its name)."""
     domains: list[str] = Field(min_length=1, max_length=64)
     """Exact DNS names the token is sent to; each must be allowed by the policy's ``domains``."""
-    header: str = "Authorization"
+    header: Annotated[str, _binding_header("a token")] = "Authorization"
     format: str = "Bearer {token}"
     """The header's value; ``{token}`` (exactly once) stands for the access token."""
-
-    @field_validator("header")
-    @classmethod
-    def _check_header(cls, value: str) -> str:
-        return _binding_header(value, "a token")
 
     @field_validator("domains")
     @classmethod
     def _check_domains(cls, value: list[str]) -> list[str]:
-        out: list[str] = []
-        for raw in value:
-            name = raw.strip().lower().rstrip(".")
-            if not _HOST_RE.match(name) or _is_ip_literal(name):
-                raise ValueError(f"a connection is bound to exact DNS names, got {raw!r}")
-            if name not in out:
-                out.append(name)
-        return out
+        names = (_exact_name(raw, "a connection is bound to exact DNS names") for raw in value)
+        return list(dict.fromkeys(names))  # without repeats, in the order given
 
     @field_validator("format")
     @classmethod
