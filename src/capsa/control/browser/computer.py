@@ -15,7 +15,7 @@ import asyncio
 import base64
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -72,25 +72,28 @@ class TypeText(_Action):
     text: Annotated[str, Field(min_length=1, max_length=100_000)]
 
 
-class Key(_Action):
+class _KeysAction(_Action):
+    """An action whose ``text`` names keys (xdotool style, :func:`parse_keys`); unknown names are refused.
+    Subclasses narrow both fields (declared here in the order the subclasses' schemas list them)."""
+
+    action: str
+    text: str
+
+    @model_validator(mode="after")
+    def _known(self) -> Self:
+        parse_keys(self.text)
+        return self
+
+
+class Key(_KeysAction):
     action: Literal["key"]
     text: Annotated[str, Field(min_length=1, max_length=256, description="e.g. 'ctrl+l', 'Return'")]
 
-    @model_validator(mode="after")
-    def _known(self) -> Key:
-        parse_keys(self.text)
-        return self
 
-
-class HoldKey(_Action):
+class HoldKey(_KeysAction):
     action: Literal["hold_key"]
     text: Annotated[str, Field(min_length=1, max_length=256)]
     duration: Annotated[float, Field(ge=0, le=30)]
-
-    @model_validator(mode="after")
-    def _known(self) -> HoldKey:
-        parse_keys(self.text)
-        return self
 
 
 class Scroll(_Action):
