@@ -38,6 +38,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from capsa.common.asgi import ConnectionMiddleware
 from capsa.common.errors import CapsaError
 from capsa.common.request_limits import RequestLimits
 
@@ -134,14 +135,14 @@ def _announced_body(headers: Headers) -> tuple[bool, int | None]:
     return int(length) > 0, int(length)
 
 
-class RequestGuard:
+class RequestGuard(ConnectionMiddleware):
     """See the module's documentation. ``gate`` checks credentials before a body is read; ``rules`` give
     routes their own body limits (the first that matches; otherwise ``limits.max_body_bytes``, read
     whole); ``rate_exempt`` says which requests the per-client rate limit does not count."""
 
     def __init__(self, app: ASGIApp, *, limits: RequestLimits, gate: Gate | None = None,
                  rules: Sequence[BodyRule] = (), rate_exempt: Callable[[Scope], bool] | None = None) -> None:
-        self.app = app
+        super().__init__(app)
         self.limits = limits
         self.gate = gate
         self.rules = tuple(rules)
@@ -153,10 +154,7 @@ class RequestGuard:
         self._rate = limits.rate_item()
         self._limiter = SlidingWindowCounterRateLimiter(MemoryStorage()) if self._rate else None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         refused = await self._rate_refusal(scope)
         if refused is None and self.in_flight >= self.limits.max_in_flight:
             refused = _Overloaded("too many requests in flight; try again shortly")

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from capsa.common.asgi import ConnectionMiddleware
 from capsa.common.ids import new_id
 from capsa.common.logs import REQUEST_ID_HEADER, header_id, log_scope
 from capsa.control.audit import trail as audit_trail
@@ -51,15 +52,12 @@ def _route_template(scope: Scope) -> str | None:
     return "/".join("{" + names[part] + "}" if part in names else part for part in path.split("/"))
 
 
-class AuditMiddleware:
+class AuditMiddleware(ConnectionMiddleware):
     def __init__(self, app: ASGIApp, plane: Callable[[], ControlPlane | None]) -> None:
-        self.app = app
+        super().__init__(app)
         self.plane = plane
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = RequestAudit(request_id=new_id("req"))
         token = audit_trail.bind(context)
         started = time.perf_counter()

@@ -22,6 +22,7 @@ from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from capsa.common.asgi import ConnectionMiddleware
 from capsa.common.ids import is_id
 from capsa.common.request_guard import hostname
 from capsa.control.problems import problem_response
@@ -71,20 +72,17 @@ def on_port_host(conn: HTTPConnection) -> bool:
     return bool(conn.scope.get(HOST_SCOPE_KEY))
 
 
-class PortHostRouter:
+class PortHostRouter(ConnectionMiddleware):
     """ASGI middleware: requests whose ``Host`` is under ``domain`` go to ``ports_app`` (an app holding
     only the port proxy's routes), with the port's path route put in front of their path; every other
     request goes on to ``app``."""
 
     def __init__(self, app: ASGIApp, *, domain: str, ports_app: ASGIApp) -> None:
-        self.app = app
+        super().__init__(app)
         self.domain = domain
         self.ports_app = ports_app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         host = Headers(scope=scope).get("host", "")
         try:
             named = parse_port_host(host, self.domain)

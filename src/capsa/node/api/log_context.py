@@ -8,8 +8,9 @@ from __future__ import annotations
 import re
 
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
+from capsa.common.asgi import ConnectionMiddleware
 from capsa.common.logs import REQUEST_ID_HEADER, SESSION_ID_HEADER, header_id, log_scope
 
 __all__ = ["LogContext"]
@@ -17,14 +18,8 @@ __all__ = ["LogContext"]
 _SANDBOX = re.compile(r"/node/v1/sandboxes/([^/]+)")
 
 
-class LogContext:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            await self.app(scope, receive, send)
-            return
+class LogContext(ConnectionMiddleware):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = Headers(scope=scope)
         sandbox = _SANDBOX.match(scope["path"])
         with log_scope(request_id=header_id(headers.get(REQUEST_ID_HEADER)),
