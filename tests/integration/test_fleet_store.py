@@ -120,10 +120,11 @@ async def _fleet(pg: PgCluster, workdir: Path, store_env: dict[str, str], *, rep
     assert left == [], left
 
 
-async def _running_on(client: AsyncClient, session_id: str, node_id: str, limit_s: float = 300) -> None:
+async def _running_on(fleet: Fleet, session_id: str, node_id: str, limit_s: float = 300) -> None:
     deadline = time.monotonic() + limit_s
-    while (info := await client.get_session(session_id)).state != "running" or info.node_id != node_id:
-        assert time.monotonic() < deadline, info
+    while (info := await fleet.client.get_session(session_id)).state != "running" or info.node_id != node_id:
+        assert info.state != "paused" and time.monotonic() < deadline, (
+            info, {p.stdout.name: p.errors(4000) for p in fleet.started})
         await asyncio.sleep(0.5)
 
 
@@ -200,7 +201,7 @@ async def test_a_session_of_a_killed_node_runs_on_another_from_its_rolling_snaps
         fleet.gone(node_a)
         assert killed, "node A ran no QEMU"
         t0 = time.monotonic()
-        await _running_on(client, session.id, id_b)
+        await _running_on(fleet, session.id, id_b)
         failover_s = time.monotonic() - t0
         resumed = await AsyncSession.connect(session.id, client=client)
         assert await resumed.files.read("/root/note") == "written on a\n"
@@ -344,7 +345,7 @@ async def test_a_node_that_returns_after_its_sessions_moved_destroys_its_stale_s
         assert qemu_pids(node_a.state_dir)
         node_a.proc.send_signal(signal.SIGSTOP)
         try:
-            await _running_on(client, session.id, id_b)
+            await _running_on(fleet, session.id, id_b)
             assert qemu_pids(node_a.state_dir)  # the stale VM still runs while A is frozen
         finally:
             node_a.proc.send_signal(signal.SIGCONT)
