@@ -24,12 +24,12 @@ from capsa.common.ids import new_id
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.agent.agent import NodeAgent
-from capsa.node.api.app import create_node_app
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.storage import StoragePool
 from capsa.node.templates.build import build_template, load_spec
 from capsa.node.templates.source import TemplateSource
 from tests.support.counter import counter_script
+from tests.support.node_http import node_api, ok, sh
 from tests.support.waits import eventually
 
 pytestmark = [
@@ -39,7 +39,6 @@ pytestmark = [
     pytest.mark.asyncio(loop_scope="module"),
 ]
 
-TOKEN = "t" * 32
 COUNTER = counter_script(0.1)
 
 
@@ -59,29 +58,15 @@ async def agent(state_dir: Path, pool: StoragePool,
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def api(agent: NodeAgent) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_node_app(agent, TOKEN)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://node/node/v1",
-                                 headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300) as client:
+    async with node_api(agent) as client:
         yield client
-
-
-async def _ok(resp: httpx.Response, status: int = 200) -> Any:
-    assert resp.status_code == status, resp.text
-    return resp.json() if resp.content else None
-
-
-async def _sh(api: httpx.AsyncClient, sid: str, cmd: str) -> str:
-    res = await _ok(await api.post(f"/sandboxes/{sid}/exec", json={"cmd": ["sh", "-c", cmd], "timeout": 30}))
-    assert res["exit_code"] == 0, res
-    return str(res["stdout"])
 
 
 async def _counter_past(api: httpx.AsyncClient, sid: str, value: int) -> int:
     """The guest's counter once it is past ``value`` (a bounded wait: under TCG a tick of 0.1 s may take
     longer)."""
     async def past() -> int:
-        now = int(await _sh(api, sid, "cat /tmp/counter 2>/dev/null || echo 0"))
+        now = int(await sh(api, sid, "cat /tmp/counter 2>/dev/null || echo 0"))
         return now if now > value else 0
 
     return await eventually(past, f"the guest's counter past {value}", within=60, every=0.2)
@@ -89,7 +74,7 @@ async def _counter_past(api: httpx.AsyncClient, sid: str, value: int) -> int:
 
 async def _create(api: httpx.AsyncClient, template: str = "base") -> dict[str, Any]:
     sid = new_id("sbx")
-    out: dict[str, Any] = await _ok(await api.post("/sandboxes", json={"id": sid, "template": template}), 201)
+    out: dict[str, Any] = await ok(await api.post("/sandboxes", json={"id": sid, "template": template}), 201)
     return out
 
 
@@ -97,7 +82,7 @@ async def _wait_pool_full(api: httpx.AsyncClient, limit: float = 120) -> None:
     """Until the base pool holds its one sandbox and no restore is under way."""
     deadline = time.monotonic() + limit
     while True:
-        status = await _ok(await api.get("/pool"))
+        status = await ok(await api.get("/pool"))
         base = [t for t in status["templates"] if t["template"] == "base"]
         if base and base[0]["idle"] >= 1 and base[0]["restoring"] == 0:
             return
@@ -126,12 +111,12 @@ def _listing(agent: NodeAgent) -> dict[str, list[str]]:
 
 
 async def test_base_template_is_listed(api: httpx.AsyncClient) -> None:
-    items = (await _ok(await api.get("/templates")))["items"]
+    items = (await ok(await api.get("/templates")))["items"]
     base = [t for t in items if t["name"] == "base"]
     assert len(base) == 1 and base[0]["digest"].startswith("sha256:") and base[0]["memory_mib"] == 256
-    shown = (await _ok(await api.get("/templates/base")))["items"]
+    shown = (await ok(await api.get("/templates/base")))["items"]
     assert shown[0]["digest"] == base[0]["digest"]
-    assert "base" in (await _ok(await api.get("/info")))["templates"]
+    assert "base" in (await ok(await api.get("/info")))["templates"]
 
 
 def _source(agent: NodeAgent, sid: str) -> str:
@@ -165,7 +150,7 @@ async def test_create_from_pool_then_on_demand_and_identity(api: httpx.AsyncClie
         # ... and serves at the normal one once bound; a restore on demand never left it.
         assert _thread_nices(agent.get(a["id"]).sandbox) == {0}
         assert _thread_nices(agent.get(b["id"]).sandbox) == {0}
-        pool = {t["template"]: t for t in (await _ok(await api.get("/pool")))["templates"]}["base"]
+        pool = {t["template"]: t for t in (await ok(await api.get("/pool")))["templates"]}["base"]
         assert pool["hits"] >= 1 and pool["misses"] >= 1
         metrics = (await api.get("http://node/metrics")).text
         assert 'capsa_pool_hits_total{memory_mib="256",template="base",vcpus="1"} 1.0' in metrics
@@ -174,25 +159,25 @@ async def test_create_from_pool_then_on_demand_and_identity(api: httpx.AsyncClie
         # Two sandboxes from one template: their own randomness, the host's time, their own hostname.
         probe = ("python3 -c 'import os,time,socket; "
                  "print(os.urandom(16).hex(), time.time(), socket.gethostname())'")
-        ra, ta, ha = (await _sh(api, a["id"], probe)).split()
-        rb, tb, hb = (await _sh(api, b["id"], probe)).split()
+        ra, ta, ha = (await sh(api, a["id"], probe)).split()
+        rb, tb, hb = (await sh(api, b["id"], probe)).split()
         now = time.time()
         assert ra != rb
         assert abs(float(ta) - now) < 5 and abs(float(tb) - now) < 5
         assert ha == a["id"].replace("_", "-") and hb == b["id"].replace("_", "-")
     finally:
         for sb in (a, b):
-            await _ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
+            await ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
 
 
 async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: NodeAgent) -> None:
     sb = await _create(api)
     sid = sb["id"]
-    await _ok(await api.put(f"/sandboxes/{sid}/files/content", params={"path": "/root/note.txt"},
+    await ok(await api.put(f"/sandboxes/{sid}/files/content", params={"path": "/root/note.txt"},
                             content=b"before the pause\n"))
-    await _ok(await api.post(f"/sandboxes/{sid}/processes", json={"cmd": ["sh", "-c", COUNTER]}))
+    await ok(await api.post(f"/sandboxes/{sid}/processes", json={"cmd": ["sh", "-c", COUNTER]}))
     before = await _counter_past(api, sid, 3)
-    snap = await _ok(await api.post(f"/sandboxes/{sid}/pause", json={}))
+    snap = await ok(await api.post(f"/sandboxes/{sid}/pause", json={}))
     assert snap["retain"] is True and snap["sandbox_id"] == sid
     assert (await api.get(f"/sandboxes/{sid}")).status_code == 404
     # The paused VM's files are gone; only the snapshot remains.
@@ -201,22 +186,22 @@ async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: N
     assert set(_listing(agent)["sandboxes"]) <= runtime_ids | pooled
     assert snap["id"] in _listing(agent)["snapshots"]
 
-    resumed = await _ok(await api.post(f"/snapshots/{snap['id']}/restore", json={"id": new_id("sbx")}), 201)
+    resumed = await ok(await api.post(f"/snapshots/{snap['id']}/restore", json={"id": new_id("sbx")}), 201)
     rid = resumed["id"]
     try:
         assert resumed["source"] == "restore"
-        assert await _sh(api, rid, "cat /root/note.txt") == "before the pause\n"
-        at = int(await _sh(api, rid, "cat /tmp/counter"))
+        assert await sh(api, rid, "cat /root/note.txt") == "before the pause\n"
+        at = int(await sh(api, rid, "cat /tmp/counter"))
         assert before <= at < before + 50
         await _counter_past(api, rid, at)  # it keeps counting
 
         # Branch into 3 from a snapshot of the resumed sandbox: each sees its files, then they diverge.
-        await _sh(api, rid, "echo parent > /root/shared.txt && sync")
-        point = await _ok(await api.post(f"/sandboxes/{rid}/snapshots", json={"retain": False}), 201)
+        await sh(api, rid, "echo parent > /root/shared.txt && sync")
+        point = await ok(await api.post(f"/sandboxes/{rid}/snapshots", json={"retain": False}), 201)
         assert point["retain"] is False
         ids = [new_id("sbx") for _ in range(3)]
         resp = await api.post(f"/snapshots/{point['id']}/branch", json={"ids": ids})
-        branches = (await _ok(resp, 201))["items"]
+        branches = (await ok(resp, 201))["items"]
         assert [b["id"] for b in branches] == ids
         metrics = (await api.get("http://node/metrics")).text
         running = [line for line in metrics.splitlines() if line.startswith("capsa_sandboxes_running ")]
@@ -224,20 +209,20 @@ async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: N
         try:
             seen = set()
             for i, bid in enumerate(ids):
-                assert await _sh(api, bid, "cat /root/shared.txt") == "parent\n"
-                await _sh(api, bid, f"echo branch{i} > /root/shared.txt")
-                seen.add(await _sh(api, bid, "python3 -c 'import os; print(os.urandom(16).hex())'"))
-            await _sh(api, rid, "echo parent-later > /root/later.txt")
+                assert await sh(api, bid, "cat /root/shared.txt") == "parent\n"
+                await sh(api, bid, f"echo branch{i} > /root/shared.txt")
+                seen.add(await sh(api, bid, "python3 -c 'import os; print(os.urandom(16).hex())'"))
+            await sh(api, rid, "echo parent-later > /root/later.txt")
             for i, bid in enumerate(ids):
-                assert await _sh(api, bid, "cat /root/shared.txt") == f"branch{i}\n"
-                assert "later.txt" not in (await _sh(api, bid, "ls /root")).split()
+                assert await sh(api, bid, "cat /root/shared.txt") == f"branch{i}\n"
+                assert "later.txt" not in (await sh(api, bid, "ls /root")).split()
             assert len(seen) == 3
-            assert await _sh(api, rid, "cat /root/shared.txt") == "parent\n"
+            assert await sh(api, rid, "cat /root/shared.txt") == "parent\n"
         finally:
             for bid in ids:
-                await _ok(await api.delete(f"/sandboxes/{bid}"), 204)
+                await ok(await api.delete(f"/sandboxes/{bid}"), 204)
 
-        listed = {s["id"] for s in (await _ok(await api.get(f"/sandboxes/{rid}/snapshots")))["items"]}
+        listed = {s["id"] for s in (await ok(await api.get(f"/sandboxes/{rid}/snapshots")))["items"]}
         assert listed == {point["id"]}
         snap_dir = _pool_root(agent) / "snapshots" / point["id"]
         assert (snap_dir / "memory.ram").exists() and (snap_dir / "disk.img").exists()
@@ -245,14 +230,14 @@ async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: N
         sandbox_dir = _pool_root(agent) / "sandboxes" / runtime_id
         assert (sandbox_dir / "disk.img").exists()
     finally:
-        await _ok(await api.delete(f"/sandboxes/{rid}"), 204)
+        await ok(await api.delete(f"/sandboxes/{rid}"), 204)
     # Closing deletes the sandbox's disk and memory files and its non-retained snapshot.
     assert not sandbox_dir.exists()
     assert not snap_dir.exists()
     assert not (_runtime(agent).vms_dir / runtime_id).exists()
     # The pause snapshot is retained until it is deleted explicitly.
     assert (_pool_root(agent) / "snapshots" / snap["id"]).is_dir()
-    await _ok(await api.delete(f"/snapshots/{snap['id']}"), 204)
+    await ok(await api.delete(f"/snapshots/{snap['id']}"), 204)
     assert not (_pool_root(agent) / "snapshots" / snap["id"]).exists()
     assert (await api.get(f"/snapshots/{snap['id']}")).status_code == 404
 
@@ -261,11 +246,11 @@ async def test_bad_requests_change_nothing(api: httpx.AsyncClient, agent: NodeAg
     await _wait_pool_full(api)
     sb = await _create(api)
     try:
-        point = await _ok(await api.post(f"/sandboxes/{sb['id']}/snapshots", json={}), 201)
+        point = await ok(await api.post(f"/sandboxes/{sb['id']}/snapshots", json={}), 201)
         await _wait_pool_full(api)
         before_files = _listing(agent)
-        before_sandboxes = (await _ok(await api.get("/sandboxes")))["items"]
-        before_pool = await _ok(await api.get("/pool"))
+        before_sandboxes = (await ok(await api.get("/sandboxes")))["items"]
+        before_pool = await ok(await api.get("/pool"))
         cases: list[tuple[str, str, dict[str, Any], int, str]] = [
             ("POST", "/sandboxes", {"id": new_id("sbx"), "template": "no-such-template"}, 404,
              "template_not_found"),
@@ -286,12 +271,12 @@ async def test_bad_requests_change_nothing(api: httpx.AsyncClient, agent: NodeAg
             assert resp.status_code == status, (path, resp.text)
             assert resp.json()["code"] == code, (path, resp.text)
         assert _listing(agent) == before_files
-        assert (await _ok(await api.get("/sandboxes")))["items"] == before_sandboxes
-        after_pool = await _ok(await api.get("/pool"))
+        assert (await ok(await api.get("/sandboxes")))["items"] == before_sandboxes
+        after_pool = await ok(await api.get("/pool"))
         assert [(t["template"], t["idle"], t["hits"], t["misses"]) for t in after_pool["templates"]] == \
             [(t["template"], t["idle"], t["hits"], t["misses"]) for t in before_pool["templates"]]
     finally:
-        await _ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
+        await ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
 
 
 SPEC = """\
@@ -323,7 +308,7 @@ async def test_template_build_create_and_remove(api: httpx.AsyncClient, agent: N
     assert not any(isinstance(s, QemuSandbox) and s.spec.labels.get("template-build")
                    for s in _runtime(agent).list())
 
-    listed = (await _ok(await api.get("/templates/h1-tools")))["items"]
+    listed = (await ok(await api.get("/templates/h1-tools")))["items"]
     assert listed[0]["digest"] == built.digest and listed[0]["spec"]["env"] == {"GREETING": "howdy"}
     runner = CliRunner()
     out = runner.invoke(cli, ["template", "ls", "--json", "--state-dir", str(state_dir)])
@@ -332,16 +317,16 @@ async def test_template_build_create_and_remove(api: httpx.AsyncClient, agent: N
 
     sb = await _create(api, "h1-tools")
     try:
-        assert (await _sh(api, sb["id"], "jq -n '1+2'")).strip() == "3"
-        six = await _sh(api, sb["id"], "python3 -c 'import six; print(six.__version__)'")
+        assert (await sh(api, sb["id"], "jq -n '1+2'")).strip() == "3"
+        six = await sh(api, sb["id"], "python3 -c 'import six; print(six.__version__)'")
         assert six.strip() == "1.16.0"
-        assert await _sh(api, sb["id"], "cat /opt/demo/hello.txt") == "hello from the spec\n"
-        assert await _sh(api, sb["id"], "stat -c %a /opt/demo/data.bin") == "600\n"
-        assert await _sh(api, sb["id"], "cat /opt/demo/built.txt") == "built with howdy\n"
-        assert await _sh(api, sb["id"], "echo $GREETING") == "howdy\n"  # the template's env
+        assert await sh(api, sb["id"], "cat /opt/demo/hello.txt") == "hello from the spec\n"
+        assert await sh(api, sb["id"], "stat -c %a /opt/demo/data.bin") == "600\n"
+        assert await sh(api, sb["id"], "cat /opt/demo/built.txt") == "built with howdy\n"
+        assert await sh(api, sb["id"], "echo $GREETING") == "howdy\n"  # the template's env
     finally:
-        await _ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
-    await _ok(await api.delete("/templates/h1-tools"), 204)
+        await ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
+    await ok(await api.delete("/templates/h1-tools"), 204)
     assert not any(n.startswith("tpl-h1-tools-") for n in _listing(agent)["templates"])
     resp = await api.post("/sandboxes", json={"id": new_id("sbx"), "template": "h1-tools"})
     assert resp.status_code == 404 and resp.json()["code"] == "template_not_found"
@@ -365,9 +350,9 @@ async def test_template_cli_build_show_rm(api: httpx.AsyncClient, agent: NodeAge
     assert shown.exit_code == 0 and '"h1-cli"' in shown.output
     sb = await _create(api, "h1-cli")  # the running node sees the new template
     try:
-        assert await _sh(api, sb["id"], "cat /etc/h1-cli /root/cli-built") == "clidone\n"
+        assert await sh(api, sb["id"], "cat /etc/h1-cli /root/cli-built") == "clidone\n"
     finally:
-        await _ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
+        await ok(await api.delete(f"/sandboxes/{sb['id']}"), 204)
     removed = await asyncio.to_thread(invoke, "rm", "h1-cli")
     assert removed.exit_code == 0, removed.output
     again = await asyncio.to_thread(invoke, "rm", "h1-cli")

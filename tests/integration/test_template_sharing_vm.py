@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -18,12 +17,12 @@ from capsa.common.ids import new_id
 from capsa.common.image import GuestImage
 from capsa.common.settings import Settings
 from capsa.node.agent.agent import NodeAgent
-from capsa.node.api.app import create_node_app
 from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.runtime.snapshot.mechanics import LABEL_RAM_DELTA
 from capsa.node.storage import StoragePool
 from capsa.node.templates.source import TemplateSource
 from tests.support.memfd_attack import attack_as
+from tests.support.node_http import node_api, ok, sh
 
 pytestmark = [
     pytest.mark.vm,
@@ -32,7 +31,6 @@ pytestmark = [
     pytest.mark.asyncio(loop_scope="module"),
 ]
 
-TOKEN = "t" * 32
 MEMFD = "/memfd:capsa-ram"
 
 
@@ -50,21 +48,8 @@ async def agent(state_dir: Path, pool: StoragePool, guest_image: GuestImage) -> 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def api(agent: NodeAgent) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=create_node_app(agent, TOKEN))
-    async with httpx.AsyncClient(transport=transport, base_url="http://node/node/v1",
-                                 headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300) as client:
+    async with node_api(agent) as client:
         yield client
-
-
-async def _ok(resp: httpx.Response, status: int = 200) -> Any:
-    assert resp.status_code == status, resp.text
-    return resp.json() if resp.content else None
-
-
-async def _sh(api: httpx.AsyncClient, sid: str, cmd: str) -> str:
-    res = await _ok(await api.post(f"/sandboxes/{sid}/exec", json={"cmd": ["sh", "-c", cmd], "timeout": 60}))
-    assert res["exit_code"] == 0, res
-    return str(res["stdout"])
 
 
 def _memfd(pid: int) -> tuple[int, int, Path]:
@@ -87,7 +72,7 @@ async def test_one_tenants_sessions_share_the_templates_pages_and_another_tenant
     ids = {"a1": new_id("sbx"), "a2": new_id("sbx"), "b1": new_id("sbx")}
     for name, sid in ids.items():
         tenant = "acme" if name.startswith("a") else "zeta"
-        made = await _ok(await api.post("/sandboxes", json={"id": sid, "tenant": tenant}), 201)
+        made = await ok(await api.post("/sandboxes", json={"id": sid, "tenant": tenant}), 201)
         assert made["source"] == "restore"
     vms = {name: agent.get(sid).sandbox for name, sid in ids.items()}
     assert all(isinstance(vm, QemuSandbox) and vm.pid for vm in vms.values())
@@ -97,17 +82,17 @@ async def test_one_tenants_sessions_share_the_templates_pages_and_another_tenant
     assert maps["b1"][1] == 0, maps  # zeta's only session shares no page with anyone
 
     # A write in one of acme's sessions is invisible to the other, and survives its pause and resume.
-    await _sh(api, ids["a1"], "head -c 4M /dev/urandom > /dev/shm/mine; md5sum /dev/shm/mine > /root/sum")
-    assert "mine" not in await _sh(api, ids["a2"], "ls /dev/shm")
-    snap = await _ok(await api.post(f"/sandboxes/{ids['a1']}/pause", json={}))
+    await sh(api, ids["a1"], "head -c 4M /dev/urandom > /dev/shm/mine; md5sum /dev/shm/mine > /root/sum")
+    assert "mine" not in await sh(api, ids["a2"], "ls /dev/shm")
+    snap = await ok(await api.post(f"/sandboxes/{ids['a1']}/pause", json={}))
     runtime = agent.runtime
     assert isinstance(runtime, QemuRuntime)
     paused = runtime.open_snapshot(snap["id"])  # only the pages that differ from the template
     assert paused.manifest.labels[LABEL_RAM_DELTA] and paused.manifest.ram is not None
     assert (paused.path / "state.bin").stat().st_size < 32 << 20
     resumed = new_id("sbx")
-    await _ok(await api.post(f"/snapshots/{snap['id']}/restore", json={"id": resumed}), 201)
-    assert await _sh(api, resumed, "md5sum -c /root/sum") == "/dev/shm/mine: OK\n"
+    await ok(await api.post(f"/snapshots/{snap['id']}/restore", json={"id": resumed}), 201)
+    assert await sh(api, resumed, "md5sum -c /root/sum") == "/dev/shm/mine: OK\n"
 
     # No QEMU can write the template's RAM file or the copy it maps, even through its own descriptor.
     a2 = vms["a2"]
@@ -121,4 +106,4 @@ async def test_one_tenants_sessions_share_the_templates_pages_and_another_tenant
     assert got[str(maps["a2"][2])] == {"open": "ok", "write": refused, "truncate": refused, "punch": refused,
                                        "shared_map": refused}, got
     for sid in (ids["a2"], ids["b1"], resumed):
-        await _ok(await api.delete(f"/sandboxes/{sid}"), 204)
+        await ok(await api.delete(f"/sandboxes/{sid}"), 204)
