@@ -28,8 +28,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from capsa.common.layout import Below
-
 __all__ = ["CacheLayout", "digest_json"]
 
 
@@ -42,11 +40,25 @@ class CacheLayout:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    images = Below("images")
-    base = Below("base")
-    debs = Below("debs")
-    debootstrap_debs = Below("debootstrap-debs")
-    tmp = Below("tmp")
+    @property
+    def images(self) -> Path:
+        return self.root / "images"
+
+    @property
+    def base(self) -> Path:
+        return self.root / "base"
+
+    @property
+    def debs(self) -> Path:
+        return self.root / "debs"
+
+    @property
+    def debootstrap_debs(self) -> Path:
+        return self.root / "debootstrap-debs"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
 
     def apt(self, mirror: str, suite: str) -> Path:
         return self.root / "apt" / digest_json({"mirror": mirror, "suite": suite})[:16]
