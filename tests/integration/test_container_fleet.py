@@ -168,7 +168,7 @@ async def test_a_session_pauses_on_one_node_container_and_resumes_on_another_thr
             assert ran.exit_code == 0 and ran.stdout.startswith("hello from "), ran
             await session.files.write("/root/note", "kept on a\n")
             await session.commands.run(COUNTER, background=True)
-            before = await counter_past(lambda: _counter(session), 4)
+            counted = await counter_past(lambda: _counter(session), 4)
             t0 = time.monotonic()
             await session.pause()
             timings["pause (to the store)"] = time.monotonic() - t0
@@ -192,7 +192,7 @@ async def test_a_session_pauses_on_one_node_container_and_resumes_on_another_thr
             assert info.state == "running" and info.node_id == id_b
             assert await resumed.files.read("/root/note") == "kept on a\n"
             first = await _counter(resumed)
-            assert first >= before  # it counted on node A and goes on from there, not from zero
+            assert first >= counted  # it counted on node A and goes on from there, not from zero
             await counter_past(lambda: _counter(resumed), first)
             assert (await resumed.commands.run("cat /root/note")).stdout == "kept on a\n"
             await resumed.close()
