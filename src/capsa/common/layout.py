@@ -11,8 +11,9 @@ __all__ = ["Below"]
 class Below:
     """A read-only attribute: a fixed name below another path attribute of the owner (``root`` by default).
 
-    The layouts of the image cache, a VM's working directory and the storage pool each name a handful of
-    entries below their root; this keeps each entry to one line of its table."""
+    The layouts of a VM's working directory and the storage pool each name a handful of entries below
+    their root; this keeps each entry to one line of its table. (The image cache keeps its properties:
+    every file of ``capsa.images`` is an input of the guest image digest.)"""
 
     def __init__(self, name: str, *, parent: str = "root") -> None:
         self.name = name
