@@ -1,23 +1,33 @@
 """Fixtures of the integration suite: the storage pool for snapshotting runtimes, one booted sandbox per
-module, and a ``capsa serve`` process per test module. (VM state directories and the plain QEMU runtime are
-in tests/conftest.py.)"""
+module, the node API of a module's ``agent``, and a ``capsa serve`` process per test module. (VM state
+directories and the plain QEMU runtime are in tests/conftest.py.)"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import pytest_asyncio
 
 from capsa.common.image import GuestImage
+from capsa.node.agent.agent import NodeAgent
 from capsa.node.runtime.base import VMSpec
 from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
 from capsa.node.storage import StoragePool
 from tests.support.leftovers import wait_no_vm_leftovers
+from tests.support.node_http import node_api
 from tests.support.postgres import PgCluster, temporary_postgres
 from tests.support.served import Served, serve_workdir, start_serve
 from tests.support.vm import snapshot_pool
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def api(agent: NodeAgent) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the module's ``agent`` fixture's node API, in process (tests.support.node_http)."""
+    async with node_api(agent) as client:
+        yield client
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -106,6 +106,22 @@ async def _changed(api: httpx.AsyncClient, sid: str, old: list[bytes], box: tupl
         await asyncio.sleep(1)
 
 
+async def _settled(api: httpx.AsyncClient, sid: str, old: list[bytes], box: tuple[int, int, int, int],
+                   what: str) -> list[bytes]:
+    """Like :func:`_changed`, then until two screenshots a second apart agree on ``box`` (within the 50
+    pixels a blinking caret may take): what the input did once Chromium has painted all of it (a repaint
+    of an earlier click's focus can come first)."""
+    rows = await _changed(api, sid, old, box, what)
+    deadline = time.monotonic() + 120
+    while True:
+        await asyncio.sleep(1)
+        again = await _shot(api, sid)
+        if differing(rows, again, box) <= 50:
+            return again
+        assert time.monotonic() < deadline, f"{what}, and then stopped changing, within 120 s"
+        rows = again
+
+
 def _focus_ring(rows: list[bytes]) -> int:
     """Pixels of Chromium's focus blue (about #0b57d0: its ring and selection) in ``ADDRESS_BAR``: about
     4,000 while the address bar has the focus, none otherwise."""
@@ -329,8 +345,10 @@ async def test_desktop_sessions_end_to_end(state_dir: Path, pool: StoragePool,
                 t0 = time.monotonic()
                 await _act(api, sid, {"action": "type", "text": "x" * 100})
                 figures["type_100_s"] = time.monotonic() - t0
-                # Chromium repaints a while after the input under TCG: poll the screenshots.
-                typed = await _changed(api, sid, empty, field, "the typed text showed")
+                # Chromium repaints a while after the input under TCG: poll the screenshots until the
+                # text is all there. (The first change can be the click's focus alone: the field then
+                # looked the same again once cleared, and the check below timed out once in CI.)
+                typed = await _settled(api, sid, empty, field, "the typed text showed")
                 await _act(api, sid, {"action": "key", "text": "ctrl+a"})
                 await _act(api, sid, {"action": "key", "text": "BackSpace"})
                 await _changed(api, sid, typed, field, "the field was cleared")

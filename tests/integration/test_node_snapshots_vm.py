@@ -29,7 +29,7 @@ from capsa.node.storage import StoragePool
 from capsa.node.templates.build import build_template, load_spec
 from capsa.node.templates.source import TemplateSource
 from tests.support.counter import counter_script
-from tests.support.node_http import node_api, ok, sh
+from tests.support.node_http import ok, sh
 from tests.support.waits import eventually
 
 pytestmark = [
@@ -54,12 +54,6 @@ async def agent(state_dir: Path, pool: StoragePool,
         yield a
     finally:
         await a.close()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def api(agent: NodeAgent) -> AsyncIterator[httpx.AsyncClient]:
-    async with node_api(agent) as client:
-        yield client
 
 
 async def _counter_past(api: httpx.AsyncClient, sid: str, value: int) -> int:

@@ -22,7 +22,7 @@ from capsa.node.runtime.snapshot.mechanics import LABEL_RAM_DELTA
 from capsa.node.storage import StoragePool
 from capsa.node.templates.source import TemplateSource
 from tests.support.memfd_attack import attack_as
-from tests.support.node_http import node_api, ok, sh
+from tests.support.node_http import ok, sh
 
 pytestmark = [
     pytest.mark.vm,
@@ -44,12 +44,6 @@ async def agent(state_dir: Path, pool: StoragePool, guest_image: GuestImage) -> 
         yield a
     finally:
         await a.close()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def api(agent: NodeAgent) -> AsyncIterator[httpx.AsyncClient]:
-    async with node_api(agent) as client:
-        yield client
 
 
 def _memfd(pid: int) -> tuple[int, int, Path]:
