@@ -63,7 +63,8 @@ def _copy_nonzero(src: int, dst: int, offset: int, length: int) -> int:
         view = memoryview(chunk)
         run_start = -1
         for page in range(0, len(chunk), _PAGE):
-            nonzero = view[page:page + _PAGE] != zero[:len(view[page:page + _PAGE])]
+            piece = view[page:page + _PAGE]
+            nonzero = piece != zero[:len(piece)]
             if nonzero and run_start < 0:
                 run_start = page
             elif not nonzero and run_start >= 0:
@@ -131,8 +132,3 @@ class SealedRam:
                 if not entry.users:
                     del self._entries[key]
                     os.close(entry.fd)
-
-    def users(self) -> dict[int, set[str]]:
-        """Descriptor -> the sandboxes using it (for tests and diagnostics)."""
-        with self._lock:
-            return {entry.fd: set(entry.users) for entry in self._entries.values()}

@@ -160,10 +160,13 @@ class PoolStorage:
             fds: tuple[int, ...] = ()
             base = None
             if mode is RamMode.PRIVATE and plan.ram is not None:
-                frozen = plan.ram
-                plan, fds = self._sealed(plan, sandbox_id, domain=domain or snapshot.manifest.id)
-                base = RamBase(pages=plan.ram or frozen, file=frozen, snapshot_id=snapshot.manifest.id,
-                               clone=clone)
+                # QEMU maps the sealed memfd of the frozen file that VMs of ``domain`` share, through the
+                # descriptor it inherits (/proc/self/fd/N), never the file itself.
+                fd = self.sealed_ram.acquire(plan.ram, sandbox_id, domain or snapshot.manifest.id)
+                mapped = Path(f"/proc/self/fd/{fd}")
+                base = RamBase(pages=mapped, file=plan.ram, snapshot_id=snapshot.manifest.id, clone=clone)
+                args = (*memory_backend_args(plan.manifest.memory_mib, mapped, share=False), *incoming_args())
+                plan, fds = dataclasses.replace(plan, ram=mapped, extra_args=args), (fd,)
         except BaseException:
             self.sealed_ram.release(sandbox_id)
             self._pool.remove_sandbox(sandbox_id)
@@ -175,15 +178,6 @@ class PoolStorage:
     def release(self, sandbox_id: str) -> None:
         self.sealed_ram.release(sandbox_id)
         self._pool.remove_sandbox(sandbox_id)
-
-    def _sealed(self, plan: RestorePlan, sandbox_id: str, *, domain: str) -> tuple[RestorePlan, tuple[int]]:
-        """``plan`` with its frozen RAM file replaced by the sealed memfd of it that VMs of ``domain``
-        share; QEMU maps the descriptor it inherits (``/proc/self/fd/N``), never the file."""
-        assert plan.ram is not None
-        fd = self.sealed_ram.acquire(plan.ram, sandbox_id, domain)
-        mapped = Path(f"/proc/self/fd/{fd}")
-        args = (*memory_backend_args(plan.manifest.memory_mib, mapped, share=False), *incoming_args())
-        return dataclasses.replace(plan, ram=mapped, extra_args=args), (fd,)
 
     def prune(self, keep: set[str]) -> list[str]:
         return self._pool.prune_sandboxes(keep)

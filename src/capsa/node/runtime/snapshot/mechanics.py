@@ -287,12 +287,12 @@ class RamBase:
     """Reflinks :attr:`file` (a root-owned file) into a snapshot."""
 
     def freeze(self, dest: Path) -> bool:
-        """``dest``: a reflink of :attr:`file`; False when the file is gone (its snapshot was deleted)."""
+        """``dest``: a reflink of :attr:`file` (synced with the snapshot's other files); False when the
+        file is gone (its snapshot was deleted)."""
         try:
             self.clone(self.file, dest)
         except FileNotFoundError:
             return False
-        _fsync_path(dest)
         return True
 
 
