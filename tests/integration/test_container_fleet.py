@@ -45,7 +45,6 @@ import pytest
 
 from capsa.control.keys import generate_key
 from capsa.sdk import AsyncClient, AsyncSession
-from capsa.sdk.errors import NotFound
 from tests.support.containers import (
     Container,
     build_capsa_image,
@@ -54,7 +53,7 @@ from tests.support.containers import (
     loop_devices_into,
     run_container,
 )
-from tests.support.counter import COUNTER_FILE, counter_past, counter_script
+from tests.support.counter import counter_past, counter_script, goes_on, session_counter
 from tests.support.fleet import enrol_token
 from tests.support.leftovers import node_leftovers, node_netns_prefix
 from tests.support.postgres import PgCluster
@@ -98,14 +97,6 @@ def _uid(container: Container) -> str:
 async def _status(url: str) -> int:
     async with httpx.AsyncClient(timeout=10) as http:
         return (await http.get(url)).status_code
-
-
-async def _counter(session: AsyncSession) -> int:
-    """The guest's counter (0 before its first tick)."""
-    try:
-        return int((await session.files.read(COUNTER_FILE)).strip())
-    except NotFound:
-        return 0
 
 
 async def test_a_session_pauses_on_one_node_container_and_resumes_on_another_through_the_store(
@@ -168,7 +159,7 @@ async def test_a_session_pauses_on_one_node_container_and_resumes_on_another_thr
             assert ran.exit_code == 0 and ran.stdout.startswith("hello from "), ran
             await session.files.write("/root/note", "kept on a\n")
             await session.commands.run(COUNTER, background=True)
-            counted = await counter_past(lambda: _counter(session), 4)
+            counted = await counter_past(lambda: session_counter(session), 4)
             t0 = time.monotonic()
             await session.pause()
             timings["pause (to the store)"] = time.monotonic() - t0
@@ -191,9 +182,7 @@ async def test_a_session_pauses_on_one_node_container_and_resumes_on_another_thr
             info = await client.get_session(session.id)
             assert info.state == "running" and info.node_id == id_b
             assert await resumed.files.read("/root/note") == "kept on a\n"
-            first = await _counter(resumed)
-            assert first >= counted  # it counted on node A and goes on from there, not from zero
-            await counter_past(lambda: _counter(resumed), first)
+            await goes_on(lambda: session_counter(resumed), counted)  # from where it was on node A
             assert (await resumed.commands.run("cat /root/note")).stdout == "kept on a\n"
             await resumed.close()
             print(", ".join(f"{what}: {took:.1f} s" for what, took in timings.items()))

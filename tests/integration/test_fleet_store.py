@@ -34,10 +34,9 @@ from capsa.control.keys import generate_key
 from capsa.node.storage.mounts import mounts
 from capsa.node.templates.cache import STORE_KIND
 from capsa.sdk import AsyncClient, AsyncSession
-from capsa.sdk.errors import NotFound
 from capsa.store import ObjectStore, open_store
 from capsa.store.bundles import list_bundles
-from tests.support.counter import COUNTER_FILE, counter_past, counter_script
+from tests.support.counter import counter_past, counter_script, goes_on, session_counter
 from tests.support.fleet import cli, enrol_token, listed_nodes, start_control, start_node
 from tests.support.leftovers import wait_no_node_leftovers
 from tests.support.postgres import PgCluster
@@ -64,14 +63,6 @@ def store_env(request: pytest.FixtureRequest, workdir: Path) -> dict[str, str]:
     bucket = "fleet-" + secrets.token_hex(4)
     server.make_bucket(bucket)
     return {"CAPSA_STORE_URL": f"s3://{bucket}/capsa", **server.env()}
-
-
-async def _counter(session: AsyncSession) -> int:
-    """The guest's counter (0 before its first tick)."""
-    try:
-        return int((await session.files.read(COUNTER_FILE)).strip())
-    except NotFound:
-        return 0
 
 
 FAST = {"CAPSA_NODE_DEAD_AFTER_S": "10", "CAPSA_NODE_HEARTBEAT_TIMEOUT": "10"}
@@ -160,7 +151,7 @@ async def test_a_paused_session_resumes_on_another_node_from_the_store(
         assert (await client.get_session(session.id)).node_id == id_a
         await session.files.write("/root/note", "kept on a\n")
         await session.commands.run(COUNTER, background=True)
-        before = await counter_past(lambda: _counter(session), 4)
+        before = await counter_past(lambda: session_counter(session), 4)
         await session.pause()
         [snap] = await client.list_snapshots(session.id)
         assert snap.kind == "pause" and snap.node_id == id_a and snap.stored
@@ -175,9 +166,7 @@ async def test_a_paused_session_resumes_on_another_node_from_the_store(
         info = await client.get_session(session.id)
         assert info.state == "running" and info.node_id == id_b
         assert await resumed.files.read("/root/note") == "kept on a\n"
-        first = await _counter(resumed)
-        assert first >= before  # it counted before the pause and goes on from there, not from zero
-        await counter_past(lambda: _counter(resumed), first)
+        await goes_on(lambda: session_counter(resumed), before)  # from where it was at the pause
         await resumed.close()
 
 
@@ -192,7 +181,7 @@ async def test_a_session_of_a_killed_node_runs_on_another_from_its_rolling_snaps
                                             rolling_snapshots={"interval_s": 60, "after_command": True})
         await session.files.write("/root/note", "written on a\n")
         await session.commands.run(COUNTER, background=True)
-        before = await counter_past(lambda: _counter(session), 4)
+        before = await counter_past(lambda: session_counter(session), 4)
         await session.commands.run("true")  # a finished command: a rolling snapshot follows
         await _stored_snapshot(client, session.id)
         _, id_b = fleet.node("node-b")
@@ -205,9 +194,7 @@ async def test_a_session_of_a_killed_node_runs_on_another_from_its_rolling_snaps
         failover_s = time.monotonic() - t0
         resumed = await AsyncSession.connect(session.id, client=client)
         assert await resumed.files.read("/root/note") == "written on a\n"
-        first = await _counter(resumed)
-        assert first >= before  # from the snapshot on, not from zero
-        await counter_past(lambda: _counter(resumed), first)
+        await goes_on(lambda: session_counter(resumed), before)  # from the snapshot on
         kept = (await resumed.egress.policy()).policy
         assert kept is not None and [d["domain"] for d in kept["domains"]] == ["api.allowed.test"]
         assert await _denied_on_this_node(resumed), "node B's broker did not apply the session's policy"
@@ -247,7 +234,7 @@ async def test_drain_moves_sessions_with_their_processes_and_policy(
             await s.files.write("/root/note", f"{s.id}\n")
             await s.commands.run(COUNTER, background=True)
         _, id_b = fleet.node("node-b")
-        before = {s.id: await counter_past(functools.partial(_counter, s), 4) for s in sessions}
+        before = {s.id: await counter_past(functools.partial(session_counter, s), 4) for s in sessions}
 
         t0 = time.monotonic()
         drained = await asyncio.to_thread(cli, fleet.control.url, fleet.admin, "nodes", "drain", id_a,
@@ -262,9 +249,7 @@ async def test_drain_moves_sessions_with_their_processes_and_policy(
             info = await client.get_session(s.id)
             assert info.state == "running" and info.node_id == id_b, info
             assert await s.files.read("/root/note") == f"{s.id}\n"
-            first = await _counter(s)
-            assert first >= before[s.id]
-            await counter_past(functools.partial(_counter, s), first)
+            await goes_on(functools.partial(session_counter, s), before[s.id])
         # The networked session's policy holds on node B: it names only api.allowed.test (the request is made
         # after the move, so its deny comes from node B's broker).
         networked = sessions[0]

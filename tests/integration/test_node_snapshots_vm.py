@@ -22,15 +22,14 @@ from click.testing import CliRunner
 from capsa.cli.main import cli
 from capsa.common.ids import new_id
 from capsa.common.image import GuestImage
-from capsa.common.settings import Settings
 from capsa.node.agent.agent import NodeAgent
-from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
+from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
 from capsa.node.storage import StoragePool
 from capsa.node.templates.build import build_template, load_spec
 from capsa.node.templates.source import TemplateSource
-from tests.support.counter import counter_script
+from tests.support.counter import COUNTER_FILE, counter_past, counter_script
 from tests.support.node_http import ok, sh
-from tests.support.waits import eventually
+from tests.support.vm import template_node
 
 pytestmark = [
     pytest.mark.vm,
@@ -43,27 +42,14 @@ COUNTER = counter_script(0.1)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def agent(state_dir: Path, pool: StoragePool,
-                guest_image: GuestImage) -> AsyncIterator[NodeAgent]:
-    settings = Settings(state_dir=state_dir, cache_dir=Settings().cache_dir)
-    rt = QemuRuntime(settings, storage=PoolStorage(pool))
-    a = NodeAgent(rt, guest_image, source=TemplateSource(rt, guest_image, pool_size=1))
-    await a.start()
-    try:
-        await a.wait_ready()
-        yield a
-    finally:
-        await a.close()
+async def agent(state_dir: Path, pool: StoragePool, guest_image: GuestImage) -> AsyncIterator[NodeAgent]:
+    async with template_node(state_dir, pool, guest_image, pool_size=1) as node:
+        yield node
 
 
-async def _counter_past(api: httpx.AsyncClient, sid: str, value: int) -> int:
-    """The guest's counter once it is past ``value`` (a bounded wait: under TCG a tick of 0.1 s may take
-    longer)."""
-    async def past() -> int:
-        now = int(await sh(api, sid, "cat /tmp/counter 2>/dev/null || echo 0"))
-        return now if now > value else 0
-
-    return await eventually(past, f"the guest's counter past {value}", within=60, every=0.2)
+async def _counter(api: httpx.AsyncClient, sid: str) -> int:
+    """The guest's counter (0 before its first tick)."""
+    return int(await sh(api, sid, f"cat {COUNTER_FILE} 2>/dev/null || echo 0"))
 
 
 async def _create(api: httpx.AsyncClient, template: str = "base") -> dict[str, Any]:
@@ -170,7 +156,7 @@ async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: N
     await ok(await api.put(f"/sandboxes/{sid}/files/content", params={"path": "/root/note.txt"},
                             content=b"before the pause\n"))
     await ok(await api.post(f"/sandboxes/{sid}/processes", json={"cmd": ["sh", "-c", COUNTER]}))
-    before = await _counter_past(api, sid, 3)
+    before = await counter_past(lambda: _counter(api, sid), 3)
     snap = await ok(await api.post(f"/sandboxes/{sid}/pause", json={}))
     assert snap["retain"] is True and snap["sandbox_id"] == sid
     assert (await api.get(f"/sandboxes/{sid}")).status_code == 404
@@ -187,7 +173,7 @@ async def test_pause_restore_branch_and_cleanup(api: httpx.AsyncClient, agent: N
         assert await sh(api, rid, "cat /root/note.txt") == "before the pause\n"
         at = int(await sh(api, rid, "cat /tmp/counter"))
         assert before <= at < before + 50
-        await _counter_past(api, rid, at)  # it keeps counting
+        await counter_past(lambda: _counter(api, rid), at)  # it keeps counting
 
         # Branch into 3 from a snapshot of the resumed sandbox: each sees its files, then they diverge.
         await sh(api, rid, "echo parent > /root/shared.txt && sync")

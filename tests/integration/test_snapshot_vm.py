@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import mmap
 import os
 import re
@@ -26,9 +27,8 @@ from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
 from capsa.node.runtime.snapshot.manifest import Snapshot, write_manifest
 from capsa.node.runtime.snapshot.mechanics import LABEL_RAM_DELTA, RamMode, SnapshotError
 from capsa.node.storage import StoragePool, StorageSettings
-from tests.support.counter import counter_script
-from tests.support.memfd_attack import attack_as
-from tests.support.waits import eventually
+from tests.support.counter import COUNTER_FILE, counter_past, counter_script, goes_on
+from tests.support.memfd_attack import assert_qemu_cannot_write, ram_memfd_mapping, ram_memfds
 
 pytestmark = [
     pytest.mark.vm,
@@ -73,16 +73,8 @@ async def _sh(sb: QemuSandbox, cmd: str) -> str:
 
 
 async def _counter(sb: QemuSandbox) -> int:
-    return int((await _sh(sb, "cat /tmp/counter")).strip())
-
-
-async def _counter_past(sb: QemuSandbox, value: int) -> int:
-    """The counter once it is past ``value`` (a bounded wait: under TCG a tick of 0.1 s may take longer)."""
-    async def past() -> int:
-        now = int((await _sh(sb, "cat /tmp/counter 2>/dev/null || echo 0")).strip())
-        return now if now > value else 0
-
-    return await eventually(past, f"the guest's counter past {value}", within=60, every=0.2)
+    """The guest's counter (0 before its first tick)."""
+    return int((await _sh(sb, f"cat {COUNTER_FILE} 2>/dev/null || echo 0")).strip())
 
 
 def _qemu_pids(under: Path) -> list[int]:
@@ -103,7 +95,7 @@ async def paused(runtime: QemuRuntime, spec: VMSpec) -> AsyncIterator[tuple[Snap
     try:
         await sb.guest.write_file("/root/note.txt", b"written before the pause\n")
         proc = await sb.guest.start_process(["sh", "-c", COUNTER])
-        before = await _counter_past(sb, 3)
+        before = await counter_past(functools.partial(_counter, sb), 3)
         snap = await runtime.snapshot(sb, resume=False)  # a pause: snapshot, then destroy
         await runtime.destroy(sb)
         assert sb.state is SandboxState.DESTROYED
@@ -133,7 +125,7 @@ async def test_pause_resume_keeps_files_and_the_counter_continues(
         assert resumed_at >= before
         # The same process keeps counting from where it was, not from 1.
         assert resumed_at < before + 50
-        await _counter_past(sb, resumed_at)  # it keeps counting
+        await counter_past(functools.partial(_counter, sb), resumed_at)  # it keeps counting
         assert any(p.pid == pid and p.running for p in await sb.guest.list_processes())
     finally:
         await runtime.destroy(sb)
@@ -200,28 +192,6 @@ async def test_branch_into_three_sees_parent_files_then_diverges(
         runtime.delete_snapshot(snap)
 
 
-def _memfd_mapping(pid: int) -> tuple[int, dict[str, int]]:
-    """(inode, smaps fields in KiB summed over its mappings) of the sealed RAM memfd QEMU ``pid`` maps."""
-    inodes: set[int] = set()
-    fields: dict[str, int] = {}
-    mine = False
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        parts = line.split()
-        if not parts[0].endswith(":"):  # a mapping's header: range perms offset dev inode [name]
-            mine = len(parts) > 5 and parts[5].startswith("/memfd:capsa-ram")
-            if mine:
-                inodes.add(int(parts[4]))
-        elif mine and line.endswith(" kB"):
-            fields[parts[0][:-1]] = fields.get(parts[0][:-1], 0) + int(parts[1])
-    assert len(inodes) == 1, f"QEMU {pid} maps sealed RAM memfds {inodes}"
-    return inodes.pop(), fields
-
-
-def _memfd_descriptor(pid: int) -> Path:
-    """QEMU ``pid``'s descriptor of its sealed RAM memfd (``/proc/PID/fd/N``)."""
-    return next(p for p in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(p).startswith("/memfd:capsa-ram"))
-
-
 async def test_branches_share_the_snapshots_clean_pages_and_no_qemu_can_write_them(
     runtime: QemuRuntime, spec: VMSpec, parent: QemuSandbox
 ) -> None:
@@ -238,7 +208,7 @@ async def test_branches_share_the_snapshots_clean_pages_and_no_qemu_can_write_th
                                                                                      "who"]
         pids = [b.pid for b in branches]
         assert all(pids)
-        maps = [_memfd_mapping(pid) for pid in pids if pid]
+        maps = [ram_memfd_mapping(pid) for pid in pids if pid]
         # One memfd (one inode) for both, and its pages are shared, not copies: measured, not assumed.
         assert maps[0][0] == maps[1][0]
         for _, fields in maps:
@@ -251,18 +221,13 @@ async def test_branches_share_the_snapshots_clean_pages_and_no_qemu_can_write_th
         ram = snap.path / "memory.ram"
         for b, pid in zip(branches, pids, strict=True):
             assert b.vm_uid is not None and pid
-            fd = _memfd_descriptor(pid)
-            got = attack_as(b.vm_uid, b.vm_uid, ram, fd)
-            assert got[str(ram)] == {"open": "Permission denied"}, got
-            refused = "Operation not permitted"
-            assert got[str(fd)] == {"open": "ok", "write": refused, "truncate": refused, "punch": refused,
-                                    "shared_map": refused}, got
+            assert_qemu_cannot_write(pid, b.vm_uid, ram)
     finally:
         for b in branches:
             await runtime.destroy(b)
         runtime.delete_snapshot(snap)
         await _sh(parent, "rm -f /dev/shm/shared-data")
-    assert runtime.storage.sealed_ram.users() == {}  # type: ignore[attr-defined]
+    assert ram_memfds() == {}  # the node closed its copy with the last branch
 
 
 async def test_a_paused_branch_records_only_what_it_changed_and_resumes_whole(
@@ -276,7 +241,7 @@ async def test_a_paused_branch_records_only_what_it_changed_and_resumes_whole(
     try:
         digest = await _sh(branch, "head -c 4M /dev/urandom > /dev/shm/mine; md5sum /dev/shm/*")
         await branch.guest.start_process(["sh", "-c", COUNTER])
-        before = await _counter_past(branch, 3)
+        before = await counter_past(functools.partial(_counter, branch), 3)
         paused = await runtime.snapshot(branch, resume=False)
         await runtime.destroy(branch)
         # The snapshot holds its base's RAM file (a reflink) and, in the stream, only the pages that
@@ -291,7 +256,7 @@ async def test_a_paused_branch_records_only_what_it_changed_and_resumes_whole(
             assert isinstance(vm, QemuSandbox)
             resumed.append(vm)
             assert await _sh(vm, "md5sum /dev/shm/from-parent /dev/shm/mine") == digest
-            assert await _counter_past(vm, before) > before  # the process kept its memory and goes on
+            await goes_on(functools.partial(_counter, vm), before)  # the process kept its memory
         # A resumed copy snapshots again as any shared-RAM VM does: a RAM file, no delta.
         again = await runtime.snapshot(resumed[0], resume=True)
         assert LABEL_RAM_DELTA not in again.manifest.labels

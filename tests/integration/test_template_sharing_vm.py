@@ -5,7 +5,6 @@ measured from /proc, not assumed."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,50 +14,33 @@ import pytest_asyncio
 
 from capsa.common.ids import new_id
 from capsa.common.image import GuestImage
-from capsa.common.settings import Settings
 from capsa.node.agent.agent import NodeAgent
-from capsa.node.runtime.qemu import PoolStorage, QemuRuntime, QemuSandbox
+from capsa.node.runtime.qemu import QemuRuntime, QemuSandbox
 from capsa.node.runtime.snapshot.mechanics import LABEL_RAM_DELTA
 from capsa.node.storage import StoragePool
 from capsa.node.templates.source import TemplateSource
-from tests.support.memfd_attack import attack_as
+from tests.support.memfd_attack import assert_qemu_cannot_write, ram_memfd_mapping
 from tests.support.node_http import ok, sh
+from tests.support.vm import template_node
 
 pytestmark = [
     pytest.mark.vm,
     pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (loop btrfs pool, VM uids)"),
     pytest.mark.asyncio(loop_scope="module"),
 ]
 
-MEMFD = "/memfd:capsa-ram"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def agent(state_dir: Path, pool: StoragePool, guest_image: GuestImage) -> AsyncIterator[NodeAgent]:
-    rt = QemuRuntime(Settings(state_dir=state_dir, cache_dir=Settings().cache_dir), storage=PoolStorage(pool))
-    a = NodeAgent(rt, guest_image, source=TemplateSource(rt, guest_image, pool_size=0, sharing="tenant"))
-    await a.start()
-    try:
-        await a.wait_ready()
-        yield a
-    finally:
-        await a.close()
+    async with template_node(state_dir, pool, guest_image, pool_size=0, sharing="tenant") as node:
+        yield node
 
 
-def _memfd(pid: int) -> tuple[int, int, Path]:
-    """(inode, KiB of its pages other processes map too, descriptor) of QEMU ``pid``'s template memfd."""
-    inode, shared, mine = 0, 0, False
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        parts = line.split()
-        if not parts[0].endswith(":"):
-            mine = len(parts) > 5 and parts[5].startswith(MEMFD)
-            inode = int(parts[4]) if mine else inode
-        elif mine and parts[0] in ("Shared_Clean:", "Shared_Dirty:"):
-            shared += int(parts[1])
-    fd = next(p for p in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(p).startswith(MEMFD))
-    assert inode, f"QEMU {pid} maps no template memfd"
-    return inode, shared, fd
+def _memfd(pid: int) -> tuple[int, int]:
+    """(inode, KiB of its pages other processes map too) of QEMU ``pid``'s template memfd."""
+    inode, fields = ram_memfd_mapping(pid)
+    return inode, fields["Shared_Clean"] + fields["Shared_Dirty"]
 
 
 async def test_one_tenants_sessions_share_the_templates_pages_and_another_tenants_do_not(
@@ -94,10 +76,7 @@ async def test_one_tenants_sessions_share_the_templates_pages_and_another_tenant
     source = agent.source
     assert isinstance(source, TemplateSource)
     ram = (await source.store.resolve("base")).snapshot.path / "memory.ram"
-    got = attack_as(a2.vm_uid, a2.vm_uid, ram, maps["a2"][2])
-    refused = "Operation not permitted"
-    assert got[str(ram)] == {"open": "Permission denied"}, got
-    assert got[str(maps["a2"][2])] == {"open": "ok", "write": refused, "truncate": refused, "punch": refused,
-                                       "shared_map": refused}, got
+    assert a2.pid is not None
+    assert_qemu_cannot_write(a2.pid, a2.vm_uid, ram)
     for sid in (ids["a2"], ids["b1"], resumed):
         await ok(await api.delete(f"/sandboxes/{sid}"), 204)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+from capsa.sdk import AsyncSession
+from capsa.sdk.errors import NotFound
 from tests.support.waits import eventually
 
-__all__ = ["COUNTER_FILE", "counter_past", "counter_script"]
+__all__ = ["COUNTER_FILE", "counter_past", "counter_script", "goes_on", "session_counter"]
 
 COUNTER_FILE = "/tmp/counter"
 
@@ -31,3 +33,19 @@ async def counter_past(read: Callable[[], Awaitable[int]], value: int, *, within
         return now if now > value else 0
 
     return await eventually(past, f"the guest's counter past {value}", within=within, every=0.2)
+
+
+async def session_counter(session: AsyncSession) -> int:
+    """The counter of ``session``'s guest, read through the SDK (0 before its first tick)."""
+    try:
+        return int((await session.files.read(COUNTER_FILE)).strip())
+    except NotFound:
+        return 0
+
+
+async def goes_on(read: Callable[[], Awaitable[int]], seen: int) -> None:
+    """After a resume, a move or a failover: the counter starts at ``seen`` (its value before the snapshot)
+    or later, not from zero, and ticks on."""
+    first = await read()
+    assert first >= seen, f"the counter restarted: {first} after {seen}"
+    await counter_past(read, first)

@@ -1,5 +1,6 @@
-"""Directories and storage for tests that boot real microVMs (the fixtures built on them: ``state_dir``,
-``fresh_state_dir`` and ``runtime`` in tests/conftest.py, ``pool`` in tests/integration/conftest.py).
+"""Directories, storage and a node agent for tests that boot real microVMs (the fixtures built on them:
+``state_dir``, ``fresh_state_dir`` and ``runtime`` in tests/conftest.py, ``pool`` in
+tests/integration/conftest.py).
 
 QEMU runs as its own unprivileged uid, so every parent of a state directory must be searchable by others
 (pytest's tmp_path and ``mkdtemp`` are 0700), and its Unix socket paths must fit in 107 bytes: state
@@ -10,13 +11,19 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
+from capsa.common.image import GuestImage
+from capsa.common.settings import Settings
+from capsa.node.agent.agent import NodeAgent
+from capsa.node.runtime.qemu import PoolStorage, QemuRuntime
 from capsa.node.storage import StoragePool, StorageSettings
+from capsa.node.templates.source import TemplateSource
 
-__all__ = ["SNAPSHOT_POOL_MIB", "searchable_dir", "snapshot_pool"]
+__all__ = ["SNAPSHOT_POOL_MIB", "searchable_dir", "snapshot_pool", "template_node"]
 
 SNAPSHOT_POOL_MIB = 8192  # the loop btrfs image is sparse: it costs what the templates and snapshots use
 
@@ -41,3 +48,20 @@ def snapshot_pool(state_dir: Path, loop_size_mib: int = SNAPSHOT_POOL_MIB) -> It
         yield pool
     finally:
         pool.destroy()
+
+
+@asynccontextmanager
+async def template_node(state_dir: Path, pool: StoragePool, image: GuestImage,
+                        **source_options: Any) -> AsyncIterator[NodeAgent]:
+    """A started node agent whose sandboxes are QEMU VMs on ``pool``, restored from templates
+    (``source_options``: :class:`TemplateSource`'s, e.g. ``pool_size``); ready (``base`` in place) when
+    it is yielded, closed afterwards."""
+    runtime = QemuRuntime(Settings(state_dir=state_dir, cache_dir=Settings().cache_dir),
+                          storage=PoolStorage(pool))
+    agent = NodeAgent(runtime, image, source=TemplateSource(runtime, image, **source_options))
+    await agent.start()
+    try:
+        await agent.wait_ready()
+        yield agent
+    finally:
+        await agent.close()
