@@ -16,7 +16,15 @@ from capsa.control.errors import NoCapacity, TemplateNotFound
 from capsa.control.nodes.placement import choose_node, choose_snapshot_node
 from capsa.control.nodes.registry import fail_silent_nodes
 from capsa.control.plane import ControlPlane
-from capsa.control.store.models import NodeEnrolTokenRow, NodeRow, SnapshotRow, utcnow
+from capsa.control.store.models import (
+    NodeEnrolTokenRow,
+    NodeRow,
+    SessionMetadataRow,
+    SessionRow,
+    SnapshotRow,
+    utcnow,
+)
+from capsa.node.agent.capacity import NodeCapacity
 from tests.support.api_stack import ApiStack
 
 pytestmark = pytest.mark.postgresql
@@ -302,3 +310,17 @@ async def test_a_lost_nodes_session_without_a_snapshot_fails_as_node_lost(stack:
         assert after["state"] == "failed" and after["failure_reason"] == "node_lost"
         events = (await client.get("/v1/audit", params={"session_id": sid})).json()["items"]
         assert any(e["action"] == "fail" and e["detail"]["reason"] == "node_lost" for e in events), events
+
+
+async def test_a_node_short_of_memory_refuses_and_the_session_is_never_made(make_stack: MakeStack) -> None:
+    # The node keeps more memory free than any host has: its guard refuses every sandbox.
+    s = await make_stack(capacity=NodeCapacity(8192, 32, 16, memory_reserve_mib=1 << 40))
+    user = await s.tenant_key("t1")
+    async with s.client(user) as client:
+        answer = await client.post("/v1/sessions", json={"template": "base", "metadata": {"k": "v"}})
+        assert_problem(answer, 503, "no_capacity")
+        assert "node is short of memory" in answer.json()["detail"]
+        assert (await client.get("/v1/sessions")).json()["items"] == []
+    async with plane_of(s).db() as db:
+        assert (await db.execute(select(SessionRow))).all() == []
+        assert (await db.execute(select(SessionMetadataRow))).all() == []

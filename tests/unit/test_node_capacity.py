@@ -40,7 +40,7 @@ def admitted(capacity: NodeCapacity, memory_mib: int, vcpus: int = 1) -> int:
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("MEMORY_MIB", "MEMORY_OVERCOMMIT", "VCPU_OVERCOMMIT", "MAX_SANDBOXES"):
+    for name in ("MEMORY_MIB", "MEMORY_OVERCOMMIT", "VCPU_OVERCOMMIT", "MAX_SANDBOXES", "MEMORY_RESERVE_MIB"):
         monkeypatch.delenv(f"CAPSA_NODE_{name}", raising=False)
 
 
@@ -64,8 +64,9 @@ def test_environment_sets_each_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CAPSA_NODE_MEMORY_MIB", "2048")
     monkeypatch.setenv("CAPSA_NODE_VCPU_OVERCOMMIT", "1.5")
     monkeypatch.setenv("CAPSA_NODE_MAX_SANDBOXES", "5")
+    monkeypatch.setenv("CAPSA_NODE_MEMORY_RESERVE_MIB", "512")
     cap = capacity_for(CapacitySettings(), host_memory=24 * GIB, host_cpus=2)
-    assert cap == NodeCapacity(memory_mib=2048, vcpus=3, max_sandboxes=5)
+    assert cap == NodeCapacity(memory_mib=2048, vcpus=3, max_sandboxes=5, memory_reserve_mib=512)
     assert admitted(cap, 256) == 3  # the vCPUs run out first
     assert admitted(cap, 1024, vcpus=0) == 2  # then memory
     assert admitted(NodeCapacity(memory_mib=2048, vcpus=100, max_sandboxes=5), 64) == 5

@@ -3,6 +3,7 @@ networked sandboxes when the session has an egress policy, has room; most free m
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import timedelta
 
 from sqlalchemy import func, select
@@ -29,9 +30,11 @@ async def _placeable(db: DbSession, heartbeat_timeout: float) -> list[NodeRow]:
 
 
 async def choose_node(db: DbSession, template: str, memory_mib: int, vcpus: int,
-                      heartbeat_timeout: float, egress: bool = False) -> NodeRow:
-    """``egress``: the session has an egress policy, so only nodes with an egress broker can run it."""
-    nodes = await _placeable(db, heartbeat_timeout)
+                      heartbeat_timeout: float, egress: bool = False,
+                      exclude: Collection[str] = ()) -> NodeRow:
+    """``egress``: the session has an egress policy, so only nodes with an egress broker can run it;
+    ``exclude``: nodes not to choose (they refused this sandbox already)."""
+    nodes = [n for n in await _placeable(db, heartbeat_timeout) if n.id not in exclude]
     if not nodes:
         raise NoCapacity("no healthy node is registered")
     candidates = [node for node in nodes if template in (node.templates or [])]

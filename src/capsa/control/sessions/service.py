@@ -16,7 +16,7 @@ from capsa.control.audit import trail as audit_trail
 from capsa.control.auth import Principal
 from capsa.control.egress import grants as egress_grants
 from capsa.control.egress import service as egress
-from capsa.control.errors import InvalidState, SessionFailed, ValidationFailed
+from capsa.control.errors import ApiError, InvalidState, NoCapacity, SessionFailed, ValidationFailed
 from capsa.control.metrics import timed
 from capsa.control.nodes.calls import quietly
 from capsa.control.nodes.client import EgressArgs, NodeClient, NodeError
@@ -172,13 +172,13 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
             egress.store_policy(db, session_id, policy, placeholders)
         await check_quota(db, plane.settings, principal.tenant)
         await db.commit()
-    client = plane.node_client(node)
     try:
         args = (EgressArgs(policy, secret_values, placeholders, session_id,
                            await egress_grants.tenant_networks(plane, principal.tenant))
                 if policy is not None else None)
-        await client.create_sandbox(sandbox_id, req.template, req.memory_mib, req.vcpus, req.env, egress=args,
-                                    tenant=principal.tenant)
+        node = await _start_sandbox(plane, principal.tenant, req, row, sandbox_id, node, args)
+    except NoCapacity:
+        raise  # no node had room: the session was never made (see _start_sandbox)
     except BaseException as exc:
         # Nothing may stay half-created: the node cleans up a failed boot itself, and we ask it again in
         # case the failure was on the way back (or this request was cancelled while it booted).
@@ -188,6 +188,7 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
             raise SessionFailed(f"session {session_id} failed to start: {exc.message}",
                                 session_id=session_id) from exc
         raise
+    client = plane.node_client(node)
     async with plane.db() as db:
         running_since = utcnow()
         started = await transition(db, session_id, "running", updated_at=running_since)
@@ -201,6 +202,37 @@ async def create_session(plane: ControlPlane, principal: Principal, req: Session
         await destroy_quietly(client, sandbox_id)
         row = await load_session(db, principal.tenant, session_id)
         return to_out(row, (await _metadata(db, [row.id]))[row.id])
+
+
+async def _start_sandbox(plane: ControlPlane, tenant: str, req: SessionCreate, row: SessionRow,
+                         sandbox_id: str, node: NodeRow, args: EgressArgs | None) -> NodeRow:
+    """Make the session's sandbox on ``node``; the node it runs on. A node that refuses it for want of room
+    (``no_capacity``: it is short of memory, whatever its declared figures said) passes it to the next one
+    placement chooses; when none is left the session is removed, as if placement had refused it at first,
+    and ``NoCapacity`` raised."""
+    tried: list[str] = []
+    while True:
+        try:
+            await plane.node_client(node).create_sandbox(sandbox_id, req.template, req.memory_mib,
+                                                         req.vcpus, req.env, egress=args, tenant=tenant)
+            return node
+        except NodeError as exc:
+            if exc.code != "no_capacity":
+                raise
+            tried.append(node.id)
+            refusal = exc.message
+        async with plane.db() as db:
+            try:
+                node = await choose_node(db, req.template, req.memory_mib, req.vcpus,
+                                         plane.settings.node_heartbeat_timeout, egress=args is not None,
+                                         exclude=tried)
+            except ApiError:
+                await db.execute(delete(SessionRow).where(SessionRow.id == row.id))
+                await db.commit()
+                raise NoCapacity(f"no node has room for the session: {refusal}") from None
+            await db.execute(update(SessionRow).where(SessionRow.id == row.id).values(node_id=node.id))
+            await db.commit()
+        row.node_id = node.id
 
 
 async def destroy_quietly(client: NodeClient, sandbox_id: str) -> None:

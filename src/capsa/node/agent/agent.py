@@ -31,6 +31,7 @@ from capsa.common.egress_policy import ApprovalScope, EgressPolicy
 from capsa.common.errors import CapsaError
 from capsa.node.agent.capacity import NodeCapacity, default_capacity
 from capsa.node.agent.guest import SandboxGuest
+from capsa.node.agent.host_memory import MemoryGuard
 from capsa.node.agent.node_metrics import AgentCollector, register_parts
 from capsa.node.agent.sandbox_egress import EgressHook
 from capsa.node.agent.sandboxes import SandboxRecord, SandboxTable
@@ -97,7 +98,9 @@ class NodeAgent:
         self.metrics = self.source.metrics if isinstance(self.source, TemplateSource) else PoolMetrics()
         """The node's registry (``GET /metrics``): the warm pool's series, and its parts' (shipping,
         egress decisions, sandboxes running, approvals pending; :mod:`capsa.node.agent.node_metrics`)."""
-        self._table = SandboxTable(self.capacity)
+        reserve = self.capacity.memory_reserve_mib
+        self._table = SandboxTable(self.capacity, None if reserve is None else MemoryGuard(
+            reserve, pids=lambda: self._table.pids()))
         shipper = self.snapshots.shipper if self.snapshots is not None else None
         register_parts(self.metrics.registry, [
             AgentCollector(lambda: len(self._table.records()), self._approvals_pending),
@@ -136,7 +139,15 @@ class NodeAgent:
 
     # -- capacity ----------------------------------------------------------------------------------------
     def used(self) -> dict[str, int]:
-        return self._table.used()
+        """The declared figures held, and with a memory guard what the host really has: the memory left
+        (``memory_available_mib``) and the live sandboxes' PSS (``memory_pss_mib``)."""
+        used = self._table.used()
+        guard = self._table.guard
+        if guard is not None:
+            reading = guard.reading(0)
+            used["memory_available_mib"] = reading.available_mib
+            used["memory_pss_mib"] = reading.per_sandbox_mib * reading.measured
+        return used
 
     def failed_sandboxes(self) -> list[str]:
         return self._table.failed()

@@ -1,10 +1,12 @@
 """How many sandboxes a node takes: its capacity, set by ``CAPSA_NODE_*`` or derived from the host.
 
 The agent admits a sandbox while the sum of the declared guest memory, the vCPUs and the count stay within
-:class:`NodeCapacity`. Sandboxes are mostly idle agents, restored from a snapshot whose RAM file they map
-privately, so a 256 MiB guest costs the host only what it dirties (~70 MiB PSS idle): the defaults therefore
-overcommit both memory and vCPUs (see :class:`CapacitySettings`). Set the variables to admit less on hosts
-whose guests keep busy or fill their memory.
+:class:`NodeCapacity`, and while the host really has the memory for it (:mod:`.host_memory`: what is
+left stays above ``memory_reserve_mib``). Sandboxes are mostly idle agents, restored from a snapshot whose
+RAM file they map privately, so a 256 MiB guest costs the host only what it dirties (~70 MiB PSS idle):
+the declared defaults therefore overcommit both memory and vCPUs (see :class:`CapacitySettings`), and the
+real memory is the bound. Set the variables to admit less on hosts whose guests keep busy or fill their
+memory.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = [
     "DEFAULT_MEMORY_OVERCOMMIT",
+    "DEFAULT_MEMORY_RESERVE_SHARE",
     "DEFAULT_VCPU_OVERCOMMIT",
     "MAX_SANDBOXES_CAP",
     "MIB_PER_SANDBOX_SLOT",
+    "MIN_MEMORY_RESERVE_MIB",
     "CapacitySettings",
     "NodeCapacity",
     "capacity_for",
@@ -29,6 +33,9 @@ __all__ = [
 
 DEFAULT_MEMORY_OVERCOMMIT = 2.5
 """Declared guest memory per MiB of the host's usable RAM (3/4 of it)."""
+DEFAULT_MEMORY_RESERVE_SHARE = 0.05
+"""The host memory kept free by default (at least :data:`MIN_MEMORY_RESERVE_MIB`)."""
+MIN_MEMORY_RESERVE_MIB = 256
 DEFAULT_VCPU_OVERCOMMIT = 96.0
 """vCPUs per host CPU: an idle guest uses next to none."""
 MIB_PER_SANDBOX_SLOT = 64
@@ -42,6 +49,9 @@ class NodeCapacity:
     memory_mib: int
     vcpus: int
     max_sandboxes: int
+    memory_reserve_mib: int | None = None
+    """Host memory (or memory under the node's cgroup limit) kept free: a sandbox that would take the rest
+    is refused. None: admission by the declared figures alone."""
 
     def as_dict(self) -> dict[str, int]:
         return {"memory_mib": self.memory_mib, "vcpus": self.vcpus, "max_sandboxes": self.max_sandboxes}
@@ -62,6 +72,9 @@ class CapacitySettings(BaseSettings):
     """vCPUs per host CPU."""
     max_sandboxes: int | None = Field(default=None, ge=1, le=100_000)
     """Default: the memory budget / 64 MiB, at most 1024."""
+    memory_reserve_mib: int | None = Field(default=None, ge=0)
+    """Memory the node keeps free on its host (``CAPSA_NODE_MEMORY_RESERVE_MIB``). Default: 5% of the host's
+    RAM, at least 256 MiB."""
 
 
 def host_memory_mib() -> int:
@@ -77,7 +90,10 @@ def capacity_for(settings: CapacitySettings, *, host_memory: int, host_cpus: int
     count = settings.max_sandboxes
     if count is None:
         count = max(1, min(MAX_SANDBOXES_CAP, memory // MIB_PER_SANDBOX_SLOT))
-    return NodeCapacity(memory_mib=memory, vcpus=vcpus, max_sandboxes=count)
+    reserve = settings.memory_reserve_mib
+    if reserve is None:
+        reserve = max(MIN_MEMORY_RESERVE_MIB, int(host_memory * DEFAULT_MEMORY_RESERVE_SHARE))
+    return NodeCapacity(memory_mib=memory, vcpus=vcpus, max_sandboxes=count, memory_reserve_mib=reserve)
 
 
 def default_capacity(settings: CapacitySettings | None = None) -> NodeCapacity:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from capsa.common.errors import CapsaError
 from capsa.common.ids import is_id
 from capsa.node.agent.capacity import NodeCapacity
+from capsa.node.agent.host_memory import MemoryGuard
 from capsa.node.runtime.base import Sandbox, SandboxState
 
 __all__ = ["SandboxRecord", "SandboxTable"]
@@ -55,8 +56,10 @@ class SandboxRecord:
 class SandboxTable:
     """Live records, reservations of sandboxes being made, pending destroys and failures."""
 
-    def __init__(self, capacity: NodeCapacity) -> None:
+    def __init__(self, capacity: NodeCapacity, guard: MemoryGuard | None = None) -> None:
         self.capacity = capacity
+        self.guard = guard
+        """Admits by the memory the host has left (None: by the declared budget alone)."""
         self._records: dict[str, SandboxRecord] = {}
         self._making: dict[str, tuple[int, int]] = {}  # id -> (memory, vcpus) held while it is made
         self._doomed: set[str] = set()  # destroy asked for while it was being made
@@ -85,6 +88,9 @@ class SandboxTable:
                 or used["memory_mib"] + n * memory_mib > self.capacity.memory_mib
                 or used["vcpus"] + n * vcpus > self.capacity.vcpus):
             raise CapsaError("node is full", code="no_capacity", status=503)
+        refusal = self.guard.refusal(n, memory_mib, len(self._making)) if self.guard is not None else None
+        if refusal is not None:
+            raise CapsaError(refusal, code="no_capacity", status=503)
         for sid in ids:
             self._making[sid] = (memory_mib, vcpus)
         try:
@@ -92,6 +98,10 @@ class SandboxTable:
         finally:
             for sid in ids:
                 self._making.pop(sid, None)
+
+    def pids(self) -> list[int]:
+        """The processes of the live sandboxes."""
+        return [pid for r in self._records.values() if (pid := r.sandbox.pid) is not None]
 
     def adopt(self, record: SandboxRecord) -> bool:
         """Register a made sandbox and watch its VM; False if its destroy was asked for meanwhile (the

@@ -160,6 +160,11 @@ class Sandbox(Protocol):
         """Why the sandbox is FAILED (e.g. 'qemu exited with signal 9'), else None."""
         ...
 
+    @property
+    def pid(self) -> int | None:
+        """The host process that holds the VM (its memory is the sandbox's), None once it is gone."""
+        ...
+
     def on_failure(self, callback: Callable[[str], Awaitable[None] | None]) -> None:
         """Register a callback run once when the VM dies unexpectedly."""
         ...

@@ -1,0 +1,152 @@
+"""Admission by the memory the host really has, not by the guest sizes sandboxes declare.
+
+Declared guest memory says little about what a sandbox costs: a restored, idle 256 MiB guest uses what it
+dirtied plus QEMU's own memory, and sandboxes of one template may share pages. So besides the declared
+budget of :mod:`.capacity` (an operator's overcommit bound), the node admits a sandbox only while the memory
+left to it, minus what the sandboxes being made will take, stays above a reserve. A refusal is the agent's
+``no_capacity`` error, not the OOM killer later.
+
+*The memory left* is the smaller of the host's ``MemAvailable`` and, for every memory cgroup limit above the
+node's process (a Kubernetes pod's limit, systemd's ``MemoryMax=``), the limit minus its working set (usage
+minus inactive file pages: what kubelet counts for eviction). Both cgroup versions are read.
+
+*What a sandbox takes* is the mean PSS of the live sandboxes' processes (``/proc/<pid>/smaps_rollup``),
+measured at most every :data:`MEASURE_EVERY` seconds; before any is measured, the declared size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["MEASURE_EVERY", "MemoryGuard", "MemoryReading", "available_mib", "pss_mib"]
+
+MEASURE_EVERY = 5.0
+_MIB = 1 << 20
+_UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge page-rounded number
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    available_mib: int
+    """What the host (or the tightest cgroup limit above the node) still has for new sandboxes."""
+    per_sandbox_mib: int
+    """What one more sandbox is expected to take."""
+    measured: int
+    """How many live sandboxes that expectation was measured on (0: the declared size)."""
+
+
+def _meminfo_available(root: Path) -> int:
+    for line in (root / "proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def _stat(path: Path, key: str) -> int:
+    for line in path.read_text().splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    return 0
+
+
+def _cgroup_headroom(root: Path, pid: int | str) -> int | None:
+    """The least ``limit - working set`` over the memory cgroups of ``pid`` and their ancestors (bytes);
+    None when none is limited."""
+    best: int | None = None
+    for line in (root / f"proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy
+            base, files = root / "sys/fs/cgroup", ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):  # v1: the memory hierarchy
+            base = root / "sys/fs/cgroup/memory"
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            directory = base.joinpath(*parts[:depth])
+            try:
+                raw = (directory / files[0]).read_text().strip()
+                if raw == "max" or int(raw) >= _UNLIMITED:
+                    continue
+                usage = int((directory / files[1]).read_text())
+                inactive = _stat(directory / "memory.stat", files[2])
+            except (OSError, ValueError):
+                continue
+            headroom = int(raw) - max(0, usage - inactive)
+            best = headroom if best is None else min(best, headroom)
+    return best
+
+
+def available_mib(root: Path = Path("/"), pid: int | str = "self") -> int:
+    """The memory left for new sandboxes on this host, in MiB (see the module's docstring)."""
+    available = _meminfo_available(root)
+    headroom = _cgroup_headroom(root, pid)
+    if headroom is not None:
+        available = min(available, headroom)
+    return max(0, available) // _MIB
+
+
+def pss_mib(pid: int, root: Path = Path("/")) -> float | None:
+    """The PSS of process ``pid`` in MiB (None if it is gone)."""
+    try:
+        text = (root / f"proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return None
+    return _stat_kib(text, "Pss:") / 1024
+
+
+def _stat_kib(text: str, key: str) -> int:
+    for line in text.splitlines():
+        if line.startswith(key):
+            return int(line.split()[1])
+    return 0
+
+
+class MemoryGuard:
+    """Refuses a sandbox when the memory left, less what the sandboxes being made take, would fall under
+    ``reserve_mib``.
+
+    ``pids`` gives the processes of the live sandboxes (for the per-sandbox figure); ``available`` reads the
+    memory left (tests give a fixed one)."""
+
+    def __init__(self, reserve_mib: int, pids: Callable[[], Iterable[int]],
+                 available: Callable[[], int] = available_mib,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.reserve_mib = reserve_mib
+        self._pids = pids
+        self._available = available
+        self._clock = clock
+        self._per_sandbox: tuple[float, int] | None = None  # (mean PSS MiB, measured on)
+        self._measured_at = float("-inf")
+
+    def _expected(self, declared_mib: int) -> tuple[int, int]:
+        now = self._clock()
+        if now - self._measured_at >= MEASURE_EVERY:
+            self._measured_at = now
+            figures = [p for p in (pss_mib(pid) for pid in self._pids()) if p is not None]
+            self._per_sandbox = (sum(figures) / len(figures), len(figures)) if figures else None
+        if self._per_sandbox is None:
+            return declared_mib, 0
+        return max(1, round(self._per_sandbox[0])), self._per_sandbox[1]
+
+    def reading(self, declared_mib: int) -> MemoryReading:
+        per, measured = self._expected(declared_mib)
+        return MemoryReading(self._available(), per, measured)
+
+    def refusal(self, n: int, declared_mib: int, making: int) -> str | None:
+        """Why ``n`` more sandboxes of ``declared_mib`` cannot be made while ``making`` others are being
+        made, or None when they fit."""
+        r = self.reading(declared_mib)
+        needed = (n + making) * r.per_sandbox_mib
+        if r.available_mib - needed >= self.reserve_mib:
+            return None
+        basis = (f"the mean PSS of {r.measured} live sandbox(es)" if r.measured
+                 else "its declared memory (none is running to measure)")
+        return (f"node is short of memory: {r.available_mib} MiB left, {self.reserve_mib} MiB kept free, and "
+                f"{n + making} sandbox(es) to make need about {needed} MiB ({r.per_sandbox_mib} MiB each, "
+                f"from {basis})")
