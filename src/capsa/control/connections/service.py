@@ -45,7 +45,7 @@ from capsa.control.sessions.states import ACTIVE_STATES
 from capsa.control.store.connection_models import ConnectionLoginRow, ConnectionProviderRow, ConnectionRow
 from capsa.control.store.egress_models import SessionPolicyRow
 from capsa.control.store.models import NodeRow, SessionRow, utcnow
-from capsa.control.store.named import add_named, by_tenant
+from capsa.control.store.named import add_named, list_named
 
 __all__ = [
     "CALLBACK_PATH",
@@ -109,9 +109,7 @@ async def create_provider(plane: ControlPlane, tenant: str, body: ProviderCreate
 
 
 async def list_providers(plane: ControlPlane, tenant: str) -> ProviderList:
-    async with plane.db() as db:
-        rows = await db.scalars(by_tenant(ConnectionProviderRow, tenant))
-        return ProviderList(items=[provider_out(r) for r in rows])
+    return ProviderList(items=await list_named(plane.db, ConnectionProviderRow, tenant, provider_out))
 
 
 async def delete_provider(plane: ControlPlane, tenant: str, ref: str) -> None:

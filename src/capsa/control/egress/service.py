@@ -45,7 +45,7 @@ from capsa.control.store.egress_models import (
     SessionPolicyRow,
 )
 from capsa.control.store.models import NodeRow, SessionRow, utcnow
-from capsa.control.store.named import add_named, by_ref, by_tenant
+from capsa.control.store.named import add_named, by_ref, list_named
 
 __all__ = [
     "assign_placeholders",
@@ -93,9 +93,7 @@ async def create_secret(plane: ControlPlane, tenant: str, body: SecretCreate) ->
 
 
 async def list_secrets(plane: ControlPlane, tenant: str) -> SecretList:
-    async with plane.db() as db:
-        rows = await db.scalars(by_tenant(SecretRow, tenant))
-        return SecretList(items=[_secret_out(r) for r in rows])
+    return SecretList(items=await list_named(plane.db, SecretRow, tenant, _secret_out))
 
 
 async def _find_secret(db: DbSession, tenant: str, ref: str) -> SecretRow | None:

@@ -3,21 +3,23 @@ providers, connections), and the queries every such table is read with.
 
 :class:`TenantNamed` declares the three columns and the ``uq_<table>_tenant_name`` constraint, as the
 migrations created them; :func:`add_named` inserts a row (refused when its name is taken), :func:`by_tenant`
-and :func:`by_ref` select them.
+and :func:`by_ref` select them, :func:`list_named` lists a tenant's rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sqlalchemy import Select, String, UniqueConstraint, func, select
+from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.orm import Mapped, declared_attr, mapped_column
 
 from capsa.common.ids import is_id
 from capsa.control.errors import ApiError
 from capsa.control.store.db import DbSession
 
-__all__ = ["TenantNamed", "add_named", "by_ref", "by_tenant"]
+__all__ = ["TenantNamed", "add_named", "by_ref", "by_tenant", "list_named"]
 
 
 class TenantNamed:
@@ -37,6 +39,7 @@ class TenantNamed:
 
 
 R = TypeVar("R", bound=TenantNamed)
+T = TypeVar("T")
 
 
 async def add_named(db: DbSession, row: TenantNamed, what: str) -> None:
@@ -54,6 +57,13 @@ async def add_named(db: DbSession, row: TenantNamed, what: str) -> None:
 def by_tenant(row_type: type[R], tenant: str) -> Select[R]:
     """The tenant's rows of this table, by name."""
     return select(row_type).where(row_type.tenant == tenant).order_by(row_type.name)
+
+
+async def list_named(db: async_sessionmaker[DbSession], row_type: type[R], tenant: str,
+                     out: Callable[[R], T]) -> list[T]:
+    """The tenant's rows of this table, by name, each as ``out(row)`` (read in a session of its own)."""
+    async with db() as session:
+        return [out(row) for row in await session.scalars(by_tenant(row_type, tenant))]
 
 
 def by_ref(row_type: type[R], tenant: str, ref: str, id_prefix: str) -> Select[R]:
