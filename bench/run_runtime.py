@@ -54,7 +54,7 @@ async def bench(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             t0 = time.perf_counter()
             sandbox = await runtime.boot(spec)
             boots.append(time.perf_counter() - t0)
-            cow = sandbox.disk_cow
+            cow = sandbox.files.disk_cow
             print(f"boot {i + 1}/{args.boots}: {boots[-1]:.2f} s ({sandbox.accelerator.value})", flush=True)
             if i < args.boots - 1:
                 t0 = time.perf_counter()

@@ -528,7 +528,7 @@ async def test_pool_without_cow_still_snapshots_with_plain_copies(state_dir: Pat
     try:
         sb = await rt.boot(spec)
         try:
-            assert sb.disk_cow is False
+            assert sb.files.disk_cow is False
             await sb.guest.write_file("/root/plain.txt", b"no cow\n")
             snap = await rt.snapshot(sb, resume=False)
         finally:

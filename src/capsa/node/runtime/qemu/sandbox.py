@@ -113,14 +113,6 @@ class QemuSandbox:
     def pid(self) -> int | None:
         return self.process.pid
 
-    @property
-    def disk_cow(self) -> bool:
-        return self.files.disk_cow
-
-    @property
-    def console_log(self) -> Path:
-        return self._vmdir.console_log
-
     def console_tail(self, limit: int = 4000) -> str:
         return self.process.console_tail(limit)
 
