@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import click
 
 from capsa.cli.output import ApiOptions, emit_json, emit_made, human_time, json_api_options, listing_command
@@ -13,6 +16,15 @@ __all__ = ["nodes"]
 @click.group()
 def nodes() -> None:
     """Manage nodes (admin only)."""
+
+
+def _node_command(name: str) -> Callable[[Callable[..., Any]], click.Command]:
+    """Make ``capsa nodes NAME NODE_ID`` (with ``--json`` and the API options) of the decorated function."""
+
+    def make(func: Callable[..., Any]) -> click.Command:
+        return nodes.command(name)(click.argument("node_id")(json_api_options(func)))
+
+    return make
 
 
 @nodes.command("token")
@@ -42,9 +54,7 @@ listing_command(nodes, "List the nodes with their health, capacity and use.",
                            ",".join(n.templates) or "-", human_time(n.last_heartbeat_at)])
 
 
-@nodes.command("drain")
-@click.argument("node_id")
-@json_api_options
+@_node_command("drain")
 def drain(node_id: str, as_json: bool, api: ApiOptions) -> None:
     """Move every running session off NODE_ID (memory, processes, files) and give it no new ones."""
     done = api.call(lambda client: client.nodes.drain(node_id))
@@ -58,9 +68,7 @@ def drain(node_id: str, as_json: bool, api: ApiOptions) -> None:
     click.echo(f"node {node_id} {'drained' if done.drained else 'still holds sessions'}", err=True)
 
 
-@nodes.command("undrain")
-@click.argument("node_id")
-@json_api_options
+@_node_command("undrain")
 def undrain(node_id: str, as_json: bool, api: ApiOptions) -> None:
     """Let NODE_ID take new sessions again."""
     node = api.call(lambda client: client.nodes.undrain(node_id))
