@@ -65,13 +65,13 @@ class QemuSandbox:
     def __init__(self, sandbox_id: str, spec: VMSpec, vmdir: VmDir, files: VmFiles, process: QemuProcess,
                  client: GuestClient, accel: Accelerator, *, vm_uid: int | None, boot_seconds: float,
                  parent: str | None = None) -> None:
-        self._id = sandbox_id
+        self.id = sandbox_id
         self.spec = spec
         self._vmdir = vmdir
         self.files = files
         self.process = process
         self._client = client
-        self._accel = accel
+        self.accelerator = accel
         self.vm_uid = vm_uid
         self.boot_seconds = boot_seconds
         self.parent = parent
@@ -86,16 +86,8 @@ class QemuSandbox:
         self._proxy = _GuestProxy(self)
 
     @property
-    def id(self) -> str:
-        return self._id
-
-    @property
     def state(self) -> SandboxState:
         return self._state
-
-    @property
-    def accelerator(self) -> Accelerator:
-        return self._accel
 
     @property
     def guest(self) -> GuestClient:
@@ -125,7 +117,7 @@ class QemuSandbox:
     def start_watching(self) -> None:
         """Watch the QEMU process from now on: its unexpected exit fails the sandbox."""
         if self._watcher is None:
-            self._watcher = asyncio.create_task(self._watch(), name=f"watch-{self._id}")
+            self._watcher = asyncio.create_task(self._watch(), name=f"watch-{self.id}")
 
     @contextlib.asynccontextmanager
     async def exclusive(self) -> AsyncIterator[SandboxState]:
@@ -157,7 +149,7 @@ class QemuSandbox:
         if self._client.closed and self.process.returncode is None:
             async with self._reconnect_lock:
                 if self._client.closed:
-                    _log.warning("guest channel of %s was lost while the VM runs; reconnecting", self._id)
+                    _log.warning("guest channel of %s was lost while the VM runs; reconnecting", self.id)
                     try:
                         client = await connect_agent(self._vmdir.agent_socket, pid=self.process.pid,
                                                      uid=self.vm_uid)
@@ -174,9 +166,9 @@ class QemuSandbox:
 
     def _check_alive(self) -> None:
         if self._state is SandboxState.FAILED:
-            raise SandboxFailed(f"sandbox {self._id} failed: {self._failure}", sandbox_id=self._id)
+            raise SandboxFailed(f"sandbox {self.id} failed: {self._failure}", sandbox_id=self.id)
         if self._state is SandboxState.DESTROYED:
-            raise SandboxFailed(f"sandbox {self._id} was destroyed", sandbox_id=self._id)
+            raise SandboxFailed(f"sandbox {self.id} was destroyed", sandbox_id=self.id)
 
     async def _channel_error(self, exc: Exception) -> Exception:
         """Turn a lost guest channel into SandboxFailed when the VM is gone (waiting briefly, since the
@@ -185,7 +177,7 @@ class QemuSandbox:
             await asyncio.wait_for(self._exited.wait(), 2.0)
         if self._state in (SandboxState.FAILED, SandboxState.DESTROYED):
             reason = self._failure or "destroyed"
-            return SandboxFailed(f"sandbox {self._id} failed: {reason}", sandbox_id=self._id)
+            return SandboxFailed(f"sandbox {self.id} failed: {reason}", sandbox_id=self.id)
         return exc
 
     async def _watch(self) -> None:
@@ -200,7 +192,7 @@ class QemuSandbox:
             return
         self._state = SandboxState.FAILED
         self._failure = reason
-        _log.warning("sandbox %s failed: %s", self._id, reason)
+        _log.warning("sandbox %s failed: %s", self.id, reason)
         with contextlib.suppress(Exception):
             await self._client.close()
         for callback in self._callbacks:
@@ -209,7 +201,7 @@ class QemuSandbox:
                 if inspect.isawaitable(result):
                     await result
             except Exception:
-                _log.exception("on_failure callback of sandbox %s raised", self._id)
+                _log.exception("on_failure callback of sandbox %s raised", self.id)
 
     def __repr__(self) -> str:
-        return f"<QemuSandbox {self._id} {self._state.value} accel={self._accel.value} pid={self.pid}>"
+        return f"<QemuSandbox {self.id} {self._state.value} accel={self.accelerator.value} pid={self.pid}>"
