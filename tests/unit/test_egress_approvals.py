@@ -414,7 +414,7 @@ def test_approval_rules_are_validated() -> None:
 
 
 async def test_held_requests_per_sandbox_are_capped(world: tuple[World, list[dict[str, object]]]) -> None:
-    from capsa.node.egress.approvals import PENDING_PER_SANDBOX
+    from capsa.node.egress.approval_hold import PENDING_PER_SANDBOX
 
     w, _ = world
     calls = [asyncio.create_task(_send(w.port, "POST", f"/v1/charges/{i}", b"{}"))

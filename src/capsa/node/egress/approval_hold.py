@@ -13,13 +13,7 @@ import asyncio
 import time
 
 from capsa.common.egress_policy import ApprovalRule, DomainRule
-from capsa.node.egress.approvals import (
-    PENDING_PER_SANDBOX,
-    PREVIEW_BYTES,
-    Approval,
-    ApprovalBook,
-    new_approval_id,
-)
+from capsa.node.egress.approvals import Approval, ApprovalBook, new_approval_id
 from capsa.node.egress.audit import EgressEvent
 from capsa.node.egress.http1 import STREAM_LIMIT, Client, Deny, Request
 from capsa.node.egress.injection import Credentials
@@ -27,7 +21,12 @@ from capsa.node.egress.redaction import SecretLeak, SecretPatterns
 from capsa.node.egress.sandboxes import SandboxEgress
 from capsa.node.egress.webhooks import Notifier
 
-__all__ = ["ApprovalHolds", "approval_event", "grant_key"]
+__all__ = ["PENDING_PER_SANDBOX", "PREVIEW_BYTES", "ApprovalHolds", "approval_event", "grant_key"]
+
+PREVIEW_BYTES = 2048
+"""How much of a held request's body an approval shows (after redaction)."""
+PENDING_PER_SANDBOX = 16
+"""Held requests one sandbox may have at once; more are refused (429) rather than queued."""
 
 _APPROVAL_ACTIONS = {"pending": "requested", "approved": "approved", "denied": "denied",
                      "timeout": "timed_out", "cancelled": "cancelled"}

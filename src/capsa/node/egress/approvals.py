@@ -25,7 +25,6 @@ from capsa.common.ids import new_id
 from capsa.common.node_api import ApprovalInfo
 
 __all__ = [
-    "PREVIEW_BYTES",
     "Approval",
     "ApprovalBook",
     "ApprovalError",
@@ -35,10 +34,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-PREVIEW_BYTES = 2048
-"""How much of a held request's body an approval shows (after redaction)."""
-PENDING_PER_SANDBOX = 16
-"""Held requests one sandbox may have at once; more are refused (429) rather than queued."""
 _DECIDED_KEPT = 1000
 _DECIDED_FOR_S = 3600.0
 
@@ -59,7 +54,8 @@ class Outcome:
 
 class Approval(ApprovalInfo):
     """A held request: what the node API shows of it (:class:`ApprovalInfo`; its ``preview`` is the first
-    :data:`PREVIEW_BYTES` of the body, redacted) and the futures that tie it to the held connection."""
+    :data:`~capsa.node.egress.approval_hold.PREVIEW_BYTES` of the body, redacted) and the futures that tie it
+    to the held connection."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
