@@ -144,9 +144,9 @@ class NodeAgent:
         used = self._table.used()
         guard = self._table.guard
         if guard is not None:
-            reading = guard.reading(0)
+            reading = guard.reading()
             used["memory_available_mib"] = reading.available_mib
-            used["memory_pss_mib"] = reading.per_sandbox_mib * reading.measured
+            used["memory_pss_mib"] = round(reading.pss_mib)
         return used
 
     def failed_sandboxes(self) -> list[str]:

@@ -30,12 +30,17 @@ _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge page-rounded numb
 
 @dataclass(frozen=True)
 class MemoryReading:
+    """What the host (or the tightest cgroup limit above the node) still has for new sandboxes, and the
+    live sandboxes' PSS summed over the ``measured`` of them that were read."""
+
     available_mib: int
-    """What the host (or the tightest cgroup limit above the node) still has for new sandboxes."""
-    per_sandbox_mib: int
-    """What one more sandbox is expected to take."""
+    pss_mib: float
     measured: int
-    """How many live sandboxes that expectation was measured on (0: the declared size)."""
+
+    def per_sandbox_mib(self, declared_mib: int) -> int:
+        """What one more sandbox is expected to take: the live ones' mean PSS, or ``declared_mib`` before
+        any runs."""
+        return max(1, round(self.pss_mib / self.measured)) if self.measured else declared_mib
 
 
 def _meminfo_available(root: Path) -> int:
@@ -121,32 +126,29 @@ class MemoryGuard:
         self._pids = pids
         self._available = available
         self._clock = clock
-        self._per_sandbox: tuple[float, int] | None = None  # (mean PSS MiB, measured on)
+        self._pss: tuple[float, int] = (0.0, 0)  # (PSS MiB summed, over how many sandboxes)
         self._measured_at = float("-inf")
 
-    def _expected(self, declared_mib: int) -> tuple[int, int]:
+    def reading(self) -> MemoryReading:
+        """The memory left now, and the live sandboxes' PSS as last measured (re-read every
+        :data:`MEASURE_EVERY` seconds at most)."""
         now = self._clock()
         if now - self._measured_at >= MEASURE_EVERY:
             self._measured_at = now
             figures = [p for p in (pss_mib(pid) for pid in self._pids()) if p is not None]
-            self._per_sandbox = (sum(figures) / len(figures), len(figures)) if figures else None
-        if self._per_sandbox is None:
-            return declared_mib, 0
-        return max(1, round(self._per_sandbox[0])), self._per_sandbox[1]
-
-    def reading(self, declared_mib: int) -> MemoryReading:
-        per, measured = self._expected(declared_mib)
-        return MemoryReading(self._available(), per, measured)
+            self._pss = (sum(figures), len(figures))
+        return MemoryReading(self._available(), *self._pss)
 
     def refusal(self, n: int, declared_mib: int, making: int) -> str | None:
         """Why ``n`` more sandboxes of ``declared_mib`` cannot be made while ``making`` others are being
         made, or None when they fit."""
-        r = self.reading(declared_mib)
-        needed = (n + making) * r.per_sandbox_mib
+        r = self.reading()
+        each = r.per_sandbox_mib(declared_mib)
+        needed = (n + making) * each
         if r.available_mib - needed >= self.reserve_mib:
             return None
         basis = (f"the mean PSS of {r.measured} live sandbox(es)" if r.measured
                  else "its declared memory (none is running to measure)")
         return (f"node is short of memory: {r.available_mib} MiB left, {self.reserve_mib} MiB kept free, and "
-                f"{n + making} sandbox(es) to make need about {needed} MiB ({r.per_sandbox_mib} MiB each, "
+                f"{n + making} sandbox(es) to make need about {needed} MiB ({each} MiB each, "
                 f"from {basis})")
