@@ -36,7 +36,8 @@ def test_without_a_cgroup_limit_the_host_memavailable_counts(tmp_path: Path) -> 
     _host(tmp_path, 20000, "0::/system.slice/capsa.service\n")
     _files(tmp_path / "sys/fs/cgroup/system.slice/capsa.service",
            {"memory.max": "max\n", "memory.current": str(900 * MIB), "memory.stat": "inactive_file 0\n"})
-    assert available_mib(tmp_path, 42) == 20000
+    assert available_mib(0, tmp_path, 42) == 20000
+    assert available_mib(300, tmp_path, 42) == 19700  # the sandboxes' own page cache is not free
 
 
 def test_a_v2_limit_on_an_ancestor_bounds_what_is_left_by_its_working_set(tmp_path: Path) -> None:
@@ -47,7 +48,9 @@ def test_a_v2_limit_on_an_ancestor_bounds_what_is_left_by_its_working_set(tmp_pa
         "memory.stat": f"anon 1\ninactive_file {512 * MIB}\nactive_file 0\n"})
     _files(tmp_path / "sys/fs/cgroup/kubepods/pod1/node", {
         "memory.max": "max", "memory.current": str(1536 * MIB), "memory.stat": "inactive_file 0\n"})
-    assert available_mib(tmp_path, 42) == 1024
+    assert available_mib(0, tmp_path, 42) == 1024
+    assert available_mib(200, tmp_path, 42) == 824  # 200 MiB of the inactive file pages are guest RAM
+    assert available_mib(900, tmp_path, 42) == 512  # no more than all of them
 
 
 def test_a_v1_limit_counts_and_the_host_wins_when_it_has_less(tmp_path: Path) -> None:
@@ -57,20 +60,20 @@ def test_a_v1_limit_counts_and_the_host_wins_when_it_has_less(tmp_path: Path) ->
         "memory.limit_in_bytes": str(1280 * MIB), "memory.usage_in_bytes": str(700 * MIB),
         "memory.stat": f"cache 5\ntotal_inactive_file {100 * MIB}\n"})
     _files(tmp_path / "sys/fs/cgroup/memory", {"memory.limit_in_bytes": "9223372036854771712"})
-    assert available_mib(tmp_path, 42) == 1280 - 600
+    assert available_mib(0, tmp_path, 42) == 1280 - 600
     (tmp_path / "proc/meminfo").write_text("MemAvailable: 102400 kB\n")
-    assert available_mib(tmp_path, 42) == 100
+    assert available_mib(0, tmp_path, 42) == 100
 
 
 def test_this_process_reads_without_error() -> None:
     assert available_mib() > 0
     pss = pss_mib(os.getpid())
-    assert pss is not None and pss > 1
+    assert pss is not None and pss[0] > 1 and 0 < pss[1] < pss[0]  # the interpreter's own file mappings
     assert pss_mib(2**22 + 7) is None  # no such process
 
 
 def _guard(available: int, pids: list[int]) -> MemoryGuard:
-    return MemoryGuard(256, pids=lambda: pids, available=lambda: available)
+    return MemoryGuard(256, pids=lambda: pids, available=lambda _file: available)
 
 
 def test_before_any_sandbox_runs_a_new_one_is_expected_to_take_its_declared_memory() -> None:

@@ -8,7 +8,12 @@ left to it, minus what the sandboxes being made will take, stays above a reserve
 
 *The memory left* is the smaller of the host's ``MemAvailable`` and, for every memory cgroup limit above the
 node's process (a Kubernetes pod's limit, systemd's ``MemoryMax=``), the limit minus its working set (usage
-minus inactive file pages: what kubelet counts for eviction). Both cgroup versions are read.
+minus inactive file pages, as kubelet counts for eviction). Both cgroup versions are read. Either figure
+counts page cache as memory to be had, but a sandbox whose guest RAM is a shared file mapping (its own copy
+of the template's RAM) holds that RAM as page cache: reclaiming it would write the guest's memory out and
+thrash, so the sandboxes' file-backed PSS (``Pss_File``) is taken off what page cache counts for (found by
+``tests/integration/test_memory_admission_vm.py``: without it an idle guest's inactive RAM pages were
+counted free, the node admitted past its limit and guests stalled in reclaim).
 
 *What a sandbox takes* is the mean PSS of the live sandboxes' processes (``/proc/<pid>/smaps_rollup``),
 measured at most every :data:`MEASURE_EVERY` seconds; before any is measured, the declared size.
@@ -31,10 +36,11 @@ _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge page-rounded numb
 @dataclass(frozen=True)
 class MemoryReading:
     """What the host (or the tightest cgroup limit above the node) still has for new sandboxes, and the
-    live sandboxes' PSS summed over the ``measured`` of them that were read."""
+    live sandboxes' PSS (and its file-backed part) summed over the ``measured`` of them that were read."""
 
     available_mib: int
     pss_mib: float
+    file_mib: float
     measured: int
 
     def per_sandbox_mib(self, declared_mib: int) -> int:
@@ -58,9 +64,9 @@ def _stat(path: Path, key: str) -> int:
     return 0
 
 
-def _cgroup_headroom(root: Path, pid: int | str) -> int | None:
-    """The least ``limit - working set`` over the memory cgroups of ``pid`` and their ancestors (bytes);
-    None when none is limited."""
+def _cgroup_headroom(root: Path, pid: int | str, held_file: int) -> int | None:
+    """The least ``limit - working set`` over the memory cgroups of ``pid`` and their ancestors (bytes),
+    ``held_file`` bytes of the inactive file pages counted in use; None when none is limited."""
     best: int | None = None
     for line in (root / f"proc/{pid}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
@@ -82,27 +88,29 @@ def _cgroup_headroom(root: Path, pid: int | str) -> int | None:
                 inactive = _stat(directory / "memory.stat", files[2])
             except (OSError, ValueError):
                 continue
-            headroom = int(raw) - max(0, usage - inactive)
+            headroom = int(raw) - usage + max(0, inactive - held_file)
             best = headroom if best is None else min(best, headroom)
     return best
 
 
-def available_mib(root: Path = Path("/"), pid: int | str = "self") -> int:
-    """The memory left for new sandboxes on this host, in MiB (see the module's docstring)."""
-    available = _meminfo_available(root)
-    headroom = _cgroup_headroom(root, pid)
+def available_mib(held_file_mib: float = 0, root: Path = Path("/"), pid: int | str = "self") -> int:
+    """The memory left for new sandboxes on this host, in MiB, ``held_file_mib`` of page cache being the
+    sandboxes' own memory (see the module's docstring)."""
+    held = int(held_file_mib * _MIB)
+    available = _meminfo_available(root) - held
+    headroom = _cgroup_headroom(root, pid, held)
     if headroom is not None:
         available = min(available, headroom)
     return max(0, available) // _MIB
 
 
-def pss_mib(pid: int, root: Path = Path("/")) -> float | None:
-    """The PSS of process ``pid`` in MiB (None if it is gone)."""
+def pss_mib(pid: int, root: Path = Path("/")) -> tuple[float, float] | None:
+    """The PSS of process ``pid`` in MiB, and the file-backed part of it (None if it is gone)."""
     try:
         text = (root / f"proc/{pid}/smaps_rollup").read_text()
     except OSError:
         return None
-    return _stat_kib(text, "Pss:") / 1024
+    return _stat_kib(text, "Pss:") / 1024, _stat_kib(text, "Pss_File:") / 1024
 
 
 def _stat_kib(text: str, key: str) -> int:
@@ -117,27 +125,30 @@ class MemoryGuard:
     ``reserve_mib``.
 
     ``pids`` gives the processes of the live sandboxes (for the per-sandbox figure); ``available`` reads the
-    memory left (tests give a fixed one)."""
+    memory left given the sandboxes' file-backed PSS (tests give a fixed one)."""
 
     def __init__(self, reserve_mib: int, pids: Callable[[], Iterable[int]],
-                 available: Callable[[], int] = available_mib,
+                 available: Callable[[float], int] = available_mib,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.reserve_mib = reserve_mib
         self._pids = pids
         self._available = available
         self._clock = clock
-        self._pss: tuple[float, int] = (0.0, 0)  # (PSS MiB summed, over how many sandboxes)
+        self._pss: tuple[float, float, int] = (0.0, 0.0, 0)  # (PSS MiB, its file part, how many sandboxes)
         self._measured_at = float("-inf")
 
     def reading(self) -> MemoryReading:
-        """The memory left now, and the live sandboxes' PSS as last measured (re-read every
-        :data:`MEASURE_EVERY` seconds at most)."""
-        now = self._clock()
+        """The memory left now, and the live sandboxes' PSS: measured every :data:`MEASURE_EVERY` seconds
+        at most, and in between scaled from the mean measured to the sandboxes live now."""
+        now, pids = self._clock(), list(self._pids())
         if now - self._measured_at >= MEASURE_EVERY:
             self._measured_at = now
-            figures = [p for p in (pss_mib(pid) for pid in self._pids()) if p is not None]
-            self._pss = (sum(figures), len(figures))
-        return MemoryReading(self._available(), *self._pss)
+            figures = [p for p in (pss_mib(pid) for pid in pids) if p is not None]
+            self._pss = (sum(p for p, _ in figures), sum(f for _, f in figures), len(figures))
+        pss, file, measured = self._pss
+        if measured:
+            pss, file = pss / measured * len(pids), file / measured * len(pids)
+        return MemoryReading(self._available(file), pss, file, len(pids) if measured else 0)
 
     def refusal(self, n: int, declared_mib: int, making: int) -> str | None:
         """Why ``n`` more sandboxes of ``declared_mib`` cannot be made while ``making`` others are being
