@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from capsa.common.logs import REQUEST_ID_HEADER
+from capsa.node.agent.capacity import NodeCapacity
 from capsa.node.agent.shipping import Shipper
 from capsa.node.egress.audit import EgressEvent
 from capsa.node.egress.audit_log import AuditLog
@@ -273,3 +274,18 @@ def test_egress_decisions_are_counted_by_kind_and_outcome() -> None:
     assert value(samples, decisions, kind="dns", decision="deny") == 3
     assert value(samples, decisions, kind="net", decision="deny") == 5
     assert len(audit) == 3
+
+
+async def test_a_node_that_admits_by_real_memory_reports_it(make_stack: Callable[..., Any]) -> None:
+    stack: ApiStack = await make_stack(
+        settings={"metrics_token": METRICS_TOKEN},
+        capacity=NodeCapacity(8192, 32, 16, memory_reserve_mib=0))
+    user = await stack.tenant_key("t1")
+    async with stack.client(user) as c:
+        assert (await c.post("/v1/sessions", json={"template": "base"})).status_code == 201
+    assert (await stack.heartbeat()).status_code == 200
+    samples = await scrape(stack, METRICS_TOKEN)
+    # The fake runtime's guests are host processes: their PSS is real, as is the host's memory left.
+    assert value(samples, "capsa_node_used", node=stack.node_id, resource="memory_pss_mib") > 0
+    assert value(samples, "capsa_node_used", node=stack.node_id, resource="memory_available_mib") > 256
+    assert value(samples, "capsa_node_used", node=stack.node_id, resource="sandboxes") == 1

@@ -115,3 +115,18 @@ def test_the_reserve_defaults_to_five_percent_of_the_host_at_least_256_mib(
     monkeypatch.delenv("CAPSA_NODE_MEMORY_RESERVE_MIB", raising=False)
     assert capacity_for(CapacitySettings(), host_memory=24 * 1024, host_cpus=2).memory_reserve_mib == 1228
     assert capacity_for(CapacitySettings(), host_memory=2048, host_cpus=2).memory_reserve_mib == 256
+
+
+def test_between_measurements_the_figure_follows_the_sandboxes_live_now() -> None:
+    pids: list[int] = []
+    now = [0.0]
+    guard = MemoryGuard(256, pids=lambda: pids, available=lambda file: 10_000 - round(file),
+                        clock=lambda: now[0])
+    assert guard.reading().measured == 0
+    pids.append(os.getpid())  # the first sandbox is measured at once, not MEASURE_EVERY later
+    one = guard.reading()
+    assert one.measured == 1 and one.pss_mib > 1 and one.file_mib > 0
+    pids.extend([os.getpid()] * 2)  # two more within MEASURE_EVERY: scaled from the mean, not re-read
+    three = guard.reading()
+    assert three.measured == 3 and three.pss_mib == pytest.approx(3 * one.pss_mib)
+    assert three.available_mib == 10_000 - round(3 * one.file_mib)

@@ -44,6 +44,8 @@ SESSION_STATES = ("creating", "running", "recovering", "paused", "closed", "fail
 """Every state a session can be in (capsa.control.sessions.states): each is exported, 0 when empty."""
 _RESOURCES = (("memory_mib", "memory_mib"), ("vcpus", "vcpus"), ("sandboxes", "max_sandboxes"))
 """(resource label, NodeRow capacity column): the ``used`` keys nodes report beside their capacity."""
+_REAL_MEMORY = ("memory_pss_mib", "memory_available_mib")
+"""``used`` keys a node with a memory guard adds: its sandboxes' PSS and the memory it has left."""
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 _REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 UNMATCHED = "unmatched"
@@ -98,6 +100,9 @@ class _FleetCollector(Collector):
             for resource, column in _RESOURCES:
                 capacity.add_metric([node.id, resource], float(getattr(node, column)))
                 used.add_metric([node.id, resource], float((node.used or {}).get(resource, 0)))
+            for resource in _REAL_MEMORY:
+                if resource in (node.used or {}):
+                    used.add_metric([node.id, resource], float(node.used[resource]))
             up = (node.left_at is None and node.token_sealed is not None and node.last_heartbeat_at >= cutoff)
             healthy.add_metric([node.id], 1.0 if up else 0.0)
             draining.add_metric([node.id], 1.0 if node.draining else 0.0)

@@ -139,9 +139,10 @@ class MemoryGuard:
 
     def reading(self) -> MemoryReading:
         """The memory left now, and the live sandboxes' PSS: measured every :data:`MEASURE_EVERY` seconds
-        at most, and in between scaled from the mean measured to the sandboxes live now."""
+        at most (or as soon as there is one to measure), and in between scaled from the mean measured to the
+        sandboxes live now."""
         now, pids = self._clock(), list(self._pids())
-        if now - self._measured_at >= MEASURE_EVERY:
+        if now - self._measured_at >= MEASURE_EVERY or (pids and not self._pss[2]):
             self._measured_at = now
             figures = [p for p in (pss_mib(pid) for pid in pids) if p is not None]
             self._pss = (sum(p for p, _ in figures), sum(f for _, f in figures), len(figures))
