@@ -47,6 +47,19 @@ def test_the_copy_holds_the_file_with_its_zero_pages_as_holes_and_is_sealed(tmp_
         os.close(fd)
 
 
+def test_a_whole_copy_holds_the_files_data_zero_pages_included_and_only_its_holes_as_holes(
+        tmp_path: Path) -> None:
+    want = _ram_file(tmp_path / "memory.ram")
+    data_pages = 48 + (len(want) // PAGE - 63)  # pages 0-47 and 63: the data, zero pages among them
+    fd = sealed_copy(tmp_path / "memory.ram", sparse=False)
+    try:
+        assert os.pread(fd, len(want), 0) == want
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == SEALS
+        assert os.fstat(fd).st_blocks * 512 == data_pages * PAGE
+    finally:
+        os.close(fd)
+
+
 def test_a_private_mapping_writes_its_own_pages_and_the_memfd_keeps_the_file(tmp_path: Path) -> None:
     want = _ram_file(tmp_path / "memory.ram")
     fd = sealed_copy(tmp_path / "memory.ram")

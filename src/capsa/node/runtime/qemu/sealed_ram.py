@@ -76,17 +76,34 @@ def _copy_nonzero(src: int, dst: int, offset: int, length: int) -> int:
     return written
 
 
-def sealed_copy(path: Path, name: str = "capsa-ram") -> int:
-    """A new memfd holding the contents of ``path`` (same size, zero pages as holes), sealed with
-    :data:`SEALS`. The caller owns the descriptor (close-on-exec; pass it to a child explicitly)."""
+def _copy_extent(src: int, dst: int, offset: int, length: int) -> None:
+    """Copy ``src[offset:offset+length]`` to the same offsets of ``dst`` in the kernel (sendfile)."""
+    os.lseek(dst, offset, os.SEEK_SET)
+    end = offset + length
+    while offset < end:
+        sent = os.sendfile(dst, src, offset, end - offset)
+        if sent == 0:
+            break
+        offset += sent
+
+
+def sealed_copy(path: Path, name: str = "capsa-ram", *, sparse: bool = True) -> int:
+    """A new memfd holding the contents of ``path`` (same size), sealed with :data:`SEALS`. The caller owns
+    the descriptor (close-on-exec; pass it to a child explicitly).
+
+    ``sparse``: zero pages inside the file's data are left as holes too (a Python scan: a 256 MiB guest's
+    RAM, 107 MiB of data of which 87 MiB non-zero, copies in ~80 ms); else the data is copied whole in the
+    kernel (~45 ms, the zero pages held). Templates, copied once per tenant and kept, are copied sparse;
+    a branch set's snapshot, copied on the branch's path and dropped with its last branch, whole."""
     src = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         size = os.fstat(src).st_size
         dst = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(dst, size)
+            copy = _copy_nonzero if sparse else _copy_extent
             for offset, length in _data_extents(src, size):
-                _copy_nonzero(src, dst, offset, length)
+                copy(src, dst, offset, length)
             fcntl.fcntl(dst, fcntl.F_ADD_SEALS, SEALS)
         except BaseException:
             os.close(dst)
@@ -112,15 +129,17 @@ class SealedRam:
         self._lock = threading.Lock()
         self._entries: dict[tuple[int, int, int, str], _Entry] = {}
 
-    def acquire(self, ram: Path, sandbox_id: str, domain: str) -> int:
-        """The memfd of ``ram`` for VMs of ``domain`` (made on first use), now also used by ``sandbox_id``.
-        The descriptor stays the node's: pass it to QEMU, do not close it; :meth:`release` does."""
+    def acquire(self, ram: Path, sandbox_id: str, domain: str, *, sparse: bool = True) -> int:
+        """The memfd of ``ram`` for VMs of ``domain`` (made on first use, ``sparse`` as in
+        :func:`sealed_copy`), now also used by ``sandbox_id``. The descriptor stays the node's: pass it to
+        QEMU, do not close it; :meth:`release` does."""
         st = ram.stat()
         key = (st.st_dev, st.st_ino, st.st_mtime_ns, domain)
         with self._lock:  # one copy per key even when branches restore concurrently
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[key] = _Entry(sealed_copy(ram, f"capsa-ram-{domain}"[:60]))
+                fd = sealed_copy(ram, f"capsa-ram-{domain}"[:60], sparse=sparse)
+                entry = self._entries[key] = _Entry(fd)
             entry.users.add(sandbox_id)
             return entry.fd
 

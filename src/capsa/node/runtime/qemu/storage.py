@@ -162,7 +162,9 @@ class PoolStorage:
             if mode is RamMode.PRIVATE and plan.ram is not None:
                 # QEMU maps the sealed memfd of the frozen file that VMs of ``domain`` share, through the
                 # descriptor it inherits (/proc/self/fd/N), never the file itself.
-                fd = self.sealed_ram.acquire(plan.ram, sandbox_id, domain or snapshot.manifest.id)
+                # A branch set (no domain) copies whole: the copy is on the branch's path.
+                fd = self.sealed_ram.acquire(plan.ram, sandbox_id, domain or snapshot.manifest.id,
+                                             sparse=domain is not None)
                 mapped = Path(f"/proc/self/fd/{fd}")
                 base = RamBase(pages=mapped, file=plan.ram, snapshot_id=snapshot.manifest.id, clone=clone)
                 args = (*memory_backend_args(plan.manifest.memory_mib, mapped, share=False), *incoming_args())
