@@ -51,7 +51,11 @@ PACKAGES=(
     qemu-system-x86 qemu-utils debootstrap busybox-static e2fsprogs zstd lz4 cpio btrfs-progs nftables
     iproute2 procps curl util-linux debian-archive-keyring ca-certificates python3 python3-venv python3-dev gcc
     postgresql
+    skopeo umoci
 )
+# skopeo pulls a template's OCI image from its registry into an OCI layout, and umoci unpacks the layout's
+# layers into a root filesystem (src/capsa/node/templates/oci/): whiteouts, hard links, device nodes and
+# paths that leave the root are the tool's job, not a tar loop of ours.
 # The tests' real S3 server (OpenStack Swift with its s3api middleware, tests/support/s3_server.py), and
 # what builds and runs the container image without a registry (scripts/build_image.py,
 # tests/integration/test_container_fleet.py).
@@ -60,6 +64,9 @@ PACKAGES=(
                              mmdebstrap buildah podman runc)
 # systemd-analyze verifies deploy/systemd's units (tests/unit/test_deploy_systemd.py).
 [ "$DEV" = 1 ] && PACKAGES+=(systemd)
+# The tests' real OCI registry (Debian's package of the CNCF distribution registry, started by
+# tests/support/oci_registry.py on a free loopback port, one per test module).
+[ "$DEV" = 1 ] && PACKAGES+=(docker-registry)
 
 step "System packages"
 missing=()
@@ -74,6 +81,17 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
     echo "all ${#PACKAGES[@]} packages already installed"
+fi
+# docker-registry's package enables its own service on install and starts it where services may start (the
+# stock config listens on :5000 on every address): the tests start their own registries, so the package's
+# is disabled and stopped, and a machine has no registry listening after this script.
+if [ "$DEV" = 1 ]; then
+    systemctl disable --quiet docker-registry
+    if [ -d /run/systemd/system ]; then
+        systemctl stop docker-registry
+    elif service docker-registry status >/dev/null 2>&1; then
+        service docker-registry stop
+    fi
 fi
 
 step "Python environment ($VENV)"
