@@ -162,7 +162,8 @@ def temporary_registry(*, username: str | None = None, password: str | None = No
 class ImageSpec:
     """What :func:`build_image` puts in an image: ``files`` maps a path in the root filesystem to its bytes
     and (mode, uid, gid); ``extra`` may change the unpacked rootfs further before it is repacked (a link,
-    a device node); the config as ``umoci config`` sets it."""
+    a device node); ``layers`` are uncompressed layer tars added verbatim after it (``umoci raw add-layer``:
+    members no filesystem can hold, such as ``../`` paths); the config as ``umoci config`` sets it."""
 
     files: Mapping[str, tuple[bytes, int, int, int]] = field(default_factory=dict)
     busybox: bool = True
@@ -172,6 +173,7 @@ class ImageSpec:
     entrypoint: Sequence[str] = ()
     cmd: Sequence[str] = ()
     extra: Callable[[Path], None] | None = None
+    layers: Sequence[Path] = ()
 
 
 def _umoci(*argv: str) -> None:
@@ -180,7 +182,7 @@ def _umoci(*argv: str) -> None:
 
 def build_image(layout: Path, tag: str, spec: ImageSpec) -> None:
     """Build the image ``spec`` describes as ``layout:tag`` with umoci (an OCI layout made when missing):
-    one layer from the bundle's rootfs, then the config."""
+    one layer from the bundle's rootfs, then ``spec.layers``, then the config."""
     if not (layout / "index.json").exists():
         _umoci("init", "--layout", str(layout))
     _umoci("new", "--image", f"{layout}:{tag}")
@@ -205,6 +207,8 @@ def build_image(layout: Path, tag: str, spec: ImageSpec) -> None:
         _umoci("repack", "--image", f"{layout}:{tag}", str(bundle))
     finally:
         shutil.rmtree(bundle, ignore_errors=True)
+    for layer in spec.layers:
+        _umoci("raw", "add-layer", "--image", f"{layout}:{tag}", str(layer))
     config = [f"--config.env={k}={v}" for k, v in spec.env.items()]
     if spec.working_dir is not None:
         config.append(f"--config.workingdir={spec.working_dir}")
