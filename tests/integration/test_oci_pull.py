@@ -34,6 +34,8 @@ from tests.support.oci_registry import (
     ImageSpec,
     Registry,
     build_image,
+    index_images,
+    manifest_digest,
     oci_missing_reason,
     push,
     temporary_registry,
@@ -140,6 +142,31 @@ def test_an_image_is_pulled_by_tag_and_by_digest_and_unpacked(registry: Registry
     calls = skopeo_calls.read_text()
     assert "argv:" in calls and PASSWORD not in calls and USER not in calls
     assert {line for line in calls.splitlines() if line.startswith("authfile:")} == {"authfile:600"}
+
+
+def test_an_index_is_pulled_for_linux_amd64_and_another_platform_is_refused(registry: Registry,
+                                                                            work: Path) -> None:
+    layout = work / "multi-layout"
+    build_image(layout, "amd", ImageSpec(env={"ARCH": "amd64"}))
+    build_image(layout, "arm", ImageSpec(env={"ARCH": "arm64"}, architecture="arm64"))
+    index_images(layout, "multi", ["arm", "amd"])
+    index_images(layout, "arm-only", ["arm"])
+    assert push(layout, "multi", registry, "team/multi") != manifest_digest(layout, "amd")
+    push(layout, "arm-only", registry, "team/multi")
+    push(layout, "arm", registry, "team/multi")
+
+    # From an index, the linux/amd64 image's manifest is pulled, by its own digest.
+    pulled = _pull(f"{registry.host}/team/multi:multi", work / "multi", credentials=CREDS, insecure=True)
+    assert pulled.digest == manifest_digest(layout, "amd")
+    assert read_image_config(pulled.layout, pulled.tag).env == {"ARCH": "amd64"}
+    # An index without one is refused before any layer is fetched; a lone arm64 image when its config is read.
+    _refused(f"{registry.host}/team/multi:arm-only", work, "image_platform_unsupported", 400,
+             credentials=CREDS, insecure=True)
+    arm = _pull(f"{registry.host}/team/multi:arm", work / "arm", credentials=CREDS, insecure=True)
+    with pytest.raises(CapsaError) as caught:
+        read_image_config(arm.layout, arm.tag)
+    assert (caught.value.code, caught.value.status) == ("image_platform_unsupported", 400)
+    assert "linux/arm64" in caught.value.message
 
 
 def _hostile_layer(path: Path, *, etc_loop: bool) -> Path:

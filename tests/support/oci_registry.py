@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
+import json
 import os
 import shutil
 import signal
@@ -27,15 +29,19 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tests.support.served import free_port
 
-__all__ = ["ImageSpec", "Registry", "build_image", "oci_missing_reason", "push", "temporary_registry"]
+__all__ = ["ImageSpec", "Registry", "build_image", "index_images", "manifest_digest", "oci_missing_reason",
+           "push", "temporary_registry"]
 
 REGISTRY_BIN = "/usr/bin/docker-registry"
 BUSYBOX = "/bin/busybox"
 APPLETS = ("sh", "ls", "cat", "id", "echo", "stat", "env", "pwd", "sleep", "true")
 START_TIMEOUT = 30.0
+REF_NAME = "org.opencontainers.image.ref.name"
+INDEX_TYPE = "application/vnd.oci.image.index.v1+json"
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,7 @@ class ImageSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     working_dir: str | None = None
     user: str | None = None
+    architecture: str | None = None
     entrypoint: Sequence[str] = ()
     cmd: Sequence[str] = ()
     extra: Callable[[Path], None] | None = None
@@ -214,17 +221,59 @@ def build_image(layout: Path, tag: str, spec: ImageSpec) -> None:
         config.append(f"--config.workingdir={spec.working_dir}")
     if spec.user is not None:
         config.append(f"--config.user={spec.user}")
+    if spec.architecture is not None:
+        config.append(f"--architecture={spec.architecture}")
     config += [f"--config.entrypoint={a}" for a in spec.entrypoint]
     config += [f"--config.cmd={a}" for a in spec.cmd]
     if config:
         _umoci("config", "--image", f"{layout}:{tag}", *config)
 
 
+def _index(layout: Path) -> dict[str, Any]:
+    index: dict[str, Any] = json.loads((layout / "index.json").read_text())
+    return index
+
+
+def _descriptor(layout: Path, tag: str) -> dict[str, Any]:
+    for entry in _index(layout)["manifests"]:
+        if entry.get("annotations", {}).get(REF_NAME) == tag:
+            found: dict[str, Any] = entry
+            return found
+    raise KeyError(f"no {tag!r} in {layout}")
+
+
+def manifest_digest(layout: Path, tag: str) -> str:
+    """The digest of the manifest ``layout:tag`` names."""
+    return str(_descriptor(layout, tag)["digest"])
+
+
+def index_images(layout: Path, tag: str, tags: Sequence[str]) -> None:
+    """Tag in ``layout``, as ``tag``, an image index of the images tagged ``tags``, each entry with the
+    platform its config gives (no tool here writes an index of images it did not pull)."""
+    manifests = []
+    for member in tags:
+        entry = {k: v for k, v in _descriptor(layout, member).items() if k != "annotations"}
+        blob = layout / "blobs" / "sha256"
+        manifest = json.loads((blob / entry["digest"].removeprefix("sha256:")).read_text())
+        config = json.loads((blob / manifest["config"]["digest"].removeprefix("sha256:")).read_text())
+        entry["platform"] = {"os": config["os"], "architecture": config["architecture"]}
+        manifests.append(entry)
+    data = json.dumps({"schemaVersion": 2, "mediaType": INDEX_TYPE, "manifests": manifests}).encode()
+    digest = hashlib.sha256(data).hexdigest()
+    (layout / "blobs" / "sha256" / digest).write_bytes(data)
+    index = _index(layout)
+    index["manifests"].append({"mediaType": INDEX_TYPE, "digest": f"sha256:{digest}", "size": len(data),
+                               "annotations": {REF_NAME: tag}})
+    (layout / "index.json").write_text(json.dumps(index))
+
+
 def push(layout: Path, tag: str, registry: Registry, name: str) -> str:
-    """Copy ``layout:tag`` to ``registry`` as ``name:tag`` with skopeo; the manifest digest it pushed."""
+    """Copy ``layout:tag`` to ``registry`` as ``name:tag`` with skopeo (every image of an index); the
+    manifest digest it pushed."""
     with tempfile.TemporaryDirectory(prefix="capsa-push-") as tmp:
         digest_file = Path(tmp) / "digest"
-        argv = ["skopeo", "copy", "--quiet", "--dest-tls-verify=false", "--digestfile", str(digest_file)]
+        argv = ["skopeo", "copy", "--quiet", "--all", "--dest-tls-verify=false",
+                f"--digestfile={digest_file}"]
         if registry.username is not None and registry.password is not None:
             argv.append(f"--dest-creds={registry.username}:{registry.password}")  # test credentials only
         argv += [f"oci:{layout}:{tag}", f"docker://{registry.host}/{name}:{tag}"]
