@@ -151,7 +151,8 @@ def test_an_index_is_pulled_for_linux_amd64_and_another_platform_is_refused(regi
     build_image(layout, "arm", ImageSpec(env={"ARCH": "arm64"}, architecture="arm64"))
     index_images(layout, "multi", ["arm", "amd"])
     index_images(layout, "arm-only", ["arm"])
-    assert push(layout, "multi", registry, "team/multi") != manifest_digest(layout, "amd")
+    index_digest = push(layout, "multi", registry, "team/multi")
+    assert index_digest != manifest_digest(layout, "amd")
     push(layout, "arm-only", registry, "team/multi")
     push(layout, "arm", registry, "team/multi")
 
@@ -159,6 +160,9 @@ def test_an_index_is_pulled_for_linux_amd64_and_another_platform_is_refused(regi
     pulled = _pull(f"{registry.host}/team/multi:multi", work / "multi", credentials=CREDS, insecure=True)
     assert pulled.digest == manifest_digest(layout, "amd")
     assert read_image_config(pulled.layout, pulled.tag).env == {"ARCH": "amd64"}
+    by_digest = _pull(f"{registry.host}/team/multi@{index_digest}", work / "multi-by-digest",
+                      credentials=CREDS, insecure=True)
+    assert by_digest.digest == pulled.digest
     # An index without one is refused before any layer is fetched; a lone arm64 image when its config is read.
     _refused(f"{registry.host}/team/multi:arm-only", work, "image_platform_unsupported", 400,
              credentials=CREDS, insecure=True)

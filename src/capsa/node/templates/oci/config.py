@@ -88,7 +88,8 @@ def _blob(layout: Path, descriptor: Any, what: str,
 
 def _index_entry(layout: Path, tag: str) -> dict[str, Any]:
     try:
-        raw = (layout / "index.json").read_bytes()[: MAX_JSON_BLOB + 1]
+        with (layout / "index.json").open("rb") as file:
+            raw = file.read(MAX_JSON_BLOB + 1)
         index = json.loads(raw) if len(raw) <= MAX_JSON_BLOB else None
     except (OSError, ValueError):
         index = None

@@ -5,10 +5,10 @@ linux/amd64 entry), whose size (config and layers, compressed) is checked agains
 else is fetched; then that manifest is copied *by digest* (``skopeo copy docker://NAME@DIGEST oci:DIR:TAG``),
 so what was measured is what arrives: skopeo checks every blob against the digests the manifest names.
 
-Credentials go to skopeo in a 0600 auth file in a private temporary directory, never on its command line,
-and skopeo runs with that directory as its home and temporary directory, so it reads no credentials of the
-host's user and leaves no partial blob behind. Failures are :class:`CapsaError` with a stable code
-(``image_not_found`` 404, ``registry_auth_failed`` 403, ``registry_unreachable`` 502,
+Credentials go to skopeo in a 0600 auth file in a private directory beside the layout, never on its
+command line, and skopeo runs with that directory as its home and temporary directory, so it reads no
+credentials of the host's user and leaves no partial blob behind. Failures are :class:`CapsaError` with
+a stable code (``image_not_found`` 404, ``registry_auth_failed`` 403, ``registry_unreachable`` 502,
 ``image_pull_failed`` 502, ``image_pull_timeout`` 504, ``image_too_large`` 413,
 ``image_platform_unsupported`` 400); their messages carry skopeo's reason with any credential taken
 out. Blocking: an async caller runs it in a worker thread.
@@ -38,6 +38,7 @@ DEFAULT_TIMEOUT = 1800.0  # seconds, for the whole pull
 DEFAULT_MAX_BYTES = 8 << 30  # compressed config and layers of the one manifest pulled
 MAX_MANIFEST_BYTES = 4 << 20  # the distribution registry's own bound on a manifest
 PLATFORM = {"os": "linux", "architecture": "amd64"}
+_DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
 
 _INDEX_TYPES = {"application/vnd.oci.image.index.v1+json",
                 "application/vnd.docker.distribution.manifest.list.v2+json"}
@@ -148,13 +149,19 @@ def _classify(reference: ImageReference, what: str, reason: str, logged_in: bool
     return CapsaError(f"{what} {reference} failed: {reason}", code="image_pull_failed", status=502)
 
 
-def _manifest(skopeo: _Skopeo, reference: ImageReference, target: str) -> tuple[bytes, dict[str, Any]]:
+def _manifest(skopeo: _Skopeo, reference: ImageReference, target: str,
+              expected: str | None) -> tuple[str, dict[str, Any]]:
+    """The digest and document of the manifest ``target`` names (checked against ``expected``)."""
     argv = ["inspect", "--raw", f"--authfile={skopeo.authfile}"]
     if skopeo.insecure:
         argv.append("--tls-verify=false")
     raw = skopeo.run([*argv, f"docker://{target}"], "reading the manifest of", reference)
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CapsaError(f"the manifest of {reference} is larger than {MAX_MANIFEST_BYTES} bytes",
+                         code="image_pull_failed", status=502)
+    digest = f"sha256:{hashlib.sha256(raw).hexdigest()}"
+    if expected is not None and digest != expected:
+        raise CapsaError(f"the registry answered {target} with a manifest of digest {digest}",
                          code="image_pull_failed", status=502)
     try:
         doc = json.loads(raw)
@@ -163,7 +170,7 @@ def _manifest(skopeo: _Skopeo, reference: ImageReference, target: str) -> tuple[
     if not isinstance(doc, dict):
         raise CapsaError(f"the registry answered {reference} with a manifest that is not a JSON object",
                          code="image_pull_failed", status=502)
-    return raw, doc
+    return digest, doc
 
 
 def _platform_entry(reference: ImageReference, index: dict[str, Any]) -> str:
@@ -171,7 +178,7 @@ def _platform_entry(reference: ImageReference, index: dict[str, Any]) -> str:
         platform = entry.get("platform") if isinstance(entry, dict) else None
         if isinstance(platform, dict) and all(platform.get(k) == v for k, v in PLATFORM.items()):
             digest = entry.get("digest")
-            if isinstance(digest, str):
+            if isinstance(digest, str) and _DIGEST.fullmatch(digest):
                 return digest
     raise CapsaError(f"{reference} has no linux/amd64 image", code="image_platform_unsupported", status=400)
 
@@ -195,25 +202,24 @@ def pull_image(reference: ImageReference, layout: Path, *, tag: str = "image",
 
     ``insecure`` allows a registry without TLS or with an unverified certificate; ``credentials`` log in to
     the reference's registry; ``timeout`` bounds the whole pull; an image whose config and layers are larger
-    than ``max_bytes`` is refused before its layers are fetched. On any failure the layout is removed."""
-    if layout.exists():
+    than ``max_bytes`` is refused before its layers are fetched. On any failure the layout is removed. The
+    layout's parent holds skopeo's private work directory (with the auth file) while it runs."""
+    if layout.exists() or layout.is_symlink():
         raise CapsaError(f"{layout} exists already", code="image_pull_failed", status=500)
+    if not layout.parent.is_dir():
+        raise CapsaError(f"no directory {layout.parent} to pull into", code="image_pull_failed", status=500)
     if ":" in str(layout):
         raise CapsaError(f"an OCI layout path has no ':' ({layout})", code="image_pull_failed", status=500)
     deadline = time.monotonic() + timeout
-    work = Path(tempfile.mkdtemp(prefix="capsa-pull-"))
+    # Beside the layout (the node's storage, not a tmpfs), removed whatever happens.
+    work = Path(tempfile.mkdtemp(prefix=".pull-", dir=layout.parent))
     try:
         skopeo = _Skopeo(work, reference.registry, credentials, insecure, deadline)
         target = f"{reference.name}@{reference.digest}" if reference.digest else str(reference)
-        raw, manifest = _manifest(skopeo, reference, target)
+        digest, manifest = _manifest(skopeo, reference, target, reference.digest)
         if manifest.get("mediaType") in _INDEX_TYPES or "manifests" in manifest:
-            target = f"{reference.name}@{_platform_entry(reference, manifest)}"
-            raw, manifest = _manifest(skopeo, reference, target)
-        digest = f"sha256:{hashlib.sha256(raw).hexdigest()}"
-        if reference.digest is not None and target == f"{reference.name}@{reference.digest}" \
-                and digest != reference.digest:
-            raise CapsaError(f"the registry answered {reference} with a manifest of digest {digest}",
-                             code="image_pull_failed", status=502)
+            entry = _platform_entry(reference, manifest)
+            digest, manifest = _manifest(skopeo, reference, f"{reference.name}@{entry}", entry)
         size = _size(reference, manifest)
         if size > max_bytes:
             raise CapsaError(f"{reference} is {size} bytes compressed, over the limit of {max_bytes}",

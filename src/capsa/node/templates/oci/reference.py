@@ -5,7 +5,8 @@ first path component names a registry when it holds a ``.`` or a ``:`` or is ``l
 registry is Docker Hub (``docker.io``), and a one-component repository there is under ``library/``. A
 reference with neither tag nor digest means the tag ``latest``. Only ``sha256`` digests are accepted (the
 digest the layout's blobs are checked with). Credentials in a reference (``user:password@host/...``) are not
-part of the grammar and are refused like any other malformed reference, without echoing it.
+part of the grammar and are refused like any other malformed reference, without echoing it. IPv6 registry
+addresses (``[::1]:5000``) are not accepted.
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ def unpack_image(layout: Path, tag: str, rootfs: Path, *, timeout: float = DEFAU
     if os.geteuid() != 0:
         raise CapsaError("unpacking an image keeps its files' owners: the node must run as root",
                          code="image_unpack_failed", status=500)
+    if ":" in str(layout):
+        raise CapsaError(f"an OCI layout path has no ':' ({layout})", code="image_unpack_failed", status=500)
     if rootfs.exists() or rootfs.is_symlink():
         raise CapsaError(f"{rootfs} exists already", code="image_unpack_failed", status=500)
     try:
