@@ -90,7 +90,7 @@ async def verify_chain(plane: ControlPlane, tenant: str) -> AuditVerifyOut:
     async with plane.db() as db:
         result = await audit_trail.verify(db, tenant, anchors)
     broken = result.broken
-    return AuditVerifyOut(ok=result.ok, checked=result.checked, head=result.head,
+    return AuditVerifyOut(ok=broken is None, checked=result.checked, head=result.head,
                           broken_id=broken.id if broken else None, reason=broken.reason if broken else None,
                           code=broken.code if broken else None, anchor=result.anchor)
 

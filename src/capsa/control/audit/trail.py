@@ -292,10 +292,6 @@ class VerifyResult:
     anchor: int | None = None
     """The highest event a signed checkpoint vouches for (None: no checkpoint was compared)."""
 
-    @property
-    def ok(self) -> bool:
-        return self.broken is None
-
 
 def _first_link(first: int, anchors: Sequence[Checkpoint]) -> tuple[str | None, int]:
     """The ``prev_hash`` the first stored event (``first``) must carry, and the first id that must be
