@@ -18,7 +18,7 @@ from capsa.control.egress import grants as egress_grants
 from capsa.control.egress import service as egress
 from capsa.control.errors import ApiError, InvalidState, NoCapacity, SessionFailed, ValidationFailed
 from capsa.control.metrics import timed
-from capsa.control.nodes.calls import quietly
+from capsa.control.nodes.calls import attempt, quietly
 from capsa.control.nodes.client import EgressArgs, NodeClient, NodeError
 from capsa.control.nodes.placement import choose_node
 from capsa.control.plane import ControlPlane
@@ -212,15 +212,13 @@ async def _start_sandbox(plane: ControlPlane, tenant: str, req: SessionCreate, r
     and ``NoCapacity`` raised."""
     tried: list[str] = []
     while True:
-        try:
-            await plane.node_client(node).create_sandbox(sandbox_id, req.template, req.memory_mib,
-                                                         req.vcpus, req.env, egress=args, tenant=tenant)
+        made = await attempt(plane.node_client(node).create_sandbox(
+            sandbox_id, req.template, req.memory_mib, req.vcpus, req.env, egress=args, tenant=tenant))
+        if not isinstance(made, NodeError):
             return node
-        except NodeError as exc:
-            if exc.code != "no_capacity":
-                raise
-            tried.append(node.id)
-            refusal = exc.message
+        if made.code != "no_capacity":
+            raise made
+        tried.append(node.id)
         async with plane.db() as db:
             try:
                 node = await choose_node(db, req.template, req.memory_mib, req.vcpus,
@@ -229,7 +227,7 @@ async def _start_sandbox(plane: ControlPlane, tenant: str, req: SessionCreate, r
             except ApiError:
                 await db.execute(delete(SessionRow).where(SessionRow.id == row.id))
                 await db.commit()
-                raise NoCapacity(f"no node has room for the session: {refusal}") from None
+                raise NoCapacity(f"no node has room for the session: {made.message}") from None
             await db.execute(update(SessionRow).where(SessionRow.id == row.id).values(node_id=node.id))
             await db.commit()
         row.node_id = node.id
