@@ -35,7 +35,7 @@ class TenantQuota(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_sessions: Annotated[int, Field(ge=0)] = 500
-    max_vcpus: Annotated[int, Field(ge=0)] = 256
+    max_vcpus: Annotated[int, Field(ge=0)] = 512
     max_memory_mib: Annotated[int, Field(ge=0)] = 256 * 1024
     max_paused_sessions: Annotated[int, Field(ge=0)] = 100
     """Sessions in state ``paused`` (each keeps at least its pause snapshot); checked at pause."""
