@@ -14,7 +14,7 @@ import pytest
 from capsa.common.errors import CapsaError
 from capsa.common.ids import new_id
 from capsa.node.agent.capacity import CapacitySettings, NodeCapacity, capacity_for
-from capsa.node.agent.host_memory import MemoryGuard, available_mib, pss_mib
+from capsa.node.agent.host_memory import MEASURE_EVERY, MemoryGuard, available_mib, pss_mib
 from capsa.node.agent.sandboxes import SandboxTable
 
 MIB = 1 << 20
@@ -93,7 +93,7 @@ def test_live_sandboxes_pss_is_the_expectation_and_sandboxes_being_made_count() 
             assert reading.measured == 1 and 48 <= reading.per_sandbox_mib(1024) < 100, reading
             assert guard.refusal(1, 1024, making=0) is None  # measured, not the declared 1 GiB
             refusal = guard.refusal(1, 1024, making=5)
-            assert refusal is not None and "6 sandbox(es)" in refusal and "mean PSS of 1 live" in refusal
+            assert refusal is not None and "6 sandbox(es)" in refusal and "mean highest PSS of 1 live" in refusal
         finally:
             assert child.stdin is not None
             child.stdin.close()
@@ -130,3 +130,29 @@ def test_between_measurements_the_figure_follows_the_sandboxes_live_now() -> Non
     three = guard.reading()
     assert three.measured == 3 and three.pss_mib == pytest.approx(3 * one.pss_mib)
     assert three.available_mib == 10_000 - round(3 * one.file_mib)
+
+
+def test_a_sandbox_counts_at_the_highest_pss_it_had() -> None:
+    # The kernel may write a file-backed guest's RAM back and drop it: its PSS falls, but the guest will
+    # want those pages again, so the guard keeps counting them.
+    code = ("import sys; b = b'x' * (48 << 20); print('ready', flush=True); sys.stdin.readline(); del b; "
+            "print('freed', flush=True); sys.stdin.read()")
+    now = [0.0]
+    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as child:
+        assert child.stdin is not None and child.stdout is not None
+        try:
+            assert child.stdout.readline() == "ready\n"
+            guard = MemoryGuard(256, pids=lambda: [child.pid], available=lambda file: 10_000,
+                                clock=lambda: now[0])
+            high = guard.reading().pss_mib
+            assert high > 48
+            child.stdin.write("free\n")
+            child.stdin.flush()
+            assert child.stdout.readline() == "freed\n"
+            figure = pss_mib(child.pid)
+            assert figure is not None and figure[0] < high - 40  # it really gave the memory back
+            now[0] += MEASURE_EVERY
+            assert guard.reading().pss_mib == high
+        finally:
+            child.stdin.close()
