@@ -44,7 +44,6 @@ from tests.support.served import free_port
 
 pytestmark = [
     pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="unpacking an image with its owners needs root"),
     pytest.mark.timeout(300),
 ]
 
