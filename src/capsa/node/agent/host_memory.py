@@ -36,8 +36,9 @@ _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge page-rounded numb
 
 @dataclass(frozen=True)
 class MemoryReading:
-    """What the host (or the tightest cgroup limit above the node) still has for new sandboxes, and the
-    live sandboxes' PSS (and its file-backed part) summed over the ``measured`` of them that were read."""
+    """What the host (or the tightest cgroup limit above the node) still has for new sandboxes, and the PSS
+    (and its file-backed part) of the ``measured`` live sandboxes, each at its highest (see
+    :meth:`MemoryGuard.reading`)."""
 
     available_mib: int
     pss_mib: float
@@ -50,19 +51,20 @@ class MemoryReading:
         return max(1, round(self.pss_mib / self.measured)) if self.measured else declared_mib
 
 
+def _field(text: str, key: str) -> int | None:
+    """The number after ``key`` on the line it starts (/proc and cgroup key-value files); None if absent."""
+    for line in text.splitlines():
+        fields = line.split()
+        if fields and fields[0] == key:
+            return int(fields[1])
+    return None
+
+
 def _meminfo_available(root: Path) -> int:
-    for line in (root / "proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable")
-
-
-def _stat(path: Path, key: str) -> int:
-    for line in path.read_text().splitlines():
-        name, _, value = line.partition(" ")
-        if name == key:
-            return int(value)
-    return 0
+    kib = _field((root / "proc/meminfo").read_text(), "MemAvailable:")
+    if kib is None:
+        raise RuntimeError("/proc/meminfo has no MemAvailable")
+    return kib * 1024
 
 
 def _cgroup_headroom(root: Path, pid: int | str, held_file: int) -> int | None:
@@ -86,7 +88,7 @@ def _cgroup_headroom(root: Path, pid: int | str, held_file: int) -> int | None:
                 if raw == "max" or int(raw) >= _UNLIMITED:
                     continue
                 usage = int((directory / files[1]).read_text())
-                inactive = _stat(directory / "memory.stat", files[2])
+                inactive = _field((directory / "memory.stat").read_text(), files[2]) or 0
             except (OSError, ValueError):
                 continue
             headroom = int(raw) - usage + max(0, inactive - held_file)
@@ -111,14 +113,7 @@ def pss_mib(pid: int, root: Path = Path("/")) -> tuple[float, float] | None:
         text = (root / f"proc/{pid}/smaps_rollup").read_text()
     except OSError:
         return None
-    return _stat_kib(text, "Pss:") / 1024, _stat_kib(text, "Pss_File:") / 1024
-
-
-def _stat_kib(text: str, key: str) -> int:
-    for line in text.splitlines():
-        if line.startswith(key):
-            return int(line.split()[1])
-    return 0
+    return (_field(text, "Pss:") or 0) / 1024, (_field(text, "Pss_File:") or 0) / 1024
 
 
 class MemoryGuard:
